@@ -1,0 +1,32 @@
+"""Exact attention over sequence shards.
+
+Public names:
+
+* :func:`sequence_parallel_attention` — the functional API (DESIGN.md "The public functional API").
+* :func:`local_attention` — the same contract on one device (no mesh): what models run without
+  the strategy.
+* :class:`Attention` — a parameter-free module that models call; ``configure`` (used by
+  ``lightning_seqpar.parallelize.apply_attention``) switches it from local to distributed.
+* :data:`ATTENTION_OPS` — the custom ops whose outputs Selective Checkpoint++ saves.
+"""
+
+from __future__ import annotations
+
+from lightning_seqpar.attention.api import (
+    ALGORITHMS,
+    ATTENTION_OPS,
+    Attention,
+    local_attention,
+    sequence_parallel_attention,
+)
+from lightning_seqpar.attention.local import BACKENDS, available_backends
+
+__all__ = [
+    "ALGORITHMS",
+    "ATTENTION_OPS",
+    "Attention",
+    "BACKENDS",
+    "available_backends",
+    "local_attention",
+    "sequence_parallel_attention",
+]

@@ -1,0 +1,112 @@
+"""All-gather attention: the LSS Transformer's fused communication (papers/lss_transformer.txt,
+Principle 3), the scheme torch-native context parallel and Llama 3 also use.
+
+Note [All-gather attention]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+One all-gather moves every rank's K and V (one [2, B, S_local, H_kv, D] buffer: only the K/V
+heads, never the query-head repeat) to every rank. The gathered keys are put in global order;
+each local query chunk c (global chunk index) then attends
+
+    keys of chunks < c   -> one unmasked block
+    keys of chunk c      -> one causal (diagonal) block
+
+and the two partial results are merged (Note [Merging partial attention]). Non-causal attention
+is one block against all keys. Under zigzag every rank attends to the same number of keys.
+
+Backward all-gathers K/V again (nothing of size S is kept between forward and backward), computes
+dQ and the full dK/dV, and reduce-scatters dK/dV back to their owners (fp32 sums).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_seqpar.attention.local import block_backward, block_forward
+from lightning_seqpar.attention.merge import merge_, new_accumulators
+from lightning_seqpar.sharding import chunk_ids, num_chunks
+
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    # torch 2.13 renamed the single-tensor collectives; 2.11 has only the old names.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)
+
+
+def _global_order(world: int, layout: str, s_local: int, device) -> torch.Tensor:
+    """Index that puts the rank-ordered gathered sequence into global order."""
+    per = len(chunk_ids(0, world, layout))
+    c = s_local // per
+    pos = torch.cat([torch.arange(cid * c, (cid + 1) * c, device=device) for r in range(world) for cid in chunk_ids(r, world, layout)])
+    order = torch.empty_like(pos)
+    order[pos] = torch.arange(pos.numel(), device=device)
+    return order
+
+
+def _gather_kv(k, v, group):
+    world = dist.get_world_size(group)
+    kv = torch.stack([k, v])  # (2, B, S, Hkv, D)
+    full = torch.empty((world * 2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    _all_gather(full, kv, group=group)
+    return full.view(world, *kv.shape)  # (W, 2, B, S, Hkv, D) in group-rank order
+
+
+def _blocks(rank: int, world: int, causal: bool, layout: str, s_local: int):
+    """(query rows, key range in global order, causal) blocks of this rank."""
+    S = s_local * world
+    if not causal:
+        return [(slice(None), slice(0, S), False)]
+    c = S // num_chunks(world, layout)
+    out = []
+    for i, cid in enumerate(chunk_ids(rank, world, layout)):
+        rows = slice(i * c, (i + 1) * c)
+        if cid > 0:
+            out.append((rows, slice(0, cid * c), False))
+        out.append((rows, slice(cid * c, (cid + 1) * c), True))
+    return out
+
+
+def _ordered(full: torch.Tensor, world: int, layout: str, s_local: int) -> torch.Tensor:
+    """(W, 2, B, S, H, D) rank-ordered -> (2, B, W*S, H, D) in global sequence order."""
+    W, two, B, S, H, D = full.shape
+    seq = full.permute(1, 2, 0, 3, 4, 5).reshape(two, B, W * S, H, D)
+    return seq.index_select(2, _global_order(world, layout, s_local, full.device))
+
+
+def allgather_forward(q, k, v, *, group, causal: bool, layout: str, scale: float, backend: str):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    s_local = q.shape[1]
+    kv = _ordered(_gather_kv(k, v, group), world, layout, s_local)
+    out, lse = new_accumulators(q, v.shape[-1])
+    for rows, cols, is_causal in _blocks(rank, world, causal, layout, s_local):
+        o, l = block_forward(q[:, rows], kv[0][:, cols], kv[1][:, cols], causal=is_causal, scale=scale, backend=backend)
+        merge_(out, lse, o, l, rows)
+    return out.to(q.dtype), lse
+
+
+def allgather_backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, scale: float, backend: str):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    s_local = q.shape[1]
+    kv = _ordered(_gather_kv(k, v, group), world, layout, s_local)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    for rows, cols, is_causal in _blocks(rank, world, causal, layout, s_local):
+        dq_b, dk_b, dv_b = block_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows], lse[:, :, rows],
+                                          causal=is_causal, scale=scale, backend=backend)
+        dq[:, rows] += dq_b
+        dkv[0][:, cols] += dk_b
+        dkv[1][:, cols] += dv_b
+    # back to rank order (W, 2, B, S, H, D), then reduce-scatter: rank r receives the sum of its rows
+    order = _global_order(world, layout, s_local, q.device)
+    two, B, _, H, D = dkv.shape
+    ranked = torch.empty_like(dkv).index_copy_(2, order, dkv)
+    ranked = ranked.view(two, B, world, s_local, H, D).permute(2, 0, 1, 3, 4, 5).reshape(world * two, B, s_local, H, D)
+    mine = torch.empty((two, B, s_local, H, D), dtype=ranked.dtype, device=ranked.device)
+    _reduce_scatter(mine, ranked, group=group)
+    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)

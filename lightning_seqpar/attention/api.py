@@ -1,0 +1,316 @@
+"""The public attention API: validation, dispatch, the custom ops and the ``Attention`` module.
+
+Note [Custom ops]
+~~~~~~~~~~~~~~~~~
+The local, ring and all-gather algorithms run inside one pair of torch custom ops,
+``seqpar::attn_fwd`` -> (out, lse) and ``seqpar::attn_bwd`` -> (dq, dk, dv), with fake (meta)
+implementations and an autograd formula. So:
+
+* torch.compile sees one opaque node per attention call (no graph break, no tracing of P2P);
+* autograd saves (q, k, v, out, lse) and the backward never runs the forward again;
+* Selective Checkpoint++ saves the op's outputs by name (``ATTENTION_OPS``), so recomputing a
+  block in backward neither recomputes attention nor repeats its communication.
+
+Process groups cross the op boundary by name (``ProcessGroup.group_name``) and are looked up with
+torch's own registry. Ulysses and the head dimension of 2D use torch's functional all-to-all
+(with autograd) around these ops.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_seqpar.attention.allgather import _global_order, allgather_backward, allgather_forward
+from lightning_seqpar.attention.local import block_backward, block_forward, default_scale, resolve_backend
+from lightning_seqpar.attention.ring import ring_backward, ring_forward
+from lightning_seqpar.attention.two_d import two_d_attention
+from lightning_seqpar.attention.ulysses import kv_repeat
+from lightning_seqpar.sharding import LAYOUTS
+
+Algorithm = Literal["ring", "allgather", "ulysses", "2d"]
+ALGORITHMS: tuple[str, ...] = ("ring", "allgather", "ulysses", "2d")
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("seqpar::attn_fwd", mutates_args=())
+def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, algorithm: str, group: str, causal: bool, layout: str,
+              scale: float, backend: str, inner: int) -> tuple[Tensor, Tensor]:
+    if algorithm == "local":
+        return block_forward(q, k, v, causal=causal, scale=scale, backend=backend)
+    pg = _group(group)
+    if algorithm == "ring":
+        return ring_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, inner=inner or None)
+    return allgather_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend)
+
+
+@_attn_fwd.register_fake
+def _(q, k, v, algorithm, group, causal, layout, scale, backend, inner):
+    B, S, H, _ = q.shape
+    return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.custom_op("seqpar::attn_bwd", mutates_args=())
+def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, algorithm: str, group: str,
+              causal: bool, layout: str, scale: float, backend: str, inner: int) -> tuple[Tensor, Tensor, Tensor]:
+    dout = dout.contiguous()
+    if algorithm == "local":
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+    elif algorithm == "ring":
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout, scale=scale,
+                                   backend=backend, inner=inner or None)
+    else:
+        dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout,
+                                        scale=scale, backend=backend)
+    # fresh tensors in the input dtypes (custom ops may not return aliases of inputs or of each other)
+    # and contiguous, as the fake implementation promises
+    return (dq.to(q.dtype, memory_format=torch.contiguous_format, copy=True), dk.to(k.dtype, memory_format=torch.contiguous_format, copy=True),
+            dv.to(v.dtype, memory_format=torch.contiguous_format, copy=True))
+
+
+@_attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, algorithm, group, causal, layout, scale, backend, inner):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = args
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.seqpar.attn_bwd(dout, q, k, v, out, lse, *ctx.args)
+    return (dq, dk, dv) + (None,) * len(ctx.args)
+
+
+torch.library.register_autograd("seqpar::attn_fwd", _backward, setup_context=_setup_context)
+
+#: Ops whose outputs Selective Checkpoint++ keeps: the attention (out, lse) and the head all-to-alls.
+ATTENTION_OPS = (
+    torch.ops.seqpar.attn_fwd.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: everything is checked from local metadata, before any collective
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must have 4 dims [batch, seq_local, heads, head_dim], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must have the same batch and local sequence length; got q={tuple(q.shape)}, k={tuple(k.shape)}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim; got q={q.shape[3]}, k={k.shape[3]}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"the number of query heads (q.shape[2]={q.shape[2]}) must be a multiple of the key/value heads (k.shape[2]={k.shape[2]})")
+
+
+def _check_options(causal, layout, algorithm) -> None:
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; expected one of {LAYOUTS}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not supported; expected one of {ALGORITHMS}")
+
+
+def _mesh_dims(mesh, algorithm: str) -> tuple[int, int]:
+    """(hp, cp) of ``mesh`` for ``algorithm``, or a ValueError naming ``mesh``."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if algorithm == "2d":
+        if mesh.ndim != 2 or set(names) != {"hp", "cp"}:
+            raise ValueError(f"algorithm='2d' needs a 2-D mesh with mesh_dim_names ('hp', 'cp'); got ndim={mesh.ndim}, names={names}")
+        return mesh.size(names.index("hp")), mesh.size(names.index("cp"))
+    if mesh.ndim != 1:
+        raise ValueError(f"algorithm={algorithm!r} needs a 1-D mesh of the sequence-parallel ranks; got ndim={mesh.ndim}, names={names} "
+                         "(use algorithm='2d' for an ('hp', 'cp') mesh)")
+    return (mesh.size(), 1) if algorithm == "ulysses" else (1, mesh.size())
+
+
+def _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size) -> None:
+    s_local, h_q, h_kv = q.shape[1], q.shape[2], k.shape[2]
+    if hp > 1 and h_q % hp:
+        what = "sequence-parallel size" if algorithm == "ulysses" else "hp size"
+        raise ValueError(f"algorithm={algorithm!r}: the number of query heads (q.shape[2]={h_q}) must be divisible by the {what} ({hp})")
+    if hp > 1:
+        kv_repeat(h_q, h_kv, hp)  # always succeeds when hp | h_q; kept as the invariant's check
+    # the ring sees cp shards of s_local * hp tokens; zigzag halves them
+    if layout == "zigzag" and cp > 1 and (s_local * hp) % 2:
+        raise ValueError(
+            f"layout='zigzag' needs the global sequence length divisible by 2 * sequence-parallel size: "
+            f"q.shape[1]={s_local} is the local length of a global length {s_local * hp * cp}, not divisible by {2 * hp * cp}; "
+            "shard with lightning_seqpar.sharding.shard_sequence after padding to that multiple"
+        )
+    if inner_ring_size is not None:
+        if algorithm not in ("ring", "2d"):
+            raise ValueError(f"inner_ring_size is only used by algorithm 'ring' or '2d', not {algorithm!r}")
+        if not isinstance(inner_ring_size, int) or inner_ring_size < 1 or cp % inner_ring_size:
+            raise ValueError(f"inner_ring_size={inner_ring_size!r} must be a positive int dividing the context-parallel size ({cp})")
+
+
+def _group_name(mesh: DeviceMesh, dim: str | None = None) -> str:
+    return (mesh.get_group(dim) if dim is not None else mesh.get_group()).group_name
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: float | None = None,
+                    backend: str = "auto") -> Tensor:
+    """Exact attention on one device with the package's kernels. Shapes as
+    :func:`sequence_parallel_attention`; GQA/MQA without repeating K/V in memory (math backend)."""
+    _check_qkv(q, k, v)
+    _check_options(causal, "zigzag", "ring")
+    be = resolve_backend(backend, q.device, q.dtype)
+    return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, "zigzag", default_scale(q.shape[-1], scale), be, 0)[0]
+
+
+def sequence_parallel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mesh: DeviceMesh,
+    algorithm: Algorithm = "ring",
+    causal: bool = True,
+    layout: Literal["zigzag", "contiguous"] = "zigzag",
+    scale: float | None = None,
+    backend: str = "auto",
+    inner_ring_size: int | None = None,
+) -> Tensor:
+    """Exact attention of sequence-sharded ``q, k, v`` — the same result as attention on the
+    full sequence, sharded the same way.
+
+    Args:
+        q: ``[B, S_local, H_q, D]``, this rank's shard (see :func:`lightning_seqpar.sharding.shard_sequence`).
+        k, v: ``[B, S_local, H_kv, D]`` with ``H_q % H_kv == 0`` (MHA, GQA, MQA, any head count).
+        mesh: the sequence-parallel ranks: 1-D (any axis name) for "ring", "allgather", "ulysses";
+            2-D with axes ("hp", "cp") for "2d".
+        algorithm: "ring" (LightSeq DistAttn), "allgather" (LSS), "ulysses" (head all-to-all) or
+            "2d" (LoongTrain: ulysses over hp x ring over cp).
+        causal: causal mask over global positions.
+        layout: how the global sequence was split ("zigzag" balances causal work).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        backend: local kernel: "auto", "cudnn", "flash", "efficient" or "math".
+        inner_ring_size: double ring (LoongTrain §4.3) inner ring size for "ring" / "2d"; must
+            divide the context-parallel size. None = one ring.
+
+    Returns:
+        ``[B, S_local, H_q, D]`` in the dtype of ``q``. Differentiable in ``q, k, v``.
+
+    Raises:
+        ValueError: naming the argument, before any communication, for any input it does not take.
+    """
+    _check_qkv(q, k, v)
+    _check_options(causal, layout, algorithm)
+    hp, cp = _mesh_dims(mesh, algorithm)
+    _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size)
+    be = resolve_backend(backend, q.device, q.dtype)
+    sc = default_scale(q.shape[-1], scale)
+    inner = inner_ring_size or 0
+
+    if algorithm in ("ring", "allgather"):
+        if cp == 1:
+            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0)[0]
+        return torch.ops.seqpar.attn_fwd(q, k, v, algorithm, _group_name(mesh), causal, layout, sc, be, inner)[0]
+
+    if algorithm == "ulysses":
+        if hp == 1:
+            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0)[0]
+        return two_d_attention(q, k, v, hp=hp, hp_group=_group_name(mesh),
+                               inner_attention=_gathered_local(hp, q.shape[1], causal, layout, sc, be))
+
+    cp_group = _group_name(mesh, "cp") if cp > 1 else ""
+
+    def ring_over_cp(qh, kh, vh):
+        alg = "ring" if cp > 1 else "local"
+        return torch.ops.seqpar.attn_fwd(qh, kh, vh, alg, cp_group, causal, layout, sc, be, inner)[0]
+
+    if hp == 1:
+        return ring_over_cp(q, k, v)
+    return two_d_attention(q, k, v, hp=hp, hp_group=_group_name(mesh, "hp"), inner_attention=ring_over_cp)
+
+
+def _gathered_local(world: int, s_local: int, causal: bool, layout: str, scale: float, backend: str):
+    """Local attention over the whole sequence gathered in rank order (Ulysses)."""
+
+    def attend(qh, kh, vh):
+        reorder = causal and layout == "zigzag"
+        if reorder:  # rank order -> global order, so the causal mask is the plain one
+            order = _global_order(world, layout, s_local, qh.device)
+            qh, kh, vh = (x.index_select(1, order) for x in (qh, kh, vh))
+        out = torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0)[0]
+        if reorder:
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            out = out.index_select(1, inverse)
+        return out
+
+    return attend
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention that a model calls; local until configured.
+
+    ``forward(q, k, v)`` takes ``[B, S, H_q, D]`` and ``[B, S, H_kv, D]`` and returns
+    ``[B, S, H_q, D]``. ``lightning_seqpar.parallelize.apply_attention`` calls :meth:`configure` on
+    every instance, after which the same model code runs sequence-parallel attention over the
+    mesh. The module has no parameters and holds no global state.
+    """
+
+    def __init__(self, *, causal: bool = True, scale: float | None = None) -> None:
+        super().__init__()
+        self.causal = causal
+        self.scale = scale
+        self.mesh: DeviceMesh | None = None
+        self.algorithm: str = "ring"
+        self.layout: str = "zigzag"
+        self.backend: str = "auto"
+        self.inner_ring_size: int | None = None
+
+    def configure(self, *, mesh: DeviceMesh | None, algorithm: Algorithm = "ring", layout: str = "zigzag",
+                  backend: str = "auto", inner_ring_size: int | None = None) -> None:
+        """Run sequence-parallel attention over ``mesh`` (None: back to local attention)."""
+        if mesh is not None:
+            _check_options(self.causal, layout, algorithm)
+            _mesh_dims(mesh, algorithm)
+        self.mesh, self.algorithm, self.layout, self.backend, self.inner_ring_size = mesh, algorithm, layout, backend, inner_ring_size
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.mesh is None:
+            return local_attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend)
+        return sequence_parallel_attention(q, k, v, mesh=self.mesh, algorithm=self.algorithm, causal=self.causal,  # type: ignore[arg-type]
+                                           layout=self.layout, scale=self.scale, backend=self.backend,  # type: ignore[arg-type]
+                                           inner_ring_size=self.inner_ring_size)
+
+    def extra_repr(self) -> str:
+        where = "local" if self.mesh is None else f"{self.algorithm}, layout={self.layout}, mesh={tuple(self.mesh.shape)}"
+        return f"causal={self.causal}, {where}"

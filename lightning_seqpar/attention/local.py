@@ -1,0 +1,215 @@
+"""One block of attention on one device, returning the log-sum-exp.
+
+Every distributed algorithm is built from two calls:
+
+    block_forward(q, k, v, causal, scale, backend)            -> out [B, Sq, Hq, D], lse [B, Hq, Sq] (fp32)
+    block_backward(dout, q, k, v, out, lse, causal, scale, backend) -> dq, dk, dv
+
+``out`` and ``lse`` given to the backward are the *final* (merged) ones: the backward kernels
+rebuild P = exp(q k^T * scale - lse) from them, which is the exact softmax of the whole row even
+when this block saw only part of the keys. So the forward is never run again in backward.
+
+Tensors are [B, S, H, D] ("BSHD") throughout; the SDPA kernels take [B, H, S, D] views of them
+(a transpose, no copy). GQA: the pure-torch path groups query heads over the shared K/V head; the
+fused kernels get K/V heads repeated locally, after communication, when the kernel needs it
+(K/V are never repeated before they travel). ``causal`` means the top-left aligned mask of a
+square block (Sq == Sk): the diagonal blocks of a causal sequence.
+
+Backends:
+    "cudnn"      torch SDPA cuDNN kernels (fastest on H100/H200 in bf16/fp16)
+    "flash"      torch SDPA flash-attention-2 kernels (bf16/fp16, CUDA)
+    "efficient"  torch SDPA memory-efficient kernels (CUDA, also fp32)
+    "math"       pure torch, fp32 accumulation; CPU, and the reference
+    "auto"       the fastest available for the device and dtype
+flash-attn (Dao-AILab) is not wired in yet: it is left out until its adapter is tested on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "cudnn", "flash", "efficient", "math"]
+BACKENDS: tuple[str, ...] = ("auto", "cudnn", "flash", "efficient", "math")
+
+aten = torch.ops.aten
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
+    """Concrete backends that can run on ``device`` for ``dtype``, fastest first."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ("math",)
+    out: list[str] = []
+    half = dtype in (torch.float16, torch.bfloat16)
+    major, _ = torch.cuda.get_device_capability(device)
+    if half and major >= 9 and torch.backends.cudnn.is_available():
+        out.append("cudnn")
+    if half and major >= 8:
+        out.append("flash")
+    out.append("efficient")
+    out.append("math")
+    return tuple(out)
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Validate ``backend`` and turn "auto" into a concrete one."""
+    if backend == "flash_attn":
+        raise ValueError(
+            "backend='flash_attn' is not available in this release: its adapter has not been tested on a GPU yet; "
+            f"use one of {BACKENDS}"
+        )
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
+    avail = available_backends(device, dtype)
+    if backend == "auto":
+        return avail[0]
+    if backend not in avail:
+        raise ValueError(
+            f"backend={backend!r} cannot run on device={device.type} with dtype={dtype}; available here: {avail}"
+        )
+    return backend
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# pure torch ("math"): the CPU path and the reference. fp32 accumulation, GQA without repeat.
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.float().view(B, Sq, Hkv, Hq // Hkv, D)  # (B, Sq, Hkv, G, D)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.float()) * scale  # (B, Hkv, G, Sq, Sk)
+    if causal:
+        Sk = k.shape[1]
+        mask = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu_(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def _safe(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows that see no key) replaced by 0, so exp(s - lse) is 0, not NaN, there."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Sq)
+    p = torch.exp(s - _safe(lse).unsqueeze(-1))
+    out = torch.einsum("bhgqk,bkhd->bqhgd", p, v.float()).reshape(B, Sq, Hq, v.shape[-1])
+    return out.to(q.dtype), lse.reshape(B, Hq, Sq)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    s = _scores(q, k, causal, scale)
+    lse = lse.reshape(B, Hkv, G, Sq)
+    p = torch.exp(s - _safe(lse).unsqueeze(-1))  # (B, Hkv, G, Sq, Sk)
+    do = dout.float().view(B, Sq, Hkv, G, -1)
+    dv = torch.einsum("bhgqk,bqhgd->bkhd", p, do)
+    dp = torch.einsum("bqhgd,bkhd->bhgqk", do, v.float())
+    delta = (do * out.float().view(B, Sq, Hkv, G, -1)).sum(-1).permute(0, 2, 3, 1)  # (B, Hkv, G, Sq)
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.einsum("bhgqk,bkhd->bqhgd", ds, k.float()).reshape(B, Sq, Hq, D) * scale
+    dk = torch.einsum("bhgqk,bqhgd->bkhd", ds, q.float().view(B, Sq, Hkv, G, D)) * scale
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# torch SDPA kernels (CUDA). They take [B, H, S, D] views.
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def _reduce_kv(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return dx
+    B, S, H, D = dx.shape
+    return dx.view(B, S, H // groups, groups, D).sum(3)
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)
+
+
+# cuDNN takes fewer K/V heads than query heads (seen on H100/H200 with torch 2.11); the others need the repeat.
+_NATIVE_GQA = ("cudnn",)
+
+
+def _sdpa_forward(q, k, v, causal: bool, scale: float, backend: str):
+    B, Sq, Hq, _ = q.shape
+    G = 1 if backend in _NATIVE_GQA else Hq // k.shape[2]
+    k, v = _expand_kv(k, G), _expand_kv(v, G)
+    if backend == "cudnn":
+        out, lse = aten._scaled_dot_product_cudnn_attention(_t(q), _t(k), _t(v), None, True, 0.0, causal, False, scale=scale)[:2]
+    elif backend == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(_t(q), _t(k), _t(v), 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = aten._scaled_dot_product_efficient_attention(_t(q), _t(k), _t(v), None, True, 0.0, causal, scale=scale)[:2]
+    lse = lse.reshape(B, Hq, -1)[..., :Sq].float()
+    return _t(out), lse
+
+
+def _sdpa_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: str):
+    B, Sq, Hq, _ = q.shape
+    Sk = k.shape[1]
+    G = 1 if backend in _NATIVE_GQA else Hq // k.shape[2]
+    ke, ve = _expand_kv(k, G), _expand_kv(v, G)
+    # The kernels want dout laid out like out.
+    out = out.contiguous()
+    dout = dout.contiguous().to(out.dtype)
+    qt, kt, vt, ot, dot = _t(q), _t(ke), _t(ve), _t(out), _t(dout)
+    dev = q.device
+    seed = torch.empty((), dtype=torch.int64, device=dev)
+    offset = torch.empty((), dtype=torch.int64, device=dev)
+    if backend == "cudnn":
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            dot, qt, kt, vt, ot, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None, Sq, Sk, 0.0, causal, scale=scale
+        )
+    elif backend == "flash":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dot, qt, kt, vt, ot, lse.contiguous(), None, None, Sq, Sk, 0.0, causal, seed, offset, scale=scale
+        )
+    else:
+        pad = (-Sq) % 32
+        lse_p = torch.nn.functional.pad(lse, (0, pad)).contiguous() if pad else lse.contiguous()
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dot, qt, kt, vt, None, ot, lse_p, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+        )
+    return _t(dq), _reduce_kv(_t(dk), G), _reduce_kv(_t(dv), G)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def block_forward(q, k, v, *, causal: bool, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over ``k``/``v`` (one block): ``(out [B,Sq,Hq,D] in q.dtype, lse [B,Hq,Sq] fp32)``."""
+    assert not causal or q.shape[1] == k.shape[1], "causal blocks are square"
+    if backend == "math":
+        out, lse = _math_forward(q, k, v, causal, scale)
+    else:
+        out, lse = _sdpa_forward(q, k, v, causal, scale, backend)
+    return out.contiguous(), lse.contiguous()
+
+
+def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, backend: str):
+    """Gradients of one block given the final ``out`` and ``lse`` of the rows of ``q``.
+
+    Returns ``(dq, dk, dv)``; the pure-torch path returns fp32, the kernels the input dtype.
+    """
+    assert not causal or q.shape[1] == k.shape[1], "causal blocks are square"
+    if backend == "math":
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    return _sdpa_backward(dout, q, k, v, out, lse, causal, scale, backend)  # contiguity: see api._attn_bwd

@@ -1,0 +1,35 @@
+"""LoongTrain 2D attention (papers/loongtrain.txt §4.2-4.4): Ulysses inside "hp", ring inside "cp".
+
+Note [2D attention]
+~~~~~~~~~~~~~~~~~~~
+The SP ranks form an hp x cp grid. The sequence is split over cp (zigzag or contiguous) and each
+cp shard contiguously over hp (Note [Sequence layouts]). An all-to-all inside each hp group turns
+the hp pieces of a cp shard into the whole cp shard for H/hp heads; the ring then runs over cp
+for those heads (optionally as a double ring, Note [Ring attention]); a second all-to-all
+returns the output to sequence shards.
+
+    hp=2, cp=2:      (h0,c0) (h1,c0) | (h0,c1) (h1,c1)
+    a2a over hp  ->  c0 shard, heads 0..H/2 | c0 shard, heads H/2..H | ...
+    ring over cp ->  (h0,c0) <-> (h0,c1),  (h1,c0) <-> (h1,c1)
+
+Placement (§4.4) is how the mesh is built, not an option here: with
+``init_device_mesh("cuda", (cp, hp), mesh_dim_names=("cp", "hp"))`` the hp ranks are adjacent
+GPUs ("head-first": the all-to-all stays on the fastest links); with ``(hp, cp)`` and names
+("hp", "cp") the cp ranks are adjacent ("context-first": the ring's P2P stays local). Both give
+the same result; only the link each collective uses differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_seqpar.attention.ulysses import head_to_seq, kv_repeat, seq_to_head
+
+
+def two_d_attention(q, k, v, *, hp: int, hp_group: str, inner_attention) -> torch.Tensor:
+    """Head all-to-all over hp around ``inner_attention`` (the ring over cp, or local attention)."""
+    r = kv_repeat(q.shape[2], k.shape[2], hp)
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+    qh, kh, vh = (seq_to_head(x, hp, hp_group) for x in (q, k, v))
+    return head_to_seq(inner_attention(qh, kh, vh), hp, hp_group)

@@ -1,0 +1,199 @@
+"""Pre-tokenised corpora: a flat binary file of token ids read through ``np.memmap``.
+
+Note [Samples under sequence and data parallelism]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every rank of a sequence-parallel group must see the SAME full sequences (the strategy's batch
+hook then keeps its shard); ranks of different data-parallel replicas must see different ones.
+The datasets here are map-style with a fixed length, and sample ``i`` depends only on
+``(seed, i)``. Lightning's sampler injection replaces the loader's sampler by a
+``DistributedSampler`` built from the strategy's ``distributed_sampler_kwargs``
+(num_replicas = DP size, rank = DP rank), so SP ranks of one replica draw the same indices and
+replicas draw disjoint ones; the sampler reshuffles the order every epoch (``set_epoch``).
+Labels are the next tokens of the FULL window (``window[1:]``), shifted before any sharding.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["TOKEN_DTYPES", "TokenFileDataModule", "TokenWindowDataset", "make_example"]
+
+TOKEN_DTYPES: dict[str, type[np.unsignedinteger]] = {"uint16": np.uint16, "uint32": np.uint32}
+"""Supported on-disk token dtypes: uint16 for vocabularies up to 65536 ids, uint32 above."""
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_dtype(dtype: str) -> np.dtype:
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(TOKEN_DTYPES)}")
+    return np.dtype(TOKEN_DTYPES[dtype])
+
+
+def make_example(window: np.ndarray) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "labels", "position_ids"}`` (each LongTensor (S,)) from S + 1 consecutive tokens."""
+    tokens = torch.from_numpy(window.astype(np.int64))
+    seq_len = tokens.numel() - 1
+    return {"input_ids": tokens[:-1], "labels": tokens[1:], "position_ids": torch.arange(seq_len)}
+
+
+class TokenWindowDataset(Dataset):
+    """Windows of ``seq_len + 1`` tokens of a token file; item ``i`` is a dict of LongTensors (S,).
+
+    Args:
+        path: flat binary file of token ids.
+        dtype: on-disk dtype of the ids.
+        seq_len: S, the number of input tokens per sample.
+        num_samples: with ``mode="random"``, the length of the dataset.
+        seed: with ``mode="random"``, sample ``i`` starts at an offset drawn from ``(seed, i)``.
+        mode: ``"random"``: windows at random offsets (training); ``"sequential"``: consecutive
+            non-overlapping windows of the file, ``min(num_samples, available)`` of them (validation).
+    """
+
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike,
+        dtype: Literal["uint16", "uint32"] = "uint16",
+        seq_len: int,
+        num_samples: int | None = None,
+        seed: int = 0,
+        mode: Literal["random", "sequential"] = "random",
+    ) -> None:
+        self.path = os.fspath(path)
+        self.np_dtype = _check_dtype(dtype)
+        _check_positive(seq_len=seq_len)
+        if mode not in ("random", "sequential"):
+            raise ValueError(f"mode={mode!r} is not supported; expected 'random' or 'sequential'")
+        if not os.path.isfile(self.path):
+            raise ValueError(f"token file path={self.path!r} does not exist")
+        nbytes = os.path.getsize(self.path)
+        if nbytes % self.np_dtype.itemsize:
+            raise ValueError(
+                f"token file {self.path!r} has {nbytes} bytes, not a multiple of {self.np_dtype.itemsize} "
+                f"(dtype={dtype!r}); was it written with another dtype?"
+            )
+        self.num_tokens = nbytes // self.np_dtype.itemsize
+        if self.num_tokens < seq_len + 1:
+            raise ValueError(
+                f"seq_len={seq_len} is too long for {self.path!r}: a sample needs seq_len + 1 = {seq_len + 1} "
+                f"tokens and the file holds {self.num_tokens}"
+            )
+        self.seq_len = seq_len
+        if mode == "random":
+            if num_samples is None:
+                raise ValueError("num_samples is required with mode='random'")
+            _check_positive(num_samples=num_samples)
+            # Offsets depend only on (seed, i): every rank computes the same table.
+            rng = np.random.default_rng(seed)
+            self.offsets = rng.integers(0, self.num_tokens - seq_len, size=num_samples, dtype=np.int64)
+        else:
+            available = (self.num_tokens - 1) // seq_len
+            n = available if num_samples is None else min(num_samples, available)
+            self.offsets = np.arange(n, dtype=np.int64) * seq_len
+        self._tokens: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if self._tokens is None:  # opened lazily, once per worker process
+            self._tokens = np.memmap(self.path, dtype=self.np_dtype, mode="r")
+        start = int(self.offsets[index])
+        return make_example(np.asarray(self._tokens[start : start + self.seq_len + 1]))
+
+    def __getstate__(self) -> dict:
+        # Pickling a memmap would copy the whole file into each worker: reopen it there instead.
+        return {**self.__dict__, "_tokens": None}
+
+
+class TokenFileDataModule(L.LightningDataModule):
+    """Random windows of a pre-tokenised file for training, fixed windows of another for validation.
+
+    Batches are ``{"input_ids", "labels", "position_ids"}``, LongTensors (B, S), with
+    ``labels = next tokens`` and ``position_ids = arange(S)``
+    (Note [Samples under sequence and data parallelism]).
+
+    Args:
+        train_path: flat binary file of token ids (e.g. written with ``np.ndarray.tofile``).
+        val_path: the same for validation; no validation when None.
+        dtype: on-disk dtype of the token ids, "uint16" (vocabularies <= 65536) or "uint32".
+        seq_len: S, input tokens per sample (each sample reads S + 1 tokens).
+        batch_size: samples per batch on each data-parallel replica.
+        num_workers: DataLoader worker processes.
+        seed: seed of the training window offsets and of the single-process shuffle.
+        samples_per_epoch: number of training windows (the length of an epoch).
+        val_samples: at most this many validation windows (all consecutive windows when None).
+    """
+
+    def __init__(
+        self,
+        *,
+        train_path: str,
+        val_path: str | None = None,
+        dtype: Literal["uint16", "uint32"] = "uint16",
+        seq_len: int,
+        batch_size: int,
+        num_workers: int = 0,
+        seed: int = 0,
+        samples_per_epoch: int = 10_000,
+        val_samples: int | None = None,
+    ) -> None:
+        super().__init__()
+        _check_dtype(dtype)
+        _check_positive(seq_len=seq_len, batch_size=batch_size, samples_per_epoch=samples_per_epoch)
+        if val_samples is not None:
+            _check_positive(val_samples=val_samples)
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}")
+        self.save_hyperparameters()
+        self.train_path, self.val_path, self.dtype = train_path, val_path, dtype
+        self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
+        self.seed, self.samples_per_epoch, self.val_samples = seed, samples_per_epoch, val_samples
+        self.train_dataset: TokenWindowDataset | None = None
+        self.val_dataset: TokenWindowDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the files (checks their sizes against ``seq_len``)."""
+        if self.train_dataset is None and stage in (None, "fit"):
+            self.train_dataset = TokenWindowDataset(
+                path=self.train_path, dtype=self.dtype, seq_len=self.seq_len,
+                num_samples=self.samples_per_epoch, seed=self.seed, mode="random",
+            )
+        if self.val_dataset is None and self.val_path is not None and stage in (None, "fit", "validate"):
+            self.val_dataset = TokenWindowDataset(
+                path=self.val_path, dtype=self.dtype, seq_len=self.seq_len,
+                num_samples=self.val_samples, mode="sequential",
+            )
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.seed),
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_path is None:
+            return []
+        if self.val_dataset is None:
+            self.setup("validate")
+        return DataLoader(
+            self.val_dataset, batch_size=self.batch_size, shuffle=False, drop_last=False, num_workers=self.num_workers
+        )

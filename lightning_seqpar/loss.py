@@ -1,0 +1,202 @@
+"""Cross entropy for sequence-parallel training: token sums, a chunked head, and the global mean.
+
+Note [Loss normalisation under sequence parallelism]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A rank of an SP x DP group holds a shard of a sequence (and of a batch). Each rank computes the
+SUM of its token losses and divides by the GLOBAL number of valid tokens, all-reduced over the
+SP x DP ranks (DESIGN.md, "Batches, positions and the loss"):
+
+    loss_r = sum_{t in shard r} l_t / N_global          sum_r loss_r = mean over all tokens
+
+* The sum over ranks of ``loss_r`` is exactly the single-device mean loss of the whole batch,
+  whatever the number of valid tokens on each rank (a mean of per-rank means would weight a
+  rank with few valid tokens too much). Report ``all_reduce(loss_r.detach(), SUM)``.
+* d(sum_r loss_r)/dθ = sum_r d(loss_r)/dθ: the gradients of the ranks ADD UP. The gradient
+  reduction over the SP x DP ranks must therefore be a SUM (e.g. FSDP2's
+  ``set_gradient_divide_factor(1.0)``), or the loss must be multiplied by the group size when the
+  reduction averages. Sequence-distributed parameters such as learned position embeddings then
+  get the right gradient with no special case (LSS Transformer's "double gradient averaging").
+* The count is an integer and carries no gradient; the all-reduce happens in the forward pass only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy_sum", "global_mean_loss", "token_cross_entropy_sum"]
+
+IGNORE_INDEX = -100
+"""Label value of tokens that do not count in the loss (padding, prompt, the last position)."""
+
+
+def token_cross_entropy_sum(
+    logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of the token cross entropies over valid labels, and the number of valid labels.
+
+    Args:
+        logits: (..., V) scores of any floating dtype; the loss is computed in fp32.
+        labels: (...) target ids, ``ignore_index`` where a token does not count.
+
+    Returns:
+        ``(loss_sum, n_valid)``: an fp32 scalar and an int64 scalar tensor.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: logits must be "
+            f"labels.shape + (vocab_size,)"
+        )
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+    )
+    return loss_sum, (labels != ignore_index).sum()
+
+
+# Note [Chunked cross entropy]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The logits of a long sequence dominate memory: 32K tokens x 128K vocabulary in fp32 are 16 GiB.
+# ``_ChunkedLinearCrossEntropy`` walks over chunks of ``chunk_size`` tokens and, for each one,
+#
+#     logits_c = h_c @ W^T                  (n, V), upcast to fp32
+#     loss    += CE_sum(logits_c, y_c)
+#     G_c      = softmax(logits_c) - onehot(y_c)      (rows of ignored tokens set to 0)
+#     dh_c     = G_c @ W                    (n, d)   -> written into grad_hidden
+#     dW      += G_c^T @ h_c                (V, d)   accumulated in fp32
+#
+# so the gradients are computed in the FORWARD pass (as Liger's fused linear cross entropy does),
+# and only (n, V) logits exist at any time, in forward and backward. Backward just scales the
+# stored (N, d) and (V, d) gradients by the incoming scalar gradient. This costs 3 matmuls
+# per chunk, against 4 for torch.utils.checkpoint around each chunk (which recomputes the logits
+# in backward). Gradients are only computed for the inputs that require them, and not at all
+# under ``torch.no_grad`` (validation).
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,  # (N, d)
+        weight: torch.Tensor,  # (V, d)
+        labels: torch.Tensor,  # (N,)
+        chunk_size: int,
+        ignore_index: int,
+        grad_hidden_needed: bool,
+        grad_weight_needed: bool,
+    ) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else None
+        grad_weight = None
+        if grad_weight_needed:
+            grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start : start + chunk_size]  # (n, d)
+            y = labels[start : start + chunk_size]  # (n,)
+            logits = (h @ weight.T).float()  # (n, V)
+            loss_sum += F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum")
+            if grad_hidden is None and grad_weight is None:
+                continue
+            valid = y != ignore_index  # (n,)
+            g = torch.softmax(logits, dim=-1)  # (n, V)
+            del logits
+            g.scatter_add_(1, torch.where(valid, y, 0)[:, None], -valid[:, None].to(g.dtype))
+            g.mul_(valid[:, None])
+            g = g.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk_size] = g @ weight  # (n, d)
+            if grad_weight is not None:
+                grad_weight += (g.T @ h).float()  # (V, d)
+        ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight) if t is not None))
+        ctx.needed = (grad_hidden_needed, grad_weight_needed)
+        ctx.weight_dtype = weight.dtype
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):  # type: ignore[override]
+        saved = iter(ctx.saved_tensors)
+        grad_hidden_needed, grad_weight_needed = ctx.needed
+        grad_hidden = grad_weight = None
+        if grad_hidden_needed:
+            stored = next(saved)
+            grad_hidden = stored * grad_loss.to(stored.dtype)
+        if grad_weight_needed:
+            grad_weight = (next(saved) * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int = 4096,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_cross_entropy_sum(hidden @ lm_head_weight.T, labels)`` without the full logits.
+
+    At most ``chunk_size`` tokens' logits exist at a time, in forward and backward
+    (Note [Chunked cross entropy]). Differentiable in ``hidden`` and ``lm_head_weight``.
+
+    Args:
+        hidden: (..., d) final hidden states, e.g. ``model(ids, pos, output="hidden")``.
+        lm_head_weight: (V, d) output head weight (``model.lm_head.weight``).
+        labels: (...) target ids, ``ignore_index`` where a token does not count.
+        chunk_size: tokens per chunk.
+
+    Returns:
+        ``(loss_sum, n_valid)``: an fp32 scalar and an int64 scalar tensor.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if lm_head_weight.ndim != 2 or hidden.shape[-1] != lm_head_weight.shape[1]:
+        raise ValueError(
+            f"lm_head_weight must be (vocab_size, d) with d = hidden.shape[-1] = {hidden.shape[-1]}, "
+            f"got {tuple(lm_head_weight.shape)}"
+        )
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree: hidden must be "
+            f"labels.shape + (d,)"
+        )
+    grad_on = torch.is_grad_enabled()
+    loss_sum = _ChunkedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        lm_head_weight,
+        labels.reshape(-1),
+        chunk_size,
+        ignore_index,
+        grad_on and hidden.requires_grad,
+        grad_on and lm_head_weight.requires_grad,
+    )
+    return loss_sum, (labels != ignore_index).sum()
+
+
+def global_mean_loss(
+    loss_sum: torch.Tensor,
+    n_valid: torch.Tensor | int,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
+) -> torch.Tensor:
+    """``loss_sum`` divided by the number of valid tokens summed over ``group``.
+
+    See Note [Loss normalisation under sequence parallelism].
+
+    Args:
+        loss_sum: this rank's sum of token losses (keeps its gradient).
+        n_valid: this rank's number of valid tokens (no gradient flows through it).
+        group: the SP x DP ranks: a process group, or a DeviceMesh (all of its dimensions). With
+            None, or a group of one rank, the local count is used and nothing is communicated.
+
+    Returns:
+        This rank's share of the global mean loss; the sum of the shares over ``group`` is the
+        mean over every valid token. A global count of zero gives a zero loss (with a gradient of
+        zero), never NaN.
+    """
+    count = torch.as_tensor(n_valid, device=loss_sum.device).detach().to(torch.int64).clone()
+    if count.ndim != 0:
+        raise ValueError(f"n_valid must be a scalar count, got shape {tuple(count.shape)}")
+    if group is not None and dist.is_available() and dist.is_initialized():
+        groups = group.get_all_groups() if isinstance(group, DeviceMesh) else [group]
+        for g in groups:
+            if dist.get_world_size(g) > 1:
+                dist.all_reduce(count, op=dist.ReduceOp.SUM, group=g)
+    return loss_sum / count.clamp(min=1).to(loss_sum.dtype)

@@ -1,0 +1,195 @@
+"""How the ranks are split: data-parallel replicas x data-parallel shards x sequence parallel.
+
+Note [The device mesh]
+~~~~~~~~~~~~~~~~~~~~~~
+Every run has one 4-D :class:`~torch.distributed.device_mesh.DeviceMesh` with named axes::
+
+    ("dp_replicate", "dp_shard", "hp", "cp")       sizes may be 1
+
+* ``dp_replicate`` x ``dp_shard``: data parallel. Ranks that differ here see different samples.
+  ``dp_replicate`` > 1 gives HSDP (FSDP2 replicas, each one sharding over the rest).
+* ``hp`` x ``cp``: sequence parallel (sp = hp x cp). Ranks that differ only here see the same
+  sample, each its own piece of the sequence. ``hp`` is head parallel (Ulysses all-to-all, or the
+  head axis of LoongTrain 2D attention); ``cp`` is context parallel (ring / all-gather).
+
+The last axis varies fastest, so the ranks of one ``cp`` ring are neighbours (same node first),
+then ``hp``, then the data-parallel axes: sequence-parallel traffic, the heaviest, stays inside a
+node whenever sp <= devices per node. Example, 8 ranks, dp_shard=2, hp=2, cp=2::
+
+    dp_shard 0:   hp 0: [0 1]   hp 1: [2 3]        cp rings:  {0,1} {2,3} {4,5} {6,7}
+    dp_shard 1:   hp 0: [4 5]   hp 1: [6 7]        hp groups: {0,2} {1,3} {4,6} {5,7}
+
+Model states are sharded by FSDP2 over dp_shard x hp x cp (LoongTrain §4.3: ZeRO over DP x SP,
+so sequence parallelism also divides the memory of parameters, gradients and optimizer states)
+and replicated over dp_replicate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "hp", "cp")
+"""Names of the axes of the device mesh, outermost first."""
+
+FSDP_SHARD_AXIS = "dp_shard_sp"
+"""Name of the axis FSDP2 shards over (dp_shard x hp x cp, flattened)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Sizes of the four mesh axes. Their product is the world size.
+
+    Args:
+        dp_replicate: FSDP2 replicas (HSDP); each replica holds a full copy of the sharded states.
+        dp_shard: data-parallel ranks inside a replica; model states are sharded over
+            dp_shard x hp x cp.
+        hp: head-parallel ranks inside one sequence-parallel group.
+        cp: context-parallel ranks inside one sequence-parallel group.
+        world_size: total number of ranks.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    hp: int = 1
+    cp: int = 1
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "hp", "cp", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelDims: {name} must be a positive int, got {value!r}")
+        product = self.dp_replicate * self.dp_shard * self.hp * self.cp
+        if product != self.world_size:
+            raise ValueError(
+                f"ParallelDims: dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x hp ({self.hp}) "
+                f"x cp ({self.cp}) = {product} must equal world_size ({self.world_size})"
+            )
+
+    @classmethod
+    def from_sizes(
+        cls,
+        *,
+        world_size: int,
+        sequence_parallel_size: int,
+        head_parallel_size: int = 1,
+        data_parallel_replicate_size: int = 1,
+        owner: str = "SequenceParallelStrategy",
+    ) -> ParallelDims:
+        """Resolve the sizes the way the strategy's arguments state them (dp_shard is what remains).
+
+        Errors name the argument of ``owner`` that is wrong.
+        """
+        for name, value in (
+            ("sequence_parallel_size", sequence_parallel_size),
+            ("head_parallel_size", head_parallel_size),
+            ("data_parallel_replicate_size", data_parallel_replicate_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+        if world_size % sequence_parallel_size:
+            raise ValueError(
+                f"{owner}: sequence_parallel_size={sequence_parallel_size} must divide the world size "
+                f"{world_size} (devices x num_nodes)"
+            )
+        if sequence_parallel_size % head_parallel_size:
+            raise ValueError(
+                f"{owner}: head_parallel_size={head_parallel_size} must divide "
+                f"sequence_parallel_size={sequence_parallel_size} (sp = hp x cp)"
+            )
+        dp = world_size // sequence_parallel_size
+        if dp % data_parallel_replicate_size:
+            raise ValueError(
+                f"{owner}: data_parallel_replicate_size={data_parallel_replicate_size} must divide the "
+                f"data-parallel size {dp} = world size {world_size} / sequence_parallel_size {sequence_parallel_size}"
+            )
+        return cls(
+            dp_replicate=data_parallel_replicate_size,
+            dp_shard=dp // data_parallel_replicate_size,
+            hp=head_parallel_size,
+            cp=sequence_parallel_size // head_parallel_size,
+            world_size=world_size,
+        )
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel size (hp x cp): ranks that share one sample."""
+        return self.hp * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size (dp_replicate x dp_shard): how many different samples a step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks each model state is sharded over (dp_shard x hp x cp)."""
+        return self.dp_shard * self.sp
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """Axis sizes in the order of :data:`MESH_AXES`."""
+        return (self.dp_replicate, self.dp_shard, self.hp, self.cp)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The 4-D mesh with axes :data:`MESH_AXES` (collective: every rank must call it)."""
+        return init_device_mesh(device_type, self.sizes, mesh_dim_names=MESH_AXES)
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> ParallelDims:
+        """Read the sizes back from a mesh built by :meth:`build_mesh`."""
+        _check_axes(mesh)
+        return cls(**dict(zip(MESH_AXES, mesh.shape)), world_size=mesh.size())
+
+
+def _check_axes(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh) or tuple(mesh.mesh_dim_names or ()) != MESH_AXES:
+        names = getattr(mesh, "mesh_dim_names", None)
+        raise ValueError(f"mesh must be a DeviceMesh with mesh_dim_names={MESH_AXES}, got {names}")
+
+
+def sp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The sequence-parallel sub-mesh: 1-D ``"cp"`` when hp == 1, else 2-D ``("hp", "cp")``.
+
+    This is the ``mesh`` argument of ``lightning_seqpar.sharding`` and ``lightning_seqpar.attention``.
+    """
+    _check_axes(mesh)
+    return mesh["cp"] if mesh.size(MESH_AXES.index("hp")) == 1 else mesh["hp", "cp"]
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D data-parallel sub-mesh ``("dp_replicate", "dp_shard")``."""
+    _check_axes(mesh)
+    return mesh["dp_replicate", "dp_shard"]
+
+
+def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel ranks: the sampler's ``rank`` / ``num_replicas``."""
+    _check_axes(mesh)
+    n_shard = mesh.size(MESH_AXES.index("dp_shard"))
+    rank = mesh.get_local_rank("dp_replicate") * n_shard + mesh.get_local_rank("dp_shard")
+    return rank, mesh.size(MESH_AXES.index("dp_replicate")) * n_shard
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D ``(dp_shard_sp,)``, or 2-D ``("dp_replicate", "dp_shard_sp")`` for HSDP.
+
+    ``dp_shard_sp`` is dp_shard x hp x cp flattened. PyTorch's way of flattening axes of a mesh,
+    ``DeviceMesh._flatten``, is private; we build the same layout as a separate mesh through the
+    public ``init_device_mesh`` instead. Its rank layout equals the 4-D mesh's (row-major
+    ``arange(world).view(...)`` in both), so shard ``i`` of ``dp_shard_sp`` is the same rank as
+    ``(dp_shard, hp, cp)`` index ``i``. Collective: every rank must call it (it creates groups).
+    """
+    _check_axes(mesh)
+    dims = ParallelDims.from_mesh(mesh)
+    expected = torch.arange(dims.world_size).view(dims.sizes)
+    if not torch.equal(mesh.mesh.cpu(), expected):
+        raise ValueError("fsdp_mesh needs a mesh built by ParallelDims.build_mesh (ranks in row-major order)")
+    if dims.dp_replicate == 1:
+        return init_device_mesh(mesh.device_type, (dims.fsdp_shard,), mesh_dim_names=(FSDP_SHARD_AXIS,))
+    return init_device_mesh(
+        mesh.device_type, (dims.dp_replicate, dims.fsdp_shard), mesh_dim_names=("dp_replicate", FSDP_SHARD_AXIS)
+    )

@@ -1,0 +1,219 @@
+"""``CausalLMModule``: next-token training of a causal LM, on one device or under the strategy.
+
+Note [Loss under sequence parallelism]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under ``SequenceParallelStrategy`` each rank holds a shard of the sequences of its data-parallel
+slice. ``training_step`` returns this rank's share of the global mean (its token-loss sum over
+the number of valid tokens of ALL ranks, ``lightning_seqpar.loss.global_mean_loss``); the shares
+add up to the single-device loss, and FSDP2 sums the gradients (Note [Gradient reduction] in
+``lightning_seqpar.parallelize``). The logged ``train/loss`` is that sum, so it equals the
+single-device loss of the same batch. Without the strategy (one device, or DDP) the loss is the
+plain per-rank token mean.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch.distributed.device_mesh import DeviceMesh
+from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
+
+from lightning_seqpar.loss import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
+from lightning_seqpar.mesh import MESH_AXES
+from lightning_seqpar.models.llama import Llama, LlamaConfig
+
+__all__ = ["CausalLMModule", "batch_samples", "batch_tokens"]
+
+
+class CausalLMModule(L.LightningModule):
+    """A Llama causal LM with AdamW and a warmup-cosine schedule.
+
+    Args:
+        model: a :class:`~lightning_seqpar.models.LlamaConfig`, or the name of one
+            (``LlamaConfig.from_name``: "tiny", "llama-7b", "llama-7b-gqa", "llama-33h", "llama3-8b", ...).
+        lr: peak learning rate, reached after ``warmup_steps``.
+        weight_decay: AdamW weight decay of the matrices (norm weights are not decayed).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``.
+        max_steps: end of the cosine decay; None: the Trainer's ``estimated_stepping_batches``.
+        min_lr_ratio: the cosine decays to ``min_lr_ratio * lr``.
+        loss_chunk_size: None computes the full (B, S, V) logits; an int runs the chunked cross
+            entropy that holds the logits of at most this many tokens at a time.
+        init_seed: seed of the weight initialisation, so that every rank (and a single-device run)
+            builds the same initial model whatever the global random state.
+    """
+
+    def __init__(
+        self,
+        model: LlamaConfig | str = "tiny",
+        *,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 100,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        loss_chunk_size: int | None = None,
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if isinstance(model, str):
+            model = LlamaConfig.from_name(model)
+        if not isinstance(model, LlamaConfig):
+            raise ValueError(f"{name}: model must be a LlamaConfig or the name of one, got {type(model).__name__}")
+        if not lr > 0:
+            raise ValueError(f"{name}: lr must be > 0, got {lr}")
+        if weight_decay < 0:
+            raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"{name}: betas must be two numbers in [0, 1), got {betas}")
+        if warmup_steps < 0:
+            raise ValueError(f"{name}: warmup_steps must be >= 0, got {warmup_steps}")
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"{name}: max_steps must be >= 1 or None, got {max_steps}")
+        if not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"{name}: min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        if loss_chunk_size is not None and loss_chunk_size < 1:
+            raise ValueError(f"{name}: loss_chunk_size must be >= 1 or None, got {loss_chunk_size}")
+        self.save_hyperparameters()
+        self.config = model
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, tuple(betas), eps
+        self.warmup_steps, self.max_steps, self.min_lr_ratio = warmup_steps, max_steps, min_lr_ratio
+        self.loss_chunk_size, self.init_seed = loss_chunk_size, init_seed
+        self.model: Llama | None = None
+        self.val_loss = MeanMetric()
+        self.flops_per_batch = 0
+        """FLOPs of the last training batch summed over all ranks (read by Lightning's ThroughputMonitor)."""
+
+    # ----------------------------------------------------------------------------------------- model
+
+    @override
+    def configure_model(self) -> None:
+        """Build the model (once) on the current device; the strategy parallelizes it afterwards."""
+        if self.model is not None:
+            return
+        device = torch.empty(0).device  # the strategy's tensor_init_context sets the device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self.init_seed)
+            self.model = Llama(self.config)
+
+    def _require_model(self) -> Llama:
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        return self.model
+
+    def _mesh(self) -> DeviceMesh | None:
+        mesh = self.device_mesh
+        if mesh is not None and tuple(mesh.mesh_dim_names or ()) == MESH_AXES and mesh.size() > 1:
+            return mesh
+        return None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, S, V)."""
+        return self._require_model()(input_ids, position_ids)
+
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of this rank's token losses, number of its valid tokens) for a (sharded) batch."""
+        model = self._require_model()
+        input_ids, labels, position_ids = batch["input_ids"], batch["labels"], batch.get("position_ids")
+        if self.loss_chunk_size is None:
+            return token_cross_entropy_sum(model(input_ids, position_ids), labels)
+        hidden = model(input_ids, position_ids, output="hidden")  # (B, S, d)
+        return chunked_cross_entropy_sum(hidden, model.lm_head.weight, labels, chunk_size=self.loss_chunk_size)
+
+    # ----------------------------------------------------------------------------------------- steps
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss_sum, n_valid = self.loss_sum(batch)
+        mesh = self._mesh()
+        loss = global_mean_loss(loss_sum, n_valid, mesh)  # this rank's share (Note [Loss under sequence parallelism])
+        reported = loss.detach().clone()
+        if mesh is not None:
+            dist.all_reduce(reported, op=dist.ReduceOp.SUM)  # the mesh spans all ranks
+        self.log("train/loss", reported, prog_bar=True)
+        self.log("train/ppl", reported.exp())
+        self._count_flops(batch, mesh)
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss_sum, n_valid = self.loss_sum(batch)
+        # A token-weighted mean; torchmetrics sums value * weight and weight over all ranks.
+        self.val_loss.update(loss_sum / n_valid.clamp(min=1), weight=n_valid)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        # the value is already global (torchmetrics synced it): sync_dist only averages equal numbers
+        self.log_dict({"val/loss": loss, "val/ppl": loss.exp()}, prog_bar=True, sync_dist=True)
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log_dict({"test/loss": loss, "test/ppl": loss.exp()}, sync_dist=True)
+
+    def _count_flops(self, batch: dict[str, torch.Tensor], mesh: DeviceMesh | None) -> None:
+        local_batch, local_len = batch["input_ids"].shape
+        world = mesh.size() if mesh is not None else 1
+        sp = mesh.size(MESH_AXES.index("hp")) * mesh.size(MESH_AXES.index("cp")) if mesh is not None else 1
+        tokens_all_ranks = local_batch * local_len * world  # every rank holds a different piece
+        self.flops_per_batch = self.config.flops_per_token(local_len * sp) * tokens_all_ranks
+
+    # ----------------------------------------------------------------------------------------- optimizer
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        model = self._require_model()
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.lr,
+            betas=self.betas,
+            eps=self.eps,
+        )
+        max_steps = self.max_steps
+        if max_steps is None:
+            max_steps = int(self.trainer.estimated_stepping_batches)
+        schedule = warmup_cosine(warmup_steps=self.warmup_steps, max_steps=max_steps, min_lr_ratio=self.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def warmup_cosine(*, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Any:
+    """LR multiplier at step t: (t+1)/warmup during warmup, then cosine from 1 to ``min_lr_ratio`` at ``max_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def batch_samples(batch: dict[str, torch.Tensor]) -> int:
+    """Samples in a batch (``ThroughputMonitor(batch_size_fn=...)``); a rank's shard counts its samples."""
+    return int(batch["input_ids"].shape[0])
+
+
+def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens this rank processes in a batch (``ThroughputMonitor(length_fn=...)``): items/s = tokens/s."""
+    return int(batch["input_ids"].numel())

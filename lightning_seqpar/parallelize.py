@@ -1,0 +1,259 @@
+"""Parallelism applied to a model by pure functions over a DeviceMesh (torchtitan's shape).
+
+Note [Order of the apply_* calls]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+:func:`parallelize` applies, in this fixed order (as torchtitan v0.2.2 ``parallelize_llama``):
+
+1. :func:`apply_attention` — switch every ``lightning_seqpar.attention.Attention`` to the
+   sequence-parallel algorithm. First, because it only sets attributes and checks the head
+   counts against the mesh before anything else touches the model (errors before any
+   communication of the step).
+2. :func:`apply_ac` — wrap each block for activation checkpointing. Before compile, so that the
+   compiled region contains the checkpoint (torch.compile traces the selective-checkpoint
+   policy and keeps the attention op's outputs), and before FSDP so that FSDP's all-gathers stay
+   outside the recomputed region.
+3. :func:`apply_compile` — ``torch.compile`` each (wrapped) block in place. Per block, not the
+   whole model: one small graph reused for every layer, and FSDP's hooks stay between graphs.
+4. :func:`apply_fsdp` — ``fully_shard`` each block, then the root. Last, because it replaces
+   parameters by DTensor shards: everything above must see the module structure first.
+
+"Blocks" are the transformer layers: the elements of an ``nn.ModuleList`` attribute named one
+of :data:`BLOCK_CONTAINERS` (``model.layers`` for Llama and Hugging Face Llama/Mistral/Qwen,
+``h`` for GPT-2, ``blocks``), or every module of the classes given as ``block_classes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lightning_seqpar.attention import ALGORITHMS, Attention
+from lightning_seqpar.checkpointing import SAVE_OPS, ActivationCheckpointing, checkpoint_block
+
+BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
+"""Names of the ``nn.ModuleList`` attributes whose elements are transformer blocks."""
+
+GradientReduction = Literal["sum", "mean"]
+
+
+# --------------------------------------------------------------------------------------------- blocks
+
+
+def find_blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]] | None = None) -> list[tuple[nn.Module, str]]:
+    """The transformer blocks of ``model`` as ``(parent, name)`` pairs: ``getattr(parent, name)`` is the block.
+
+    A block already wrapped (activation checkpointing) is returned as its wrapper.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    found: list[tuple[nn.Module, str]] = []
+
+    def is_block(module: nn.Module) -> bool:
+        if block_classes is None:
+            return False
+        inner = next(iter(module.children())) if isinstance(module, CheckpointWrapper) else module
+        return isinstance(inner, tuple(block_classes))
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if block_classes is None:
+                if name in BLOCK_CONTAINERS and isinstance(child, nn.ModuleList):
+                    found.extend((child, n) for n, _ in child.named_children())
+                    continue
+            elif is_block(child):
+                found.append((parent, name))
+                continue
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def _blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]] | None) -> Iterable[nn.Module]:
+    return [getattr(parent, name) for parent, name in find_blocks(model, block_classes)]
+
+
+def _head_counts(model: nn.Module) -> tuple[int, int] | None:
+    """(query heads, key/value heads) from a model config (ours or Hugging Face's), if there is one."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None:
+            continue
+        for q_name, kv_name in (("n_head", "n_kv_head"), ("num_attention_heads", "num_key_value_heads")):
+            h_q = getattr(config, q_name, None)
+            if isinstance(h_q, int):
+                h_kv = getattr(config, kv_name, None)
+                return h_q, h_kv if isinstance(h_kv, int) else h_q
+    return None
+
+
+# --------------------------------------------------------------------------------------------- apply_*
+
+
+def apply_attention(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    *,
+    algorithm: Literal["ring", "allgather", "ulysses", "2d"],
+    layout: Literal["zigzag", "contiguous"] = "zigzag",
+    backend: str = "auto",
+    inner_ring_size: int | None = None,
+) -> int:
+    """Configure every :class:`~lightning_seqpar.attention.Attention` in ``model`` for ``mesh``.
+
+    ``mesh`` is the sequence-parallel mesh (1-D, or 2-D ("hp", "cp") for "2d"); None or one rank
+    gives local attention. Returns how many attention modules were configured.
+
+    Raises:
+        ValueError: sequence parallelism over a model without ``Attention`` modules, an unknown
+            algorithm, or query heads not divisible by the head-parallel degree (checked from the
+            model's config, before any communication).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"attention={algorithm!r} is not supported; expected one of {ALGORITHMS}")
+    modules = [m for m in model.modules() if isinstance(m, Attention)]
+    sp = 1 if mesh is None else mesh.size()
+    if not modules:
+        if sp > 1:
+            raise ValueError(
+                f"{type(model).__name__} has no lightning_seqpar.attention.Attention module, so sequence "
+                f"parallelism over {sp} ranks cannot be installed; call `Attention` (or "
+                "`sequence_parallel_attention`) for the attention of every block"
+            )
+        return 0
+    if sp > 1 and algorithm in ("ulysses", "2d"):
+        degree = sp if algorithm == "ulysses" else mesh.size(mesh.mesh_dim_names.index("hp"))  # type: ignore[union-attr]
+        heads = _head_counts(model)
+        if heads is not None and heads[0] % degree:
+            what = "sequence_parallel_size" if algorithm == "ulysses" else "head_parallel_size"
+            raise ValueError(
+                f"attention={algorithm!r} splits the query heads over {what}={degree} ranks, but "
+                f"{type(model).__name__} has {heads[0]} query heads; choose a {what} that divides {heads[0]} "
+                "or attention='ring' / 'allgather'"
+            )
+    for module in modules:
+        module.configure(
+            mesh=mesh if sp > 1 else None,
+            algorithm=algorithm,
+            layout=layout,
+            backend=backend,
+            inner_ring_size=inner_ring_size,
+        )
+    return len(modules)
+
+
+def apply_ac(
+    model: nn.Module,
+    mode: ActivationCheckpointing | None,
+    *,
+    block_classes: Sequence[type[nn.Module]] | None = None,
+    save_ops: Sequence[Any] = SAVE_OPS,
+) -> int:
+    """Wrap every block of ``model`` for activation checkpointing (in place); returns the block count.
+
+    ``mode``: "selective++" saves the outputs of ``save_ops`` (the attention) and recomputes the
+    rest (Note [Selective Checkpoint++]); "full" recomputes whole blocks; None does nothing.
+    """
+    if mode is None:
+        return 0
+    found = find_blocks(model, block_classes)
+    if not found:
+        raise ValueError(
+            f"activation_checkpointing={mode!r}: found no transformer blocks in {type(model).__name__} "
+            f"(an nn.ModuleList named one of {BLOCK_CONTAINERS})"
+        )
+    for parent, name in found:
+        parent.register_module(name, checkpoint_block(getattr(parent, name), mode, save_ops=save_ops))
+    return len(found)
+
+
+def apply_compile(
+    model: nn.Module,
+    compile_kwargs: dict[str, Any] | None = None,
+    *,
+    block_classes: Sequence[type[nn.Module]] | None = None,
+) -> int:
+    """``torch.compile`` every block in place (``nn.Module.compile``: parameter names do not change)."""
+    blocks = list(_blocks(model, block_classes))
+    if not blocks:
+        raise ValueError(
+            f"compile: found no transformer blocks in {type(model).__name__} (an nn.ModuleList named one of {BLOCK_CONTAINERS})"
+        )
+    for block in blocks:
+        block.compile(**(compile_kwargs or {}))
+    return len(blocks)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    gradient_reduction: GradientReduction = "sum",
+    block_classes: Sequence[type[nn.Module]] | None = None,
+) -> nn.Module:
+    """FSDP2: ``fully_shard`` every block, then ``model`` itself (the root), over ``mesh``.
+
+    ``mesh`` is 1-D (shard) or 2-D (replicate, shard) for HSDP (``lightning_seqpar.mesh.fsdp_mesh``).
+
+    Note [Gradient reduction]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~
+    The strategy's loss is the sum of local token losses divided by the GLOBAL number of valid
+    tokens (``lightning_seqpar.loss.global_mean_loss``), so the exact gradient is the SUM of the
+    per-rank gradients over all SP x DP ranks. FSDP2 averages by default; with
+    ``gradient_reduction="sum"`` each FSDP module gets ``set_gradient_divide_factor(1.0)`` and
+    ``set_force_sum_reduction_for_comms(True)``: a plain SUM reduce-scatter (and all-reduce
+    across replicas), no ReduceOp.AVG (pytorch#162338) nor PREMUL_SUM (which gloo lacks).
+    Both setters only touch the module they are called on, so they are set on every one.
+    ``"mean"`` keeps FSDP2's average (for a loss that is a per-rank mean).
+    """
+    if gradient_reduction not in ("sum", "mean"):
+        raise ValueError(f"gradient_reduction={gradient_reduction!r} is not supported; expected 'sum' or 'mean'")
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in _blocks(model, block_classes):
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    # The root keeps its parameters (embedding, final norm, head) gathered after forward: backward
+    # needs them at once.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    if gradient_reduction == "sum":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+# --------------------------------------------------------------------------------------------- all of it
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    sp_mesh: DeviceMesh | None,
+    fsdp_mesh: DeviceMesh | None,
+    attention: Literal["ring", "allgather", "ulysses", "2d"] = "ring",
+    layout: Literal["zigzag", "contiguous"] = "zigzag",
+    activation_checkpointing: ActivationCheckpointing | None = "selective++",
+    compile_kwargs: dict[str, Any] | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    block_classes: Sequence[type[nn.Module]] | None = None,
+) -> nn.Module:
+    """Apply attention -> AC -> compile -> FSDP to ``model`` (Note [Order of the apply_* calls]).
+
+    ``compile_kwargs=None`` skips compile; ``fsdp_mesh=None`` skips FSDP (one process).
+    """
+    apply_attention(model, sp_mesh, algorithm=attention, layout=layout)
+    apply_ac(model, activation_checkpointing, block_classes=block_classes)
+    if compile_kwargs is not None:
+        apply_compile(model, compile_kwargs, block_classes=block_classes)
+    if fsdp_mesh is not None:
+        apply_fsdp(model, fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, block_classes=block_classes)
+    return model

@@ -1,0 +1,133 @@
+"""Split a full sequence across sequence-parallel ranks, and put it back together.
+
+Note [Sequence layouts]
+~~~~~~~~~~~~~~~~~~~~~~~
+With W context-parallel ranks, a sequence of S tokens is cut into chunks:
+
+    contiguous (W chunks of S/W):      rank r holds chunk r
+        | r0 | r1 | r2 | r3 |
+    zigzag (2W chunks of S/(2W)):      rank r holds chunks r and 2W-1-r   (LightSeq §3.2)
+        | r0 | r1 | r2 | r3 | r3 | r2 | r1 | r0 |
+
+Under a causal mask, token t attends to t+1 keys, so the contiguous layout gives the last rank
+W times the work of the first; zigzag pairs an early chunk with a late one and every rank gets
+the same number of (query, key) pairs.
+
+On a 2-D mesh with axes ("hp", "cp") (LoongTrain 2D attention), the sequence is first split
+over "cp" with the chosen layout, and each cp shard is then split contiguously over "hp". The
+head-parallel all-to-all inside an hp group gathers exactly the cp shard back, so the ring over
+"cp" sees the 1-D layout. How ranks are placed on devices (head-first or context-first) is
+decided by the order of the mesh dimensions and does not change what a rank holds.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; expected one of {LAYOUTS}")
+
+
+def mesh_sizes(mesh: DeviceMesh) -> tuple[int, int, int, int]:
+    """(hp_size, hp_rank, cp_size, cp_rank) of this rank for a 1-D mesh or a 2-D ("hp", "cp") mesh."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return 1, 0, mesh.size(), mesh.get_local_rank()
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 2 and set(names) == {"hp", "cp"}:
+        return mesh.size(names.index("hp")), mesh.get_local_rank("hp"), mesh.size(names.index("cp")), mesh.get_local_rank("cp")
+    raise ValueError(
+        f"mesh must be 1-D (the sequence-parallel ranks) or 2-D with dimension names ('hp', 'cp'); "
+        f"got ndim={mesh.ndim}, mesh_dim_names={names}"
+    )
+
+
+def num_chunks(world: int, layout: str) -> int:
+    """How many equal chunks the sequence is cut into for ``world`` context-parallel ranks."""
+    _check_layout(layout)
+    return 2 * world if layout == "zigzag" else world
+
+
+def chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
+    """Global chunk indices held by ``rank``, in local order."""
+    _check_layout(layout)
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def required_multiple(mesh: DeviceMesh, layout: str) -> int:
+    """The global sequence length must be a multiple of this number."""
+    hp, _, cp, _ = mesh_sizes(mesh)
+    return num_chunks(cp, layout) * hp
+
+
+def _check_length(seq_len: int, mesh: DeviceMesh, layout: str, what: str) -> None:
+    m = required_multiple(mesh, layout)
+    if seq_len % m:
+        hp, _, cp, _ = mesh_sizes(mesh)
+        detail = f"2 * cp_size ({cp}) * hp_size ({hp})" if layout == "zigzag" else f"cp_size ({cp}) * hp_size ({hp})"
+        raise ValueError(
+            f"{what}={seq_len} must be divisible by {m} = {detail} for layout={layout!r}; "
+            f"pad the sequence (labels ignored) to a multiple of {m}"
+        )
+
+
+def sequence_index(seq_len: int, mesh: DeviceMesh, layout: Layout = "zigzag", device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions (0..seq_len-1) of this rank's local tokens, in local order. Shape [seq_len / world]."""
+    _check_layout(layout)
+    _check_length(seq_len, mesh, layout, "seq_len")
+    hp, hp_rank, cp, cp_rank = mesh_sizes(mesh)
+    chunk = seq_len // num_chunks(cp, layout)
+    cp_index = torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids(cp_rank, cp, layout)])
+    return cp_index.chunk(hp)[hp_rank]
+
+
+def shard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: Layout = "zigzag") -> torch.Tensor:
+    """This rank's shard of a full tensor ``x`` along ``dim`` (a view-free gather; differentiable)."""
+    _check_layout(layout)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a tensor, got {type(x).__name__}")
+    dim = dim % x.ndim if x.ndim else 0
+    _check_length(x.shape[dim], mesh, layout, f"x.shape[{dim}]")
+    idx = sequence_index(x.shape[dim], mesh, layout, device=x.device)
+    return x.index_select(dim, idx)
+
+
+def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: Layout = "zigzag") -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: every rank gets the full tensor (all-gather over the mesh).
+
+    Differentiable: the gradient of the full tensor is summed over ranks and each rank keeps the
+    rows of its own shard (the all-gather / reduce-scatter pair).
+    """
+    _check_layout(layout)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a tensor, got {type(x).__name__}")
+    hp, _, cp, _ = mesh_sizes(mesh)
+    dim = dim % x.ndim
+    if mesh.ndim == 2 and hp > 1:  # the hp split of a cp shard is contiguous: gathering restores it
+        x = _gather(x, mesh.get_group("hp"), dim)
+    if cp == 1:
+        return x
+    x = _gather(x, mesh.get_group("cp") if mesh.ndim == 2 else mesh.get_group(), dim)
+    full_len = x.shape[dim]
+    chunk = full_len // num_chunks(cp, layout)
+    local = torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=x.device) for r in range(cp) for c in chunk_ids(r, cp, layout)])
+    order = torch.empty_like(local)
+    order[local] = torch.arange(full_len, device=x.device)
+    return x.index_select(dim, order)
+
+
+def _gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+    out = all_gather_tensor_autograd(x.movedim(dim, 0).contiguous(), gather_dim=0, group=group)
+    return out.movedim(0, dim)

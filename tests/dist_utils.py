@@ -1,0 +1,152 @@
+"""A pool of gloo worker processes for multi-process CPU tests.
+
+Spawning a process and importing torch costs seconds, so each world size gets one pool of
+workers for the whole test session. A test sends a module-level function; every rank runs
+``fn(rank, world_size, *args)`` and the pool returns the per-rank results. A worker that raises
+sends its traceback back (the test fails with it); a run that does not finish within
+``timeout`` seconds kills the pool (the next test gets a fresh one) and fails the test, so a
+hang never stalls CI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT = float(os.environ.get("SEQPAR_TEST_TIMEOUT", "240"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module, name, args, kwargs = task
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            out = fn(rank, world_size, *args, **kwargs)
+            results.put((rank, True, out))
+        except BaseException:  # noqa: BLE001 - everything goes back to the parent
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    """``world_size`` gloo ranks kept alive between tests."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return results by rank."""
+        module, name = fn.__module__, fn.__qualname__
+        if module == "__main__" or "." in name:
+            raise ValueError(f"{fn!r} must be a module-level function of an importable module")
+        for t in self._tasks:
+            t.put((module, name, args, kwargs))
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout
+        for _ in range(self.world_size):
+            while True:
+                try:
+                    rank, ok, value = self._results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                    if dead or time.monotonic() > deadline:
+                        self.close(kill=True)
+                        why = f"worker ranks {dead} died" if dead else f"did not finish within {timeout}s"
+                        raise TimeoutError(f"{name}: {why} (finished ranks: {sorted(out)})") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                # The other ranks may now wait forever in a collective: do not wait for them.
+                self.close(kill=True)
+                raise AssertionError(f"{name} failed on rank {rank}:\n{value}")
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        for p, t in zip(self._procs, self._tasks):
+            if kill:
+                p.kill()
+            elif p.is_alive():
+                t.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS: dict[int, DistPool] = {}
+
+
+def get_pool(world_size: int) -> DistPool:
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive:
+        pool = _POOLS[world_size] = DistPool(world_size)
+    return pool
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (pooled); results by rank."""
+    return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+
+def tmpdir_shared() -> str:
+    return tempfile.mkdtemp(prefix="seqpar-test-")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("import this module from tests")

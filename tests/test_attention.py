@@ -1,0 +1,126 @@
+"""Equivalence suite: sequence_parallel_attention == attention on the full sequence.
+
+For each (world size, algorithm, mesh) one pool call runs, on every rank, the loop over
+causal/non-causal x layouts x head configurations: full q, k, v and the upstream gradient are
+built from a fixed seed (identical on all ranks), sharded by the layout rules, run through
+``sequence_parallel_attention`` and backpropagated; out, dq, dk, dv of the local shards are
+compared with the float64 explicit-softmax reference on the full sequence, sharded the same
+way (fp32, atol 2e-6 / rtol 1e-5). Combinations the rules forbid must raise ValueError.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from seqpar_testing import (
+    HEAD_CONFIGS,
+    LAYOUTS,
+    compare_to_reference,
+    expected_index_on,
+    make_case,
+    make_mesh,
+    mesh_coords,
+    run_sharded,
+)
+
+BATCH = 2
+SEQ_LEN = 48  # divisible by 2 * W (W = 1..4) and by 2 * cp * hp
+EXTRA_SCALE = 0.37  # one non-default softmax scale per (causal, layout)
+
+
+def _cases():
+    """(causal, layout, H_q, H_kv, D, scale) for one equivalence sweep."""
+    for causal in (True, False):
+        for layout in LAYOUTS:
+            for h_q, h_kv, head_dim in HEAD_CONFIGS:
+                yield causal, layout, h_q, h_kv, head_dim, None
+            yield causal, layout, 4, 2, 8, EXTRA_SCALE
+
+
+def _forbidden(algorithm: str, mesh, h_q: int) -> bool:
+    """Head counts the algorithm's rules reject (DESIGN.md / the API contract)."""
+    hp, _, cp, _ = mesh_coords(mesh)
+    if algorithm == "ulysses":
+        return h_q % mesh.size() != 0
+    if algorithm == "2d":
+        return h_q % hp != 0
+    return False
+
+
+def _equivalence_worker(rank: int, world_size: int, algorithm: str, spec: tuple, inner_ring_size: int | None) -> dict[str, int]:
+    from lightning_seqpar.attention import sequence_parallel_attention
+
+    mesh = make_mesh(spec)
+    extra = {} if inner_ring_size is None else {"inner_ring_size": inner_ring_size}
+    checked = rejected = 0
+    failures: list[str] = []
+    for seed, (causal, layout, h_q, h_kv, head_dim, scale) in enumerate(_cases()):
+        label = (
+            f"{algorithm} mesh={spec} inner_ring_size={inner_ring_size} rank={rank} causal={causal} "
+            f"layout={layout} H_q={h_q} H_kv={h_kv} D={head_dim} scale={scale}"
+        )
+        case = make_case(BATCH, SEQ_LEN, h_q, h_kv, head_dim, causal=causal, scale=scale, seed=seed)
+        index = expected_index_on(mesh, SEQ_LEN, layout)
+        kwargs = dict(mesh=mesh, algorithm=algorithm, causal=causal, layout=layout, scale=scale, **extra)
+        if _forbidden(algorithm, mesh, h_q):
+            with pytest.raises(ValueError):
+                run_sharded(sequence_parallel_attention, case, index, **kwargs)
+            rejected += 1
+            continue
+        got = run_sharded(sequence_parallel_attention, case, index, **kwargs)
+        assert got["out"].shape == (BATCH, SEQ_LEN // world_size, h_q, head_dim), f"{label}: out shape {tuple(got['out'].shape)}"
+        assert got["out"].dtype == torch.float32, f"{label}: out dtype {got['out'].dtype}"
+        try:
+            compare_to_reference(got, case, index, label)
+        except AssertionError as err:  # comparisons run after every collective: keep going, report all
+            failures.append(str(err))
+        checked += 1
+    if failures:
+        raise AssertionError(f"{len(failures)} of {checked} cases differ:\n\n" + "\n\n".join(failures))
+    return {"checked": checked, "rejected": rejected}
+
+
+def _p(world: int, algorithm: str, spec: tuple | None = None, inner: int | None = None, id: str | None = None):
+    spec = spec or ("1d", world)
+    return pytest.param(world, algorithm, spec, inner, id=id or f"W{world}-{algorithm}")
+
+
+HP_CP = ("hp", "cp")
+CP_HP = ("cp", "hp")
+SWEEP = [
+    *[_p(w, a) for w in (1, 2, 3, 4) for a in ("ring", "allgather", "ulysses")],
+    _p(4, "ring", inner=2, id="W4-ring-inner2"),
+    _p(4, "2d", ("2d", HP_CP, (2, 2)), id="W4-2d-hp2xcp2"),
+    _p(4, "2d", ("2d", CP_HP, (2, 2)), id="W4-2d-cp2xhp2"),
+    _p(4, "2d", ("2d", HP_CP, (2, 2)), inner=1, id="W4-2d-hp2xcp2-inner1"),
+    _p(4, "2d", ("2d", CP_HP, (2, 2)), inner=2, id="W4-2d-cp2xhp2-inner2"),
+    _p(4, "2d", ("2d", HP_CP, (1, 4)), inner=2, id="W4-2d-hp1xcp4-inner2"),  # a real double ring: 2 x 2
+    _p(4, "2d", ("2d", HP_CP, (4, 1)), id="W4-2d-hp4xcp1"),  # pure head parallelism
+]
+
+
+@pytest.mark.parametrize(("world", "algorithm", "spec", "inner"), SWEEP)
+def test_matches_full_sequence_attention(world, algorithm, spec, inner):
+    results = run_distributed(_equivalence_worker, world, algorithm, spec, inner)
+    assert all(r == results[0] for r in results), f"ranks disagree on the case counts: {results}"
+    assert results[0]["checked"] > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# local_attention: one device, no mesh
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_local_attention_matches_reference(causal):
+    from lightning_seqpar.attention import local_attention
+
+    full = torch.arange(SEQ_LEN)
+    for seed, (h_q, h_kv, head_dim) in enumerate(HEAD_CONFIGS):
+        for scale in (None, EXTRA_SCALE):
+            case = make_case(BATCH, SEQ_LEN, h_q, h_kv, head_dim, causal=causal, scale=scale, seed=seed)
+            got = run_sharded(local_attention, case, full, causal=causal, scale=scale)
+            assert got["out"].shape == case.q.shape
+            compare_to_reference(got, case, full, f"local_attention causal={causal} H_q={h_q} H_kv={h_kv} scale={scale}")
