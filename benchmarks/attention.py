@@ -69,12 +69,15 @@ def torch_cp_step(mesh, rotate, q, k, v, do):
     dot = do.transpose(1, 2).contiguous()
     gqa = qt.shape[1] != kt.shape[1]
 
+    # context_parallel needs one buffer to learn the global length; the inputs are already local shards
+    positions = torch.arange(qt.shape[2] * mesh.size(), device=qt.device)[None]
+
     def step():
-        with context_parallel(mesh, buffers=[], buffer_seq_dims=[]), torch.nn.attention.sdpa_kernel(
+        with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[1]), torch.nn.attention.sdpa_kernel(
             torch.nn.attention.SDPBackend.CUDNN_ATTENTION
         ):
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
-        out.backward(dot)
+            out.backward(dot)
         qt.grad = kt.grad = vt.grad = None
     return step
 

@@ -121,6 +121,8 @@ def test_local_attention_matches_reference(causal):
     for seed, (h_q, h_kv, head_dim) in enumerate(HEAD_CONFIGS):
         for scale in (None, EXTRA_SCALE):
             case = make_case(BATCH, SEQ_LEN, h_q, h_kv, head_dim, causal=causal, scale=scale, seed=seed)
-            got = run_sharded(local_attention, case, full, causal=causal, scale=scale)
-            assert got["out"].shape == case.q.shape
-            compare_to_reference(got, case, full, f"local_attention causal={causal} H_q={h_q} H_kv={h_kv} scale={scale}")
+            for backend in ("auto", "math"):
+                label = f"local_attention backend={backend} causal={causal} H_q={h_q} H_kv={h_kv} scale={scale}"
+                got = run_sharded(local_attention, case, full, causal=causal, scale=scale, backend=backend)
+                assert got["out"].shape == case.q.shape, label
+                compare_to_reference(got, case, full, label)

@@ -16,9 +16,10 @@ from seqpar_testing import make_mesh, no_collectives
 
 B, S_LOCAL, H, D = 1, 4, 4, 4
 
-LENGTH = r"(?i)seq|length|S_local|shape|divisible"
+# what each message must name (the argument or the quantity at fault)
+LENGTH = r"(?i)sequence length|seq_len|S_local|shape\[1\]"
 HEADS = r"(?i)head|H_q|H_kv"
-SHAPE = r"(?i)shape|\bk\b|\bv\b|head|dim"
+K_AND_V = r"(?i)\bk\b.*\bv\b"
 MESH = r"(?i)mesh"
 
 
@@ -85,14 +86,14 @@ def _errors_w2_worker(rank: int, world_size: int) -> int:
         ("2d on a 3-D mesh", _qkv(), kw(algorithm="2d", mesh=mesh_3d), MESH),
         ("mesh=None", _qkv(), kw(mesh=None), MESH),
         ("dtype mismatch", _qkv(dtype_k=torch.float64), kw(), r"(?i)dtype"),
-        ("k/v head mismatch", _qkv(h_k=1, h_v=2), kw(), SHAPE),
-        ("k/v length mismatch", (torch.randn(B, 4, H, D), torch.randn(B, 4, H, D), torch.randn(B, 6, H, D)), kw(), SHAPE),
+        ("k/v head mismatch", _qkv(h_k=1, h_v=2), kw(), K_AND_V),
+        ("k/v length mismatch", (torch.randn(B, 4, H, D), torch.randn(B, 4, H, D), torch.randn(B, 6, H, D)), kw(), K_AND_V),
         ("H_q % H_kv", _qkv(h_q=4, h_k=3), kw(), HEADS),
         ("q/k different S_local", _qkv(s_q=4, s_kv=6), kw(), LENGTH),
-        ("q/k different batch", _qkv(b_k=2), kw(), SHAPE),
-        ("q/k different head_dim", _qkv(d_k=8), kw(), SHAPE),
-        ("q 3-D", (torch.randn(B, S_LOCAL, H * D),) + _qkv()[1:], kw(), r"(?i)ndim|dim|4-D|\[B, S|shape"),
-        ("k 5-D", (_qkv()[0], torch.randn(B, S_LOCAL, H, D, 1), _qkv()[2]), kw(), r"(?i)ndim|dim|4-D|\[B, S|shape"),
+        ("q/k different batch", _qkv(b_k=2), kw(), r"(?i)batch|shape\[0\]"),
+        ("q/k different head_dim", _qkv(d_k=8), kw(), r"(?i)head_dim|shape\[3\]"),
+        ("q 3-D", (torch.randn(B, S_LOCAL, H * D),) + _qkv()[1:], kw(), r"(?i)\bq\b.*(ndim|dim|4-D)"),
+        ("k 5-D", (_qkv()[0], torch.randn(B, S_LOCAL, H, D, 1), _qkv()[2]), kw(), r"(?i)\bk\b.*(ndim|dim|4-D)"),
         ("unknown algorithm", _qkv(), kw(algorithm="tree"), r"algorithm"),
         ("unknown layout", _qkv(), kw(layout="striped"), r"layout"),
         ("unknown layout, ulysses", _qkv(), kw(algorithm="ulysses", layout="striped"), r"layout"),

@@ -162,8 +162,8 @@ def _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size) -> None:
         raise ValueError(f"algorithm={algorithm!r}: the number of query heads (q.shape[2]={h_q}) must be divisible by the {what} ({hp})")
     if hp > 1:
         kv_repeat(h_q, h_kv, hp)  # always succeeds when hp | h_q; kept as the invariant's check
-    # the ring sees cp shards of s_local * hp tokens; zigzag halves them
-    if layout == "zigzag" and cp > 1 and (s_local * hp) % 2:
+    # zigzag cuts the global sequence into 2 * hp * cp equal chunks: every local shard is two of them
+    if layout == "zigzag" and hp * cp > 1 and s_local % 2:
         raise ValueError(
             f"layout='zigzag' needs the global sequence length divisible by 2 * sequence-parallel size: "
             f"q.shape[1]={s_local} is the local length of a global length {s_local * hp * cp}, not divisible by {2 * hp * cp}; "
