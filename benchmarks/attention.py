@@ -68,6 +68,7 @@ def torch_cp_step(mesh, rotate, q, k, v, do):
     qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dot = do.transpose(1, 2).contiguous()
     gqa = qt.shape[1] != kt.shape[1]
+    mode = {"gqa": gqa}
 
     # context_parallel needs one buffer to learn the global length; the inputs are already local shards
     positions = torch.arange(qt.shape[2] * mesh.size(), device=qt.device)[None]
@@ -76,7 +77,15 @@ def torch_cp_step(mesh, rotate, q, k, v, do):
         with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[1]), torch.nn.attention.sdpa_kernel(
             torch.nn.attention.SDPBackend.CUDNN_ATTENTION
         ):
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+            if mode["gqa"]:
+                try:
+                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+                except Exception as e:  # noqa: BLE001 - CP without native GQA: repeat K/V as torchtitan does
+                    print(f"torch_cp: enable_gqa failed ({type(e).__name__}); repeating K/V heads", flush=True)
+                    mode["gqa"] = False
+            if not mode["gqa"]:
+                g = qt.shape[1] // kt.shape[1]
+                out = F.scaled_dot_product_attention(qt, kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1), is_causal=True)
             out.backward(dot)
         qt.grad = kt.grad = vt.grad = None
     return step

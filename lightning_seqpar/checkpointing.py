@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal
 
-import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts

@@ -13,7 +13,9 @@ plain per-rank token mean.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -35,8 +37,11 @@ class CausalLMModule(L.LightningModule):
     """A Llama causal LM with AdamW and a warmup-cosine schedule.
 
     Args:
-        model: a :class:`~lightning_seqpar.models.LlamaConfig`, or the name of one
-            (``LlamaConfig.from_name``: "tiny", "llama-7b", "llama-7b-gqa", "llama-33h", "llama3-8b", ...).
+        model: a :class:`~lightning_seqpar.models.LlamaConfig`, the name of one
+            (``LlamaConfig.from_name``: "tiny", "llama-7b", "llama-7b-gqa", "llama-33h", "llama3-8b", ...),
+            A dict of its fields is accepted too: checkpoints store the config that way, so that
+            ``torch.load(weights_only=True)`` reads them (the annotation leaves it out so that the
+            CLI checks the keys of a config given in YAML against ``LlamaConfig``).
         lr: peak learning rate, reached after ``warmup_steps``.
         weight_decay: AdamW weight decay of the matrices (norm weights are not decayed).
         betas: AdamW betas.
@@ -66,10 +71,13 @@ class CausalLMModule(L.LightningModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
+        original = model
         if isinstance(model, str):
             model = LlamaConfig.from_name(model)
+        elif isinstance(model, Mapping):
+            model = LlamaConfig(**model)
         if not isinstance(model, LlamaConfig):
-            raise ValueError(f"{name}: model must be a LlamaConfig or the name of one, got {type(model).__name__}")
+            raise ValueError(f"{name}: model must be a LlamaConfig, the name of one or a dict of its fields, got {type(model).__name__}")
         if not lr > 0:
             raise ValueError(f"{name}: lr must be > 0, got {lr}")
         if weight_decay < 0:
@@ -84,7 +92,9 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"{name}: min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
         if loss_chunk_size is not None and loss_chunk_size < 1:
             raise ValueError(f"{name}: loss_chunk_size must be >= 1 or None, got {loss_chunk_size}")
-        self.save_hyperparameters()
+        # Checkpoints hold the config as plain values (torch.load(weights_only=True) loads them).
+        self.save_hyperparameters(ignore=["model"])
+        self.hparams["model"] = original if isinstance(original, str) else dataclasses.asdict(model)
         self.config = model
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, tuple(betas), eps
         self.warmup_steps, self.max_steps, self.min_lr_ratio = warmup_steps, max_steps, min_lr_ratio
@@ -92,7 +102,8 @@ class CausalLMModule(L.LightningModule):
         self.model: Llama | None = None
         self.val_loss = MeanMetric()
         self.flops_per_batch = 0
-        """FLOPs of the last training batch summed over all ranks (read by Lightning's ThroughputMonitor)."""
+        """Model FLOPs of this rank's share of the last training batch (read by Lightning's ThroughputMonitor):
+        ``flops_per_token(global sequence length) x local tokens``."""
 
     # ----------------------------------------------------------------------------------------- model
 
@@ -170,11 +181,10 @@ class CausalLMModule(L.LightningModule):
         self.log_dict({"test/loss": loss, "test/ppl": loss.exp()}, sync_dist=True)
 
     def _count_flops(self, batch: dict[str, torch.Tensor], mesh: DeviceMesh | None) -> None:
+        # Lightning's Throughput wants the FLOPs of THIS device (it multiplies by the world size).
         local_batch, local_len = batch["input_ids"].shape
-        world = mesh.size() if mesh is not None else 1
         sp = mesh.size(MESH_AXES.index("hp")) * mesh.size(MESH_AXES.index("cp")) if mesh is not None else 1
-        tokens_all_ranks = local_batch * local_len * world  # every rank holds a different piece
-        self.flops_per_batch = self.config.flops_per_token(local_len * sp) * tokens_all_ranks
+        self.flops_per_batch = self.config.flops_per_token(local_len * sp) * local_batch * local_len
 
     # ----------------------------------------------------------------------------------------- optimizer
 

@@ -23,15 +23,18 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_seqpar.attention import ALGORITHMS
@@ -196,6 +199,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # configure_model() builds the full model on this rank's device; FSDP2 shards it in setup().
+        # (empty_init=True gives meta tensors, which setup() rejects: they are never materialized.)
         with torch.device("meta" if empty_init else self.root_device), self.precision_plugin.tensor_init_context():
             yield
 
@@ -223,11 +227,17 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             )
         in_roots = {id(p) for root in roots for p in root.parameters()}
         outside = [n for n, p in module.named_parameters() if id(p) not in in_roots]
-        if outside and self.world_size > 1:
+        if outside:
             raise ValueError(
                 f"{type(self).__name__}: parameters {outside[:5]} of {type(module).__name__} are outside the "
                 "child module(s) with the transformer blocks and would be neither sharded nor synchronized; "
                 "move them into the model"
+            )
+        on_meta = [n for n, p in module.named_parameters() if p.is_meta]
+        if on_meta:
+            raise ValueError(
+                f"{type(self).__name__}: parameters {on_meta[:5]} are on the meta device; build the model in "
+                "configure_model() without a meta-device context (the strategy places it on this rank's device)"
             )
         dims = self.parallel_dims
         # "bf16-true" / "16-true": parameters are already low precision (convert_module), FSDP2 keeps
@@ -235,7 +245,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         param_dtype = reduce_dtype = None
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "bf16-mixed":
             param_dtype, reduce_dtype = torch.bfloat16, torch.float32
-        mesh_for_fsdp = fsdp_mesh(self.device_mesh) if dims.world_size > 1 else None
+        # FSDP2 also on one rank: one code path, and the same checkpoint format at every size.
+        mesh_for_fsdp = fsdp_mesh(self.device_mesh)
         for root in roots:
             parallelize(
                 root,
@@ -248,6 +259,47 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
             )
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    # Note [Checkpoint formats]
+    # save_distributed_checkpoint=True: ModelParallelStrategy's folder of shards written by
+    # torch.distributed.checkpoint (plus meta.pt with the rest of the Lightning checkpoint).
+    # False: one file with the full model and optimizer state dicts of
+    # torch.distributed.checkpoint.state_dict, i.e. keyed by parameter names as the plain model
+    # has them (activation checkpointing and compile wrappers leave no trace in the names).
+    # Both load into any mesh layout: a full tensor is re-sharded on load.
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        assert self.model is not None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():  # a folder of shards
+            return super().load_checkpoint(path, weights_only=weights_only)
+        if not path.is_file():
+            raise FileNotFoundError(f"{type(self).__name__}: no checkpoint at {str(path)!r}")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        assert self.model is not None and self.lightning_module is not None
+        # Every rank reads the (memory-mapped) file and keeps its own shard of each full tensor.
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            for optimizer, state in zip(self.optimizers, optimizer_states):
+                set_optimizer_state_dict(self.model, optimizer, state, options=options)
+        return checkpoint
 
     # ----------------------------------------------------------------------------------------- batches
 

@@ -45,10 +45,10 @@ def _dataloader(batch_size: int, *, reference: bool = False) -> DataLoader:
     return DataLoader(data, batch_size=batch_size, shuffle=False)
 
 
-def _trainer(strategy: Any, devices: int, recorder: Any, steps: int):
+def _trainer(strategy: Any, devices: int, recorder: Any, steps: int, **kwargs: Any):
     import lightning as L
 
-    return L.Trainer(
+    return L.Trainer(**kwargs,
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
@@ -63,23 +63,25 @@ def _trainer(strategy: Any, devices: int, recorder: Any, steps: int):
     )
 
 
-def _module(model: str):
+def _module(model: str, **kwargs: Any):
     from lightning_seqpar import CausalLMModule
 
-    return CausalLMModule(model, lr=LR, weight_decay=0.1, warmup_steps=0, max_steps=STEPS, init_seed=0)
+    return CausalLMModule(model, lr=LR, weight_decay=0.1, warmup_steps=0, max_steps=STEPS, init_seed=0, **kwargs)
 
 
-def train_reference(model: str = "tiny", steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_reference(model: str = "tiny", steps: int = STEPS, trainer_kwargs: dict[str, Any] | None = None,
+                    **module_kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``steps`` steps on one device, no strategy: (losses, final weights)."""
     warnings.filterwarnings("ignore")
     recorder = _LossRecorder()
-    module = _module(model)
-    _trainer("auto", 1, recorder, steps).fit(module, train_dataloaders=_dataloader(GLOBAL_BATCH, reference=True))
+    module = _module(model, **module_kwargs)
+    _trainer("auto", 1, recorder, steps, **(trainer_kwargs or {})).fit(module, train_dataloaders=_dataloader(GLOBAL_BATCH, reference=True))
     return recorder.losses, {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 
 
 def train_strategy(rank: int, world_size: int, strategy_kwargs: dict[str, Any], model: str = "tiny",
-                   steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+                   steps: int = STEPS, trainer_kwargs: dict[str, Any] | None = None,
+                   **module_kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor] | None]:
     """Run on every pooled rank: ``steps`` steps under SequenceParallelStrategy(**strategy_kwargs)."""
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))  # Lightning: processes were created externally
@@ -89,9 +91,10 @@ def train_strategy(rank: int, world_size: int, strategy_kwargs: dict[str, Any], 
 
     strategy = SequenceParallelStrategy(**strategy_kwargs)
     recorder = _LossRecorder()
-    module = _module(model)
+    module = _module(model, **module_kwargs)
     sp = strategy_kwargs.get("sequence_parallel_size", world_size)
     dp = world_size // sp
-    _trainer(strategy, world_size, recorder, steps).fit(module, train_dataloaders=_dataloader(GLOBAL_BATCH // dp))
+    _trainer(strategy, world_size, recorder, steps, **(trainer_kwargs or {})).fit(
+        module, train_dataloaders=_dataloader(GLOBAL_BATCH // dp))
     state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return recorder.losses, (state if rank == 0 else None)

@@ -1,0 +1,136 @@
+"""Selective Checkpoint++ and full checkpointing: what runs again in backward, and exact gradients."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dist_utils import run_distributed
+from lightning_seqpar.attention import ATTENTION_OPS
+from lightning_seqpar.checkpointing import AC_MODES, SAVE_OPS, checkpoint_block, selective_checkpoint_policy
+from lightning_seqpar.models import Llama, LlamaConfig
+from lightning_seqpar.parallelize import apply_ac, apply_attention, find_blocks
+
+ATTN_FWD = torch.ops.seqpar.attn_fwd.default
+ATTN_BWD = torch.ops.seqpar.attn_bwd.default
+SEQ_LEN = 16
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched, separately for forward and backward (``phase``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.counts: dict[str, Counter] = {"forward": Counter(), "backward": Counter()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[self.phase][func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model(n_layer: int = 2) -> Llama:
+    torch.manual_seed(0)
+    return Llama(LlamaConfig.from_name("tiny", n_layer=n_layer))
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (2, SEQ_LEN), generator=g)
+    return ids, torch.arange(SEQ_LEN).expand(2, SEQ_LEN)
+
+
+def _run(model: Llama, ids: torch.Tensor, pos: torch.Tensor) -> tuple[OpCounter, dict[str, torch.Tensor]]:
+    counter = OpCounter()
+    with counter:
+        loss = model(ids, pos).float().square().mean()
+        counter.phase = "backward"
+        loss.backward()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()}
+    return counter, grads
+
+
+def test_whitelist_is_the_attention_ops():
+    assert SAVE_OPS == tuple(ATTENTION_OPS)
+    assert ATTN_FWD in SAVE_OPS
+    policy = selective_checkpoint_policy()
+    assert policy(None, ATTN_FWD).name == "MUST_SAVE"
+    assert policy(None, torch.ops.aten.mm.default).name == "PREFER_RECOMPUTE"
+
+
+@pytest.mark.parametrize("mode", [None, *AC_MODES])
+def test_attention_runs_once_under_selective_plus_plus(mode):
+    n_layer = 2
+    ids, pos = _batch()
+    ref_counts, ref_grads = _run(_model(n_layer), ids, pos)
+    model = _model(n_layer)
+    assert apply_ac(model, mode) == (0 if mode is None else n_layer)
+    counts, grads = _run(model, ids, pos)
+
+    assert counts.counts["forward"][ATTN_FWD] == n_layer
+    assert counts.counts["backward"][ATTN_BWD] == n_layer
+    expected_reruns = {None: 0, "selective++": 0, "full": n_layer}[mode]
+    assert counts.counts["backward"][ATTN_FWD] == expected_reruns
+    if mode is not None:  # the rest of the block is recomputed: its matmuls run again in backward
+        recomputed_mm = counts.counts["backward"][torch.ops.aten.mm.default] - ref_counts.counts["backward"][torch.ops.aten.mm.default]
+        assert recomputed_mm >= n_layer * 5  # q, k, v, gate, up at least (o_proj and down as well)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_state_dict_keys_unchanged_by_checkpointing():
+    plain = _model()
+    wrapped = copy.deepcopy(plain)
+    apply_ac(wrapped, "selective++")
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    assert len(find_blocks(wrapped)) == len(find_blocks(plain)) == 2
+
+
+def test_checkpointing_errors_name_the_argument():
+    with pytest.raises(ValueError, match="activation_checkpointing='partial'"):
+        checkpoint_block(torch.nn.Linear(2, 2), "partial")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="activation_checkpointing='full'.*no transformer blocks"):
+        apply_ac(torch.nn.Sequential(torch.nn.Linear(2, 2)), "full")
+
+
+# ---------------------------------------------------------------------------------------------- ring
+
+
+def _distributed_counts(rank: int, world_size: int, mode: str | None, algorithm: str) -> tuple[dict, dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_seqpar.sharding import shard_sequence
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    model = _model()
+    apply_attention(model, mesh, algorithm=algorithm, layout="zigzag")
+    apply_ac(model, mode)
+    ids, pos = _batch()
+    ids, pos = shard_sequence(ids, mesh), shard_sequence(pos, mesh)
+    counter, grads = _run(model, ids, pos)
+    summary = {
+        phase: {str(op): counter.counts[phase][op] for op in (ATTN_FWD, ATTN_BWD, *ATTENTION_OPS)}
+        for phase in ("forward", "backward")
+    }
+    return summary, grads
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
+def test_selective_plus_plus_no_attention_recompute_distributed(algorithm):
+    world = 2
+    base = run_distributed(_distributed_counts, world, None, algorithm, timeout=120)
+    sel = run_distributed(_distributed_counts, world, "selective++", algorithm, timeout=120)
+    full = run_distributed(_distributed_counts, world, "full", algorithm, timeout=120)
+    for rank in range(world):
+        (b, b_grads), (s, s_grads), (f, _) = base[rank], sel[rank], full[rank]
+        # Selective Checkpoint++: no attention op (and no head all-to-all) runs again in backward.
+        assert s["backward"] == b["backward"], (s, b)
+        # Full checkpointing re-runs the attention forward (and its communication).
+        assert f["backward"][str(ATTN_FWD)] == b["forward"][str(ATTN_FWD)] > 0
+        for name in b_grads:
+            torch.testing.assert_close(s_grads[name], b_grads[name], rtol=0, atol=0, msg=name)

@@ -1,0 +1,96 @@
+"""Every recipe parses with the `seqpar` CLI parser (nothing is built or run); bad keys are named."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_seqpar.cli import SeqparCLI
+
+RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+
+
+class _Parsed(Exception):
+    def __init__(self, config) -> None:
+        super().__init__("parsed")
+        self.config = config
+
+
+class ParseOnlyCLI(SeqparCLI):
+    """Stops right after parsing and validating the config: no Trainer, model or data is built."""
+
+    def before_instantiate_classes(self) -> None:
+        raise _Parsed(self.config)
+
+
+def parse(args: list[str]):
+    with pytest.raises(_Parsed) as info:
+        _make(args)
+    return info.value.config
+
+
+def _make(args: list[str]):
+    from lightning_seqpar.module import CausalLMModule
+
+    return ParseOnlyCLI(CausalLMModule, datamodule_class=None, subclass_mode_data=True,
+                        save_config_kwargs={"overwrite": True}, args=args)
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["seqpar"])
+
+
+def test_there_are_recipes():
+    assert {p.name for p in RECIPES} >= {"quickstart.yaml", "llama_7b.yaml", "llama_gqa.yaml", "llama_33h.yaml"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_parses(recipe):
+    config = parse(["fit", "--config", str(recipe)]).fit
+    strategy = config.trainer.strategy
+    assert strategy.class_path == "lightning_seqpar.SequenceParallelStrategy"
+    assert config.data.class_path.startswith("lightning_seqpar.data.")
+    seq_len = config.data.init_args.seq_len
+    sp = strategy.init_args.sequence_parallel_size
+    assert seq_len % (2 * sp) == 0  # zigzag needs 2 * sp chunks
+
+
+def test_gpu_recipes_match_the_issue():
+    for name, model in [("llama_7b", "llama-7b"), ("llama_gqa", "llama-7b-gqa"), ("llama_33h", "llama-33h")]:
+        config = parse(["fit", "--config", str(RECIPES[0].parent / f"{name}.yaml")]).fit
+        assert config.model.model == model
+        assert (config.trainer.devices, config.trainer.precision) == (4, "bf16-true")
+        assert config.data.init_args.seq_len == 128 * 1024
+
+
+def test_quickstart_is_cpu_two_processes():
+    config = parse(["fit", "--config", str(RECIPES[0].parent / "quickstart.yaml")]).fit
+    assert (config.trainer.accelerator, config.trainer.devices) == ("cpu", 2)
+    assert config.trainer.strategy.init_args.attention == "ring"
+    assert config.model.model.n_kv_head < config.model.model.n_head  # GQA
+
+
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("--trainer.strategy.init_args.sequence_parallel_sizes=2", "sequence_parallel_sizes"),
+        ("--trainer.strategy.init_args.attention=flash", "attention"),
+        ("--model.lr_max=1", "lr_max"),
+        ("--data.init_args.seq_length=64", "seq_length"),
+    ],
+)
+def test_bad_keys_are_named(override, named, capsys):
+    with pytest.raises(SystemExit):
+        parse(["fit", "--config", str(RECIPES[0].parent / "quickstart.yaml"), override])
+    assert named in capsys.readouterr().err
+
+
+def test_bad_key_in_a_recipe_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((RECIPES[0].parent / "quickstart.yaml").read_text().replace("n_kv_head: 2", "n_kv_heads: 2"))
+    with pytest.raises(SystemExit):
+        parse(["fit", "--config", str(bad)])
+    assert "n_kv_heads" in capsys.readouterr().err
