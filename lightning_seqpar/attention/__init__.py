@@ -16,6 +16,7 @@ from lightning_seqpar.attention.api import (
     ALGORITHMS,
     ATTENTION_OPS,
     Attention,
+    gathered_kv_attention,
     local_attention,
     sequence_parallel_attention,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "Attention",
     "BACKENDS",
     "available_backends",
+    "gathered_kv_attention",
     "local_attention",
     "sequence_parallel_attention",
 ]

@@ -79,21 +79,19 @@ def _ordered(full: torch.Tensor, world: int, layout: str, s_local: int) -> torch
     return seq.index_select(2, _global_order(world, layout, s_local, full.device))
 
 
-def allgather_forward(q, k, v, *, group, causal: bool, layout: str, scale: float, backend: str):
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+def gathered_forward(q, kv, *, rank: int, world: int, causal: bool, layout: str, scale: float, backend: str):
+    """Local queries over the whole sequence's K/V ``kv`` = (2, B, S, H, D) in global order."""
     s_local = q.shape[1]
-    kv = _ordered(_gather_kv(k, v, group), world, layout, s_local)
-    out, lse = new_accumulators(q, v.shape[-1])
+    out, lse = new_accumulators(q, kv.shape[-1])
     for rows, cols, is_causal in _blocks(rank, world, causal, layout, s_local):
         o, l = block_forward(q[:, rows], kv[0][:, cols], kv[1][:, cols], causal=is_causal, scale=scale, backend=backend)
         merge_(out, lse, o, l, rows)
     return out.to(q.dtype), lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, scale: float, backend: str):
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+def gathered_backward(dout, q, kv, out, lse, *, rank: int, world: int, causal: bool, layout: str, scale: float, backend: str):
+    """``(dq, dkv)`` of :func:`gathered_forward`; dkv (fp32) in global order, summed over local queries only."""
     s_local = q.shape[1]
-    kv = _ordered(_gather_kv(k, v, group), world, layout, s_local)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for rows, cols, is_causal in _blocks(rank, world, causal, layout, s_local):
@@ -102,10 +100,29 @@ def allgather_backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: 
         dq[:, rows] += dq_b
         dkv[0][:, cols] += dk_b
         dkv[1][:, cols] += dv_b
+    return dq, dkv
+
+
+def to_rank_order(x: torch.Tensor, world: int, layout: str, s_local: int, dim: int) -> torch.Tensor:
+    """Inverse of the global reordering along ``dim``: global order -> rank order."""
+    order = _global_order(world, layout, s_local, x.device)
+    return torch.empty_like(x).index_copy_(dim, order, x)
+
+
+def allgather_forward(q, k, v, *, group, causal: bool, layout: str, scale: float, backend: str):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    kv = _ordered(_gather_kv(k, v, group), world, layout, q.shape[1])
+    return gathered_forward(q, kv, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
+
+
+def allgather_backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, scale: float, backend: str):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    s_local = q.shape[1]
+    kv = _ordered(_gather_kv(k, v, group), world, layout, s_local)
+    dq, dkv = gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
     # back to rank order (W, 2, B, S, H, D), then reduce-scatter: rank r receives the sum of its rows
-    order = _global_order(world, layout, s_local, q.device)
     two, B, _, H, D = dkv.shape
-    ranked = torch.empty_like(dkv).index_copy_(2, order, dkv)
+    ranked = to_rank_order(dkv, world, layout, s_local, dim=2)
     ranked = ranked.view(two, B, world, s_local, H, D).permute(2, 0, 1, 3, 4, 5).reshape(world * two, B, s_local, H, D)
     mine = torch.empty((two, B, s_local, H, D), dtype=ranked.dtype, device=ranked.device)
     _reduce_scatter(mine, ranked, group=group)

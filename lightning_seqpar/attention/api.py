@@ -25,7 +25,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.attention.allgather import _global_order, allgather_backward, allgather_forward
+from lightning_seqpar.attention.allgather import (
+    _global_order,
+    allgather_backward,
+    allgather_forward,
+    gathered_backward,
+    gathered_forward,
+    to_rank_order,
+)
 from lightning_seqpar.attention.local import block_backward, block_forward, default_scale, resolve_backend
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
 from lightning_seqpar.attention.two_d import two_d_attention
@@ -48,6 +55,10 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, algorithm: str, group: str, causa
     if algorithm == "local":
         return block_forward(q, k, v, causal=causal, scale=scale, backend=backend)
     pg = _group(group)
+    if algorithm == "gathered":
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
+        return gathered_forward(q, kv, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
     if algorithm == "ring":
         return ring_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, inner=inner or None)
     return allgather_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend)
@@ -65,6 +76,13 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dout = dout.contiguous()
     if algorithm == "local":
         dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+    elif algorithm == "gathered":
+        pg = _group(group)
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
+        dq, dkv = gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
+        dkv = to_rank_order(dkv, world, layout, q.shape[1], dim=2)
+        dk, dv = dkv[0], dkv[1]
     elif algorithm == "ring":
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout, scale=scale,
                                    backend=backend, inner=inner or None)
@@ -257,6 +275,42 @@ def sequence_parallel_attention(
     if hp == 1:
         return ring_over_cp(q, k, v)
     return two_d_attention(q, k, v, hp=hp, hp_group=_group_name(mesh, "hp"), inner_attention=ring_over_cp)
+
+
+def gathered_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool = True,
+                          layout: Literal["zigzag", "contiguous"] = "zigzag", scale: float | None = None,
+                          backend: str = "auto") -> Tensor:
+    """Local queries attending to keys/values of the whole sequence that this rank already has.
+
+    The second half of all-gather attention, for callers that gather something cheaper than K/V
+    themselves — the LSS Transformer's fused communication (Principle 3) all-gathers the layer
+    input x once and projects K and V locally. No communication happens here.
+
+    Args:
+        q: ``[B, S_local, H_q, D]``, this rank's shard.
+        k, v: ``[B, W * S_local, H_kv, D]``: every rank's shard concatenated in rank order (what
+            an all-gather along the sequence gives). Their gradients are the full dK/dV from this
+            rank's queries; summing them over ranks (the reduce-scatter of the all-gather's
+            backward) gives each shard's gradient.
+        mesh: the 1-D sequence-parallel mesh; causal, layout, scale, backend: as
+            :func:`sequence_parallel_attention`.
+    """
+    _check_options(causal, layout, "allgather")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [batch, seq, heads, head_dim], got {getattr(t, 'shape', type(t).__name__)}")
+    _, cp = _mesh_dims(mesh, "allgather")
+    if k.shape[1] != q.shape[1] * cp:
+        raise ValueError(f"k.shape[1]={k.shape[1]} must be the whole sequence: q.shape[1] ({q.shape[1]}) x mesh size ({cp})")
+    _check_qkv(q, k[:, : q.shape[1]], v[:, : q.shape[1]])
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    _check_sizes(q, k, "allgather", layout, 1, cp, None)
+    be = resolve_backend(backend, q.device, q.dtype)
+    sc = default_scale(q.shape[-1], scale)
+    if cp == 1:
+        return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0)[0]
+    return torch.ops.seqpar.attn_fwd(q, k, v, "gathered", _group_name(mesh), causal, layout, sc, be, 0)[0]
 
 
 def _gathered_local(world: int, s_local: int, causal: bool, layout: str, scale: float, backend: str):

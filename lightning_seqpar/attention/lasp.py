@@ -5,12 +5,12 @@ Public names:
 
 * :func:`linear_attention_chunked` — one device, optional initial state in and final state out;
   pure torch on CPU (the reference), ``fla-core``'s ``chunk_simple_gla`` on CUDA when installed.
-* :func:`linear_attention_chunked_backward` — its explicit backward (what the custom ops run).
-* :func:`linear_attention` — the same attention through the custom op (what models run unsharded).
+* :func:`linear_attention_chunked_backward` — its explicit backward (what the kernel op runs).
+* :func:`linear_attention` — the same attention through the kernel op (what models run unsharded).
 * :func:`lasp_attention` — the sequence-parallel version over a 1-D mesh (contiguous layout).
 * :class:`LinearAttention` — a parameter-free module that models call; ``configure`` switches it
   from local to LASP (the strategy's job), like :class:`lightning_seqpar.attention.Attention`.
-* :data:`LASP_OPS` — the custom op whose outputs Selective Checkpoint++ must keep.
+* :data:`LASP_OPS` — the custom ops whose outputs Selective Checkpoint++ must keep.
 
 Note [Linear attention with decay]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -46,26 +46,28 @@ the communication does not depend on the sequence length (LASP §2.3, Table 1):
 
     forward (Alg. 2)                              backward (Alg. 3)
     r0      r1      r2      r3                    r0      r1      r2      r3
-    local   local   local   local   (parallel)    local   local   local   local   (parallel)
+    local   local   local   local   (parallel)    P       P       P       P       (cheap)
       S1 -----> S2 -----> S3 ---->                  <----- dS1 <----- dS2 <----- dS3
-    +inter  +inter  +inter  +inter                +inter  +inter  +inter  +inter
+    +inter  +inter  +inter  +inter                local   local   local   local   (parallel)
 
-1. Every rank computes its chunk with a zero initial state: o_loc and S_loc (its own tokens'
-   contribution to the state), in parallel — the intra part, which is all of the heavy work.
+1. Every rank computes its chunk with a zero initial state: out_local and S_loc (its own
+   tokens' contribution to the state), in parallel — the intra part, all of the heavy work.
 2. Rank r receives S_in (the state after all tokens before its chunk) from r - 1 (rank 0: zero),
-   adds the inter part o += (q * lambda^(t+1)) S_in and sends S_out = lambda^C S_in + S_loc to
-   r + 1: the state handed on includes the decay over the whole local chunk (LASP Eq. 11).
+   adds the inter part out = out_local + (q * lambda^(t+1)) S_in and sends
+   S_out = lambda^C S_in + S_loc to r + 1: the state handed on includes the decay over the whole
+   local chunk (LASP Eq. 11).
 3. S_in is an output of the custom op, so autograd keeps it for backward (KV state caching,
    LASP §2.4): backward neither recomputes it nor communicates for it.
-4. Backward: the local backward (zero initial state, zero final-state gradient) gives dq, dk, dv
-   of the intra part and P = (q * lambda^(t+1))^T do, the gradient of S_in; dq gets
-   (do S_in^T) * lambda^(t+1) from the cached S_in. Rank r receives dS_out (the gradient of its
-   S_out) from r + 1 (last rank: zero), adds dk += (v dS_out^T) * lambda^(C-1-j) and
-   dv += (k * lambda^(C-1-j)) dS_out, and sends dS_in = lambda^C dS_out + P to r - 1 (Eq. 21).
+4. Backward: from the cached S_in, dq += (dout S_in^T) * lambda^(t+1), and P = (q *
+   lambda^(t+1))^T dout is the gradient of S_in. Rank r receives dS_out (the gradient of its S_out,
+   hence of its S_loc) from r + 1 (last rank: zero) and sends dS_in = lambda^C dS_out + P to
+   r - 1 (Eq. 21). Then the local backward runs with dS_out as the gradient of its final state,
+   which adds dk += (v dS_out^T) * lambda^(C-1-j) and dv += (k * lambda^(C-1-j)) dS_out to the
+   intra part (Alg. 3 lines 14-15).
 
-Each hop carries B * H * Dk * Dv fp32 numbers (one send per rank per layer per direction) and
-only the cheap inter part waits for it: the W - 1 hops form a chain of d x d updates after the
-parallel local work.
+Each hop carries B * H * Dk * Dv fp32 numbers (one send per rank per layer per direction); only
+O(C d^2) work per rank sits on the W - 1 hop chain, the heavy local kernels run in parallel
+before it (forward) or after it (backward).
 
 Note [All-gather variant]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -95,9 +97,11 @@ On CUDA, with ``fla-core`` installed, ``kernel="auto"`` runs the local chunk wit
 ``fla.ops.simple_gla.chunk_simple_gla(q, k, v, g_gamma=decay_log, scale=1.0, ...)`` (layout
 [B, T, H, D]; g_gamma is the per-head log decay; TNL's decay is exactly simple GLA with a
 data-independent gate — fla's ``chunk_lightning_attn`` uses another decay). In LASP the kernel
-runs with a zero initial state and the inter corrections above are done in torch; its backward
-runs the kernel's forward again under autograd (local compute only). UNTESTED until a GPU run:
-the branch is kept thin and marked "fla path" below.
+runs with a zero initial state, outside the custom ops, with fla's own autograd Function (it
+takes the final-state gradient dS_out as ``dht``); the state exchange is the same op as for the
+torch kernel (Note [Two op pairs]). fla's function is ``torch.compiler.disable``d (a graph break
+under torch.compile) and its kernels are not dispatcher ops (Selective Checkpoint++ recomputes
+them). UNTESTED until a GPU run: the branch is kept thin and marked "fla path" below.
 """
 
 from __future__ import annotations
@@ -248,32 +252,10 @@ def _fla_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial: Tensor | Non
     return chunk_simple_gla(q, k, v, g_gamma=g.float(), scale=1.0, initial_state=initial, output_final_state=output_final_state)
 
 
-def _local_forward(q, k, v, g, chunk_size: int, kernel: str) -> tuple[Tensor, Tensor]:
-    """Zero initial state: (out fp32 [B, T, H, Dv], S_loc fp32 [B, H, Dk, Dv])."""
-    if kernel == "fla":  # fla path
-        out, state = _fla_chunk(q, k, v, g, None, True)
-        return out.float(), state.float()
-    return _torch_forward(q, k, v, g, chunk_size, None)
-
-
-def _local_backward(do, q, k, v, g, chunk_size: int, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Zero initial state and final-state gradient: (dq, dk, dv, P = d(initial state)), fp32."""
-    if kernel == "fla":  # fla path: the kernel's own backward, after running its forward again
-        with torch.enable_grad():
-            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-            out, _ = _fla_chunk(qg, kg, vg, g, None, False)
-            dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), do)
-        p = torch.einsum("bthk,bthv->bhkv", q.float() * _position_decay(g, q.shape[1])[..., None], do.float())
-        return dq.float(), dk.float(), dv.float(), p
-    return _torch_backward(do, q, k, v, g, chunk_size, None, None)
-
-
-def _position_decay(g: Tensor, n: int, *, from_end: bool = False) -> Tensor:
-    """[n, H]: lambda^(t+1) (decay from the start of the block to token t), or with ``from_end``
-    lambda^(n-1-t) (decay from token t to the end of the block)."""
-    t = torch.arange(n, device=g.device, dtype=torch.float32)
-    t = (n - 1 - t) if from_end else (t + 1)
-    return torch.exp(t[:, None] * g.float()[None, :])
+def _position_decay(g: Tensor, n: int) -> Tensor:
+    """[n, H, 1]: lambda^(t+1), the decay from the start of the block to token t."""
+    t = torch.arange(1, n + 1, device=g.device, dtype=torch.float32)
+    return torch.exp(t[:, None] * g.float()[None, :])[..., None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +299,8 @@ def _state_in(s_loc: Tensor, g: Tensor, C: int, variant: str, group: dist.Proces
 
 
 def _state_out_grad(p: Tensor, g: Tensor, C: int, variant: str, group: dist.ProcessGroup) -> Tensor:
-    """The gradient of this rank's local state contribution (backward of Note [LASP] step 4)."""
+    """The gradient of this rank's local state S_loc, from P = d(S_in) of the later ranks
+    (backward of Note [LASP] step 4)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if variant == "allgather":
         gathered = _gather_states(p, group)
@@ -335,67 +318,119 @@ def _state_out_grad(p: Tensor, g: Tensor, C: int, variant: str, group: dist.Proc
 
 # ---------------------------------------------------------------------------------------------
 # custom ops (as seqpar::attn_fwd / attn_bwd, Note [Custom ops] in api.py)
+#
+# Note [Two op pairs]
+# ~~~~~~~~~~~~~~~~~~~
+# LASP on one rank is  out = out_local + inter:
+#
+#     (out_local, S_loc) = seqpar::linear_attn_fwd(q, k, v, decay)     the torch kernel, zero initial state
+#                          (or fla's chunk_simple_gla, its own autograd Function)
+#     (inter, S_in)      = seqpar::lasp_fwd(q, S_loc, decay)           the state exchange + inter part
+#
+# Autograd then runs seqpar::lasp_bwd (P = d S_in from dout and q; the state-gradient exchange;
+# d S_loc) and hands d out_local = dout and d S_loc to the kernel's backward, which treats d S_loc
+# as the gradient of its final state (the dk, dv corrections of Alg. 3 lines 14-15). The kernel
+# is kept out of the exchange op so that fla's kernel can run with its own autograd: autograd
+# does not record inside a custom op, so fla's backward could not be called from one. Saved for
+# backward: q, k, v (kernel) and S_in (the cached KV state), nothing of size T beyond the inputs.
 
 
-@torch.library.custom_op("seqpar::lasp_fwd", mutates_args=())
-def _lasp_fwd(q: Tensor, k: Tensor, v: Tensor, decay_log: Tensor, variant: str, group: str, chunk_size: int,
-              kernel: str) -> tuple[Tensor, Tensor]:
-    out, s_loc = _local_forward(q, k, v, decay_log, chunk_size, kernel)
-    if variant == "local":
-        return out.to(q.dtype), torch.zeros_like(s_loc)
-    s_in = _state_in(s_loc, decay_log, q.shape[1], variant, _group(group))
-    inter = torch.einsum("bthk,bhkv->bthv", q.float() * _position_decay(decay_log, q.shape[1])[..., None], s_in)
-    return (out + inter).to(q.dtype), s_in
+@torch.library.custom_op("seqpar::linear_attn_fwd", mutates_args=())
+def _kernel_fwd(q: Tensor, k: Tensor, v: Tensor, decay_log: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    out, state = _torch_forward(q, k, v, decay_log, chunk_size, None)
+    return out.to(q.dtype), state
 
 
-@_lasp_fwd.register_fake
-def _(q, k, v, decay_log, variant, group, chunk_size, kernel):
+@_kernel_fwd.register_fake
+def _(q, k, v, decay_log, chunk_size):
     B, T, H, Dk = q.shape
     return q.new_empty((B, T, H, v.shape[-1])), q.new_empty((B, H, Dk, v.shape[-1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("seqpar::lasp_bwd", mutates_args=())
-def _lasp_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, decay_log: Tensor, state_in: Tensor, variant: str,
-              group: str, chunk_size: int, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
-    dout = dout.contiguous()
-    dq, dk, dv, p = _local_backward(dout, q, k, v, decay_log, chunk_size, kernel)
-    if variant != "local":
-        C = q.shape[1]
-        # the inter part of dq from the cached state: no communication (KV state caching)
-        dq = dq + torch.einsum("bthv,bhkv->bthk", dout.float(), state_in) * _position_decay(decay_log, C)[..., None]
-        ds_out = _state_out_grad(p, decay_log, C, variant, _group(group))
-        f = _position_decay(decay_log, C, from_end=True)[..., None]  # (C, H, 1): lambda^(C-1-j)
-        dk = dk + torch.einsum("bthv,bhkv->bthk", v.float(), ds_out) * f
-        dv = dv + torch.einsum("bthk,bhkv->bthv", k.float() * f, ds_out)
-    return (dq.to(q.dtype, memory_format=torch.contiguous_format, copy=True),
-            dk.to(k.dtype, memory_format=torch.contiguous_format, copy=True),
-            dv.to(v.dtype, memory_format=torch.contiguous_format, copy=True))
+@torch.library.custom_op("seqpar::linear_attn_bwd", mutates_args=())
+def _kernel_bwd(dout: Tensor, dstate: Tensor, q: Tensor, k: Tensor, v: Tensor, decay_log: Tensor,
+                chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv, _ = _torch_backward(dout.contiguous(), q, k, v, decay_log, chunk_size, None, dstate)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-@_lasp_bwd.register_fake
-def _(dout, q, k, v, decay_log, state_in, variant, group, chunk_size, kernel):
+@_kernel_bwd.register_fake
+def _(dout, dstate, q, k, v, decay_log, chunk_size):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, decay_log, *args = inputs
+def _kernel_setup_context(ctx, inputs, output):
+    q, k, v, decay_log, chunk_size = inputs
+    ctx.save_for_backward(q, k, v, decay_log)
+    ctx.chunk_size = chunk_size
+
+
+def _kernel_backward(ctx, dout, dstate):
+    q, k, v, decay_log = ctx.saved_tensors
+    dq, dk, dv = torch.ops.seqpar.linear_attn_bwd(dout, dstate, q, k, v, decay_log, ctx.chunk_size)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd("seqpar::linear_attn_fwd", _kernel_backward, setup_context=_kernel_setup_context)
+
+
+@torch.library.custom_op("seqpar::lasp_fwd", mutates_args=())
+def _lasp_fwd(q: Tensor, state_local: Tensor, decay_log: Tensor, variant: str, group: str) -> tuple[Tensor, Tensor]:
+    s_in = _state_in(state_local.float(), decay_log, q.shape[1], variant, _group(group))
+    inter = torch.einsum("bthk,bhkv->bthv", q.float() * _position_decay(decay_log, q.shape[1]), s_in)
+    return inter.to(q.dtype), s_in
+
+
+@_lasp_fwd.register_fake
+def _(q, state_local, decay_log, variant, group):
+    B, T, H, _ = q.shape
+    return q.new_empty((B, T, H, state_local.shape[-1])), state_local.new_empty(state_local.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("seqpar::lasp_bwd", mutates_args=())
+def _lasp_bwd(dinter: Tensor, q: Tensor, decay_log: Tensor, state_in: Tensor, variant: str, group: str) -> tuple[Tensor, Tensor]:
+    e = _position_decay(decay_log, q.shape[1])  # (C, H, 1)
+    dinter = dinter.float()
+    dq = torch.einsum("bthv,bhkv->bthk", dinter, state_in) * e  # from the cached state: no communication
+    p = torch.einsum("bthk,bthv->bhkv", q.float() * e, dinter)  # d S_in
+    ds_local = _state_out_grad(p, decay_log, q.shape[1], variant, _group(group))
+    return dq.to(q.dtype), ds_local
+
+
+@_lasp_bwd.register_fake
+def _(dinter, q, decay_log, state_in, variant, group):
+    return q.new_empty(q.shape), state_in.new_empty(state_in.shape)
+
+
+def _lasp_setup_context(ctx, inputs, output):
+    q, state_local, decay_log, variant, group = inputs
     _, state_in = output
-    ctx.save_for_backward(q, k, v, decay_log, state_in)  # state_in: the cached KV state (LASP §2.4)
-    ctx.args = args
+    ctx.save_for_backward(q, decay_log, state_in)  # state_in: the cached KV state (LASP §2.4)
+    ctx.args = (variant, group)
+    ctx.state_dtype = state_local.dtype
     ctx.mark_non_differentiable(state_in)
 
 
-def _backward(ctx, dout, _dstate):
-    q, k, v, decay_log, state_in = ctx.saved_tensors
-    dq, dk, dv = torch.ops.seqpar.lasp_bwd(dout, q, k, v, decay_log, state_in, *ctx.args)
-    return (dq, dk, dv, None) + (None,) * len(ctx.args)
+def _lasp_backward(ctx, dinter, _dstate_in):
+    q, decay_log, state_in = ctx.saved_tensors
+    dq, ds_local = torch.ops.seqpar.lasp_bwd(dinter, q, decay_log, state_in, *ctx.args)
+    return dq, ds_local.to(ctx.state_dtype), None, None, None
 
 
-torch.library.register_autograd("seqpar::lasp_fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd("seqpar::lasp_fwd", _lasp_backward, setup_context=_lasp_setup_context)
 
-#: The op whose outputs (out, cached KV state) Selective Checkpoint++ must keep, so that
-#: recomputing a block neither recomputes linear attention nor repeats its communication.
-LASP_OPS = (torch.ops.seqpar.lasp_fwd.default,)
+#: Ops whose outputs Selective Checkpoint++ must keep, so that recomputing a block neither runs
+#: the linear-attention kernel again nor repeats LASP's communication: the kernel (out_local,
+#: S_loc) and the exchange (inter, cached S_in).
+LASP_OPS = (torch.ops.seqpar.linear_attn_fwd.default, torch.ops.seqpar.lasp_fwd.default)
+
+
+def _local_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk_size: int, kernel: str) -> tuple[Tensor, Tensor]:
+    """(out_local in q's dtype, S_loc fp32) with a zero initial state; differentiable."""
+    if kernel == "fla":  # fla path: fla's own autograd Function (Note [fla-core kernel])
+        out, state = _fla_chunk(q, k, v, g, None, True)
+        return out, state.float()
+    return torch.ops.seqpar.linear_attn_fwd(q, k, v, g, chunk_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,8 +558,7 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, decay_log: Tensor, *, chun
     (explicit backward, one opaque node for torch.compile). Shapes as :func:`linear_attention_chunked`."""
     _check_inputs(q, k, v, decay_log)
     _check_chunk_size(chunk_size)
-    kern = _resolve_kernel(kernel, q.device)
-    return torch.ops.seqpar.lasp_fwd(q, k, v, decay_log.detach(), "local", "", chunk_size, kern)[0]
+    return _local_chunk(q, k, v, decay_log.detach(), chunk_size, _resolve_kernel(kernel, q.device))[0]
 
 
 def lasp_attention(
@@ -563,10 +597,12 @@ def lasp_attention(
     _check_chunk_size(chunk_size)
     _check_options(variant, layout)
     _check_mesh(mesh)
-    kern = _resolve_kernel(kernel, q.device)
+    g = decay_log.detach()
+    out_local, state_local = _local_chunk(q, k, v, g, chunk_size, _resolve_kernel(kernel, q.device))
     if mesh.size() == 1:
-        return torch.ops.seqpar.lasp_fwd(q, k, v, decay_log.detach(), "local", "", chunk_size, kern)[0]
-    return torch.ops.seqpar.lasp_fwd(q, k, v, decay_log.detach(), variant, mesh.get_group().group_name, chunk_size, kern)[0]
+        return out_local
+    inter, _ = torch.ops.seqpar.lasp_fwd(q, state_local, g, variant, mesh.get_group().group_name)
+    return out_local + inter
 
 
 class LinearAttention(nn.Module):
