@@ -115,6 +115,7 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     s = _scores(q, k, causal, scale)
     lse = lse.reshape(B, Hkv, G, Sq)
     p = torch.exp(s - _safe(lse).unsqueeze(-1))  # (B, Hkv, G, Sq, Sk)
+    p = p.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)  # rows with no key anywhere: P = 0
     do = dout.float().view(B, Sq, Hkv, G, -1)
     dv = torch.einsum("bhgqk,bqhgd->bkhd", p, do)
     dp = torch.einsum("bqhgd,bkhd->bhgqk", do, v.float())
