@@ -1,8 +1,9 @@
 """lightning_seqpar: exact sequence parallelism (ring, all-gather, Ulysses, 2D) for PyTorch Lightning.
 
 Public names: :class:`SequenceParallelStrategy` (also registered as the Trainer strategies
-"seqpar", "seqpar_ring", "seqpar_allgather", "seqpar_ulysses", "seqpar_2d") and
-:class:`CausalLMModule`. The functional API lives in ``lightning_seqpar.attention`` and
+"seqpar", "seqpar_ring", "seqpar_allgather", "seqpar_ulysses", "seqpar_2d"),
+:class:`CausalLMModule` and the callback :class:`PreemptionCheckpoint` (checkpoint and stop on
+SIGTERM). The functional API lives in ``lightning_seqpar.attention`` and
 ``lightning_seqpar.sharding``; models in ``lightning_seqpar.models``; data in ``lightning_seqpar.data``.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from lightning_seqpar.module import CausalLMModule
+from lightning_seqpar.preemption import PreemptionCheckpoint
 from lightning_seqpar.strategy import SequenceParallelStrategy
 
 try:
@@ -18,4 +20,4 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.1.0.dev0"
 
-__all__ = ["CausalLMModule", "SequenceParallelStrategy", "__version__"]
+__all__ = ["CausalLMModule", "PreemptionCheckpoint", "SequenceParallelStrategy", "__version__"]

@@ -3,6 +3,7 @@
     seqpar fit --config recipes/quickstart.yaml
     seqpar fit --config recipes/llama_gqa.yaml --trainer.max_steps 100
     seqpar validate --config recipes/quickstart.yaml --ckpt_path ...
+    seqpar export CHECKPOINT OUTPUT --format hf           (lightning_seqpar.export; not a Trainer command)
 
 Any LightningDataModule can be given as ``data.class_path`` (subclass mode), e.g.
 ``lightning_seqpar.data.LongRangeDataModule`` or ``lightning_seqpar.data.TokenFileDataModule``;
@@ -12,15 +13,66 @@ the strategy as ``trainer.strategy.class_path: lightning_seqpar.SequenceParallel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import difflib
+import inspect
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_seqpar.strategy  # noqa: F401 - registers the "seqpar*" strategy names
 from lightning_seqpar.module import CausalLMModule
 
 SUBCOMMANDS: tuple[str, ...] = ("fit", "validate", "test")
+
+
+def _accepted_names() -> set[str]:
+    """Argument names of the classes a recipe configures (for "did you mean" hints)."""
+    import dataclasses
+
+    from lightning.pytorch import Trainer
+
+    from lightning_seqpar.data import LongRangeDataModule, TokenFileDataModule
+    from lightning_seqpar.models import LlamaConfig
+    from lightning_seqpar.strategy import SequenceParallelStrategy
+
+    names = {f.name for f in dataclasses.fields(LlamaConfig)}
+    for cls in (Trainer, CausalLMModule, SequenceParallelStrategy, LongRangeDataModule, TokenFileDataModule):
+        names |= set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
+    return names
+
+
+_UNKNOWN = (re.compile(r"Option '([^']+)' is not accepted"), re.compile(r"unrecognized arguments: (.*)"))
+
+
+def unknown_key_hints(message: str, accepted: Iterable[str] | None = None) -> list[str]:
+    """For each unknown key named in a jsonargparse error, a hint with the closest accepted names."""
+    accepted = sorted(_accepted_names() if accepted is None else accepted)
+    keys: list[str] = []
+    for pattern in _UNKNOWN:
+        for match in pattern.finditer(message):
+            for token in match.group(1).split():
+                key = token.lstrip("-").split("=", 1)[0].rsplit(".", 1)[-1]
+                if key and key not in keys:
+                    keys.append(key)
+    hints = []
+    for key in keys:
+        close = difflib.get_close_matches(key, accepted, n=3, cutoff=0.5)
+        fix = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "remove it or check the spelling"
+        hints.append(f"unknown key {key!r}: {fix} (`seqpar fit --help` lists every accepted key)")
+    return hints
+
+
+class SeqparArgumentParser(LightningArgumentParser):
+    """LightningArgumentParser whose errors about unknown keys also suggest the closest accepted keys."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        hints = unknown_key_hints(message)
+        if hints:
+            message = message.rstrip() + "\n" + "\n".join(f"hint: {h}" for h in hints)
+        super().error(message, ex)
 
 
 class SeqparCLI(LightningCLI):
@@ -33,6 +85,7 @@ class SeqparCLI(LightningCLI):
 
 def make_cli(args: Sequence[str] | None = None, **kwargs: Any) -> SeqparCLI:
     """Build (and by default run) the CLI; ``args`` replaces ``sys.argv[1:]``; ``kwargs`` go to LightningCLI."""
+    kwargs.setdefault("parser_class", SeqparArgumentParser)
     return SeqparCLI(
         CausalLMModule,
         datamodule_class=None,
@@ -44,7 +97,13 @@ def make_cli(args: Sequence[str] | None = None, **kwargs: Any) -> SeqparCLI:
 
 
 def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of the ``seqpar`` console script."""
+    """Entry point of the ``seqpar`` console script; ``seqpar export ...`` runs ``lightning_seqpar.export``."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["export"]:
+        from lightning_seqpar.export import main as export_main
+
+        export_main(argv[1:])
+        return
     make_cli(args)
 
 

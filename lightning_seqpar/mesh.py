@@ -27,8 +27,10 @@ and replicated over dp_replicate.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "hp", "cp")
@@ -134,15 +136,53 @@ class ParallelDims:
         """Axis sizes in the order of :data:`MESH_AXES`."""
         return (self.dp_replicate, self.dp_shard, self.hp, self.cp)
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 4-D mesh with axes :data:`MESH_AXES` (collective: every rank must call it)."""
-        return init_device_mesh(device_type, self.sizes, mesh_dim_names=MESH_AXES)
+    def build_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> DeviceMesh:
+        """The 4-D mesh with axes :data:`MESH_AXES` (collective: every rank must call it).
+
+        ``timeout``: the timeout of every process group of the mesh (Note [Timeouts of the mesh
+        groups]); None keeps torch's defaults.
+        """
+        return _init_mesh(device_type, self.sizes, MESH_AXES, timeout)
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ParallelDims:
         """Read the sizes back from a mesh built by :meth:`build_mesh`."""
         _check_axes(mesh)
         return cls(**dict(zip(MESH_AXES, mesh.shape)), world_size=mesh.size())
+
+
+# Note [Timeouts of the mesh groups]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``init_process_group(timeout=...)`` sets the timeout of the default group only. The groups of a
+# DeviceMesh are new groups, created with torch's default timeout (30 minutes on gloo, 10 on
+# NCCL) unless ``init_device_mesh(backend_override=...)`` hands each mesh axis options that carry
+# one. We give every axis options with the strategy's timeout, so that a rank that stalls inside
+# an attention ring, an FSDP2 all-gather or the loss all-reduce makes the others fail after that
+# timeout, not after torch's default. The options are built as torch builds its own defaults:
+# ``ProcessGroupNCCL.Options`` (``is_high_priority_stream=False``) on NCCL, the generic
+# ``Backend.Options`` elsewhere (gloo takes only the timeout from them).
+
+
+def _group_options(timeout: timedelta) -> tuple[str, object]:
+    """``(backend, options)`` for ``init_device_mesh(backend_override=...)`` with this timeout."""
+    backend = dist.get_backend()
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout  # the attribute DeviceMesh reads the timeout from
+        return backend, options
+    from torch._C._distributed_c10d import Backend
+
+    return backend, Backend.Options(backend, timeout)
+
+
+def _init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...], timeout: timedelta | None) -> DeviceMesh:
+    if timeout is None or not dist.is_initialized():
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    override = {name: _group_options(timeout) for name in names}
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 
 def _check_axes(mesh: DeviceMesh) -> None:
@@ -174,7 +214,7 @@ def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
     return rank, mesh.size(MESH_AXES.index("dp_replicate")) * n_shard
 
 
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def fsdp_mesh(mesh: DeviceMesh, *, timeout: timedelta | None = None) -> DeviceMesh:
     """The mesh FSDP2 shards over: 1-D ``(dp_shard_sp,)``, or 2-D ``("dp_replicate", "dp_shard_sp")`` for HSDP.
 
     ``dp_shard_sp`` is dp_shard x hp x cp flattened. PyTorch's way of flattening axes of a mesh,
@@ -182,6 +222,7 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     public ``init_device_mesh`` instead. Its rank layout equals the 4-D mesh's (row-major
     ``arange(world).view(...)`` in both), so shard ``i`` of ``dp_shard_sp`` is the same rank as
     ``(dp_shard, hp, cp)`` index ``i``. Collective: every rank must call it (it creates groups).
+    ``timeout``: as :meth:`ParallelDims.build_mesh`.
     """
     _check_axes(mesh)
     dims = ParallelDims.from_mesh(mesh)
@@ -189,7 +230,5 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if not torch.equal(mesh.mesh.cpu(), expected):
         raise ValueError("fsdp_mesh needs a mesh built by ParallelDims.build_mesh (ranks in row-major order)")
     if dims.dp_replicate == 1:
-        return init_device_mesh(mesh.device_type, (dims.fsdp_shard,), mesh_dim_names=(FSDP_SHARD_AXIS,))
-    return init_device_mesh(
-        mesh.device_type, (dims.dp_replicate, dims.fsdp_shard), mesh_dim_names=("dp_replicate", FSDP_SHARD_AXIS)
-    )
+        return _init_mesh(mesh.device_type, (dims.fsdp_shard,), (FSDP_SHARD_AXIS,), timeout)
+    return _init_mesh(mesh.device_type, (dims.dp_replicate, dims.fsdp_shard), ("dp_replicate", FSDP_SHARD_AXIS), timeout)

@@ -29,6 +29,8 @@ from typing_extensions import override
 from lightning_seqpar.loss import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
 from lightning_seqpar.mesh import MESH_AXES
 from lightning_seqpar.models.llama import Llama, LlamaConfig
+from lightning_seqpar.models.transnormer import CONFIGS as TNL_CONFIGS
+from lightning_seqpar.models.transnormer import TransNormer, TransNormerConfig
 
 __all__ = ["CausalLMModule", "batch_samples", "batch_tokens"]
 
@@ -37,11 +39,14 @@ class CausalLMModule(L.LightningModule):
     """A Llama causal LM with AdamW and a warmup-cosine schedule.
 
     Args:
-        model: a :class:`~lightning_seqpar.models.LlamaConfig`, the name of one
-            (``LlamaConfig.from_name``: "tiny", "llama-7b", "llama-7b-gqa", "llama-33h", "llama3-8b", ...),
-            A dict of its fields is accepted too: checkpoints store the config that way, so that
-            ``torch.load(weights_only=True)`` reads them (the annotation leaves it out so that the
-            CLI checks the keys of a config given in YAML against ``LlamaConfig``).
+        model: a :class:`~lightning_seqpar.models.LlamaConfig` or
+            :class:`~lightning_seqpar.models.TransNormerConfig`, or the name of one
+            (``LlamaConfig.from_name``: "tiny", "llama-7b", "llama-7b-gqa", "llama-33h", "llama3-8b", ...;
+            ``TransNormerConfig.from_name``: "tnl-tiny", "tnl-385m", "tnl-1b", "tnl-7b").
+            A dict of its fields is accepted too (a TransNormerConfig when it has "glu_dim"):
+            checkpoints store the config that way, so that ``torch.load(weights_only=True)`` reads
+            them (the annotation leaves it out so that the CLI checks the keys of a config given in
+            YAML against the config classes).
         lr: peak learning rate, reached after ``warmup_steps``.
         weight_decay: AdamW weight decay of the matrices (norm weights are not decayed).
         betas: AdamW betas.
@@ -57,7 +62,7 @@ class CausalLMModule(L.LightningModule):
 
     def __init__(
         self,
-        model: LlamaConfig | str = "tiny",
+        model: LlamaConfig | TransNormerConfig | str = "tiny",
         *,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
@@ -73,11 +78,14 @@ class CausalLMModule(L.LightningModule):
         name = type(self).__name__
         original = model
         if isinstance(model, str):
-            model = LlamaConfig.from_name(model)
+            model = TransNormerConfig.from_name(model) if model in TNL_CONFIGS else LlamaConfig.from_name(model)
         elif isinstance(model, Mapping):
-            model = LlamaConfig(**model)
-        if not isinstance(model, LlamaConfig):
-            raise ValueError(f"{name}: model must be a LlamaConfig, the name of one or a dict of its fields, got {type(model).__name__}")
+            model = TransNormerConfig(**model) if "glu_dim" in model else LlamaConfig(**model)
+        if not isinstance(model, (LlamaConfig, TransNormerConfig)):
+            raise ValueError(
+                f"{name}: model must be a LlamaConfig or TransNormerConfig, the name of one or a dict of its fields, "
+                f"got {type(model).__name__}"
+            )
         if not lr > 0:
             raise ValueError(f"{name}: lr must be > 0, got {lr}")
         if weight_decay < 0:
@@ -99,7 +107,7 @@ class CausalLMModule(L.LightningModule):
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, tuple(betas), eps
         self.warmup_steps, self.max_steps, self.min_lr_ratio = warmup_steps, max_steps, min_lr_ratio
         self.loss_chunk_size, self.init_seed = loss_chunk_size, init_seed
-        self.model: Llama | None = None
+        self.model: Llama | TransNormer | None = None
         self.val_loss = MeanMetric()
         self.flops_per_batch = 0
         """Model FLOPs of this rank's share of the last training batch (read by Lightning's ThroughputMonitor):
@@ -115,9 +123,9 @@ class CausalLMModule(L.LightningModule):
         device = torch.empty(0).device  # the strategy's tensor_init_context sets the device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.init_seed)
-            self.model = Llama(self.config)
+            self.model = TransNormer(self.config) if isinstance(self.config, TransNormerConfig) else Llama(self.config)
 
-    def _require_model(self) -> Llama:
+    def _require_model(self) -> Llama | TransNormer:
         if self.model is None:
             self.configure_model()
         assert self.model is not None

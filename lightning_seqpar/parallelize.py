@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_seqpar.attention import ALGORITHMS, Attention
+from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS, Attention, LinearAttention
 from lightning_seqpar.checkpointing import SAVE_OPS, ActivationCheckpointing, checkpoint_block
 
 BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
@@ -95,14 +95,21 @@ def _head_counts(model: nn.Module) -> tuple[int, int] | None:
 # --------------------------------------------------------------------------------------------- apply_*
 
 
+def uses_linear_attention(model: nn.Module) -> bool:
+    """Whether ``model`` calls :class:`~lightning_seqpar.attention.LinearAttention` and no softmax ``Attention``."""
+    modules = list(model.modules())
+    return any(isinstance(m, LinearAttention) for m in modules) and not any(isinstance(m, Attention) for m in modules)
+
+
 def apply_attention(
     model: nn.Module,
     mesh: DeviceMesh | None,
     *,
-    algorithm: Literal["ring", "allgather", "ulysses", "2d"],
+    algorithm: Literal["ring", "allgather", "ulysses", "2d", "lasp"],
     layout: Literal["zigzag", "contiguous"] = "zigzag",
     backend: str = "auto",
     inner_ring_size: int | None = None,
+    lasp_variant: Literal["p2p", "allgather"] = "p2p",
 ) -> int:
     """Configure every :class:`~lightning_seqpar.attention.Attention` in ``model`` for ``mesh``.
 
@@ -114,10 +121,18 @@ def apply_attention(
             algorithm, or query heads not divisible by the head-parallel degree (checked from the
             model's config, before any communication).
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"attention={algorithm!r} is not supported; expected one of {ALGORITHMS}")
-    modules = [m for m in model.modules() if isinstance(m, Attention)]
+    if algorithm not in (*ALGORITHMS, "lasp"):
+        raise ValueError(f"attention={algorithm!r} is not supported; expected one of {(*ALGORITHMS, 'lasp')}")
     sp = 1 if mesh is None else mesh.size()
+    linear = [m for m in model.modules() if isinstance(m, LinearAttention)]
+    if algorithm == "lasp":
+        return _apply_lasp(model, linear, mesh if sp > 1 else None, layout=layout, variant=lasp_variant)
+    if linear and sp > 1:
+        raise ValueError(
+            f"{type(model).__name__} calls LinearAttention, which only runs sequence-parallel with attention='lasp' "
+            f"(got attention={algorithm!r}); use attention='lasp' or 'auto'"
+        )
+    modules = [m for m in model.modules() if isinstance(m, Attention)]
     if not modules:
         if sp > 1:
             raise ValueError(
@@ -144,6 +159,26 @@ def apply_attention(
             backend=backend,
             inner_ring_size=inner_ring_size,
         )
+    return len(modules)
+
+
+def _apply_lasp(model: nn.Module, modules: list[LinearAttention], mesh: DeviceMesh | None, *, layout: str, variant: str) -> int:
+    """attention='lasp': configure every LinearAttention (LASP needs a 1-D mesh and the contiguous layout)."""
+    if variant not in LASP_VARIANTS:
+        raise ValueError(f"lasp_variant={variant!r} is not supported; expected one of {LASP_VARIANTS}")
+    if layout != "contiguous":
+        raise ValueError(f"attention='lasp' needs load_balance='contiguous' (LASP Alg. 1), got layout={layout!r}")
+    if not modules:
+        if mesh is not None:
+            raise ValueError(
+                f"attention='lasp': {type(model).__name__} has no lightning_seqpar.attention.LinearAttention module, so "
+                f"LASP over {mesh.size()} ranks cannot be installed"
+            )
+        return 0
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(f"attention='lasp' needs head_parallel_size=1 (a 1-D sequence-parallel mesh), got a {mesh.ndim}-D mesh")
+    for module in modules:
+        module.configure(mesh=mesh, algorithm="lasp", variant=variant, layout="contiguous")  # type: ignore[arg-type]
     return len(modules)
 
 
@@ -238,8 +273,9 @@ def parallelize(
     *,
     sp_mesh: DeviceMesh | None,
     fsdp_mesh: DeviceMesh | None,
-    attention: Literal["ring", "allgather", "ulysses", "2d"] = "ring",
+    attention: Literal["ring", "allgather", "ulysses", "2d", "lasp"] = "ring",
     layout: Literal["zigzag", "contiguous"] = "zigzag",
+    lasp_variant: Literal["p2p", "allgather"] = "p2p",
     activation_checkpointing: ActivationCheckpointing | None = "selective++",
     compile_kwargs: dict[str, Any] | None = None,
     param_dtype: torch.dtype | None = None,
@@ -250,7 +286,7 @@ def parallelize(
 
     ``compile_kwargs=None`` skips compile; ``fsdp_mesh=None`` skips FSDP (one process).
     """
-    apply_attention(model, sp_mesh, algorithm=attention, layout=layout)
+    apply_attention(model, sp_mesh, algorithm=attention, layout=layout, lasp_variant=lasp_variant)
     apply_ac(model, activation_checkpointing, block_classes=block_classes)
     if compile_kwargs is not None:
         apply_compile(model, compile_kwargs, block_classes=block_classes)

@@ -13,14 +13,22 @@ parallelization:
 * ``setup``: precision, then ``lightning_seqpar.parallelize.parallelize`` on every child module
   of the LightningModule that holds transformer blocks (attention -> AC -> compile -> FSDP2 over
   dp_shard x hp x cp), then the optimizers (over the sharded parameters).
-* ``batch_to_device``: the one place where batches are sharded along the sequence.
+* ``batch_to_device``: the one place where batches are checked, padded and sharded along the
+  sequence (Note [Validating batches without hanging] in ``lightning_seqpar.validation``).
 * ``distributed_sampler_kwargs``: the data-parallel rank and size only, so all ranks of one
   sequence-parallel group read the same sample.
+* ``process_dataloader``: training loaders become ``ResumableLoader`` s, so that checkpoints hold
+  the position within the epoch (Note [Exact mid-epoch resume] in ``lightning_seqpar.data.resumable``).
+* ``save_checkpoint`` / ``load_checkpoint`` / ``on_train_start``: checkpoints also hold every
+  rank's random state, restored just before the first step after a resume; folders of shards
+  are written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+import os
+import shutil
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -28,25 +36,29 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar.attention import ALGORITHMS
+from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS
 from lightning_seqpar.checkpointing import AC_MODES
+from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
-from lightning_seqpar.parallelize import find_blocks, parallelize
-from lightning_seqpar.sharding import LAYOUTS, required_multiple, shard_sequence
+from lightning_seqpar.parallelize import find_blocks, parallelize, uses_linear_attention
+from lightning_seqpar.rng import get_rng_state, set_rng_state
+from lightning_seqpar.sharding import LAYOUTS, pad_batch, required_multiple, shard_sequence
+from lightning_seqpar.validation import check_batch, check_same_batch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-AttentionChoice = Literal["ring", "allgather", "ulysses", "2d", "auto"]
+AttentionChoice = Literal["ring", "allgather", "ulysses", "2d", "lasp", "auto"]
 ActivationCheckpointingChoice = Literal["selective++", "full"]
 
 
@@ -56,7 +68,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     Each sequence is split over ``sequence_parallel_size`` ranks (sp = hp x cp); the remaining
     ranks are data parallel. Model states are sharded (FSDP2) over dp_shard x sp. The model code
     does not change: every ``lightning_seqpar.attention.Attention`` in it runs the chosen
-    algorithm. See docs/strategy.md for each argument.
+    algorithm, every ``LinearAttention`` runs LASP. See docs/strategy.md for each argument.
 
     Args:
         sequence_parallel_size: ranks that share one sequence (sp). ``"auto"``: all devices of a
@@ -66,9 +78,13 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             over cp = sp / hp). "ring" and "allgather" need hp = 1; "ulysses" splits heads over
             all sp ranks and needs hp = 1.
         attention: "ring" (LightSeq DistAttn), "allgather" (LSS), "ulysses" (head all-to-all),
-            "2d" (LoongTrain) or "auto" ("2d" when head_parallel_size > 1, else "ring").
+            "2d" (LoongTrain), "lasp" (linear attention: KV-state passing, LASP; needs hp = 1 and
+            the contiguous layout) or "auto" ("lasp" when the model's blocks call
+            ``LinearAttention``, else "2d" when head_parallel_size > 1, else "ring"; decided in setup).
         load_balance: how the sequence is split: True / "zigzag" (balanced causal work, LightSeq
-            §3.2), False / "contiguous".
+            §3.2), False / "contiguous", or "auto" (contiguous for LASP, zigzag otherwise).
+        lasp_variant: LASP's state exchange: "p2p" (rank to rank, LASP Alg. 2-3) or "allgather"
+            (one all-gather of the local states).
         data_parallel_replicate_size: HSDP replicas; the data-parallel ranks inside a replica
             (dp_shard) are what remains: world / (sp x replicas).
         activation_checkpointing: "selective++" (save attention outputs, recompute the rest of
@@ -78,7 +94,15 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: each rank writes its shard (a folder) if True; else the full
             state is gathered to rank 0 and written to one file.
         process_group_backend: torch.distributed backend; None picks "gloo" on CPU, "nccl" on CUDA.
-        timeout: timeout of collective operations (a timedelta, or seconds).
+        timeout: timeout of collective operations (a timedelta, or seconds), for the default
+            process group and every group of the device mesh: a rank that stalls makes the others
+            fail after this long.
+        pad_to_multiple: right-pad batches whose sequence length the layout cannot split
+            (labels -100, positions continued, other tensors 0) instead of raising; the loss of
+            the real tokens does not change.
+        validate_batches: compare every batch across the ranks of each sequence-parallel group
+            (one all-gather of 5 integers per rank and batch) and raise, naming the ranks, if they
+            differ in shape, dtype or tokens.
     """
 
     strategy_name = "seqpar"
@@ -89,13 +113,16 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         sequence_parallel_size: int | Literal["auto"] = "auto",
         head_parallel_size: int = 1,
         attention: AttentionChoice = "auto",
-        load_balance: bool | Literal["zigzag", "contiguous"] = True,
+        load_balance: bool | Literal["zigzag", "contiguous", "auto"] = "auto",
+        lasp_variant: Literal["p2p", "allgather"] = "p2p",
         data_parallel_replicate_size: int = 1,
         activation_checkpointing: ActivationCheckpointingChoice | None = "selective++",
         compile: bool | dict[str, Any] = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        pad_to_multiple: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         name = type(self).__name__
         if not (sequence_parallel_size == "auto" or _positive_int(sequence_parallel_size)):
@@ -103,8 +130,13 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         for arg, value in (("head_parallel_size", head_parallel_size), ("data_parallel_replicate_size", data_parallel_replicate_size)):
             if not _positive_int(value):
                 raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
-        if attention not in (*ALGORITHMS, "auto"):
-            raise ValueError(f"{name}: attention={attention!r} is not supported; expected one of {(*ALGORITHMS, 'auto')}")
+        choices = (*ALGORITHMS, "lasp", "auto")
+        if attention not in choices:
+            raise ValueError(f"{name}: attention={attention!r} is not supported; expected one of {choices}")
+        if lasp_variant not in LASP_VARIANTS:
+            raise ValueError(f"{name}: lasp_variant={lasp_variant!r} is not supported; expected one of {LASP_VARIANTS}")
+        # "auto" becomes "lasp" in setup() when the model's blocks call LinearAttention
+        self._auto_attention = attention == "auto"
         if attention == "auto":
             attention = "2d" if head_parallel_size > 1 else "ring"
         if attention == "2d" and head_parallel_size == 1:
@@ -117,12 +149,20 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 f"{name}: head_parallel_size={head_parallel_size} needs attention='2d' (or 'auto'); "
                 f"attention={attention!r} runs over all sequence_parallel_size ranks with head_parallel_size=1"
             )
+        self._auto_layout = load_balance == "auto"
         if load_balance is True or load_balance is False:
             layout = "zigzag" if load_balance else "contiguous"
         elif load_balance in LAYOUTS:
             layout = load_balance
+        elif load_balance == "auto":  # LASP needs contiguous; causal softmax attention is balanced by zigzag
+            layout = "contiguous" if attention == "lasp" else "zigzag"
         else:
-            raise ValueError(f"{name}: load_balance={load_balance!r} is not supported; expected a bool or one of {LAYOUTS}")
+            raise ValueError(f"{name}: load_balance={load_balance!r} is not supported; expected a bool, 'auto' or one of {LAYOUTS}")
+        if attention == "lasp" and layout != "contiguous":
+            raise ValueError(
+                f"{name}: attention='lasp' needs load_balance='contiguous' (or False / 'auto'): LASP passes the KV state "
+                f"from each rank's chunk to the next (papers/lasp.txt Alg. 1-2); got load_balance={load_balance!r}"
+            )
         if activation_checkpointing is not None and activation_checkpointing not in AC_MODES:
             raise ValueError(
                 f"{name}: activation_checkpointing={activation_checkpointing!r} is not supported; expected one of {AC_MODES} or None"
@@ -133,6 +173,11 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"{name}: timeout must be a timedelta, a number of seconds or None, got {timeout!r}")
+        if timeout is not None and timeout.total_seconds() <= 0:
+            raise ValueError(f"{name}: timeout must be positive, got {timeout!r}")
+        for arg, value in (("pad_to_multiple", pad_to_multiple), ("validate_batches", validate_batches)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: {arg} must be True or False, got {value!r}")
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -143,10 +188,15 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._data_parallel_replicate_size = data_parallel_replicate_size
         self.attention: str = attention
         self.layout: str = layout
+        self.lasp_variant: str = lasp_variant
         self.activation_checkpointing = activation_checkpointing
         self.compile_kwargs: dict[str, Any] | None = (dict(compile) if isinstance(compile, dict) else {}) if compile else None
+        self.timeout: timedelta | None = timeout
+        self.pad_to_multiple = pad_to_multiple
+        self.validate_batches = validate_batches
         self._parallel_dims: ParallelDims | None = None
         self._sp_mesh: DeviceMesh | None = None
+        self._rng_state_to_restore: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------- mesh
 
@@ -181,7 +231,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         dims = self.resolve_parallel_dims()  # validated before the process group exists
         self._setup_distributed()  # ModelParallelStrategy: ranks, seed, init_process_group
         self._parallel_dims = dims
-        self._device_mesh = dims.build_mesh(self.root_device.type)
+        self._device_mesh = dims.build_mesh(self.root_device.type, timeout=self.timeout)
         self._sp_mesh = sp_mesh(self._device_mesh)
         # LightningModule.device_mesh is read-only and ModelParallelStrategy sets it this same way.
         assert self.lightning_module is not None
@@ -246,7 +296,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "bf16-mixed":
             param_dtype, reduce_dtype = torch.bfloat16, torch.float32
         # FSDP2 also on one rank: one code path, and the same checkpoint format at every size.
-        mesh_for_fsdp = fsdp_mesh(self.device_mesh)
+        mesh_for_fsdp = fsdp_mesh(self.device_mesh, timeout=self.timeout)
+        self._resolve_auto_attention(roots)
         for root in roots:
             parallelize(
                 root,
@@ -254,11 +305,23 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 fsdp_mesh=mesh_for_fsdp,
                 attention=self.attention,  # type: ignore[arg-type]
                 layout=self.layout,  # type: ignore[arg-type]
+                lasp_variant=self.lasp_variant,  # type: ignore[arg-type]
                 activation_checkpointing=self.activation_checkpointing,
                 compile_kwargs=self.compile_kwargs,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
             )
+
+    def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
+        """attention="auto" on a linear-attention model (its blocks call LinearAttention): LASP, contiguous."""
+        if not (self._auto_attention and roots and all(uses_linear_attention(root) for root in roots)):
+            return
+        name = type(self).__name__
+        if self._head_parallel_size != 1:
+            raise ValueError(f"{name}: the model uses linear attention (LASP), which needs head_parallel_size=1")
+        if self.layout != "contiguous" and not self._auto_layout:
+            raise ValueError(f"{name}: the model uses linear attention (LASP), which needs load_balance='contiguous' (or 'auto')")
+        self.attention, self.layout = "lasp", "contiguous"
 
     # ----------------------------------------------------------------------------------------- checkpoints
     # Note [Checkpoint formats]
@@ -282,12 +345,53 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
+        # Collective: Trainer.save_checkpoint calls this on every rank.
+        checkpoint["rng_states"] = self._gather_rng_states()
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # Note [Complete checkpoints only]: a folder of shards appears under its name only once
+        # every rank has written its shards and rank 0 meta.pt, so a run killed while saving
+        # leaves the previous checkpoint of that name (or none), never a half-written one.
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(path.name + ".partial")
+        if self.global_rank == 0 and partial.exists():
+            shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
+        self.barrier("seqpar_save_checkpoint_start")
+        super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        self.barrier("seqpar_save_checkpoint_written")
+        if self.global_rank == 0:
+            _replace(partial, path)
+        self.barrier("seqpar_save_checkpoint_renamed")
+
+    def _gather_rng_states(self) -> list[dict[str, Any]]:
+        state = get_rng_state(self.root_device)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [state]
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, state)
+        return states
+
+    @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if path.is_dir():  # a folder of shards
-            return super().load_checkpoint(path, weights_only=weights_only)
-        if not path.is_file():
+            missing = [name for name in (".metadata", "meta.pt") if not (path / name).is_file()]
+            if missing:
+                raise ValueError(
+                    f"{type(self).__name__}: {str(path)!r} is not a complete distributed checkpoint (no {missing}): "
+                    "its save did not finish (was the run killed while saving?); resume from an earlier checkpoint"
+                )
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        elif not path.is_file():
             raise FileNotFoundError(f"{type(self).__name__}: no checkpoint at {str(path)!r}")
+        else:
+            checkpoint = self._load_full_checkpoint(path, weights_only)
+        self._stash_rng_state(checkpoint.pop("rng_states", None))
+        return checkpoint
+
+    def _load_full_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         assert self.model is not None and self.lightning_module is not None
@@ -301,6 +405,32 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 set_optimizer_state_dict(self.model, optimizer, state, options=options)
         return checkpoint
 
+    def _stash_rng_state(self, states: list[dict[str, Any]] | None) -> None:
+        """Keep this rank's random state for :meth:`on_train_start` (rank r of a smaller saved world: r mod its size)."""
+        self._rng_state_to_restore = None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if states and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._rng_state_to_restore = states[self.global_rank % len(states)]
+
+    @override
+    def on_train_start(self) -> None:
+        # After Lightning created the data iterators (which draw from the global generator, as
+        # they did at the start of the epoch in the run that saved) and before the first step.
+        super().on_train_start()
+        if self._rng_state_to_restore is not None:
+            set_rng_state(self._rng_state_to_restore, self.root_device)
+            self._rng_state_to_restore = None
+
+    # ----------------------------------------------------------------------------------------- data
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or isinstance(dataloader, ResumableLoader):
+            return dataloader
+        return ResumableLoader(dataloader)  # type: ignore[arg-type]
+
     # ----------------------------------------------------------------------------------------- batches
 
     @override
@@ -311,30 +441,34 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     def shard_batch(self, batch: Any) -> Any:
         """This rank's piece of a dict batch of full sequences (Note [What the strategy does, and where]).
 
-        Every tensor with ``shape[1] == input_ids.shape[1]`` (input ids, labels, position ids,
+        First the local checks (``lightning_seqpar.validation.check_batch``, the sequence length
+        against the layout, padding with ``pad_to_multiple``): no communication, so a wrong batch
+        raises before any collective. Then, with ``validate_batches`` and sequence parallelism,
+        one all-gather compares the batch across the ranks of each sequence-parallel group. Then
+        every tensor with ``shape[1] == input_ids.shape[1]`` (input ids, labels, position ids,
         loss masks, document ids, ...) is split along dim 1 with the strategy's layout. Missing
         ``position_ids`` are created first as the global positions ``0..S-1``.
         """
         name = type(self).__name__
-        if not isinstance(batch, Mapping) or "input_ids" not in batch:
-            raise ValueError(
-                f"{name} shards dict batches with an 'input_ids' tensor (batch, seq_len) and tensors such as "
-                f"'labels' / 'position_ids' of the same length; got {type(batch).__name__}"
-                + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
-            )
-        input_ids = batch["input_ids"]
-        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-            raise ValueError(f"{name}: batch['input_ids'] must be a (batch, seq_len) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+        check_batch(batch, owner=name)
         if self.parallel_dims.sp == 1:
             return batch
-        seq_len = input_ids.shape[1]
         multiple = required_multiple(self.sp_mesh, self.layout)
-        if seq_len % multiple:
-            raise ValueError(
-                f"{name}: sequence length {seq_len} of batch['input_ids'] must be a multiple of {multiple} "
-                f"(sequence_parallel_size={self.parallel_dims.sp}, load_balance={self.layout!r}); pad the "
-                f"sequences (labels -100) or choose seq_len as a multiple of {multiple}"
-            )
+        if batch["input_ids"].shape[1] % multiple:
+            if not self.pad_to_multiple:
+                seq_len = batch["input_ids"].shape[1]
+                raise ValueError(
+                    f"{name}: sequence length {seq_len} of batch['input_ids'] must be a multiple of {multiple} "
+                    f"(sequence_parallel_size={self.parallel_dims.sp}, load_balance={self.layout!r}); set "
+                    f"pad_to_multiple=True (pads with ignored labels, the loss does not change) or choose seq_len as a "
+                    f"multiple of {multiple}"
+                )
+            batch = pad_batch(dict(batch), multiple=multiple)
+        if self.validate_batches:
+            groups = self.device_mesh.mesh.reshape(-1, self.parallel_dims.sp).tolist()
+            check_same_batch(batch, groups=groups, owner=name)
+        input_ids = batch["input_ids"]
+        seq_len = input_ids.shape[1]
         out = dict(batch)
         if out.get("position_ids") is None:
             out["position_ids"] = torch.arange(seq_len, device=input_ids.device).expand(input_ids.shape[0], seq_len)
@@ -349,7 +483,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: dict) -> None:
         strategy_registry.register("seqpar", cls, description="Sequence parallelism, attention chosen automatically")
-        for algorithm in ALGORITHMS:
+        for algorithm in (*ALGORITHMS, "lasp"):
             kwargs: dict[str, Any] = {"attention": algorithm}
             if algorithm == "2d":
                 kwargs["head_parallel_size"] = 2
@@ -365,6 +499,19 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         )
 
 
+def _replace(source: Path, target: Path) -> None:
+    """Put the folder ``source`` at ``target``, replacing what is there; ``target`` never holds a mix of both."""
+    if target.exists():
+        old = target.with_name(target.name + ".old")
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        os.replace(target, old)
+        os.replace(source, target)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        os.replace(source, target)
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -374,10 +521,10 @@ def _is_parallelized(module: nn.Module) -> bool:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
 
-    from lightning_seqpar.attention import Attention
+    from lightning_seqpar.attention import Attention, LinearAttention
 
     return any(
-        isinstance(m, (FSDPModule, CheckpointWrapper)) or (isinstance(m, Attention) and m.mesh is not None)
+        isinstance(m, (FSDPModule, CheckpointWrapper)) or (isinstance(m, (Attention, LinearAttention)) and m.mesh is not None)
         for m in module.modules()
     )
 

@@ -142,7 +142,7 @@ def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks():
     x = make_inputs(1, 12, 2, 4, 4, seed=6)
     q, k, v = (x[n].clone().requires_grad_() for n in ("q", "k", "v"))
     g = x["decay_log"][:2]
-    torch.library.opcheck(torch.ops.seqpar.lasp_fwd.default, (q, k, v, g, "local", "", 4, "torch"))
+    torch.library.opcheck(torch.ops.seqpar.linear_attn_fwd.default, (q, k, v, g, 4))
     compiled = torch.compile(lambda a, b, c: linear_attention(a, b, c, g, chunk_size=4, kernel="torch"), backend="aot_eager",
                              fullgraph=True)
     out = compiled(q, k, v)
@@ -151,6 +151,29 @@ def test_custom_ops_pass_opcheck_and_compile_without_graph_breaks():
                            "dout": x["dout"][:, :, :2], "decay_log": g}, with_state=False)
     close(out.detach(), ref["out"], "compiled out")
     close(q.grad, ref["dq"], "compiled dq")
+
+
+def _opcheck_worker(rank: int, world_size: int, variant: str) -> None:
+    """opcheck of the state-exchange op runs it several times, identically on every rank."""
+    import lightning_seqpar.attention.lasp  # noqa: F401 - registers the ops
+    x = make_inputs(1, 8, 2, 4, 3, seed=7)
+    q = x["q"].clone().requires_grad_()
+    state = torch.randn(1, 2, 4, 3, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    group = mesh_1d(world_size).get_group().group_name
+    torch.library.opcheck(torch.ops.seqpar.lasp_fwd.default, (q, state, x["decay_log"][:2], variant, group))
+    # and LASP compiles as one graph (the ops are opaque nodes), with the eager result
+    from lightning_seqpar.attention.lasp import lasp_attention
+
+    mesh, g = mesh_1d(world_size), x["decay_log"][:2]
+    eager = lasp_attention(q, x["k"], x["v"], g, mesh=mesh, variant=variant, chunk_size=3)
+    compiled = torch.compile(lambda a, b, c: lasp_attention(a, b, c, g, mesh=mesh, variant=variant, chunk_size=3),
+                             backend="aot_eager", fullgraph=True)(q, x["k"], x["v"])
+    torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize("variant", ["p2p", "allgather"])
+def test_state_exchange_op_passes_opcheck_and_compiles(variant):
+    run_distributed(_opcheck_worker, 2, variant)
 
 
 def test_local_errors_name_the_argument():
@@ -327,7 +350,8 @@ def _errors_worker(rank: int, world_size: int) -> int:
                     lasp_attention(*args, **{"mesh": mesh, **kwargs})
             except (Exception, pytest.fail.Exception) as err:  # noqa: BLE001 - collect every failing case
                 failures.append(f"{label}: {type(err).__name__}: {err}")
-    for label, kwargs, match in (("configure 2-D mesh", {"mesh": mesh_2d}, "mesh"), ("configure layout", {"mesh": mesh, "layout": "zigzag"}, "contiguous")):
+    configure_cases = (({"mesh": mesh_2d}, "mesh"), ({"mesh": mesh, "layout": "zigzag"}, "contiguous"))
+    for kwargs, match in configure_cases:
         with no_collectives(), pytest.raises(ValueError, match=match):
             LinearAttention().configure(**kwargs)
     assert not failures, "\n".join(failures)

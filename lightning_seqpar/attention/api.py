@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_seqpar.attention.lasp import LASP_OPS
 from lightning_seqpar.attention.allgather import (
     _global_order,
     allgather_backward,
@@ -116,10 +117,12 @@ def _backward(ctx, dout, _dlse):
 
 torch.library.register_autograd("seqpar::attn_fwd", _backward, setup_context=_setup_context)
 
-#: Ops whose outputs Selective Checkpoint++ keeps: the attention (out, lse) and the head all-to-alls.
+#: Ops whose outputs Selective Checkpoint++ keeps: the attention (out, lse), the head all-to-alls
+#: and LASP's linear-attention kernel and state exchange.
 ATTENTION_OPS = (
     torch.ops.seqpar.attn_fwd.default,
     torch.ops._c10d_functional.all_to_all_single.default,
+    *LASP_OPS,
 )
 
 

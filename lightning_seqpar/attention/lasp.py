@@ -378,7 +378,7 @@ torch.library.register_autograd("seqpar::linear_attn_fwd", _kernel_backward, set
 def _lasp_fwd(q: Tensor, state_local: Tensor, decay_log: Tensor, variant: str, group: str) -> tuple[Tensor, Tensor]:
     s_in = _state_in(state_local.float(), decay_log, q.shape[1], variant, _group(group))
     inter = torch.einsum("bthk,bhkv->bthv", q.float() * _position_decay(decay_log, q.shape[1]), s_in)
-    return inter.to(q.dtype), s_in
+    return inter.to(q.dtype).contiguous(), s_in.contiguous()  # contiguous, as the fake implementation promises
 
 
 @_lasp_fwd.register_fake
@@ -394,7 +394,7 @@ def _lasp_bwd(dinter: Tensor, q: Tensor, decay_log: Tensor, state_in: Tensor, va
     dq = torch.einsum("bthv,bhkv->bthk", dinter, state_in) * e  # from the cached state: no communication
     p = torch.einsum("bthk,bthv->bhkv", q.float() * e, dinter)  # d S_in
     ds_local = _state_out_grad(p, decay_log, q.shape[1], variant, _group(group))
-    return dq.to(q.dtype), ds_local
+    return dq.to(q.dtype).contiguous(), ds_local.contiguous()
 
 
 @_lasp_bwd.register_fake

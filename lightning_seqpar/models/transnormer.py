@@ -21,7 +21,7 @@ Shape legend:
 
 Parameter names follow TNL's Hugging Face code (``embed_tokens``, ``layers.N.token_mixer.qkvu_proj``,
 ``...token_mixer.out_proj``, ``...token_mixer.lrpe.theta``, ``layers.N.channel_mixer.l1/l2/l3``,
-``lm_head``) without the ``model.`` prefix; only ``lrpe.theta`` changes shape, (H, 1, D) -> (H, D).
+``lm_head``) without the ``model.`` prefix; only ``lrpe.theta`` changes shape, (H, 1, D) -> (H * D,).
 """
 
 from __future__ import annotations
@@ -194,26 +194,28 @@ class SimpleRMSNorm(nn.Module):
 class LRPE(nn.Module):
     """Linearized relative positional encoding (TNL's ``Lrpe``): x -> [x cos(theta p), x sin(theta p)].
 
-    With learned per-head frequencies theta (H, D), q_t . k_s of the encoded vectors is
-    sum_i q_ti k_si cos(theta_i (t - s)): relative, and still a dot product, so linear attention
-    applies. ``p`` is the GLOBAL position (``position_ids``), so the encoding is exact under
-    sequence parallelism. Doubles the head dimension: (B, S, H, D) -> (B, S, H, 2D).
+    With learned frequencies theta (H * D of them, head h using theta[h D : (h+1) D]),
+    q_t . k_s of the encoded vectors is sum_i q_ti k_si cos(theta_i (t - s)): relative, and still
+    a dot product, so linear attention applies. ``p`` is the GLOBAL position (``position_ids``),
+    so the encoding is exact under sequence parallelism. Doubles the head dimension:
+    (B, S, H, D) -> (B, S, H, 2D). theta is stored flat, (H * D,) — TNL's (H, 1, D) reshaped —
+    so that, like norm weights and biases, it falls outside weight decay (``ndim < 2``).
     """
 
     def __init__(self, n_head: int, head_dim: int, *, base: float = 10000.0) -> None:
         super().__init__()
-        self.base = base
-        self.theta = nn.Parameter(torch.empty(n_head, head_dim))
+        self.n_head, self.head_dim, self.base = n_head, head_dim, base
+        self.theta = nn.Parameter(torch.empty(n_head * head_dim))
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         d = self.theta.numel()
-        freqs = self.base ** (-2.0 / d * torch.arange(d, dtype=torch.float32, device=self.theta.device))
-        self.theta.copy_(freqs.view_as(self.theta))
+        self.theta.copy_(self.base ** (-2.0 / d * torch.arange(d, dtype=torch.float32, device=self.theta.device)))
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        angles = position_ids.to(torch.float32)[:, :, None, None] * self.theta.float()  # (B, S, H, D), fp32
+        theta = self.theta.float().view(self.n_head, self.head_dim)  # (H, D)
+        angles = position_ids.to(torch.float32)[:, :, None, None] * theta  # (B, S, H, D), fp32
         xf = x.float()
         return torch.cat([xf * angles.cos(), xf * angles.sin()], dim=-1).to(x.dtype)  # (B, S, H, 2D)
 
