@@ -31,7 +31,8 @@ class CutAttentionStrategy(SequenceParallelStrategy):
 if __name__ == "__main__":
     from lightning_seqpar.cli import main
 
-    sys.argv = [sys.argv[0], "fit", "--config", "recipes/quickstart.yaml",
-                "--trainer.strategy.class_path", "__main__.CutAttentionStrategy",
-                "--trainer.logger.init_args.save_dir", "outputs/quickstart_cut", *sys.argv[1:]]
+    if sys.argv[1:2] != ["fit"]:  # Lightning's launcher re-runs this script with the arguments below
+        sys.argv = [sys.argv[0], "fit", "--config", "recipes/quickstart.yaml",
+                    "--trainer.strategy.class_path", "__main__.CutAttentionStrategy",
+                    "--trainer.logger.init_args.save_dir", "outputs/quickstart_cut", *sys.argv[1:]]
     main()

@@ -26,8 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
+from lightning_seqpar.data.chars import BitsPerCharacter
 from lightning_seqpar.loss import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
 from lightning_seqpar.mesh import MESH_AXES
+from lightning_seqpar.models.gpt import CONFIGS as GPT_CONFIGS
+from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.models.llama import Llama, LlamaConfig
 from lightning_seqpar.models.transnormer import CONFIGS as TNL_CONFIGS
 from lightning_seqpar.models.transnormer import TransNormer, TransNormerConfig
@@ -36,14 +39,17 @@ __all__ = ["CausalLMModule", "batch_samples", "batch_tokens"]
 
 
 class CausalLMModule(L.LightningModule):
-    """A Llama causal LM with AdamW and a warmup-cosine schedule.
+    """A causal LM (Llama, TransNormerLLM or the LSS GPT) with AdamW and a warmup-cosine schedule.
 
     Args:
-        model: a :class:`~lightning_seqpar.models.LlamaConfig` or
-            :class:`~lightning_seqpar.models.TransNormerConfig`, or the name of one
+        model: a :class:`~lightning_seqpar.models.LlamaConfig`,
+            :class:`~lightning_seqpar.models.TransNormerConfig` or
+            :class:`~lightning_seqpar.models.GPTConfig`, or the name of one
             (``LlamaConfig.from_name``: "tiny", "llama-7b", "llama-7b-gqa", "llama-33h", "llama3-8b", ...;
-            ``TransNormerConfig.from_name``: "tnl-tiny", "tnl-385m", "tnl-1b", "tnl-7b").
-            A dict of its fields is accepted too (a TransNormerConfig when it has "glu_dim"):
+            ``TransNormerConfig.from_name``: "tnl-tiny", "tnl-385m", "tnl-1b", "tnl-7b";
+            ``GPTConfig.from_name``: "lss-gpt-small", "lss-gpt-1.5b", "gpt-tiny", "gpt-tiny-mqa").
+            A dict of its fields is accepted too (a TransNormerConfig when it has "glu_dim", a
+            GPTConfig when it has "kv_comm"):
             checkpoints store the config that way, so that ``torch.load(weights_only=True)`` reads
             them (the annotation leaves it out so that the CLI checks the keys of a config given in
             YAML against the config classes).
@@ -58,11 +64,14 @@ class CausalLMModule(L.LightningModule):
             entropy that holds the logits of at most this many tokens at a time.
         init_seed: seed of the weight initialisation, so that every rank (and a single-device run)
             builds the same initial model whatever the global random state.
+        bits_per_character: also log ``val/bpc`` and ``test/bpc``: the cross entropy over every
+            token of every rank / ln 2 (:class:`~lightning_seqpar.data.BitsPerCharacter`), for
+            byte-level models such as the enwik8 GPT.
     """
 
     def __init__(
         self,
-        model: LlamaConfig | TransNormerConfig | str = "tiny",
+        model: LlamaConfig | TransNormerConfig | GPTConfig | str = "tiny",
         *,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
@@ -73,17 +82,24 @@ class CausalLMModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         loss_chunk_size: int | None = None,
         init_seed: int = 0,
+        bits_per_character: bool = False,
     ) -> None:
         super().__init__()
         name = type(self).__name__
         original = model
         if isinstance(model, str):
-            model = TransNormerConfig.from_name(model) if model in TNL_CONFIGS else LlamaConfig.from_name(model)
+            if model in GPT_CONFIGS:
+                model = GPTConfig.from_name(model)
+            else:
+                model = TransNormerConfig.from_name(model) if model in TNL_CONFIGS else LlamaConfig.from_name(model)
         elif isinstance(model, Mapping):
-            model = TransNormerConfig(**model) if "glu_dim" in model else LlamaConfig(**model)
-        if not isinstance(model, (LlamaConfig, TransNormerConfig)):
+            if "kv_comm" in model:
+                model = GPTConfig(**model)
+            else:
+                model = TransNormerConfig(**model) if "glu_dim" in model else LlamaConfig(**model)
+        if not isinstance(model, (LlamaConfig, TransNormerConfig, GPTConfig)):
             raise ValueError(
-                f"{name}: model must be a LlamaConfig or TransNormerConfig, the name of one or a dict of its fields, "
+                f"{name}: model must be a LlamaConfig, TransNormerConfig or GPTConfig, the name of one or a dict of its fields, "
                 f"got {type(model).__name__}"
             )
         if not lr > 0:
@@ -107,8 +123,9 @@ class CausalLMModule(L.LightningModule):
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, tuple(betas), eps
         self.warmup_steps, self.max_steps, self.min_lr_ratio = warmup_steps, max_steps, min_lr_ratio
         self.loss_chunk_size, self.init_seed = loss_chunk_size, init_seed
-        self.model: Llama | TransNormer | None = None
+        self.model: Llama | TransNormer | GPT | None = None
         self.val_loss = MeanMetric()
+        self.val_bpc = BitsPerCharacter() if bits_per_character else None
         self.flops_per_batch = 0
         """Model FLOPs of this rank's share of the last training batch (read by Lightning's ThroughputMonitor):
         ``flops_per_token(global sequence length) x local tokens``."""
@@ -123,9 +140,12 @@ class CausalLMModule(L.LightningModule):
         device = torch.empty(0).device  # the strategy's tensor_init_context sets the device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.init_seed)
-            self.model = TransNormer(self.config) if isinstance(self.config, TransNormerConfig) else Llama(self.config)
+            if isinstance(self.config, GPTConfig):
+                self.model = GPT(self.config)
+            else:
+                self.model = TransNormer(self.config) if isinstance(self.config, TransNormerConfig) else Llama(self.config)
 
-    def _require_model(self) -> Llama | TransNormer:
+    def _require_model(self) -> Llama | TransNormer | GPT:
         if self.model is None:
             self.configure_model()
         assert self.model is not None
@@ -170,13 +190,15 @@ class CausalLMModule(L.LightningModule):
         loss_sum, n_valid = self.loss_sum(batch)
         # A token-weighted mean; torchmetrics sums value * weight and weight over all ranks.
         self.val_loss.update(loss_sum / n_valid.clamp(min=1), weight=n_valid)
+        if self.val_bpc is not None:  # token-loss sums and counts; summed over every rank on compute
+            self.val_bpc.update(loss_sum, n_valid)
 
     @override
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
         # the value is already global (torchmetrics synced it): sync_dist only averages equal numbers
-        self.log_dict({"val/loss": loss, "val/ppl": loss.exp()}, prog_bar=True, sync_dist=True)
+        self.log_dict({"val/loss": loss, "val/ppl": loss.exp(), **self._bits_per_character("val")}, prog_bar=True, sync_dist=True)
 
     @override
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -186,7 +208,15 @@ class CausalLMModule(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log_dict({"test/loss": loss, "test/ppl": loss.exp()}, sync_dist=True)
+        self.log_dict({"test/loss": loss, "test/ppl": loss.exp(), **self._bits_per_character("test")}, sync_dist=True)
+
+    def _bits_per_character(self, stage: str) -> dict[str, torch.Tensor]:
+        """``{"<stage>/bpc": value}`` from the metric (then reset), or nothing without ``bits_per_character``."""
+        if self.val_bpc is None:
+            return {}
+        bpc = self.val_bpc.compute().float()
+        self.val_bpc.reset()
+        return {f"{stage}/bpc": bpc}
 
     def _count_flops(self, batch: dict[str, torch.Tensor], mesh: DeviceMesh | None) -> None:
         # Lightning's Throughput wants the FLOPs of THIS device (it multiplies by the world size).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import math
 from pathlib import Path
 
 import pytest
@@ -167,6 +166,18 @@ def test_kv_comm_resolution():
         mode("input", "2d", 4)
     with pytest.raises(ValueError, match="kv_comm"):
         mode("fused", "allgather", 4)
+
+
+def test_apply_attention_reaches_the_fused_module():
+    """``apply_attention`` configures the ``Attention`` inside every ``FusedKVAttention``; None is local."""
+    from lightning_seqpar.attention import Attention
+    from lightning_seqpar.parallelize import apply_attention
+
+    model = _gpt()
+    cores = [m for m in model.modules() if isinstance(m, Attention)]
+    assert cores == [block.attn.attn_core.core for block in model.layers]
+    assert apply_attention(model, None, algorithm="allgather") == SMALL["n_layer"]
+    assert {block.attn.attn_core.mode() for block in model.layers} == {"local"}
 
 
 def test_model_file_imports_nothing_from_torch_distributed():
@@ -424,7 +435,8 @@ def _train_worker(rank: int, world: int, sp: int, path: str) -> None:
                 reported = loss.detach().clone()
                 dist.all_reduce(reported)
                 losses.append(reported.item())
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=lambda m: f"{label}: {m}")
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{label}: {m}")
             for name, p in model.named_parameters():
                 torch.testing.assert_close(p.full_tensor(), reference.state_dict()[name], rtol=0, atol=1e-5,
                                            msg=lambda m: f"{label} {name}: {m}")

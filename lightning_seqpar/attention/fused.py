@@ -129,8 +129,9 @@ class FusedKVAttention(nn.Module):
         # One all-gather of x in the forward pass; its autograd backward is one reduce-scatter.
         x_full = all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=mesh.get_group())  # (B, W*S, d), rank order
         k, v = kv_proj(x_full)  # (B, W*S, H_kv, D) each
-        return gathered_kv_attention(q, k, v, mesh=mesh, causal=self.core.causal, layout=self.core.layout,  # type: ignore[arg-type]
-                                     scale=self.core.scale, backend=self.core.backend)  # (B, S, H, D)
+        core = self.core
+        return gathered_kv_attention(q, k, v, mesh=mesh, causal=core.causal, layout=core.layout,  # type: ignore[arg-type]
+                                     scale=core.scale, backend=core.backend)  # (B, S, H, D)
 
     def extra_repr(self) -> str:
         return f"kv_comm={self.kv_comm}"

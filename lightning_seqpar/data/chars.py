@@ -72,7 +72,9 @@ class CharWindowDataset(Dataset):
         size = os.path.getsize(self.path)
         end = size if end is None else end
         if not 0 <= start <= end <= size:
-            raise ValueError(f"byte range start={start}, end={end} must satisfy 0 <= start <= end <= {size} (the size of {self.path!r})")
+            raise ValueError(
+                f"byte range start={start}, end={end} must satisfy 0 <= start <= end <= {size} (the size of {self.path!r})"
+            )
         self.seq_len, self.start, self.end = seq_len, start, end
         self.num_windows = max(0, (end - start - 1) // seq_len)
         self._bytes: np.memmap | None = None
@@ -130,7 +132,9 @@ class CharDataModule(L.LightningDataModule):
         if not os.path.isfile(self.path):
             raise ValueError(f"CharDataModule: path={self.path!r} does not exist (enwik8 is not downloaded: give a local file)")
         ranges = char_splits(os.path.getsize(self.path))
-        datasets = {name: CharWindowDataset(path=self.path, seq_len=self.seq_len, start=a, end=b) for name, (a, b) in ranges.items()}
+        datasets = {
+            name: CharWindowDataset(path=self.path, seq_len=self.seq_len, start=a, end=b) for name, (a, b) in ranges.items()
+        }
         empty = [name for name, ds in datasets.items() if len(ds) == 0]
         if empty:
             raise ValueError(

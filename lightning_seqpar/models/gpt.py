@@ -94,7 +94,9 @@ class GPTConfig:
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.n_embd
         if self.head_dim < 1 or self.intermediate_size < 1:
-            raise ValueError(f"GPTConfig.head_dim ({self.head_dim}) and intermediate_size ({self.intermediate_size}) must be >= 1")
+            raise ValueError(
+                f"GPTConfig.head_dim ({self.head_dim}) and intermediate_size ({self.intermediate_size}) must be >= 1"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if self.norm_eps <= 0 or self.init_std <= 0:
@@ -253,11 +255,12 @@ class GPT(nn.Module):
     — the paper's "horizontal" and "vertical" averaging in one reduction.
 
     Averaging the table's gradient over the SP group (the naive data-parallel habit) would be
-    wrong: each row has a single owner, so the mean is the true row gradient divided by W. (The
-    paper states its rule for a per-segment mean loss, loss_r = sum_{t in r} l_t / (N / W), whose
-    gradients are right after an SP average; a row owned by one rank and left out of that
-    average then keeps a factor W, which Adam's per-parameter scaling mostly hides. The global
-    normalisation here has neither the special case nor the factor.)
+    wrong: each row has a single owner, so the mean is the true row gradient divided by W. (If
+    each rank's loss is instead the mean over its own segment, loss_r = sum_{t in r} l_t / (N / W),
+    the reading of §3 Principle 4 under which an SP average of the gradients is right, then a row
+    left out of that average, as §4 prescribes, keeps a factor W against one device: a constant
+    per-tensor scale that Adam mostly absorbs. The global normalisation here has neither the
+    special case nor the factor; tests/test_gpt.py checks both statements.)
 
     Memory: FSDP2 shards the table with all the other parameters (over DP x SP, finer than
     Principle 2's 1/W over SP) and gathers it for the lookup, P * d values per step.
