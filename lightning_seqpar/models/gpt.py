@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_seqpar.models.common import CausalLM, global_positions
+
 from lightning_seqpar.attention.fused import KV_COMMS, FusedKVAttention, KVComm
 
 __all__ = ["CONFIGS", "GPT", "GPTAttention", "GPTBlock", "GPTConfig", "GPTMLP"]
@@ -229,7 +231,7 @@ class GPTBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))  # (B, S, d)
 
 
-class GPT(nn.Module):
+class GPT(CausalLM):
     """GPT causal language model: ``forward(input_ids, position_ids) -> logits`` (B, S, V).
 
     Blocks live in ``self.layers`` so the strategy can wrap each one (FSDP2, activation
@@ -307,23 +309,12 @@ class GPT(nn.Module):
 
     def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final normed hidden states (B, S, d); ``position_ids`` (B, S) are global, ``arange(S)`` when None."""
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-        B, S = input_ids.shape
         P = self.config.max_seq_len
-        if position_ids is None:
-            if S > P:
-                raise ValueError(f"input_ids has {S} positions but GPTConfig.max_seq_len={P}; raise max_seq_len")
-            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
-        else:
-            if position_ids.shape != input_ids.shape:
-                if position_ids.ndim == 2 and position_ids.shape[0] == 1 and position_ids.shape[1] == S:
-                    position_ids = position_ids.expand(B, S)
-                else:
-                    raise ValueError(
-                        f"position_ids must have the shape of input_ids {tuple(input_ids.shape)} (or (1, {S})), "
-                        f"got {tuple(position_ids.shape)}; shard position ids with the same layout as input ids"
-                    )
+        if position_ids is None and input_ids.ndim == 2 and input_ids.shape[1] > P:
+            raise ValueError(f"input_ids has {input_ids.shape[1]} positions but GPTConfig.max_seq_len={P}; raise max_seq_len")
+        explicit = position_ids is not None
+        position_ids = global_positions(input_ids, position_ids)  # (B, S)
+        if explicit:
             # One scalar read per forward: an out-of-range lookup is an opaque device assert on GPU.
             if not torch.compiler.is_compiling() and position_ids.numel() and int(position_ids.max()) >= P:
                 raise ValueError(
@@ -336,16 +327,3 @@ class GPT(nn.Module):
             x = block(x)  # (B, S, d)
         return self.ln_f(x)  # (B, S, d)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        *,
-        output: Literal["logits", "hidden"] = "logits",
-    ) -> torch.Tensor:
-        """Logits (B, S, V) of the next token at every position, or with ``output="hidden"`` the
-        final normed hidden states (B, S, d) for a chunked loss over ``lm_head.weight``."""
-        if output not in ("logits", "hidden"):
-            raise ValueError(f"output={output!r} is not supported; expected 'logits' or 'hidden'")
-        hidden = self.forward_hidden(input_ids, position_ids)  # (B, S, d)
-        return hidden if output == "hidden" else self.lm_head(hidden)  # (B, S, V)

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_seqpar.models.common import CausalLM, global_positions
+
 from lightning_seqpar.attention import Attention
 
 __all__ = [
@@ -292,7 +294,7 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))  # (B, S, d)
 
 
-class Llama(nn.Module):
+class Llama(CausalLM):
     """Llama causal language model: ``forward(input_ids, position_ids) -> logits`` (B, S, V).
 
     Blocks live in ``self.layers`` (an ``nn.ModuleList`` of :class:`LlamaBlock`) so the strategy
@@ -339,40 +341,10 @@ class Llama(nn.Module):
 
     def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final normed hidden states (B, S, d); ``position_ids`` (B, S) are global, ``arange(S)`` when None."""
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-        B, S = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
-        elif position_ids.shape != input_ids.shape:
-            if position_ids.ndim == 2 and position_ids.shape[0] == 1 and position_ids.shape[1] == S:
-                position_ids = position_ids.expand(B, S)
-            else:
-                raise ValueError(
-                    f"position_ids must have the shape of input_ids {tuple(input_ids.shape)} (or (1, {S})), "
-                    f"got {tuple(position_ids.shape)}; shard position ids with the same layout as input ids"
-                )
+        position_ids = global_positions(input_ids, position_ids)  # (B, S)
         freqs_cis = rope_freqs_cis(position_ids, head_dim=self.config.head_dim, theta=self.config.rope_theta)
         x = self.embed_tokens(input_ids)  # (B, S, d)
         for block in self.layers:
             x = block(x, freqs_cis)  # (B, S, d)
         return self.norm(x)  # (B, S, d)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        *,
-        output: Literal["logits", "hidden"] = "logits",
-    ) -> torch.Tensor:
-        """Logits (B, S, V) of the next token at every position, or with ``output="hidden"`` the
-        final normed hidden states (B, S, d) for a chunked loss over ``lm_head.weight``.
-
-        Prefer ``model(ids, pos, output="hidden")`` to ``model.forward_hidden(...)`` once the model
-        is wrapped: FSDP2 gathers the root's parameters (embedding, final norm, head) in the hooks
-        of ``__call__``, which a direct ``forward_hidden`` call skips.
-        """
-        if output not in ("logits", "hidden"):
-            raise ValueError(f"output={output!r} is not supported; expected 'logits' or 'hidden'")
-        hidden = self.forward_hidden(input_ids, position_ids)  # (B, S, d)
-        return hidden if output == "hidden" else self.lm_head(hidden)  # (B, S, V)

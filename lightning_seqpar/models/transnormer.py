@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_seqpar.models.common import CausalLM, global_positions
+
 from lightning_seqpar.attention.lasp import LinearAttention
 
 __all__ = [
@@ -275,7 +277,7 @@ class TransNormerBlock(nn.Module):
         return x + self.channel_mixer(self.channel_norm(x))  # (B, S, d)
 
 
-class TransNormer(nn.Module):
+class TransNormer(CausalLM):
     """TransNormerLLM causal language model: ``forward(input_ids, position_ids) -> logits`` (B, S, V).
 
     Blocks live in ``self.layers`` (an ``nn.ModuleList`` of :class:`TransNormerBlock`) so the
@@ -317,19 +319,7 @@ class TransNormer(nn.Module):
 
     def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final normed hidden states (B, S, d); ``position_ids`` (B, S) are global, ``arange(S)`` when None."""
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-        B, S = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
-        elif position_ids.shape != input_ids.shape:
-            if position_ids.ndim == 2 and position_ids.shape[0] == 1 and position_ids.shape[1] == S:
-                position_ids = position_ids.expand(B, S)
-            else:
-                raise ValueError(
-                    f"position_ids must have the shape of input_ids {tuple(input_ids.shape)} (or (1, {S})), "
-                    f"got {tuple(position_ids.shape)}; shard position ids with the same layout as input ids"
-                )
+        position_ids = global_positions(input_ids, position_ids)  # (B, S)
         x = self.embed_tokens(input_ids)  # (B, S, d)
         if self.config.scale_embedding:
             x = x * math.sqrt(self.config.n_embd)
@@ -337,16 +327,3 @@ class TransNormer(nn.Module):
             x = block(x, position_ids)  # (B, S, d)
         return self.final_norm(x)  # (B, S, d)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        *,
-        output: Literal["logits", "hidden"] = "logits",
-    ) -> torch.Tensor:
-        """Logits (B, S, V) of the next token at every position, or with ``output="hidden"`` the
-        final normed hidden states (B, S, d) for a chunked loss over ``lm_head.weight``."""
-        if output not in ("logits", "hidden"):
-            raise ValueError(f"output={output!r} is not supported; expected 'logits' or 'hidden'")
-        hidden = self.forward_hidden(input_ids, position_ids)  # (B, S, d)
-        return hidden if output == "hidden" else self.lm_head(hidden)  # (B, S, V)
