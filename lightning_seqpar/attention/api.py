@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_seqpar.attention.checks import check_qkv_tensors
 from lightning_seqpar.attention.lasp import LASP_OPS
 from lightning_seqpar.attention.allgather import (
     _global_order,
@@ -131,17 +132,7 @@ ATTENTION_OPS = (
 
 
 def _check_qkv(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(f"{name} must have 4 dims [batch, seq_local, heads, head_dim], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
+    check_qkv_tensors(q, k, v)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:

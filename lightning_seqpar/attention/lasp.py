@@ -116,6 +116,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_seqpar.attention.checks import check_qkv_tensors
 from lightning_seqpar.attention.allgather import _all_gather
 from lightning_seqpar.attention.ring import _P2P
 
@@ -438,17 +439,7 @@ def _local_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk_size: int, ke
 
 
 def _check_inputs(q, k, v, decay_log) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(f"{name} must have 4 dims [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
+    check_qkv_tensors(q, k, v)
     if k.shape != q.shape:
         raise ValueError(f"q and k must have the same shape [B, T, H, Dk] (one key head per query head); got q={tuple(q.shape)}, "
                          f"k={tuple(k.shape)}")
