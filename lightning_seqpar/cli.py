@@ -32,14 +32,19 @@ def _accepted_names() -> set[str]:
     """Argument names of the classes a recipe configures (for "did you mean" hints)."""
     import dataclasses
 
-    from lightning.pytorch import Trainer
+    from lightning.pytorch import LightningDataModule, Trainer
 
-    from lightning_seqpar.data import LongRangeDataModule, TokenFileDataModule
-    from lightning_seqpar.models import LlamaConfig
+    import lightning_seqpar.data as data
+    import lightning_seqpar.models as models
+    from lightning_seqpar.preemption import PreemptionCheckpoint
     from lightning_seqpar.strategy import SequenceParallelStrategy
 
-    names = {f.name for f in dataclasses.fields(LlamaConfig)}
-    for cls in (Trainer, CausalLMModule, SequenceParallelStrategy, LongRangeDataModule, TokenFileDataModule):
+    names: set[str] = set()
+    for obj in vars(models).values():
+        if dataclasses.is_dataclass(obj) and isinstance(obj, type):
+            names |= {f.name for f in dataclasses.fields(obj)}
+    datamodules = [obj for obj in vars(data).values() if isinstance(obj, type) and issubclass(obj, LightningDataModule)]
+    for cls in (Trainer, CausalLMModule, SequenceParallelStrategy, PreemptionCheckpoint, *datamodules):
         names |= set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
     return names
 

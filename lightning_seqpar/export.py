@@ -101,15 +101,17 @@ def load_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def llama_config(meta: Mapping[str, Any]) -> LlamaConfig:
     """The model's :class:`LlamaConfig` from the checkpoint's hyper-parameters (CausalLMModule's ``model``)."""
+    from lightning_seqpar.models import LLAMA_CONFIGS
+
     hparams = meta.get("hyper_parameters") or {}
     model = hparams.get("model")
-    if isinstance(model, str):
+    if isinstance(model, str) and model in LLAMA_CONFIGS:
         return LlamaConfig.from_name(model)
-    if isinstance(model, Mapping):
+    if isinstance(model, Mapping) and not {"glu_dim", "kv_comm"} & set(model):  # TransNormer / GPT fields
         return LlamaConfig(**model)
     raise ValueError(
-        "export: the checkpoint's hyper_parameters have no 'model' (a LlamaConfig name or dict of fields); "
-        "only CausalLMModule checkpoints can be exported to the Hugging Face format"
+        f"export: --format hf writes LlamaForCausalLM, but the checkpoint's model is {model!r}, not a Llama "
+        "(CausalLMModule's hyper_parameters['model'] names a LlamaConfig or holds its fields); use --format consolidated"
     )
 
 

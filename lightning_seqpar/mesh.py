@@ -160,7 +160,8 @@ class ParallelDims:
 # an attention ring, an FSDP2 all-gather or the loss all-reduce makes the others fail after that
 # timeout, not after torch's default. The options are built as torch builds its own defaults:
 # ``ProcessGroupNCCL.Options`` (``is_high_priority_stream=False``) on NCCL, the generic
-# ``Backend.Options`` elsewhere (gloo takes only the timeout from them).
+# ``Backend.Options`` on gloo (gloo takes only the timeout from them). Other backends (e.g. the
+# composite "cpu:gloo,cuda:nccl") keep torch's defaults.
 
 
 def _group_options(timeout: timedelta) -> tuple[str, object]:
@@ -173,13 +174,14 @@ def _group_options(timeout: timedelta) -> tuple[str, object]:
         options.is_high_priority_stream = False
         options._timeout = timeout  # the attribute DeviceMesh reads the timeout from
         return backend, options
-    from torch._C._distributed_c10d import Backend
+    from torch._C._distributed_c10d import Backend  # the Options type backend_override takes (DeviceMesh imports it so)
 
     return backend, Backend.Options(backend, timeout)
 
 
 def _init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...], timeout: timedelta | None) -> DeviceMesh:
-    if timeout is None or not dist.is_initialized():
+    # Other backends (e.g. "cpu:gloo,cuda:nccl") keep torch's default timeouts for the mesh groups.
+    if timeout is None or not dist.is_initialized() or dist.get_backend() not in ("gloo", "nccl"):
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
     override = {name: _group_options(timeout) for name in names}
     return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)

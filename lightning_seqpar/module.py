@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
+from lightning_seqpar import hf
 from lightning_seqpar.data.chars import BitsPerCharacter
 from lightning_seqpar.loss import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
 from lightning_seqpar.mesh import MESH_AXES
@@ -39,7 +41,7 @@ __all__ = ["CausalLMModule", "batch_samples", "batch_tokens"]
 
 
 class CausalLMModule(L.LightningModule):
-    """A causal LM (Llama, TransNormerLLM or the LSS GPT) with AdamW and a warmup-cosine schedule.
+    """A causal LM (Llama, TransNormerLLM, the LSS GPT or a Hugging Face model) with AdamW and a warmup-cosine schedule.
 
     Args:
         model: a :class:`~lightning_seqpar.models.LlamaConfig`,
@@ -53,6 +55,12 @@ class CausalLMModule(L.LightningModule):
             checkpoints store the config that way, so that ``torch.load(weights_only=True)`` reads
             them (the annotation leaves it out so that the CLI checks the keys of a config given in
             YAML against the config classes).
+            A Hugging Face causal LM (``lightning_seqpar.hf``, needs ``transformers``): the path of a
+            local model folder (``from_pretrained``, weights included), a ``transformers.PretrainedConfig``
+            or a dict with ``"model_type"`` (``from_config``, random init from ``init_seed``), or a
+            ``PreTrainedModel``. It runs unchanged with the package's attention
+            (Note [Hugging Face models under the strategy] in ``lightning_seqpar.hf``); ``self.model`` is
+            then an :class:`~lightning_seqpar.hf.HFCausalLM` holding it as ``self.model.hf``.
         lr: peak learning rate, reached after ``warmup_steps``.
         weight_decay: AdamW weight decay of the matrices (norm weights are not decayed).
         betas: AdamW betas.
@@ -67,6 +75,8 @@ class CausalLMModule(L.LightningModule):
         bits_per_character: also log ``val/bpc`` and ``test/bpc``: the cross entropy over every
             token of every rank / ln 2 (:class:`~lightning_seqpar.data.BitsPerCharacter`), for
             byte-level models such as the enwik8 GPT.
+        hf_save_dir: Hugging Face models only: at the end of training write the trained model there
+            as one consolidated ``save_pretrained`` folder (:meth:`save_hf_pretrained`).
     """
 
     def __init__(
@@ -83,11 +93,28 @@ class CausalLMModule(L.LightningModule):
         loss_chunk_size: int | None = None,
         init_seed: int = 0,
         bits_per_character: bool = False,
+        hf_save_dir: str | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
         original = model
-        if isinstance(model, str):
+        # A Hugging Face model: a local folder, a transformers config / model, or a dict with "model_type".
+        self._hf_source: Any = None
+        given = None  # a transformers model instance, used as it is
+        if not (isinstance(model, str) and _is_named_config(model)) and hf.is_hf_source(model):
+            config = hf.load_hf_config(model)
+            given = model if isinstance(model, torch.nn.Module) else None
+            self._hf_source = config if given is not None else model  # never an nn.Module attribute here
+            model = config
+            original = str(original) if isinstance(original, (str, os.PathLike)) else model.to_dict()
+        elif hf_save_dir is not None:
+            raise ValueError(f"{name}: hf_save_dir is only for Hugging Face models (model={original!r})")
+        if isinstance(model, str):  # (a Hugging Face config is neither a str nor a Mapping)
+            if not _is_named_config(model) and (os.sep in model or os.path.exists(model)):
+                raise ValueError(
+                    f"{name}: model={model!r} is neither a named config nor a local Hugging Face model folder "
+                    "(a folder with config.json)"
+                )
             if model in GPT_CONFIGS:
                 model = GPTConfig.from_name(model)
             else:
@@ -97,10 +124,10 @@ class CausalLMModule(L.LightningModule):
                 model = GPTConfig(**model)
             else:
                 model = TransNormerConfig(**model) if "glu_dim" in model else LlamaConfig(**model)
-        if not isinstance(model, (LlamaConfig, TransNormerConfig, GPTConfig)):
+        if self._hf_source is None and not isinstance(model, (LlamaConfig, TransNormerConfig, GPTConfig)):
             raise ValueError(
                 f"{name}: model must be a LlamaConfig, TransNormerConfig or GPTConfig, the name of one or a dict of its fields, "
-                f"got {type(model).__name__}"
+                f"or a Hugging Face model (local folder, transformers config, or dict with 'model_type'); got {type(model).__name__}"
             )
         if not lr > 0:
             raise ValueError(f"{name}: lr must be > 0, got {lr}")
@@ -118,12 +145,16 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"{name}: loss_chunk_size must be >= 1 or None, got {loss_chunk_size}")
         # Checkpoints hold the config as plain values (torch.load(weights_only=True) loads them).
         self.save_hyperparameters(ignore=["model"])
-        self.hparams["model"] = original if isinstance(original, str) else dataclasses.asdict(model)
+        if self._hf_source is not None:
+            self.hparams["model"] = original  # the folder, or the transformers config as a dict with "model_type"
+        else:
+            self.hparams["model"] = original if isinstance(original, str) else dataclasses.asdict(model)
         self.config = model
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, tuple(betas), eps
         self.warmup_steps, self.max_steps, self.min_lr_ratio = warmup_steps, max_steps, min_lr_ratio
         self.loss_chunk_size, self.init_seed = loss_chunk_size, init_seed
-        self.model: Llama | TransNormer | GPT | None = None
+        self.hf_save_dir = hf_save_dir
+        self.model: Llama | TransNormer | GPT | hf.HFCausalLM | None = None if given is None else hf.HFCausalLM(given)
         self.val_loss = MeanMetric()
         self.val_bpc = BitsPerCharacter() if bits_per_character else None
         self.flops_per_batch = 0
@@ -140,12 +171,14 @@ class CausalLMModule(L.LightningModule):
         device = torch.empty(0).device  # the strategy's tensor_init_context sets the device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.init_seed)
-            if isinstance(self.config, GPTConfig):
+            if self._hf_source is not None:
+                self.model = hf.HFCausalLM(hf.build_hf_causal_lm(self._hf_source))
+            elif isinstance(self.config, GPTConfig):
                 self.model = GPT(self.config)
             else:
                 self.model = TransNormer(self.config) if isinstance(self.config, TransNormerConfig) else Llama(self.config)
 
-    def _require_model(self) -> Llama | TransNormer | GPT:
+    def _require_model(self) -> Llama | TransNormer | GPT | hf.HFCausalLM:
         if self.model is None:
             self.configure_model()
         assert self.model is not None
@@ -222,7 +255,29 @@ class CausalLMModule(L.LightningModule):
         # Lightning's Throughput wants the FLOPs of THIS device (it multiplies by the world size).
         local_batch, local_len = batch["input_ids"].shape
         sp = mesh.size(MESH_AXES.index("hp")) * mesh.size(MESH_AXES.index("cp")) if mesh is not None else 1
-        self.flops_per_batch = self.config.flops_per_token(local_len * sp) * local_batch * local_len
+        counter = self.model if isinstance(self.model, hf.HFCausalLM) else self.config
+        self.flops_per_batch = counter.flops_per_token(local_len * sp) * local_batch * local_len
+
+    # ----------------------------------------------------------------------------------------- Hugging Face export
+
+    @override
+    def on_train_end(self) -> None:
+        if self.hf_save_dir is not None:
+            self.save_hf_pretrained(self.hf_save_dir)
+
+    def save_hf_pretrained(self, save_directory: str | os.PathLike) -> None:
+        """Write the Hugging Face model as one consolidated ``save_pretrained`` folder (rank 0 writes).
+
+        Collective under the strategy: every rank calls it (``on_train_end`` does, with ``hf_save_dir``).
+        See :func:`lightning_seqpar.hf.save_hf_pretrained`.
+        """
+        model = self._require_model()
+        if not isinstance(model, hf.HFCausalLM):
+            raise ValueError(
+                f"{type(self).__name__}.save_hf_pretrained is for Hugging Face models; export the package's Llama "
+                "with `seqpar export CHECKPOINT OUTPUT --format hf`"
+            )
+        hf.save_hf_pretrained(model, save_directory)
 
     # ----------------------------------------------------------------------------------------- optimizer
 
@@ -243,6 +298,13 @@ class CausalLMModule(L.LightningModule):
         schedule = warmup_cosine(warmup_steps=self.warmup_steps, max_steps=max_steps, min_lr_ratio=self.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _is_named_config(name: str) -> bool:
+    """Whether ``name`` is one of the package's named configurations (they win over a folder of that name)."""
+    from lightning_seqpar.models.llama import CONFIGS as LLAMA_CONFIGS
+
+    return name in GPT_CONFIGS or name in TNL_CONFIGS or name in LLAMA_CONFIGS
 
 
 def warmup_cosine(*, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Any:

@@ -43,7 +43,7 @@ class PreemptionCheckpoint(OnExceptionCheckpoint):
     Args:
         dirpath: folder of the checkpoint ``dirpath/filename.ckpt``.
         filename: its name without extension.
-        signals: the signals that request a checkpoint (default SIGTERM).
+        signals: names of the signals that request a checkpoint (default ``("SIGTERM",)``).
         check_every_n_steps: how often the ranks compare their flags (one all-reduce of one
             integer); the checkpoint is written at most this many steps after the signal.
 
@@ -57,13 +57,17 @@ class PreemptionCheckpoint(OnExceptionCheckpoint):
         dirpath: str,
         filename: str = "preempted",
         *,
-        signals: Sequence[int] = (signal.SIGTERM,),
+        signals: Sequence[str] = ("SIGTERM",),
         check_every_n_steps: int = 1,
     ) -> None:
         super().__init__(dirpath=dirpath, filename=filename)
         if not isinstance(check_every_n_steps, int) or isinstance(check_every_n_steps, bool) or check_every_n_steps < 1:
             raise ValueError(f"PreemptionCheckpoint: check_every_n_steps must be a positive int, got {check_every_n_steps!r}")
-        self.signals = tuple(signal.Signals(s) for s in signals)
+        known = {s.name for s in signal.Signals}
+        unknown = [name for name in signals if name not in known]
+        if unknown or isinstance(signals, str):
+            raise ValueError(f"PreemptionCheckpoint: signals must be a list of signal names such as ['SIGTERM'], got {signals!r}")
+        self.signals = tuple(signal.Signals[name] for name in signals)
         self.check_every_n_steps = check_every_n_steps
         self.requested = False
         self.saved_at_step: int | None = None

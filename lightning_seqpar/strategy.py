@@ -27,6 +27,7 @@ parallelization:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -323,6 +324,45 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"{name}: the model uses linear attention (LASP), which needs load_balance='contiguous' (or 'auto')")
         self.attention, self.layout = "lasp", "contiguous"
 
+    # ----------------------------------------------------------------------------------------- steps
+    # Note [Timeouts name themselves]: a rank that waits longer than `timeout` in a collective gets
+    # the backend's error ("Timed out waiting 8000ms for recv operation", a NCCL watchdog abort);
+    # the step methods re-raise it as a TimeoutError that says what it means and what to do.
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._explain_timeouts("training_step"):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._explain_timeouts("validation_step"):
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._explain_timeouts("backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        with self._explain_timeouts("the optimizer step"):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @contextmanager
+    def _explain_timeouts(self, where: str) -> Generator[None, None, None]:
+        try:
+            yield
+        except RuntimeError as error:  # torch.distributed.DistBackendError is a RuntimeError
+            if not _TIMEOUT_PATTERN.search(str(error)):
+                raise
+            raise TimeoutError(
+                f"{type(self).__name__}: rank {self.global_rank} waited longer than timeout={self.timeout} in a "
+                f"collective during {where}: another rank is stalled, has died, or runs a different sequence of "
+                "collectives (e.g. a different number of batches). Raise the strategy's `timeout` if steps legitimately "
+                f"take that long; otherwise see the other ranks' logs. ({error})"
+            ) from error
+
     # ----------------------------------------------------------------------------------------- checkpoints
     # Note [Checkpoint formats]
     # save_distributed_checkpoint=True: ModelParallelStrategy's folder of shards written by
@@ -497,6 +537,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             f"{type(self).__name__}(attention={self.attention!r}, layout={self.layout!r}, "
             f"activation_checkpointing={self.activation_checkpointing!r}, compile={self.compile_kwargs is not None}{dims})"
         )
+
+
+_TIMEOUT_PATTERN = re.compile(r"timed? ?out|watchdog", re.IGNORECASE)
 
 
 def _replace(source: Path, target: Path) -> None:

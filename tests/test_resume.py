@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import warnings
@@ -29,16 +30,16 @@ TIMEOUT = 240
 
 
 def _fit(rank: int, world_size: int, *, sp: int, dirpath: str, steps: int, ckpt_path: str | None = None,
-         save_every: int | None = None, capture_at: int | None = None, init_seed: int = 0) -> dict[str, Any]:
+         save_at: tuple[int, ...] = (), capture_at: int | None = None, init_seed: int = 0) -> dict[str, Any]:
     """Train under SequenceParallelStrategy(sp) on a shuffled 3-batch epoch; record losses and random draws.
 
+    ``save_at``: write ``dirpath/step=<k>.ckpt`` after these steps (the same call as ModelCheckpoint's).
     ``capture_at``: gather the full model and optimizer state dicts after that step (or, when
     resuming, right after the checkpoint is restored: ``capture_at == -1``).
     """
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     from torch.utils.data import DataLoader
 
@@ -50,10 +51,10 @@ def _fit(rank: int, world_size: int, *, sp: int, dirpath: str, steps: int, ckpt_
     def full_state(module, trainer) -> dict[str, Any] | None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model = get_model_state_dict(module.model, options=options)
-        optim = get_optimizer_state_dict(module.model, trainer.optimizers[0].optimizer
-                                         if hasattr(trainer.optimizers[0], "optimizer") else trainer.optimizers[0], options=options)
+        optim = get_optimizer_state_dict(module.model, trainer.optimizers[0], options=options)
         scheduler = trainer.lr_scheduler_configs[0].scheduler.state_dict()
-        return {"model": model, "optim": optim, "scheduler": scheduler, "step": trainer.global_step} if rank == 0 else None
+        state = {"model": model, "optim": optim, "scheduler": scheduler, "step": trainer.global_step}
+        return copy.deepcopy(state) if rank == 0 else None  # copies: the optimizer updates its state in place
 
     class Record(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -69,13 +70,13 @@ def _fit(rank: int, world_size: int, *, sp: int, dirpath: str, steps: int, ckpt_
             record["losses"][trainer.global_step] = float(trainer.callback_metrics["train/loss"])
             if capture_at == trainer.global_step:
                 record["captured"] = full_state(pl_module, trainer)
+            if trainer.global_step in save_at:
+                trainer.save_checkpoint(os.path.join(dirpath, f"step={trainer.global_step}.ckpt"))
 
     callbacks: list[Any] = [Record()]
-    if save_every:
-        callbacks.append(ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=save_every, save_top_k=-1))
     strategy = SequenceParallelStrategy(sequence_parallel_size=sp, attention="ring", timeout=120)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=bool(save_every), enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
     module = CausalLMModule("tiny", lr=1e-3, warmup_steps=2, max_steps=20, init_seed=init_seed)
     dp = world_size // sp
@@ -91,7 +92,7 @@ def _fit(rank: int, world_size: int, *, sp: int, dirpath: str, steps: int, ckpt_
 def test_resume_is_bit_identical(tmp_path):
     """Stop after step 4 (mid-epoch, epoch 1) or 3 (end of epoch 0), resume: the same losses and draws."""
     steps = 7  # 3 batches per epoch: epochs 0, 1 and part of 2
-    full = run_distributed(_fit, 2, sp=2, dirpath=str(tmp_path), steps=steps, save_every=1, timeout=TIMEOUT)
+    full = run_distributed(_fit, 2, sp=2, dirpath=str(tmp_path), steps=steps, save_at=(3, 4), timeout=TIMEOUT)
     assert sorted(full[0]["losses"]) == list(range(1, steps + 1))
     for k in (4, 3):
         ckpt = tmp_path / f"step={k}.ckpt"
@@ -132,8 +133,8 @@ def tmp_root(tmp_path_factory):
 
 def _saved(world: int, sp: int, tmp_root) -> tuple[list[dict[str, Any]], str]:
     """The run under (world, sp) that saved after step K and captured its full state there."""
-    results = _run(world, sp, tmp_root, save_every=K, capture_at=K)
-    key = (world, sp, tuple(sorted((k, str(v)) for k, v in {"save_every": K, "capture_at": K}.items())), "dir")
+    results = _run(world, sp, tmp_root, save_at=(K,), capture_at=K)
+    key = (world, sp, tuple(sorted((k, str(v)) for k, v in {"save_at": (K,), "capture_at": K}.items())), "dir")
     return results, str(_RUNS[key] / f"step={K}.ckpt")
 
 

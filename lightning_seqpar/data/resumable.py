@@ -17,7 +17,9 @@ map-style ``DataLoader`` the skip happens on the batch sampler's indices (a new 
 over the same dataset whose batch sampler drops the first batches): no sample is loaded twice.
 Any other iterable is advanced by reading and dropping the batches. The order of the samples
 must depend only on (seed, epoch), as it does with the ``DistributedSampler`` that Lightning
-adds under the strategy, or with a sampler that has its own seeded generator.
+adds under the strategy, or with a sampler that has its own seeded generator. The count is of
+batches handed to Lightning, which reads one batch ahead of the step only for loaders without a
+length (iterable datasets): for those a resume starts one batch late.
 
 A ``DataLoader`` draws from the global random generator when it creates an iterator (the base
 seed of its workers). The strategy restores the random state just before the first step after

@@ -1,0 +1,331 @@
+"""Local text / jsonl / parquet documents through Hugging Face ``datasets``, tokenized and packed.
+
+Note [Packed documents]
+~~~~~~~~~~~~~~~~~~~~~~~
+Documents of mixed length are tokenized (with the tokenizer's special tokens, plus EOS at the end
+of each document with ``append_eos``) and laid end to end in one token stream. Sequence ``i`` is
+the window of the stream that starts at ``i * seq_len`` and holds ``seq_len + 1`` tokens (inputs:
+the first ``seq_len``; labels: the next tokens, shifted on the full window before any sharding);
+no padding, and a document longer than a window continues in the next one:
+
+    stream  | doc 0 .......... | doc 1 .... | doc 2 ............................ |
+    seq 0   [ 0 0 0 0 0 0 0 0 0 1 1 1 1 1 1 2 2 ]        document_ids
+    seq 1                                       [ 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 ]   (doc 2 continues)
+
+Each sample is a dict of LongTensors ``(seq_len,)``:
+
+* ``input_ids``;
+* ``labels``: the next token when it belongs to the same document, else -100. The last token of
+  every document (its EOS) never predicts the first token of the next one;
+* ``position_ids``: ``0 .. seq_len-1``, the GLOBAL positions that the strategy and the models
+  expect (RoPE / learned positions over the whole packed sequence), as every datamodule of
+  ``lightning_seqpar.data`` gives;
+* ``document_ids``: the index of each token's document within this sequence (0, 1, 2, ...);
+* ``document_position_ids``: the position of each token within its document's piece of this
+  sequence (restarting at 0 at every document start and at the start of the sequence) — the
+  positions a document would have if it were run alone.
+
+The strategy's batch hook shards all five with the same layout. Until packed-document masking
+lands (document ids through ring / all-gather attention), attention still crosses document
+boundaries inside a sequence; the loss never does (labels), and ``document_ids`` /
+``document_position_ids`` are carried for the masked attention.
+
+Every rank builds the same index (documents in file order, fixed windows), so sample ``i`` is
+the same everywhere (Note [Samples under sequence and data parallelism] in ``tokens.py``).
+Tokenization runs through ``datasets.Dataset.map`` and is cached by ``datasets`` under a
+fingerprint of the files (path, size, mtime), the tokenizer and the options: ``prepare_data``
+(one process per node) fills the cache, ``setup`` on every rank reads it.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_seqpar.loss import IGNORE_INDEX
+
+__all__ = ["DATA_FORMATS", "HFTextDataModule", "PackedDocumentDataset", "load_tokenizer", "pack_window"]
+
+DataFormat = Literal["auto", "text", "json", "parquet"]
+DATA_FORMATS: dict[str, str] = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+"""File suffix -> ``datasets`` builder used by ``data_format="auto"``."""
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            "HFTextDataModule reads files through Hugging Face `datasets`: pip install datasets "
+            "(or pip install 'lightning-seqpar[hf]')"
+        ) from error
+    return datasets
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """A tokenizer from a local folder (``AutoTokenizer.from_pretrained``) or a ``tokenizer.json`` file
+    (``PreTrainedTokenizerFast``). Nothing is downloaded."""
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError("HFTextDataModule needs `transformers` for the tokenizer: pip install 'transformers>=4.56'") from error
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if os.path.isfile(path) and path.endswith(".json"):
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+    raise ValueError(f"tokenizer_path={path!r} is neither a local tokenizer folder nor a tokenizer.json file")
+
+
+def pack_window(documents: Sequence[np.ndarray], *, offset: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """One packed sample (Note [Packed documents]) from the documents that overlap its window.
+
+    Args:
+        documents: token arrays of the consecutive documents that the window touches, in order
+            (empty documents are allowed and skipped).
+        offset: where the window starts inside ``documents[0]``.
+        seq_len: S; the documents must hold at least ``offset + S + 1`` tokens.
+
+    Returns:
+        ``input_ids``, ``labels``, ``position_ids``, ``document_ids``, ``document_position_ids``:
+        LongTensors ``(S,)``.
+    """
+    lengths = np.array([len(d) for d in documents], dtype=np.int64)
+    tokens = np.concatenate([np.asarray(d, dtype=np.int64) for d in documents])[offset : offset + seq_len + 1]
+    doc = np.repeat(np.arange(len(documents)), lengths)[offset : offset + seq_len + 1]
+    if tokens.shape[0] != seq_len + 1:
+        raise ValueError(f"the documents hold {int(lengths.sum())} tokens; a window at offset {offset} needs {offset + seq_len + 1}")
+    doc = np.unique(doc, return_inverse=True)[1].reshape(-1)  # 0, 1, 2, ... within this window
+    labels = np.where(doc[1:] == doc[:-1], tokens[1:], IGNORE_INDEX)
+    starts = np.flatnonzero(np.r_[True, doc[1:seq_len] != doc[: seq_len - 1]])  # first token of each piece
+    piece_start = starts[np.searchsorted(starts, np.arange(seq_len), side="right") - 1]
+    return {
+        "input_ids": torch.from_numpy(tokens[:-1].copy()),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.arange(seq_len),
+        "document_ids": torch.from_numpy(doc[:-1].copy()),
+        "document_position_ids": torch.from_numpy(np.arange(seq_len) - piece_start),
+    }
+
+
+class PackedDocumentDataset(Dataset):
+    """Packed windows of ``seq_len`` tokens over a tokenized ``datasets.Dataset`` (Note [Packed documents]).
+
+    Args:
+        documents: a ``datasets.Dataset`` with an ``input_ids`` column (one token list per document).
+        seq_len: S, the input tokens per sample.
+        num_samples: at most this many windows (all of them when None).
+    """
+
+    def __init__(self, documents: Any, *, seq_len: int, num_samples: int | None = None) -> None:
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if "input_ids" not in documents.column_names:
+            raise ValueError(f"documents must have an 'input_ids' column, got {documents.column_names}")
+        self.documents = documents.with_format("numpy", columns=["input_ids"])
+        lengths = np.asarray(documents.with_format("numpy")["length"] if "length" in documents.column_names
+                             else [len(x) for x in documents["input_ids"]], dtype=np.int64)
+        self.ends = np.cumsum(lengths)  # document d covers stream [ends[d] - lengths[d], ends[d])
+        self.num_tokens = int(self.ends[-1]) if len(self.ends) else 0
+        available = max(0, (self.num_tokens - 1) // seq_len)
+        if available == 0:
+            raise ValueError(
+                f"the documents hold {self.num_tokens} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}"
+            )
+        self.seq_len = seq_len
+        self.length = available if num_samples is None else min(num_samples, available)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.length:
+            raise IndexError(f"index {index} out of range for {self.length} samples")
+        start = index * self.seq_len
+        first = int(np.searchsorted(self.ends, start, side="right"))
+        last = int(np.searchsorted(self.ends, start + self.seq_len, side="right"))
+        docs = self.documents[first : last + 1]["input_ids"]
+        offset = start - (int(self.ends[first - 1]) if first > 0 else 0)
+        return pack_window(list(docs), offset=offset, seq_len=self.seq_len)
+
+
+def _files(spec: str | Sequence[str]) -> list[str]:
+    patterns = [spec] if isinstance(spec, str) else list(spec)
+    files: list[str] = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(os.path.join(pattern, "*")) if os.path.isdir(pattern) else glob.glob(pattern))
+        if not matched:
+            raise ValueError(f"no data file matches {pattern!r}")
+        files.extend(f for f in matched if os.path.isfile(f))
+    return files
+
+
+def _builder(files: list[str], data_format: str) -> str:
+    if data_format != "auto":
+        if data_format not in set(DATA_FORMATS.values()):
+            raise ValueError(f"data_format={data_format!r} is not supported; expected 'auto' or one of {sorted(set(DATA_FORMATS.values()))}")
+        return data_format
+    kinds = {DATA_FORMATS.get(os.path.splitext(f)[1].lower()) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ValueError(
+            f"data_format='auto' needs files of one kind with suffixes {sorted(DATA_FORMATS)}; got {files[:5]}: "
+            "set data_format to 'text', 'json' or 'parquet'"
+        )
+    return kinds.pop()
+
+
+class HFTextDataModule(L.LightningDataModule):
+    """Local text / jsonl / parquet documents, tokenized with a local tokenizer and packed into
+    sequences of ``seq_len`` tokens with document boundaries kept (Note [Packed documents]).
+
+    Batches are ``{"input_ids", "labels", "position_ids", "document_ids", "document_position_ids"}``,
+    LongTensors ``(B, S)``; labels are -100 where the next token starts another document.
+
+    Args:
+        train_files: a file, a glob pattern, a folder (its files) or a list of them.
+        tokenizer_path: a local tokenizer folder (``AutoTokenizer``) or a ``tokenizer.json`` file.
+        seq_len: S, the input tokens per sample.
+        batch_size: samples per batch on each data-parallel replica.
+        val_files: the same for validation (windows in order); no validation when None.
+        data_format: "auto" (from the suffixes: .txt/.text, .json/.jsonl, .parquet), "text", "json" or "parquet".
+        text_field: the column / key holding the text (json, parquet).
+        text_sample_by: for text files, what one document is: the whole "document" (file),
+            a "paragraph" (separated by blank lines) or a "line".
+        add_special_tokens: let the tokenizer add its special tokens (e.g. BOS) to each document.
+        append_eos: end every document with the tokenizer's EOS token.
+        samples_per_epoch: at most this many training samples (all windows when None).
+        val_samples: at most this many validation samples.
+        num_workers: DataLoader worker processes.
+        num_proc: processes for tokenization (``datasets.Dataset.map``).
+        seed: seed of the single-process shuffle.
+        cache_dir: ``datasets`` cache folder (default: ``HF_DATASETS_CACHE``).
+    """
+
+    def __init__(
+        self,
+        *,
+        train_files: str | list[str],
+        tokenizer_path: str,
+        seq_len: int,
+        batch_size: int,
+        val_files: str | list[str] | None = None,
+        data_format: DataFormat = "auto",
+        text_field: str = "text",
+        text_sample_by: Literal["document", "paragraph", "line"] = "document",
+        add_special_tokens: bool = True,
+        append_eos: bool = True,
+        samples_per_epoch: int | None = None,
+        val_samples: int | None = None,
+        num_workers: int = 0,
+        num_proc: int | None = None,
+        seed: int = 0,
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        for arg, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: {arg} must be a positive integer, got {value!r}")
+        for arg, value in (("samples_per_epoch", samples_per_epoch), ("val_samples", val_samples), ("num_proc", num_proc)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: {arg} must be a positive integer or None, got {value!r}")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"{name}: num_workers must be a non-negative integer, got {num_workers!r}")
+        if text_sample_by not in ("document", "paragraph", "line"):
+            raise ValueError(f"{name}: text_sample_by={text_sample_by!r} is not supported; expected 'document', 'paragraph' or 'line'")
+        if data_format not in ("auto", *DATA_FORMATS.values()):
+            raise ValueError(f"{name}: data_format={data_format!r} is not supported; expected 'auto', 'text', 'json' or 'parquet'")
+        self.save_hyperparameters()
+        self.train_files, self.val_files, self.tokenizer_path = train_files, val_files, tokenizer_path
+        self.seq_len, self.batch_size, self.data_format, self.text_field = seq_len, batch_size, data_format, text_field
+        self.text_sample_by, self.add_special_tokens, self.append_eos = text_sample_by, add_special_tokens, append_eos
+        self.samples_per_epoch, self.val_samples = samples_per_epoch, val_samples
+        self.num_workers, self.num_proc, self.seed, self.cache_dir = num_workers, num_proc, seed, cache_dir
+        self.train_dataset: PackedDocumentDataset | None = None
+        self.val_dataset: PackedDocumentDataset | None = None
+
+    # ----------------------------------------------------------------------------------------- tokenization
+
+    def tokenized(self, files: str | list[str]) -> Any:
+        """The documents of ``files`` as a ``datasets.Dataset`` with columns ``input_ids`` and ``length`` (cached)."""
+        datasets = _datasets()
+        name = type(self).__name__
+        paths = _files(files)
+        builder = _builder(paths, self.data_format)
+        tokenizer = load_tokenizer(self.tokenizer_path)
+        eos = tokenizer.eos_token_id
+        if self.append_eos and eos is None:
+            raise ValueError(f"{name}: append_eos=True but the tokenizer at {self.tokenizer_path!r} has no eos_token; set one or append_eos=False")
+        kwargs: dict[str, Any] = {"sample_by": self.text_sample_by} if builder == "text" else {}
+        raw = datasets.load_dataset(builder, data_files=paths, split="train", cache_dir=self.cache_dir, **kwargs)
+        field = "text" if builder == "text" else self.text_field
+        if field not in raw.column_names:
+            raise ValueError(f"{name}: text_field={field!r} is not a column of {paths[:3]}; columns: {raw.column_names}")
+        add_special, append = self.add_special_tokens, self.append_eos
+
+        def tokenize(batch: dict[str, list]) -> dict[str, list]:
+            ids = tokenizer(batch[field], add_special_tokens=add_special)["input_ids"]
+            if append:
+                ids = [x + [eos] for x in ids]
+            return {"input_ids": ids, "length": [len(x) for x in ids]}
+
+        return raw.map(tokenize, batched=True, remove_columns=raw.column_names, num_proc=self.num_proc,
+                       new_fingerprint=self._fingerprint(paths, builder, tokenizer), desc="tokenizing")
+
+    def _fingerprint(self, paths: list[str], builder: str, tokenizer: Any) -> str:
+        """Deterministic across processes: files (path, size, mtime), tokenizer and options."""
+        h = hashlib.sha256()
+        for path in paths:
+            stat = os.stat(path)
+            h.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
+        options = [builder, self.text_field, self.text_sample_by, self.add_special_tokens, self.append_eos,
+                   tokenizer.eos_token_id, tokenizer.bos_token_id]
+        h.update(json.dumps(options).encode())
+        return h.hexdigest()[:32]
+
+    # ----------------------------------------------------------------------------------------- Lightning hooks
+
+    def prepare_data(self) -> None:
+        """Tokenize once per node (fills the ``datasets`` cache that ``setup`` reads on every rank)."""
+        self.tokenized(self.train_files)
+        if self.val_files is not None:
+            self.tokenized(self.val_files)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is None and stage in (None, "fit"):
+            self.train_dataset = PackedDocumentDataset(self.tokenized(self.train_files), seq_len=self.seq_len,
+                                                       num_samples=self.samples_per_epoch)
+        if self.val_dataset is None and self.val_files is not None and stage in (None, "fit", "validate"):
+            self.val_dataset = PackedDocumentDataset(self.tokenized(self.val_files), seq_len=self.seq_len,
+                                                     num_samples=self.val_samples)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.seed),
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_files is None:
+            return []
+        if self.val_dataset is None:
+            self.setup("validate")
+        return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, drop_last=False, num_workers=self.num_workers)

@@ -1,0 +1,190 @@
+"""Shared by the Hugging Face tests: tiny random-weight transformers models and runs under the strategy."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from typing import Any
+
+import torch
+
+SEQ_LEN = 32  # divisible by 2 * 4 (zigzag over 4 ranks)
+BATCH = 2
+VOCAB = 97
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
+
+
+def tiny_config(kind: str, **overrides: Any):
+    """A tiny GQA config (4 query heads, 2 KV heads) of a transformers architecture."""
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaConfig(**{**COMMON, **overrides})
+    if kind == "qwen2":  # tied embeddings, q/k/v biases; use_sliding_window=False (the default)
+        return transformers.Qwen2Config(**{**COMMON, "tie_word_embeddings": True, **overrides})
+    if kind == "mistral":  # window == SEQ_LEN: HF builds its sliding-window mask, which covers everything
+        return transformers.MistralConfig(**{**COMMON, "sliding_window": SEQ_LEN, **overrides})
+    # one-process tests only
+    if kind == "qwen3":  # q/k norms
+        return transformers.Qwen3Config(**{**COMMON, "head_dim": 8, **overrides})
+    if kind == "gemma":
+        return transformers.GemmaConfig(**{**COMMON, "head_dim": 8, **overrides})
+    if kind == "gemma3":  # local layers with a 4096-token window (> SEQ_LEN: exact), global layers
+        return transformers.Gemma3TextConfig(**{**COMMON, "head_dim": 8, **overrides})
+    if kind == "gemma2":  # attention logit soft-capping: rejected
+        return transformers.Gemma2Config(**{**COMMON, "head_dim": 8, **overrides})
+    raise ValueError(kind)
+
+
+def save_tiny_model(kind: str, path: str, seed: int = 0, **overrides: Any) -> str:
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tokens; labels are the next tokens of the full sequence, -100 at the end (and on a few tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[0, 5] = -100
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": labels,
+            "position_ids": torch.arange(SEQ_LEN).expand(BATCH, SEQ_LEN).contiguous()}
+
+
+def reference(path: str, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The unmodified transformers model (eager attention, one device, fp32): logits, mean loss, gradients."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    model.train()
+    logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), grads
+
+
+class _List(torch.utils.data.Dataset):
+    def __init__(self, data: dict[str, torch.Tensor]) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.data["input_ids"].shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.data.items()}
+
+
+def _capture_callback():
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+
+    from lightning_seqpar.sharding import unshard_sequence
+
+    class Capture(L.Callback):
+        """Full logits, logged loss and full gradients of the first step (every rank takes part in the gathers)."""
+
+        def __init__(self) -> None:
+            self.logits: list[torch.Tensor] = []
+            self.losses: list[float] = []
+            self.grads: dict[str, torch.Tensor] | None = None
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            pl_module.model.register_forward_hook(lambda m, args, out: self.logits.append(out.detach()))
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            if self.grads is not None:
+                return
+            self.grads = {}
+            for name, p in pl_module.model.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                self.grads[name.replace("_checkpoint_wrapped_module.", "").removeprefix("hf.")] = g.detach().clone()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(trainer.callback_metrics["train/loss"]))
+            strategy = trainer.strategy
+            if strategy.parallel_dims.sp > 1:
+                self.logits[-1] = unshard_sequence(self.logits[-1], strategy.sp_mesh, dim=1, layout=strategy.layout)
+
+    return Capture()
+
+
+def train_under_strategy(rank: int, world_size: int, model: Any, data: dict[str, torch.Tensor], *, steps: int = 1,
+                         strategy_kwargs: dict[str, Any] | None = None, **module_kwargs: Any) -> dict[str, Any] | None:
+    """Run on every pooled rank: ``steps`` steps of CausalLMModule(model) under SequenceParallelStrategy
+    (sp = world size). Returns, on rank 0: full logits of the first step, logged losses, full
+    gradients of the first step, the final full state dict (HF names)."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    import lightning as L
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+
+    strategy = SequenceParallelStrategy(**{"sequence_parallel_size": world_size, **(strategy_kwargs or {})})
+    module = CausalLMModule(copy.deepcopy(model), lr=1e-3, weight_decay=0.0, warmup_steps=0, max_steps=steps, **module_kwargs)
+    capture = _capture_callback()
+    loader = torch.utils.data.DataLoader(_List(data), batch_size=BATCH, shuffle=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[capture])
+    trainer.fit(module, train_dataloaders=loader)
+    state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    return {"logits": capture.logits[0], "losses": capture.losses, "grads": capture.grads,
+            "state": {k.removeprefix("hf."): v for k, v in state.items()}}
+
+
+def train_each(rank: int, world_size: int, models: list[Any], data: dict[str, torch.Tensor], **kwargs: Any) -> list[Any] | None:
+    """:func:`train_under_strategy` for each of ``models`` in turn (one pool call: process start-up is paid once)."""
+    results = [train_under_strategy(rank, world_size, model, data, **kwargs) for model in models]
+    return results if rank == 0 else None
+
+
+def tiny_tokenizer(texts: list[str], path: str) -> str:
+    """A word-level tokenizer trained on ``texts`` (with [UNK], [BOS], [EOS]), saved as a transformers folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[BOS]", "[EOS]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]")
+    fast.save_pretrained(path)
+    return path
+
+
+def fit_on_text(rank: int, world_size: int, model: Any, datamodule_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """One step of CausalLMModule(model) on HFTextDataModule(**datamodule_kwargs) under the strategy
+    (sp = world size, ring). Returns, on rank 0, the logged loss and the first batch, put back together."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    import lightning as L
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+    from lightning_seqpar.data import HFTextDataModule
+    from lightning_seqpar.sharding import unshard_sequence
+
+    class FirstBatch(L.Callback):
+        batch: dict[str, torch.Tensor] | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if self.batch is None:
+                s = trainer.strategy
+                self.batch = {k: unshard_sequence(v, s.sp_mesh, dim=1, layout=s.layout) for k, v in batch.items()}
+
+    first, capture = FirstBatch(), _capture_callback()
+    strategy = SequenceParallelStrategy(sequence_parallel_size=world_size, attention="ring")
+    module = CausalLMModule(model, lr=1e-3, warmup_steps=0, max_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[first, capture])
+    trainer.fit(module, datamodule=HFTextDataModule(**datamodule_kwargs))
+    return {"losses": capture.losses, "batch": first.batch} if rank == 0 else None

@@ -1,0 +1,143 @@
+"""Export of a distributed checkpoint: one consolidated file (resumable under another layout), and
+a Hugging Face ``LlamaForCausalLM`` folder (config.json + safetensors / pytorch_model.bin).
+
+The safetensors file is read back here by an independent parser of the format (8-byte header
+length, JSON header, raw data); with the ``safetensors`` package installed it is also read by it,
+and with ``transformers`` installed ``LlamaForCausalLM.from_pretrained`` must give our logits.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from test_resume import _fit
+
+TIMEOUT = 240
+K = 2
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 3-step run (dp1 x sp2) that saved a folder of shards after step 2 and captured its full state there."""
+    root = tmp_path_factory.mktemp("export")
+    results = run_distributed(_fit, 2, sp=2, dirpath=str(root), steps=K + 1, save_at=(K,), capture_at=K, timeout=TIMEOUT)
+    checkpoint = root / f"step={K}.ckpt"
+    assert (checkpoint / ".metadata").is_file()
+    return checkpoint, results[0]
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    assert header.pop("__metadata__") == {"format": "pt"}
+    data = raw[8 + n :]
+    out = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(data[begin:end]), dtype=dtypes[info["dtype"]]).reshape(info["shape"])
+    assert max(i["data_offsets"][1] for i in header.values()) == len(data)  # no trailing bytes
+    return out
+
+
+def test_consolidated_file_holds_the_full_state_and_resumes_under_another_layout(trained, tmp_path):
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.cli import main
+
+    checkpoint, saved = trained
+    out = tmp_path / "consolidated.ckpt"
+    main(["export", str(checkpoint), str(out), "--format", "consolidated"])  # `seqpar export`
+    full = torch.load(out, map_location="cpu", weights_only=True)
+    assert full["global_step"] == K and "loops" in full and "lr_schedulers" in full and len(full["rng_states"]) == 2
+    state = full["state_dict"]
+    assert state.keys() == {f"model.{k}" for k in saved["captured"]["model"]}
+    for name, value in saved["captured"]["model"].items():
+        assert torch.equal(state[f"model.{name}"], value), name
+    for name, fields in saved["captured"]["optim"]["state"].items():
+        for field, value in fields.items():
+            assert torch.equal(full["optimizer_states"][0]["state"][f"model.{name}"][field], value), (name, field)
+    # A plain LightningModule reads it ...
+    module = CausalLMModule.load_from_checkpoint(out, map_location="cpu")
+    for name, value in saved["captured"]["model"].items():
+        assert torch.equal(module.model.state_dict()[name], value), name
+    # ... and the strategy resumes from it under another layout (dp2 x sp1): the same state, the next loss.
+    resumed = run_distributed(_fit, 2, sp=1, dirpath=str(tmp_path / "r"), steps=K + 1, ckpt_path=str(out),
+                              capture_at=-1, init_seed=123, timeout=TIMEOUT)[0]
+    for name, value in saved["captured"]["model"].items():
+        assert torch.equal(resumed["captured"]["model"][name], value), name
+    torch.testing.assert_close(torch.tensor(resumed["losses"][K + 1]), torch.tensor(saved["losses"][K + 1]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_hugging_face_export_has_hf_names_and_config(trained, tmp_path, weights):
+    from lightning_seqpar.export import main
+    from lightning_seqpar.models import LlamaConfig
+
+    checkpoint, saved = trained
+    out = tmp_path / "hf"
+    main([str(checkpoint), str(out), "--format", "hf", "--weights", weights])  # python -m lightning_seqpar.export
+    config = json.loads((out / "config.json").read_text())
+    tiny = LlamaConfig.from_name("tiny")
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["intermediate_size"], config["vocab_size"], config["head_dim"]) == (
+        tiny.n_embd, tiny.n_layer, tiny.n_head, tiny.n_kv_head, tiny.intermediate_size, tiny.vocab_size, tiny.head_dim)
+    assert config["rope_theta"] == tiny.rope_theta and config["rms_norm_eps"] == tiny.norm_eps
+    assert config["tie_word_embeddings"] is False
+    if weights == "safetensors":
+        tensors = _read_safetensors(out / "model.safetensors")
+    else:
+        tensors = torch.load(out / "pytorch_model.bin", weights_only=True)
+    expected = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in saved["captured"]["model"].items()}
+    assert tensors.keys() == expected.keys()
+    assert "model.layers.0.self_attn.q_proj.weight" in tensors and "model.layers.1.mlp.down_proj.weight" in tensors
+    for name, value in expected.items():
+        assert torch.equal(tensors[name], value), name
+    if weights == "safetensors" and _importable("safetensors"):  # the reference reader agrees
+        from safetensors.torch import load_file
+
+        for name, value in load_file(out / "model.safetensors").items():
+            assert torch.equal(value, expected[name]), name
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def test_export_bf16_and_bad_inputs(trained, tmp_path):
+    from lightning_seqpar.export import export_hf, load_model_state_dict
+
+    checkpoint, saved = trained
+    export_hf(checkpoint, tmp_path / "bf16", dtype=torch.bfloat16)
+    tensors = _read_safetensors(tmp_path / "bf16" / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert torch.equal(tensors["lm_head.weight"], saved["captured"]["model"]["lm_head.weight"].bfloat16())
+    partial = tmp_path / "partial.ckpt"
+    partial.mkdir()
+    with pytest.raises(ValueError, match="not a complete distributed checkpoint"):
+        load_model_state_dict(partial)
+
+
+def test_transformers_loads_the_export_with_the_same_logits(trained, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lightning_seqpar.export import export_hf
+    from lightning_seqpar.models import Llama, LlamaConfig
+
+    checkpoint, saved = trained
+    export_hf(checkpoint, tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    ours = Llama(LlamaConfig.from_name("tiny"))
+    ours.load_state_dict(saved["captured"]["model"])
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,262 @@
+"""Faults of real multi-process runs: SIGTERM, SIGKILL of one rank, a stalled rank.
+
+* SIGTERM: `seqpar fit` (2 processes, Lightning's launcher) is signalled mid-epoch; the
+  ``PreemptionCheckpoint`` callback writes a checkpoint at the end of the step on both ranks and
+  the run exits 0; `seqpar fit --ckpt_path last` continues with bit-identical losses.
+* SIGKILL: rank 1 of a `torchrun` run is killed; the run fails (no hang), and resuming from the
+  last periodic checkpoint gives bit-identical losses.
+* Stall: one rank sleeps in ``training_step``; the other fails with a clear error within the
+  strategy's ``timeout``.
+
+Every subprocess runs under a timeout and is killed (its process group) when the test ends.
+The reference losses come from the same configuration run without interruption on pooled ranks.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from dist_utils import run_distributed
+
+TESTS = Path(__file__).parent
+STEPS = 9  # 5 batches per epoch: the interruptions below fall in the middle of epoch 1
+SAVE_EVERY = 3
+PROCESS_TIMEOUT = 150
+
+
+def _config(root: Path, name: str, *, ckpt_dir: Path, pause_at: int | None = None, timeout: float = 30) -> Path:
+    """A `seqpar fit` config: tiny GQA Llama, sp=2 ring, periodic + preemption checkpoints, CSV losses."""
+    callbacks: list[dict[str, Any]] = [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"dirpath": str(ckpt_dir), "filename": "{step}", "every_n_train_steps": SAVE_EVERY,
+                       "save_top_k": -1, "save_last": True}},
+        {"class_path": "lightning_seqpar.PreemptionCheckpoint", "init_args": {"dirpath": str(ckpt_dir)}},
+    ]
+    if pause_at is not None:
+        callbacks.append({"class_path": "fault_injection.PauseAtStep",
+                          "init_args": {"step": pause_at, "marker_dir": str(root / name / "markers")}})
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu", "devices": 2, "precision": "32-true",
+            "strategy": {"class_path": "lightning_seqpar.SequenceParallelStrategy",
+                         "init_args": {"sequence_parallel_size": 2, "attention": "ring", "timeout": timeout}},
+            "max_steps": STEPS, "log_every_n_steps": 1, "enable_progress_bar": False, "enable_model_summary": False,
+            "num_sanity_val_steps": 0, "limit_val_batches": 0,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root / name)}},
+            "callbacks": callbacks,
+        },
+        "model": {"model": "tiny", "lr": 1e-3, "warmup_steps": 2, "max_steps": 20},
+        "data": {"class_path": "lightning_seqpar.data.LongRangeDataModule",
+                 "init_args": {"vocab_size": 256, "seq_len": 32, "batch_size": 2, "num_samples": 10, "val_samples": 0,
+                               "supervise": "all"}},
+    }
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _losses(save_dir: Path) -> dict[int, float]:
+    """{step: train/loss} from the CSV logs under ``save_dir``."""
+    out: dict[int, float] = {}
+    for path in sorted(save_dir.glob("lightning_logs/version_*/metrics.csv")):
+        for row in csv.DictReader(path.open()):
+            if row.get("train/loss"):
+                out[int(row["step"])] = float(row["train/loss"])
+    return out
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+                "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        env.pop(key, None)
+    return env
+
+
+class _Run:
+    """A launched command in its own process group, killed (the group) on exit."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self._out = log.open("w")
+        self.proc = subprocess.Popen(args, env=_env(), stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = PROCESS_TIMEOUT) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.proc.args} did not finish within {timeout}s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        self._out.flush()
+        return self.log.read_text()[-4000:]
+
+    def __enter__(self) -> _Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._out.close()
+
+
+def _seqpar(config: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lightning_seqpar.cli", "fit", "--config", str(config), *extra]
+
+
+def _torchrun(config: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--monitor-interval", "0.2", "-m", "lightning_seqpar.cli", "fit", "--config", str(config), *extra]
+
+
+def _wait_for_pause(run: _Run, markers: Path, timeout: float = PROCESS_TIMEOUT) -> dict[int, int]:
+    """{rank: pid} once both ranks paused."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = {int(p.name.split("-")[1]): int(p.read_text()) for p in markers.glob("paused-*")} if markers.is_dir() else {}
+        if len(found) == 2:
+            return found
+        if run.proc.poll() is not None:
+            pytest.fail(f"the run exited ({run.proc.returncode}) before pausing:\n{run.tail()}")
+        time.sleep(0.1)
+    pytest.fail(f"the run did not pause within {timeout}s:\n{run.tail()}")
+
+
+def _reference_run(rank: int, world_size: int, config: str) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    saved = dict(os.environ)
+    from lightning_seqpar.cli import make_cli
+
+    try:
+        make_cli(["fit", "--config", config])
+    finally:  # seed_everything sets PL_GLOBAL_SEED: keep the pooled worker as it was
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run's losses (the same configuration on pooled gloo ranks)."""
+    root = tmp_path_factory.mktemp("reference")
+    config = _config(root, "ref", ckpt_dir=root / "ckpt")
+    run_distributed(_reference_run, 2, str(config), timeout=PROCESS_TIMEOUT)
+    losses = _losses(root / "ref")
+    assert sorted(losses) == list(range(STEPS))
+    return losses
+
+
+def _meta_step(checkpoint: Path) -> int:
+    return int(torch.load(checkpoint / "meta.pt", weights_only=True)["global_step"])
+
+
+@pytest.mark.timeout(2 * PROCESS_TIMEOUT + 60)
+def test_sigterm_writes_a_checkpoint_and_resume_is_exact(tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    config = _config(tmp_path, "a", ckpt_dir=ckpt, pause_at=7)
+    with _Run(_seqpar(config), tmp_path / "a.log") as run:
+        pids = _wait_for_pause(run, tmp_path / "a" / "markers")
+        assert pids[0] == run.proc.pid  # rank 0 is the process we started; Lightning launched rank 1
+        os.kill(pids[0], signal.SIGTERM)  # one rank is signalled, as a scheduler signals the main process
+        (tmp_path / "a" / "markers" / "continue").touch()
+        assert run.wait() == 0, run.tail()
+    assert _meta_step(ckpt / "preempted.ckpt") == 7  # written at the end of the step that was running
+    assert _meta_step(ckpt / "last.ckpt") == 6
+    first = _losses(tmp_path / "a")
+    assert first == {s: reference[s] for s in range(7)}  # stopped after step 7 (CSV steps 0..6)
+
+    # `--ckpt_path last` takes the newest of the periodic "last" and the preemption checkpoint.
+    resume = _config(tmp_path, "b", ckpt_dir=ckpt)
+    with _Run(_seqpar(resume, "--ckpt_path", "last"), tmp_path / "b.log") as run:
+        assert run.wait() == 0, run.tail()
+    assert _losses(tmp_path / "b") == {s: reference[s] for s in range(7, STEPS)}  # bit-identical
+
+
+@pytest.mark.timeout(2 * PROCESS_TIMEOUT + 60)
+def test_sigkill_of_one_rank_fails_and_resume_is_exact(tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    config = _config(tmp_path, "a", ckpt_dir=ckpt, pause_at=7)
+    start = time.monotonic()
+    with _Run(_torchrun(config), tmp_path / "a.log") as run:
+        pids = _wait_for_pause(run, tmp_path / "a" / "markers")
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        (tmp_path / "a" / "markers" / "continue").touch()
+        assert run.wait() != 0, run.tail()  # the run fails: it does not hang
+        assert time.monotonic() - killed < 60, "the surviving rank took too long to fail"
+    assert time.monotonic() - start < PROCESS_TIMEOUT
+    assert _meta_step(ckpt / "last.ckpt") == 6  # the last periodic checkpoint, complete
+    assert not (ckpt / "preempted.ckpt").exists()  # nothing is saved after a failure
+    assert not list(ckpt.glob("*.partial"))
+
+    resume = _config(tmp_path, "b", ckpt_dir=ckpt)
+    with _Run(_torchrun(resume, "--ckpt_path", "last"), tmp_path / "b.log") as run:
+        assert run.wait() == 0, run.tail()
+    assert _losses(tmp_path / "b") == {s: reference[s] for s in range(6, STEPS)}  # bit-identical
+
+
+# ---------------------------------------------------------------------------------------------- stalled rank
+
+STALL_TIMEOUT = 6.0  # the strategy's timeout in this test (seconds)
+
+
+def _stalled(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 sleeps in training_step of step 1; every rank reports when and how its run failed."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+    from lightning_seqpar.data import CopyTaskDataset
+
+    marks: dict[str, float] = {}
+
+    class Stalling(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 1:
+                marks["step_start"] = time.monotonic()
+                if rank == 1:
+                    time.sleep(1.5 * STALL_TIMEOUT)
+            return super().training_step(batch, batch_idx)
+
+    strategy = SequenceParallelStrategy(sequence_parallel_size=2, attention="ring", timeout=STALL_TIMEOUT)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    data = CopyTaskDataset(vocab_size=256, seq_len=32, num_samples=8, supervise="all")
+    try:
+        trainer.fit(Stalling("tiny", warmup_steps=0, max_steps=3), train_dataloaders=DataLoader(data, batch_size=2))
+    except Exception as error:  # noqa: BLE001 - the failure is what is measured
+        return {"error": f"{type(error).__name__}: {error}", "after": time.monotonic() - marks.get("step_start", 0.0)}
+    return {"error": None, "after": None}
+
+
+@pytest.mark.timeout(240)
+def test_stalled_rank_fails_within_the_timeout():
+    from dist_utils import get_pool
+
+    try:
+        results = run_distributed(_stalled, 2, timeout=120)
+    finally:
+        get_pool(2).close(kill=True)  # the ranks' process groups saw timeouts: start the next test afresh
+    waiting = results[0]
+    assert waiting["error"] is not None, "the rank that waited for the stalled one did not fail"
+    assert waiting["error"].startswith("TimeoutError: SequenceParallelStrategy: rank 0 waited longer than timeout=0:00:06"), waiting
+    assert "another rank is stalled, has died" in waiting["error"]
+    assert STALL_TIMEOUT * 0.9 <= waiting["after"] <= STALL_TIMEOUT + 10, waiting
