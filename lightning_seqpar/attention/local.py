@@ -100,7 +100,6 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
 
 def _math_forward(q, k, v, causal: bool, scale: float):
     B, Sq, Hq, D = q.shape
-    Hkv = k.shape[2]
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Sq)
     p = torch.exp(s - _safe(lse).unsqueeze(-1))

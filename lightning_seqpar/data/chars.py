@@ -30,6 +30,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+from lightning_seqpar.data.loaders import eval_loader, train_loader
 from torchmetrics import Metric
 
 from lightning_seqpar.data.tokens import make_example
@@ -146,15 +147,9 @@ class CharDataModule(L.LightningDataModule):
 
     def _loader(self, split: str, *, train: bool = False) -> DataLoader:
         self.setup()
-        return DataLoader(
-            self.datasets[split],
-            batch_size=self.batch_size,
-            shuffle=train,
-            generator=torch.Generator().manual_seed(self.seed) if train else None,
-            drop_last=train,
-            num_workers=self.num_workers,
-            persistent_workers=train and self.num_workers > 0,
-        )
+        if train:
+            return train_loader(self.datasets[split], batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers)
+        return eval_loader(self.datasets[split], batch_size=self.batch_size, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)

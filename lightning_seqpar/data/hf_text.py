@@ -51,6 +51,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_seqpar.data.loaders import eval_loader, train_loader
+
 from lightning_seqpar.loss import IGNORE_INDEX
 
 __all__ = ["DATA_FORMATS", "HFTextDataModule", "PackedDocumentDataset", "load_tokenizer", "pack_window"]
@@ -313,19 +315,11 @@ class HFTextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             self.setup("fit")
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.seed),
-            drop_last=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return train_loader(self.train_dataset, batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_files is None:
             return []
         if self.val_dataset is None:
             self.setup("validate")
-        return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, drop_last=False, num_workers=self.num_workers)
+        return eval_loader(self.val_dataset, batch_size=self.batch_size, num_workers=self.num_workers)

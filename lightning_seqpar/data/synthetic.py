@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_seqpar.data.loaders import eval_loader, train_loader
+
 from lightning_seqpar.loss import IGNORE_INDEX
 
 __all__ = ["CopyTaskDataset", "LongRangeDataModule"]
@@ -125,18 +127,9 @@ class LongRangeDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self._dataset(self.num_samples, 0),
-            batch_size=self.batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.seed),
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
+        return train_loader(self._dataset(self.num_samples, 0), batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_samples == 0:
             return []
-        return DataLoader(
-            self._dataset(self.val_samples, 1), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
-        )
+        return eval_loader(self._dataset(self.val_samples, 1), batch_size=self.batch_size, num_workers=self.num_workers)
