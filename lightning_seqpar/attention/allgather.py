@@ -15,6 +15,9 @@ is one block against all keys. Under zigzag every rank attends to the same numbe
 
 Backward all-gathers K/V again (nothing of size S is kept between forward and backward), computes
 dQ and the full dK/dV, and reduce-scatters dK/dV back to their owners (fp32 sums).
+
+Packed documents: each local half gathers, with one index, the keys of its documents' earlier
+pieces from the rank-ordered buffer and runs one varlen call (``lightning_seqpar.attention.documents``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_seqpar.attention.documents import DocSegments, gathered_doc_plan
 from lightning_seqpar.attention.local import block_backward, block_forward
 from lightning_seqpar.attention.merge import merge_, new_accumulators
 from lightning_seqpar.sharding import chunk_ids, num_chunks
@@ -74,9 +78,7 @@ def _blocks(rank: int, world: int, causal: bool, layout: str, s_local: int):
 
 def _ordered(full: torch.Tensor, world: int, layout: str, s_local: int) -> torch.Tensor:
     """(W, 2, B, S, H, D) rank-ordered -> (2, B, W*S, H, D) in global sequence order."""
-    W, two, B, S, H, D = full.shape
-    seq = full.permute(1, 2, 0, 3, 4, 5).reshape(two, B, W * S, H, D)
-    return seq.index_select(2, _global_order(world, layout, s_local, full.device))
+    return _rank_ordered(full).index_select(2, _global_order(world, layout, s_local, full.device))
 
 
 def gathered_forward(q, kv, *, rank: int, world: int, causal: bool, layout: str, scale: float, backend: str):
@@ -103,27 +105,75 @@ def gathered_backward(dout, q, kv, out, lse, *, rank: int, world: int, causal: b
     return dq, dkv
 
 
+def doc_gathered_forward(q, kv, *, rank: int, world: int, causal: bool, scale: float, backend: str, docs: torch.Tensor):
+    """Packed documents: local queries over the whole sequence's K/V ``kv`` = (2, B, W*S, H, D) in RANK order."""
+    s_local = q.shape[1]
+    out, lse = new_accumulators(q, kv.shape[-1])
+    flat = kv.reshape(2, -1, *kv.shape[3:])  # (2, B*W*S, H, D)
+    for rows, index, is_causal, vl in gathered_doc_plan(rank, world, causal, s_local, DocSegments(docs, q.device)):
+        o, l = block_forward(q[:, rows], flat[0].index_select(0, index)[None], flat[1].index_select(0, index)[None],
+                             causal=is_causal, scale=scale, backend=backend, varlen=vl)
+        out[:, rows] = o  # every query row belongs to exactly one call: nothing to merge
+        lse[:, :, rows] = l
+    return out.to(q.dtype), lse
+
+
+def doc_gathered_backward(dout, q, kv, out, lse, *, rank: int, world: int, causal: bool, scale: float, backend: str, docs: torch.Tensor):
+    """``(dq, dkv)`` of :func:`doc_gathered_forward`; dkv (fp32) in rank order like ``kv``."""
+    s_local = q.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    flat = kv.reshape(2, -1, *kv.shape[3:])
+    dkv = torch.zeros(flat.shape, dtype=torch.float32, device=q.device)
+    for rows, index, is_causal, vl in gathered_doc_plan(rank, world, causal, s_local, DocSegments(docs, q.device)):
+        dq_b, dk_b, dv_b = block_backward(dout[:, rows], q[:, rows], flat[0].index_select(0, index)[None], flat[1].index_select(0, index)[None],
+                                          out[:, rows], lse[:, :, rows], causal=is_causal, scale=scale, backend=backend, varlen=vl)
+        dq[:, rows] += dq_b
+        dkv[0].index_add_(0, index, dk_b[0].float())
+        dkv[1].index_add_(0, index, dv_b[0].float())
+    return dq, dkv.view(kv.shape)
+
+
 def to_rank_order(x: torch.Tensor, world: int, layout: str, s_local: int, dim: int) -> torch.Tensor:
     """Inverse of the global reordering along ``dim``: global order -> rank order."""
     order = _global_order(world, layout, s_local, x.device)
     return torch.empty_like(x).index_copy_(dim, order, x)
 
 
-def allgather_forward(q, k, v, *, group, causal: bool, layout: str, scale: float, backend: str):
+def _rank_ordered(full: torch.Tensor) -> torch.Tensor:
+    """(W, 2, B, S, H, D) -> (2, B, W*S, H, D), still in rank order."""
+    W, two, B, S, H, D = full.shape
+    return full.permute(1, 2, 0, 3, 4, 5).reshape(two, B, W * S, H, D)
+
+
+def _reduce_scatter_kv(dkv_rank_order: torch.Tensor, world: int, s_local: int, group) -> torch.Tensor:
+    """(2, B, W*S, H, D) rank-ordered dK/dV sums of this rank -> (2, B, S, H, D) summed over ranks for this rank's rows."""
+    two, B, _, H, D = dkv_rank_order.shape
+    ranked = dkv_rank_order.reshape(two, B, world, s_local, H, D).permute(2, 0, 1, 3, 4, 5).reshape(world * two, B, s_local, H, D)
+    mine = torch.empty((two, B, s_local, H, D), dtype=ranked.dtype, device=ranked.device)
+    _reduce_scatter(mine, ranked, group=group)
+    return mine
+
+
+def allgather_forward(q, k, v, *, group, causal: bool, layout: str, scale: float, backend: str, docs: torch.Tensor | None = None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if docs is not None:
+        kv = _rank_ordered(_gather_kv(k, v, group))
+        return doc_gathered_forward(q, kv, rank=rank, world=world, causal=causal, scale=scale, backend=backend, docs=docs)
     kv = _ordered(_gather_kv(k, v, group), world, layout, q.shape[1])
     return gathered_forward(q, kv, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
 
 
-def allgather_backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, scale: float, backend: str):
+def allgather_backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, scale: float, backend: str,
+                       docs: torch.Tensor | None = None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     s_local = q.shape[1]
-    kv = _ordered(_gather_kv(k, v, group), world, layout, s_local)
-    dq, dkv = gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
-    # back to rank order (W, 2, B, S, H, D), then reduce-scatter: rank r receives the sum of its rows
-    two, B, _, H, D = dkv.shape
-    ranked = to_rank_order(dkv, world, layout, s_local, dim=2)
-    ranked = ranked.view(two, B, world, s_local, H, D).permute(2, 0, 1, 3, 4, 5).reshape(world * two, B, s_local, H, D)
-    mine = torch.empty((two, B, s_local, H, D), dtype=ranked.dtype, device=ranked.device)
-    _reduce_scatter(mine, ranked, group=group)
+    if docs is not None:
+        kv = _rank_ordered(_gather_kv(k, v, group))
+        dq, ranked = doc_gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, scale=scale, backend=backend, docs=docs)
+    else:
+        kv = _ordered(_gather_kv(k, v, group), world, layout, s_local)
+        dq, dkv = gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
+        ranked = to_rank_order(dkv, world, layout, s_local, dim=2)
+    # reduce-scatter the rank-ordered sums: rank r receives the sum of its rows
+    mine = _reduce_scatter_kv(ranked, world, s_local, group)
     return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)

@@ -31,14 +31,18 @@ from lightning_seqpar.attention.allgather import (
     _global_order,
     allgather_backward,
     allgather_forward,
+    doc_gathered_backward,
+    doc_gathered_forward,
     gathered_backward,
     gathered_forward,
     to_rank_order,
 )
+from lightning_seqpar.attention.documents import DocSegments, reorder, sample_order
 from lightning_seqpar.attention.local import block_backward, block_forward, default_scale, resolve_backend
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
 from lightning_seqpar.attention.two_d import two_d_attention
 from lightning_seqpar.attention.ulysses import kv_repeat
+from lightning_seqpar.documents import PackedDocuments, current_documents
 from lightning_seqpar.sharding import LAYOUTS
 
 Algorithm = Literal["ring", "allgather", "ulysses", "2d"]
@@ -51,46 +55,80 @@ def _group(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
+def _local_docs_forward(q, k, v, causal, scale, backend, docs):
+    """Packed documents over the whole sequence (in rank order for Ulysses): one varlen call."""
+    order = sample_order(docs, q.device)
+    if order is not None:
+        q, k, v = (reorder(x, order[0], 1) for x in (q, k, v))
+    out, lse = block_forward(q, k, v, causal=causal, scale=scale, backend=backend, varlen=DocSegments(docs, q.device).whole())
+    if order is not None:
+        out, lse = reorder(out, order[1], 1), reorder(lse, order[1], 2)
+    return out, lse
+
+
+def _local_docs_backward(dout, q, k, v, out, lse, causal, scale, backend, docs):
+    order = sample_order(docs, q.device)
+    if order is not None:
+        dout, q, k, v, out = (reorder(x, order[0], 1) for x in (dout, q, k, v, out))
+        lse = reorder(lse, order[0], 2)
+    grads = block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend, varlen=DocSegments(docs, q.device).whole())
+    if order is not None:
+        grads = tuple(reorder(g, order[1], 1) for g in grads)
+    return grads
+
+
 @torch.library.custom_op("seqpar::attn_fwd", mutates_args=())
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, algorithm: str, group: str, causal: bool, layout: str,
-              scale: float, backend: str, inner: int) -> tuple[Tensor, Tensor]:
+              scale: float, backend: str, inner: int, docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
     if algorithm == "local":
+        if docs is not None:
+            out, lse = _local_docs_forward(q, k, v, causal, scale, backend, docs)
+            return out.contiguous(), lse.contiguous()
         return block_forward(q, k, v, causal=causal, scale=scale, backend=backend)
     pg = _group(group)
     if algorithm == "gathered":
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        if docs is not None:
+            return doc_gathered_forward(q, torch.stack([k, v]), rank=rank, world=world, causal=causal, scale=scale, backend=backend, docs=docs)
         kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
         return gathered_forward(q, kv, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
     if algorithm == "ring":
-        return ring_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, inner=inner or None)
-    return allgather_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend)
+        return ring_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, inner=inner or None, docs=docs)
+    return allgather_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, docs=docs)
 
 
 @_attn_fwd.register_fake
-def _(q, k, v, algorithm, group, causal, layout, scale, backend, inner):
+def _(q, k, v, algorithm, group, causal, layout, scale, backend, inner, docs=None):
     B, S, H, _ = q.shape
     return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.custom_op("seqpar::attn_bwd", mutates_args=())
 def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, algorithm: str, group: str,
-              causal: bool, layout: str, scale: float, backend: str, inner: int) -> tuple[Tensor, Tensor, Tensor]:
+              causal: bool, layout: str, scale: float, backend: str, inner: int, docs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     dout = dout.contiguous()
     if algorithm == "local":
-        dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+        if docs is not None:
+            dq, dk, dv = _local_docs_backward(dout, q, k, v, out, lse, causal, scale, backend, docs)
+        else:
+            dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
     elif algorithm == "gathered":
         pg = _group(group)
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-        kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
-        dq, dkv = gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
-        dkv = to_rank_order(dkv, world, layout, q.shape[1], dim=2)
+        if docs is not None:
+            dq, dkv = doc_gathered_backward(dout, q, torch.stack([k, v]), out, lse, rank=rank, world=world, causal=causal, scale=scale,
+                                            backend=backend, docs=docs)
+        else:
+            kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
+            dq, dkv = gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
+            dkv = to_rank_order(dkv, world, layout, q.shape[1], dim=2)
         dk, dv = dkv[0], dkv[1]
     elif algorithm == "ring":
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout, scale=scale,
-                                   backend=backend, inner=inner or None)
+                                   backend=backend, inner=inner or None, docs=docs)
     else:
         dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout,
-                                        scale=scale, backend=backend)
+                                        scale=scale, backend=backend, docs=docs)
     # fresh tensors in the input dtypes (custom ops may not return aliases of inputs or of each other)
     # and contiguous, as the fake implementation promises
     return (dq.to(q.dtype, memory_format=torch.contiguous_format, copy=True), dk.to(k.dtype, memory_format=torch.contiguous_format, copy=True),
@@ -98,7 +136,7 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
 
 
 @_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, algorithm, group, causal, layout, scale, backend, inner):
+def _(dout, q, k, v, out, lse, algorithm, group, causal, layout, scale, backend, inner, docs=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -195,14 +233,30 @@ def _group_name(mesh: DeviceMesh, dim: str | None = None) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_documents(documents, q, layout: str, algorithm: str, hp: int, cp: int) -> Tensor | None:
+    """The piece lengths of ``documents`` for the custom ops, after checking they fit ``q`` (no communication)."""
+    if documents is None:
+        return None
+    if not isinstance(documents, PackedDocuments):
+        raise ValueError(f"documents must be a lightning_seqpar.documents.PackedDocuments or None, got {type(documents).__name__}")
+    if layout != "zigzag":
+        raise ValueError(f"documents are sharded with the per-document zigzag (PackedDocuments.shard); layout={layout!r} must be 'zigzag'")
+    # the ranks the documents were split over: the 1-D ranks (Ulysses) or the cp ranks (ring, all-gather, 2D)
+    world = hp if algorithm == "ulysses" else cp
+    documents.check(batch=q.shape[0], local_len=q.shape[1] * hp * cp // world, world=world)
+    return documents.pieces
+
+
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: float | None = None,
-                    backend: str = "auto") -> Tensor:
+                    backend: str = "auto", documents: PackedDocuments | None = None) -> Tensor:
     """Exact attention on one device with the package's kernels. Shapes as
-    :func:`sequence_parallel_attention`; GQA/MQA without repeating K/V in memory (math backend)."""
+    :func:`sequence_parallel_attention`; GQA/MQA without repeating K/V in memory (math backend).
+    ``documents``: packed documents (built with ``world=1``): attention stays inside each document."""
     _check_qkv(q, k, v)
     _check_options(causal, "zigzag", "ring")
+    docs = _check_documents(documents, q, "zigzag", "ring", 1, 1)
     be = resolve_backend(backend, q.device, q.dtype)
-    return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, "zigzag", default_scale(q.shape[-1], scale), be, 0)[0]
+    return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, "zigzag", default_scale(q.shape[-1], scale), be, 0, docs)[0]
 
 
 def sequence_parallel_attention(
@@ -217,6 +271,7 @@ def sequence_parallel_attention(
     scale: float | None = None,
     backend: str = "auto",
     inner_ring_size: int | None = None,
+    documents: PackedDocuments | None = None,
 ) -> Tensor:
     """Exact attention of sequence-sharded ``q, k, v`` — the same result as attention on the
     full sequence, sharded the same way.
@@ -234,6 +289,10 @@ def sequence_parallel_attention(
         backend: local kernel: "auto", "cudnn", "flash", "efficient" or "math".
         inner_ring_size: double ring (LoongTrain §4.3) inner ring size for "ring" / "2d"; must
             divide the context-parallel size. None = one ring.
+        documents: packed documents (:class:`lightning_seqpar.documents.PackedDocuments`, built from
+            the full batch with ``world`` = the context-parallel size, or the mesh size for
+            "ulysses"; shards from its ``shard``): attention never crosses a document boundary,
+            and the per-document zigzag gives every rank the same work. None: one sequence.
 
     Returns:
         ``[B, S_local, H_q, D]`` in the dtype of ``q``. Differentiable in ``q, k, v``.
@@ -245,26 +304,27 @@ def sequence_parallel_attention(
     _check_options(causal, layout, algorithm)
     hp, cp = _mesh_dims(mesh, algorithm)
     _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size)
+    docs = _check_documents(documents, q, layout, algorithm, hp, cp)
     be = resolve_backend(backend, q.device, q.dtype)
     sc = default_scale(q.shape[-1], scale)
     inner = inner_ring_size or 0
 
     if algorithm in ("ring", "allgather"):
         if cp == 1:
-            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0)[0]
-        return torch.ops.seqpar.attn_fwd(q, k, v, algorithm, _group_name(mesh), causal, layout, sc, be, inner)[0]
+            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs)[0]
+        return torch.ops.seqpar.attn_fwd(q, k, v, algorithm, _group_name(mesh), causal, layout, sc, be, inner, docs)[0]
 
     if algorithm == "ulysses":
         if hp == 1:
-            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0)[0]
+            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs)[0]
         return two_d_attention(q, k, v, hp=hp, hp_group=_group_name(mesh),
-                               inner_attention=_gathered_local(hp, q.shape[1], causal, layout, sc, be))
+                               inner_attention=_gathered_local(hp, q.shape[1], causal, layout, sc, be, docs))
 
     cp_group = _group_name(mesh, "cp") if cp > 1 else ""
 
     def ring_over_cp(qh, kh, vh):
         alg = "ring" if cp > 1 else "local"
-        return torch.ops.seqpar.attn_fwd(qh, kh, vh, alg, cp_group, causal, layout, sc, be, inner)[0]
+        return torch.ops.seqpar.attn_fwd(qh, kh, vh, alg, cp_group, causal, layout, sc, be, inner, docs)[0]
 
     if hp == 1:
         return ring_over_cp(q, k, v)
@@ -273,7 +333,7 @@ def sequence_parallel_attention(
 
 def gathered_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool = True,
                           layout: Literal["zigzag", "contiguous"] = "zigzag", scale: float | None = None,
-                          backend: str = "auto") -> Tensor:
+                          backend: str = "auto", documents: PackedDocuments | None = None) -> Tensor:
     """Local queries attending to keys/values of the whole sequence that this rank already has.
 
     The second half of all-gather attention, for callers that gather something cheaper than K/V
@@ -286,7 +346,7 @@ def gathered_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, 
             an all-gather along the sequence gives). Their gradients are the full dK/dV from this
             rank's queries; summing them over ranks (the reduce-scatter of the all-gather's
             backward) gives each shard's gradient.
-        mesh: the 1-D sequence-parallel mesh; causal, layout, scale, backend: as
+        mesh: the 1-D sequence-parallel mesh; causal, layout, scale, backend, documents: as
             :func:`sequence_parallel_attention`.
     """
     _check_options(causal, layout, "allgather")
@@ -300,17 +360,20 @@ def gathered_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, 
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
     _check_sizes(q, k, "allgather", layout, 1, cp, None)
+    docs = _check_documents(documents, q, layout, "allgather", 1, cp)
     be = resolve_backend(backend, q.device, q.dtype)
     sc = default_scale(q.shape[-1], scale)
     if cp == 1:
-        return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0)[0]
-    return torch.ops.seqpar.attn_fwd(q, k, v, "gathered", _group_name(mesh), causal, layout, sc, be, 0)[0]
+        return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs)[0]
+    return torch.ops.seqpar.attn_fwd(q, k, v, "gathered", _group_name(mesh), causal, layout, sc, be, 0, docs)[0]
 
 
-def _gathered_local(world: int, s_local: int, causal: bool, layout: str, scale: float, backend: str):
+def _gathered_local(world: int, s_local: int, causal: bool, layout: str, scale: float, backend: str, docs: Tensor | None = None):
     """Local attention over the whole sequence gathered in rank order (Ulysses)."""
 
     def attend(qh, kh, vh):
+        if docs is not None:  # the op puts the rank-ordered documents in order itself
+            return torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, docs)[0]
         reorder = causal and layout == "zigzag"
         if reorder:  # rank order -> global order, so the causal mask is the plain one
             order = _global_order(world, layout, s_local, qh.device)
@@ -331,7 +394,8 @@ class Attention(nn.Module):
     ``forward(q, k, v)`` takes ``[B, S, H_q, D]`` and ``[B, S, H_kv, D]`` and returns
     ``[B, S, H_q, D]``. ``lightning_seqpar.parallelize.apply_attention`` calls :meth:`configure` on
     every instance, after which the same model code runs sequence-parallel attention over the
-    mesh. The module has no parameters and holds no global state.
+    mesh. The module has no parameters. Packed documents: the ``documents`` argument, else the
+    batch's documents that ``SequenceParallelStrategy`` sets (``current_documents()``).
     """
 
     def __init__(self, *, causal: bool = True, scale: float | None = None) -> None:
@@ -352,12 +416,14 @@ class Attention(nn.Module):
             _mesh_dims(mesh, algorithm)
         self.mesh, self.algorithm, self.layout, self.backend, self.inner_ring_size = mesh, algorithm, layout, backend, inner_ring_size
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None) -> Tensor:
+        """``documents``: packed documents to mask by; default the batch's (``lightning_seqpar.documents.current_documents``)."""
+        documents = documents if documents is not None else current_documents()
         if self.mesh is None:
-            return local_attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend)
+            return local_attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend, documents=documents)
         return sequence_parallel_attention(q, k, v, mesh=self.mesh, algorithm=self.algorithm, causal=self.causal,  # type: ignore[arg-type]
                                            layout=self.layout, scale=self.scale, backend=self.backend,  # type: ignore[arg-type]
-                                           inner_ring_size=self.inner_ring_size)
+                                           inner_ring_size=self.inner_ring_size, documents=documents)
 
     def extra_repr(self) -> str:
         where = "local" if self.mesh is None else f"{self.algorithm}, layout={self.layout}, mesh={tuple(self.mesh.shape)}"

@@ -22,12 +22,19 @@ Backends:
     "math"       pure torch, fp32 accumulation; CPU, and the reference
     "auto"       the fastest available for the device and dtype
 flash-attn (Dao-AILab) is not wired in yet: it is left out until its adapter is tested on a GPU.
+
+Packed documents (``varlen``): the block's rows are flattened over the batch into segments
+(cu_seqlens, one per document piece) and a query attends only to the keys of its own segment;
+``causal`` is then bottom-right aligned inside each segment (query i of a segment of Lq queries
+sees keys j <= i + Lk - Lq), so a suffix of queries can attend to a longer prefix of keys. On
+CUDA in bf16/fp16 this is torch's flash-attention-2 varlen kernel (``aten._flash_attention_forward``
+with cu_seqlens; native GQA), elsewhere the pure-torch path with the equivalent mask.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -81,12 +88,14 @@ def default_scale(head_dim: int, scale: float | None) -> float:
 # pure torch ("math"): the CPU path and the reference. fp32 accumulation, GQA without repeat.
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
     qg = q.float().view(B, Sq, Hkv, Hq // Hkv, D)  # (B, Sq, Hkv, G, D)
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.float()) * scale  # (B, Hkv, G, Sq, Sk)
-    if causal:
+    if allowed is not None:  # packed documents: the (Sq, Sk) mask of the segments
+        s = s.masked_fill(~allowed, float("-inf"))
+    elif causal:
         Sk = k.shape[1]
         mask = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu_(1)
         s = s.masked_fill(mask, float("-inf"))
@@ -98,20 +107,20 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _math_forward(q, k, v, causal: bool, scale: float):
+def _math_forward(q, k, v, causal: bool, scale: float, allowed: torch.Tensor | None = None):
     B, Sq, Hq, D = q.shape
-    s = _scores(q, k, causal, scale)
+    s = _scores(q, k, causal, scale, allowed)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Sq)
     p = torch.exp(s - _safe(lse).unsqueeze(-1))
     out = torch.einsum("bhgqk,bkhd->bqhgd", p, v.float()).reshape(B, Sq, Hq, v.shape[-1])
     return out.to(q.dtype), lse.reshape(B, Hq, Sq)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, allowed: torch.Tensor | None = None):
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    s = _scores(q, k, causal, scale)
+    s = _scores(q, k, causal, scale, allowed)
     lse = lse.reshape(B, Hkv, G, Sq)
     p = torch.exp(s - _safe(lse).unsqueeze(-1))  # (B, Hkv, G, Sq, Sk)
     p = p.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)  # rows with no key anywhere: P = 0
@@ -192,10 +201,79 @@ def _sdpa_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend:
 
 
 # ---------------------------------------------------------------------------------------------
+# packed documents: variable-length segments
 
 
-def block_forward(q, k, v, *, causal: bool, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` over ``k``/``v`` (one block): ``(out [B,Sq,Hq,D] in q.dtype, lse [B,Hq,Sq] fp32)``."""
+class Varlen(NamedTuple):
+    """Segments of a block, flattened over the batch: queries ``cu_q[i]:cu_q[i+1]`` attend to keys ``cu_k[i]:cu_k[i+1]``."""
+
+    cu_q: torch.Tensor  # int32 [n + 1], on the device of q
+    cu_k: torch.Tensor  # int32 [n + 1]
+    max_q: int
+    max_k: int
+
+
+def _varlen_allowed(vl: Varlen, causal: bool, device: torch.device) -> torch.Tensor:
+    """(Tq, Tk) bool mask of :class:`Varlen` segments (the pure-torch path)."""
+    cu_q, cu_k = vl.cu_q.to(device, torch.int64), vl.cu_k.to(device, torch.int64)
+    iq, ik = torch.arange(int(cu_q[-1]), device=device), torch.arange(int(cu_k[-1]), device=device)
+    sq, sk = torch.searchsorted(cu_q[1:], iq, right=True), torch.searchsorted(cu_k[1:], ik, right=True)
+    allowed = sq[:, None] == sk[None, :]
+    if causal:  # bottom-right aligned inside each segment
+        shift = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
+        allowed &= (ik - cu_k[sk])[None, :] <= (iq - cu_q[sq] + shift[sq])[:, None]
+    return allowed
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _varlen_uses_math(backend: str, dtype: torch.dtype) -> bool:
+    return backend == "math" or dtype not in (torch.float16, torch.bfloat16)
+
+
+def _varlen_forward(q, k, v, vl: Varlen, causal: bool, scale: float, backend: str):
+    B, Sq, Hq, _ = q.shape
+    if _varlen_uses_math(backend, q.dtype):
+        out, lse = _math_forward(_flat(q)[None], _flat(k)[None], _flat(v)[None], causal, scale, _varlen_allowed(vl, causal, q.device))
+        return out.view(B, Sq, Hq, -1), lse.view(Hq, B, Sq).transpose(0, 1)
+    out, lse = aten._flash_attention_forward(_flat(q), _flat(k), _flat(v), vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, 0.0, causal, False,
+                                             scale=scale)[:2]
+    if lse.ndim != 2:
+        raise RuntimeError(f"unexpected varlen log-sum-exp shape {tuple(lse.shape)} from aten._flash_attention_forward")
+    # rows whose segment has no key: the kernel writes out = 0 and lse = +inf; the merge wants -inf
+    lse = lse.float().masked_fill(lse == float("inf"), float("-inf"))
+    return out.view(B, Sq, Hq, -1), lse[:, : B * Sq].reshape(Hq, B, Sq).transpose(0, 1)
+
+
+def _varlen_backward(dout, q, k, v, out, lse, vl: Varlen, causal: bool, scale: float, backend: str):
+    B, Sq, Hq, _ = q.shape
+    lse_flat = lse.transpose(0, 1).reshape(Hq, B * Sq)
+    if _varlen_uses_math(backend, q.dtype):
+        dq, dk, dv = _math_backward(_flat(dout)[None], _flat(q)[None], _flat(k)[None], _flat(v)[None], _flat(out)[None],
+                                    lse_flat[None], causal, scale, _varlen_allowed(vl, causal, q.device))
+    else:
+        seed = torch.empty((), dtype=torch.int64, device=q.device)
+        offset = torch.empty((), dtype=torch.int64, device=q.device)
+        o = _flat(out).contiguous()
+        dq, dk, dv = aten._flash_attention_backward(_flat(dout).contiguous().to(o.dtype), _flat(q), _flat(k), _flat(v), o,
+                                                    lse_flat.contiguous(), vl.cu_q, vl.cu_k, vl.max_q, vl.max_k, 0.0, causal,
+                                                    seed, offset, scale=scale)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def block_forward(q, k, v, *, causal: bool, scale: float, backend: str, varlen: Varlen | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over ``k``/``v`` (one block): ``(out [B,Sq,Hq,D] in q.dtype, lse [B,Hq,Sq] fp32)``.
+
+    ``varlen``: packed-document segments (module docstring); ``causal`` is then per segment.
+    """
+    if varlen is not None:
+        out, lse = _varlen_forward(q, k, v, varlen, causal, scale, backend)
+        return out.to(q.dtype).contiguous(), lse.contiguous()
     assert not causal or q.shape[1] == k.shape[1], "causal blocks are square"
     if backend == "math":
         out, lse = _math_forward(q, k, v, causal, scale)
@@ -204,11 +282,13 @@ def block_forward(q, k, v, *, causal: bool, scale: float, backend: str) -> tuple
     return out.contiguous(), lse.contiguous()
 
 
-def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, backend: str):
+def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, backend: str, varlen: Varlen | None = None):
     """Gradients of one block given the final ``out`` and ``lse`` of the rows of ``q``.
 
     Returns ``(dq, dk, dv)``; the pure-torch path returns fp32, the kernels the input dtype.
     """
+    if varlen is not None:
+        return _varlen_backward(dout, q, k, v, out, lse, varlen, causal, scale, backend)
     assert not causal or q.shape[1] == k.shape[1], "causal blocks are square"
     if backend == "math":
         return _math_backward(dout, q, k, v, out, lse, causal, scale)

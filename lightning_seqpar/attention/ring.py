@@ -44,25 +44,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_seqpar.attention.documents import Block, DocSegments, ring_doc_plan
 from lightning_seqpar.attention.local import block_backward, block_forward
 from lightning_seqpar.attention.merge import merge_, new_accumulators
 
-Block = tuple[slice, slice, bool]  # (query rows, key rows, causal)
 
+def block_plan(rank: int, src: int, causal: bool, layout: str, s_local: int, docs: DocSegments | None = None) -> list[Block]:
+    """Which (query rows, key rows, causal, segments) blocks rank ``rank`` computes against K/V of ``src``.
 
-def block_plan(rank: int, src: int, causal: bool, layout: str, s_local: int) -> list[Block]:
-    """Which (query rows, key rows, causal) blocks rank ``rank`` computes against K/V of ``src``."""
+    With packed documents ``docs`` the blocks are varlen (``lightning_seqpar.attention.documents``).
+    """
+    if docs is not None:
+        return ring_doc_plan(rank, src, causal, s_local, docs)
     every = slice(None)
     if not causal:
-        return [(every, every, False)]
+        return [(every, every, False, None)]
     if src == rank:
-        return [(every, every, True)]
+        return [(every, every, True, None)]
     if layout == "contiguous":
-        return [(every, every, False)] if src < rank else []
+        return [(every, every, False, None)] if src < rank else []
     half = s_local // 2
     if src < rank:
-        return [(every, slice(0, half), False)]
-    return [(slice(half, None), every, False)]
+        return [(every, slice(0, half), False, None)]
+    return [(slice(half, None), every, False, None)]
 
 
 class _P2P:
@@ -89,9 +93,10 @@ def _geometry(rank: int, world: int, inner: int | None) -> tuple[int, int, int, 
 
 
 def ring_forward(q, k, v, *, group: dist.ProcessGroup, causal: bool, layout: str, scale: float,
-                 backend: str, inner: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention forward: ``(out [B,S,Hq,D] in q.dtype, lse [B,Hq,S] fp32)``."""
+                 backend: str, inner: int | None = None, docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention forward: ``(out [B,S,Hq,D] in q.dtype, lse [B,Hq,S] fp32)``; ``docs``: piece lengths of packed documents."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    seg = DocSegments(docs, q.device) if docs is not None else None
     G, w, g, j = _geometry(rank, world, inner)
     comm = _P2P(group)
     s_local = q.shape[1]
@@ -109,8 +114,9 @@ def ring_forward(q, k, v, *, group: dist.ProcessGroup, causal: bool, layout: str
                 nxt = torch.empty_like(cur)
                 works = comm.post([(cur, g * w + (j + 1) % w)], [(nxt, g * w + (j - 1) % w)])
             src = ((g - o) % G) * w + (j - t) % w
-            for rows, cols, is_causal in block_plan(rank, src, causal, layout, s_local):
-                blk_out, blk_lse = block_forward(q[:, rows], cur[0][:, cols], cur[1][:, cols], causal=is_causal, scale=scale, backend=backend)
+            for rows, cols, is_causal, vl in block_plan(rank, src, causal, layout, s_local, seg):
+                blk_out, blk_lse = block_forward(q[:, rows], cur[0][:, cols], cur[1][:, cols], causal=is_causal, scale=scale,
+                                                 backend=backend, varlen=vl)
                 merge_(out, lse, blk_out, blk_lse, rows)
             comm.wait(works)
             cur = nxt if nxt is not None else cur
@@ -121,9 +127,10 @@ def ring_forward(q, k, v, *, group: dist.ProcessGroup, causal: bool, layout: str
 
 
 def ring_backward(dout, q, k, v, out, lse, *, group: dist.ProcessGroup, causal: bool, layout: str,
-                  scale: float, backend: str, inner: int | None = None):
+                  scale: float, backend: str, inner: int | None = None, docs: torch.Tensor | None = None):
     """Ring attention backward: ``(dq, dk, dv)`` of this rank's shard (see Note [Ring attention])."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    seg = DocSegments(docs, q.device) if docs is not None else None
     G, w, g, j = _geometry(rank, world, inner)
     comm = _P2P(group)
     s_local = q.shape[1]
@@ -145,9 +152,9 @@ def ring_backward(dout, q, k, v, out, lse, *, group: dist.ProcessGroup, causal: 
                 kv_works = comm.post([(cur, inner_next)], [(nxt, inner_prev)])
             src = ((g - o) % G) * w + (j - t) % w
             dkv_blk = torch.zeros(home.shape, dtype=torch.float32, device=q.device)
-            for rows, cols, is_causal in block_plan(rank, src, causal, layout, s_local):
+            for rows, cols, is_causal, vl in block_plan(rank, src, causal, layout, s_local, seg):
                 dq_b, dk_b, dv_b = block_backward(dout[:, rows], q[:, rows], cur[0][:, cols], cur[1][:, cols], out[:, rows], lse[:, :, rows],
-                                                  causal=is_causal, scale=scale, backend=backend)
+                                                  causal=is_causal, scale=scale, backend=backend, varlen=vl)
                 dq[:, rows] += dq_b
                 dkv_blk[0][:, cols] += dk_b
                 dkv_blk[1][:, cols] += dv_b
