@@ -217,6 +217,23 @@ def _split_pieces(lengths: Tensor, P: int) -> Tensor:
 
 # ------------------------------------------------------------------------------------------ the batch's documents
 
+
+def batch_documents(batch: dict, *, world: int) -> PackedDocuments | None:
+    """The packed documents of a dict batch of full sequences, or None.
+
+    From ``batch["document_ids"]`` ([B, S], a new document wherever the id changes), else from
+    ``batch["position_ids"]`` when they restart at 0 inside a sample (the Hugging Face packing
+    convention, e.g. ``DataCollatorWithFlattening``). Plain positions ``0..S-1`` mean one sequence.
+    """
+    ids = batch.get("document_ids")
+    if isinstance(ids, Tensor):
+        return PackedDocuments.from_document_ids(ids, world=world)
+    pos = batch.get("position_ids")
+    if isinstance(pos, Tensor) and pos.ndim == 2 and pos.shape[1] > 1 and bool((pos[:, 1:] == 0).any()):
+        return PackedDocuments.from_position_ids(pos.expand(batch["input_ids"].shape[0], -1), world=world)
+    return None
+
+
 _CURRENT: PackedDocuments | None = None
 
 

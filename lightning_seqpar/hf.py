@@ -102,8 +102,10 @@ _UNSUPPORTED_KWARGS: dict[str, str] = {
     "softcap": "attention logit soft-capping (config.attn_logit_softcapping)",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
-    "cu_seq_lens_q": "packed sequences (cu_seq_lens_q): document masking is not implemented yet",
-    "cu_seq_lens_k": "packed sequences (cu_seq_lens_k): document masking is not implemented yet",
+    "cu_seq_lens_q": "packed sequences given as cu_seq_lens_q (put document_ids, or position_ids restarting at 0, in the batch: "
+                     "SequenceParallelStrategy then masks documents itself)",
+    "cu_seq_lens_k": "packed sequences given as cu_seq_lens_k (put document_ids, or position_ids restarting at 0, in the batch: "
+                     "SequenceParallelStrategy then masks documents itself)",
     "head_mask": "a head mask",
 }
 

@@ -138,7 +138,8 @@ def pad_batch(batch: dict[str, torch.Tensor], *, multiple: int, ignore_index: in
 
     Per-token tensors are those with ``shape[1] == batch["input_ids"].shape[1]``. ``labels`` are
     padded with ``ignore_index`` (the padding never counts in the loss), ``position_ids`` continue
-    the positions (``S, S+1, ...``), everything else (ids, masks, document ids) with 0. Under a
+    the positions (``S, S+1, ...``), ``document_ids`` with a new id (the padding is a document of
+    its own), everything else (ids, masks) with 0. Under a
     causal mask a token never attends to later ones, so the padding changes neither the logits of
     the real tokens nor the loss. Local: no communication. Returns a new dict (``batch`` itself
     when nothing needs padding).
@@ -157,7 +158,10 @@ def pad_batch(batch: dict[str, torch.Tensor], *, multiple: int, ignore_index: in
             tail = value[:, -1:] + torch.arange(1, pad + 1, device=value.device, dtype=value.dtype)  # (B, pad)
             out[key] = torch.cat([value, tail], dim=1)
             continue
-        fill = ignore_index if key == "labels" else 0
         shape = (value.shape[0], pad, *value.shape[2:])
+        if key == "document_ids":  # the padding is a document of its own
+            out[key] = torch.cat([value, (value.amax(dim=1, keepdim=True) + 1).expand(shape)], dim=1)
+            continue
+        fill = ignore_index if key == "labels" else 0
         out[key] = torch.cat([value, value.new_full(shape, fill)], dim=1)
     return out

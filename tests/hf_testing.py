@@ -85,6 +85,9 @@ def _capture_callback():
     import lightning as L
     from torch.distributed.tensor import DTensor
 
+    import torch.distributed as dist
+
+    from lightning_seqpar.documents import current_documents
     from lightning_seqpar.sharding import unshard_sequence
 
     class Capture(L.Callback):
@@ -109,7 +112,13 @@ def _capture_callback():
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.losses.append(float(trainer.callback_metrics["train/loss"]))
             strategy = trainer.strategy
-            if strategy.parallel_dims.sp > 1:
+            documents = current_documents()
+            if strategy.parallel_dims.sp > 1 and documents is not None:  # per-document zigzag: gather, then put in order
+                group = strategy.sp_mesh.get_group()
+                shards = [torch.empty_like(self.logits[-1]) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(shards, self.logits[-1].contiguous(), group=group)
+                self.logits[-1] = documents.unshard(shards)
+            elif strategy.parallel_dims.sp > 1:
                 self.logits[-1] = unshard_sequence(self.logits[-1], strategy.sp_mesh, dim=1, layout=strategy.layout)
 
     return Capture()
@@ -170,6 +179,9 @@ def fit_on_text(rank: int, world_size: int, model: Any, datamodule_kwargs: dict[
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
     from lightning_seqpar.data import HFTextDataModule
+    import torch.distributed as dist
+
+    from lightning_seqpar.documents import current_documents
     from lightning_seqpar.sharding import unshard_sequence
 
     class FirstBatch(L.Callback):

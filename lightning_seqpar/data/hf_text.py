@@ -25,10 +25,10 @@ Each sample is a dict of LongTensors ``(seq_len,)``:
   sequence (restarting at 0 at every document start and at the start of the sequence) — the
   positions a document would have if it were run alone.
 
-The strategy's batch hook shards all five with the same layout. Until packed-document masking
-lands (document ids through ring / all-gather attention), attention still crosses document
-boundaries inside a sequence; the loss never does (labels), and ``document_ids`` /
-``document_position_ids`` are carried for the masked attention.
+The strategy's batch hook sees ``document_ids``: it splits the batch with the per-document zigzag,
+replaces ``position_ids`` with the positions inside each document and masks attention by document
+(Note [Packed documents and per-document zigzag] in ``lightning_seqpar.documents``), so every
+document is trained as if it were alone; the loss never crosses documents either (labels).
 
 Every rank builds the same index (documents in file order, fixed windows), so sample ``i`` is
 the same everywhere (Note [Samples under sequence and data parallelism] in ``tokens.py``).
