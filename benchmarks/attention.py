@@ -1,16 +1,40 @@
-"""Distributed attention benchmark: our algorithms next to torch's native context parallel.
+"""Distributed attention benchmark: every algorithm of ours, one GPU, and torch's context parallel,
+with the cost model's prediction next to each measurement.
 
-    torchrun --nproc_per_node=4 benchmarks/attention.py --seqs 131072,524288 --heads 32/8 \
-        --systems seqpar:ring,torch_cp:allgather,torch_cp:alltoall --out results.json
+    torchrun --nproc_per_node=4 benchmarks/attention.py --out attention.json \
+        --grid "seqs=32768,131072;heads=32/8,32/32,33/33;systems=all" \
+        --grid "seqs=524288;heads=32/8;systems=seqpar:ring,seqpar:ulysses;iters=2"
+    python benchmarks/attention.py --summarize attention.json        # best vs auto, no GPU needed
 
-Each rank holds S / W tokens of random q, k, v (bf16, [B, S/W, H, D]); one measurement is a full
-forward + backward of causal attention, timed with CUDA events (median of --iters after
---warmup). TFLOP/s per GPU uses the causal count 3.5 * 2 * B * H * S^2 * D / W. Peak memory is
-torch.cuda.max_memory_allocated() over the timed steps, inputs and gradients included.
+Systems (``--grid ... systems=`` or ``--systems``, comma separated):
 
-torch_cp runs ``F.scaled_dot_product_attention`` (cuDNN kernel, the same one our ring uses)
-inside ``torch.distributed.tensor.experimental.context_parallel`` with its round-robin load
-balancer and the named rotate method; its inputs are the local shards ([B, H, S/W, D]).
+    seqpar:ring  seqpar:allgather  seqpar:ulysses  seqpar:2d:<hp>x<cp>  seqpar:ring:inner<w>
+    torch_cp:allgather  torch_cp:alltoall     torch.distributed.tensor.experimental.context_parallel
+    single                                    one GPU, the whole sequence (each rank its own copy)
+    all = single + every seqpar split for this world size + both torch_cp; seqpar / torch_cp = theirs
+
+Each rank holds S / W tokens of random q, k, v ([B, S/W, H, D], bf16 on GPU); one measurement is a
+full forward + backward of causal attention (zigzag layout), timed with CUDA events (median of
+iters after warmup; the slowest rank's median). TFLOP/s per GPU uses the causal count
+3.5 * 2 * B * H * S^2 * D / W; ``single`` runs the same count with W = 1 on the whole sequence,
+with the package's local kernel (cuDNN SDPA). Peak memory: torch.cuda.max_memory_allocated() over
+the timed steps, inputs and gradients included (max over ranks).
+
+torch_cp runs ``F.scaled_dot_product_attention`` (cuDNN kernel, the same one our ring uses) inside
+``context_parallel`` with its round-robin load balancer and the named rotate method; its inputs
+are the local shards ([B, H, S/W, D]).
+
+One record per (system, S, heads) — a JSON list written after every measurement (so a run cut
+short keeps what it measured): bench "attention", system ("seqpar" | "torch_cp" | "single"),
+algorithm ("ring", "2d:2x2", "ring:inner2", "alltoall", "cudnn"), heads ("32/8"), model, seq,
+batch, gpus, device, tflops_per_gpu, efficiency_vs_single (tflops_per_gpu / single's at the same
+S and heads, when single ran in this process), time_ms, peak_mem_gb, commit; predicted_ms (the cost
+model, lightning_seqpar.attention.cost, for this algorithm; single: W = 1) and auto_choice (what
+``attention="auto"`` with ``head_parallel_size="auto"`` picks for this S, heads and W). A
+combination that cannot run is a record with ``error = "skipped: <why>"`` and null measurements.
+
+CPU smoke test (gloo, fp32, math kernel, tiny S):
+    torchrun --nproc_per_node=2 benchmarks/attention.py --device cpu --grid "seqs=64;heads=4/2,3/3;systems=all" --iters 1 --warmup 0
 """
 
 from __future__ import annotations
@@ -20,42 +44,158 @@ import contextlib
 import datetime
 import json
 import os
+import statistics
+import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_seqpar.attention import sequence_parallel_attention
+from lightning_seqpar.attention import local_attention, sequence_parallel_attention
+from lightning_seqpar.attention.cost import DeviceProfile, causal_flops, choose_attention, estimate_attention
 
 
-def timed(step, iters: int, warmup: int) -> tuple[float, float]:
+@dataclass(frozen=True)
+class Grid:
+    seqs: tuple[int, ...]
+    heads: tuple[tuple[int, int], ...]
+    systems: tuple[str, ...]
+    iters: int
+    warmup: int
+
+
+def parse_heads(spec: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for hh in spec.split(","):
+        hq, _, hkv = hh.partition("/")
+        out.append((int(hq), int(hkv or hq)))
+    return tuple(out)
+
+
+def parse_grid(spec: str, defaults: argparse.Namespace) -> Grid:
+    """``"seqs=32768,131072;heads=32/8,33/33;systems=all;iters=2;warmup=1"`` (keys optional but seqs)."""
+    fields = dict(part.split("=", 1) for part in spec.split(";") if part.strip())
+    unknown = set(fields) - {"seqs", "heads", "systems", "iters", "warmup"}
+    if unknown or "seqs" not in fields:
+        raise SystemExit(f"--grid {spec!r}: expected keys seqs (required), heads, systems, iters, warmup; got {sorted(fields)}")
+    return Grid(
+        seqs=tuple(int(s) for s in fields["seqs"].split(",")),
+        heads=parse_heads(fields.get("heads", defaults.heads)),
+        systems=tuple(fields.get("systems", defaults.systems).split(",")),
+        iters=int(fields.get("iters", defaults.iters)),
+        warmup=int(fields.get("warmup", defaults.warmup)),
+    )
+
+
+def expand_systems(systems: tuple[str, ...], world: int) -> list[str]:
+    """Replace "all", "seqpar", "torch_cp" by the systems they stand for at this world size."""
+    ours = ["seqpar:ring", "seqpar:allgather", "seqpar:ulysses"]
+    ours += [f"seqpar:2d:{hp}x{world // hp}" for hp in range(2, world) if world % hp == 0]
+    ours += [f"seqpar:ring:inner{w}" for w in range(2, world) if world % w == 0]
+    theirs = ["torch_cp:allgather", "torch_cp:alltoall"]
+    out: list[str] = []
+    for s in systems:
+        out += {"all": ["single", *ours, *theirs], "seqpar": ours, "torch_cp": theirs}.get(s, [s])
+    return list(dict.fromkeys(out))
+
+
+@dataclass(frozen=True)
+class System:
+    kind: str  # "seqpar" | "torch_cp" | "single"
+    algorithm: str  # as recorded: "ring", "2d:2x2", "ring:inner2", "allgather" (torch_cp), "cudnn"
+    base: str = ""  # seqpar: "ring" | "allgather" | "ulysses" | "2d"
+    hp: int = 1
+    cp: int = 1
+    inner: int | None = None
+
+
+def parse_system(name: str, world: int) -> System:
+    kind, _, rest = name.partition(":")
+    if kind == "single":
+        return System("single", "local")
+    if kind == "torch_cp":
+        if rest not in ("allgather", "alltoall"):
+            raise SystemExit(f"unknown system {name!r}: torch_cp:allgather or torch_cp:alltoall")
+        return System("torch_cp", rest)
+    if kind != "seqpar":
+        raise SystemExit(f"unknown system {name!r}; see the docstring of benchmarks/attention.py")
+    parts = rest.split(":")
+    base, hp, cp, inner = parts[0], 1, world, None
+    if base == "ulysses":
+        hp, cp = world, 1
+    if base == "2d":
+        if len(parts) < 2 or "x" not in parts[1]:
+            raise SystemExit(f"{name!r}: write 2d as seqpar:2d:<hp>x<cp>")
+        hp, cp = (int(x) for x in parts[1].split("x"))
+        parts = parts[1:]
+    if len(parts) > 1 and parts[1].startswith("inner"):
+        inner = int(parts[1][5:])
+    if base not in ("ring", "allgather", "ulysses", "2d"):
+        raise SystemExit(f"unknown system {name!r}; see the docstring of benchmarks/attention.py")
+    return System("seqpar", rest, base, hp, cp, inner)
+
+
+def skip_reason(s: System, world: int, S: int, hq: int, single_max: int, device_type: str) -> str | None:
+    """Why this combination cannot (or should not) run; None when it runs. Same answer on every rank."""
+    if s.kind == "single":
+        return f"the one-GPU reference runs up to --single-max-seq={single_max}" if S > single_max else None
+    if S % (2 * world):
+        return f"zigzag needs S divisible by 2 * {world}"
+    if s.kind == "torch_cp":
+        return "torch_cp needs CUDA (cuDNN SDPA)" if device_type != "cuda" else None
+    if s.hp * s.cp != world:
+        return f"{s.algorithm} needs {s.hp * s.cp} GPUs, this run has {world}"
+    if s.hp > 1 and hq % s.hp:
+        return f"{s.hp} head-parallel ranks do not divide {hq} query heads"
+    if s.inner is not None and (s.cp % s.inner or not 1 < s.inner < s.cp):
+        return f"inner ring size {s.inner} must divide cp={s.cp} and be between 1 and it"
+    return None
+
+
+def timed(step, iters: int, warmup: int, device: torch.device) -> tuple[float, float]:
+    cuda = device.type == "cuda"
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     dist.barrier()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    t = torch.tensor(sorted(times)[len(times) // 2], device="cuda")
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor(sorted(times)[len(times) // 2], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    peak = torch.tensor(torch.cuda.max_memory_allocated() / 1e9, device="cuda")
+    peak = torch.tensor((torch.cuda.max_memory_allocated() if cuda else 0) / 1e9, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return t.item(), peak.item()
 
 
-def seqpar_step(mesh, algorithm, q, k, v, do, inner=None):
+def seqpar_step(mesh, s: System, q, k, v, do, backend: str):
     def step():
-        out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm=algorithm, causal=True, layout="zigzag",
-                                          backend="cudnn", inner_ring_size=inner)
+        out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm=s.base, causal=True, layout="zigzag",  # type: ignore[arg-type]
+                                          backend=backend, inner_ring_size=s.inner)
         out.backward(do)
+        q.grad = k.grad = v.grad = None
+    return step
+
+
+def single_step(q, k, v, do, backend: str):
+    def step():
+        local_attention(q, k, v, causal=True, backend=backend).backward(do)
         q.grad = k.grad = v.grad = None
     return step
 
@@ -67,8 +207,7 @@ def torch_cp_step(mesh, rotate, q, k, v, do):
     set_rotate_method(rotate)
     qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dot = do.transpose(1, 2).contiguous()
-    gqa = qt.shape[1] != kt.shape[1]
-    mode = {"gqa": gqa}
+    mode = {"gqa": qt.shape[1] != kt.shape[1]}
 
     # context_parallel needs one buffer to learn the global length; the inputs are already local shards
     positions = torch.arange(qt.shape[2] * mesh.size(), device=qt.device)[None]
@@ -91,66 +230,180 @@ def torch_cp_step(mesh, rotate, q, k, v, do):
     return step
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seqs", default="131072,524288")
-    ap.add_argument("--heads", default="32/8", help="comma list of H_q/H_kv")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--systems", default="seqpar:ring,torch_cp:allgather,torch_cp:alltoall")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
-    args = ap.parse_args()
+def predictions(s: System, *, S, hq, hkv, D, B, world, profile, dtype_bytes) -> float | None:
+    """The cost model's time (ms) for system ``s``; None for torch_cp."""
+    kw = dict(seq_len=S, num_heads=hq, num_kv_heads=hkv, head_dim=D, batch=B, dtype_bytes=dtype_bytes, profile=profile)
+    try:
+        if s.kind == "single":
+            return estimate_attention(algorithm="ring", world_size=1, **kw).est_time_s * 1e3
+        if s.kind == "seqpar":
+            return estimate_attention(algorithm=s.base, world_size=world, hp=s.hp if s.base == "2d" else None,  # type: ignore[arg-type]
+                                      inner_ring_size=s.inner, **kw).est_time_s * 1e3
+    except ValueError:
+        return None
+    return None
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), device_id=torch.device("cuda", local_rank))
-    W = dist.get_world_size()
-    mesh = init_device_mesh("cuda", (W,), mesh_dim_names=("cp",))
-    rows = []
-    device = torch.cuda.get_device_name()
-    for S in (int(s) for s in args.seqs.split(",")):
-        for hh in args.heads.split(","):
-            hq, hkv = (int(x) for x in hh.split("/"))
-            B, D, Sl = args.batch, args.head_dim, S // W
-            g = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
-            mk = lambda h: torch.randn(B, Sl, h, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-            q, k, v, do = mk(hq).requires_grad_(), mk(hkv).requires_grad_(), mk(hkv).requires_grad_(), mk(hq)
-            flops = 3.5 * 2 * B * hq * S * S * D / W
-            for system in args.systems.split(","):
-                name, _, variant = system.partition(":")
-                inner = None
-                if name == "seqpar" and "@" in variant:
-                    variant, inner_s = variant.split("@")
-                    inner = int(inner_s)
-                step = (seqpar_step(mesh, variant, q, k, v, do, inner) if name == "seqpar" else torch_cp_step(mesh, variant, q, k, v, do))
+
+def run(args: argparse.Namespace) -> None:
+    device_type = args.device
+    if device_type == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), device_id=device)
+        device_name, dtype, backend = torch.cuda.get_device_name(), torch.bfloat16, "cudnn"
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+        device_name, dtype, backend = "cpu", torch.float32, "math"
+    W, rank = dist.get_world_size(), dist.get_rank()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", W))
+    profile = DeviceProfile.for_device(device_name, gpus_per_node=per_node)
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    mesh_1d = init_device_mesh(device_type, (W,), mesh_dim_names=("cp",))
+    meshes_2d: dict[int, object] = {}
+    grids = [parse_grid(g, args) for g in args.grid] or [parse_grid(f"seqs={args.seqs}", args)]
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if rank == 0:
+            if row.get("error"):
+                print(f"S={row['seq']:>8} H={row['heads']:>6} {row['system'] + ':' + row['algorithm']:24s} [{row['error']}]", flush=True)
+            else:
+                eff = f"  eff {row['efficiency_vs_single']:.3f}" if row.get("efficiency_vs_single") else ""
+                pred = f"  pred {row['predicted_ms']:9.1f} ms" if row.get("predicted_ms") else ""
+                print(f"S={row['seq']:>8} H={row['heads']:>6} {row['system'] + ':' + row['algorithm']:24s} {row['tflops_per_gpu']:7.1f} TFLOP/s/GPU"
+                      f"  {row['time_ms']:9.1f} ms{pred}  peak {row['peak_mem_gb']:6.1f} GB{eff}  auto={row['auto_choice']}", flush=True)
+            if args.out:  # rewritten after every measurement, replaced atomically (a run killed by `timeout` keeps its rows)
+                with open(args.out + ".tmp", "w") as f:
+                    json.dump(rows, f, indent=1)
+                os.replace(args.out + ".tmp", args.out)
+
+    for grid in grids:
+        systems = [parse_system(name, W) for name in expand_systems(grid.systems, W)]
+        for S in grid.seqs:
+            for hq, hkv in grid.heads:
+                B, D = args.batch, args.head_dim
                 try:
-                    t, peak = timed(step, args.iters, args.warmup)
-                    err = None
-                except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is recorded as such
-                    t, peak, err = float("nan"), float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                    torch.cuda.empty_cache()
-                row = dict(bench="attention", system=name, algorithm=variant + (f"@{inner}" if inner else ""), model=f"H{hq}/{hkv}xD{D}",
-                           seq=S, batch=B, gpus=W, device=device, tflops_per_gpu=flops / t / 1e12, time_s=t, peak_mem_gb=peak,
-                           commit=args.commit, error=err)
-                rows.append(row)
-                if dist.get_rank() == 0:
-                    print(f"S={S:>8} H={hq}/{hkv} {system:22s} {row['tflops_per_gpu']:7.1f} TFLOP/s/GPU  {t * 1e3:9.1f} ms  peak {peak:6.1f} GB"
-                          + (f"  [{err}]" if err else ""), flush=True)
-            del q, k, v, do
-            torch.cuda.empty_cache()
-    if dist.get_rank() == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+                    auto = choose_attention(seq_len=S, num_heads=hq, num_kv_heads=hkv, head_dim=D, world_size=W, batch=B,
+                                            dtype_bytes=dtype_bytes, profile=profile, double_ring=False).label
+                except ValueError as e:
+                    auto = f"none ({e})"
+                single_tflops = None
+                common = dict(bench="attention", heads=f"{hq}/{hkv}", model=f"H{hq}/{hkv}xD{D}", seq=S, batch=B, gpus=W,
+                              device=device_name, commit=args.commit, auto_choice=auto)
+                for s in systems:
+                    why = skip_reason(s, W, S, hq, args.single_max_seq, device_type)
+                    pred = predictions(s, S=S, hq=hq, hkv=hkv, D=D, B=B, world=W, profile=profile, dtype_bytes=dtype_bytes)
+                    if why is None and s.kind == "seqpar":
+                        est = estimate_attention(algorithm=s.base, seq_len=S, num_heads=hq, num_kv_heads=hkv, head_dim=D, world_size=W,  # type: ignore[arg-type]
+                                                 hp=s.hp if s.base == "2d" else None, inner_ring_size=s.inner, batch=B,
+                                                 dtype_bytes=dtype_bytes, profile=profile)
+                        if device_type == "cuda" and est.peak_memory_bytes > 0.9 * torch.cuda.get_device_properties(device).total_memory:
+                            why = f"the cost model estimates ~{est.peak_memory_bytes / 1e9:.0f} GB per GPU"
+                    row = dict(common, system=s.kind, algorithm=s.algorithm if s.kind != "single" else backend,
+                               predicted_ms=pred, tflops_per_gpu=None, efficiency_vs_single=None, time_ms=None, peak_mem_gb=None, error=None)
+                    if why is not None:
+                        emit(dict(row, error=f"skipped: {why}"))
+                        continue
+                    g = torch.Generator(device=device).manual_seed(1234 + rank)
+                    n = S if s.kind == "single" else S // W
+                    mk = lambda h: torch.randn(B, n, h, D, device=device, dtype=dtype, generator=g)  # noqa: E731
+                    q, k, v, do = mk(hq).requires_grad_(), mk(hkv).requires_grad_(), mk(hkv).requires_grad_(), mk(hq)
+                    if s.kind == "single":
+                        step = single_step(q, k, v, do, backend)
+                    elif s.kind == "torch_cp":
+                        step = torch_cp_step(mesh_1d, s.algorithm, q, k, v, do)
+                    else:
+                        mesh = mesh_1d
+                        if s.base == "2d":
+                            if s.hp not in meshes_2d:  # cp ranks adjacent, as the strategy builds it (context-first)
+                                meshes_2d[s.hp] = init_device_mesh(device_type, (s.hp, s.cp), mesh_dim_names=("hp", "cp"))
+                            mesh = meshes_2d[s.hp]
+                        step = seqpar_step(mesh, s, q, k, v, do, backend)
+                    try:
+                        t, peak = timed(step, grid.iters, grid.warmup, device)
+                        tflops = causal_flops(batch=B, seq_len=S, num_heads=hq, head_dim=D) / (1 if s.kind == "single" else W) / t / 1e12
+                        if s.kind == "single":
+                            single_tflops = tflops
+                        row.update(tflops_per_gpu=tflops, time_ms=t * 1e3, peak_mem_gb=peak,
+                                   efficiency_vs_single=tflops / single_tflops if single_tflops else None)
+                    except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is recorded as such
+                        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                    del q, k, v, do, step
+                    if device_type == "cuda":
+                        torch.cuda.empty_cache()
+                    emit(row)
     dist.barrier()
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+# --------------------------------------------------------------------------------------------- summary
+
+
+def summarize(paths: list[str], tolerance: float = 0.05) -> list[dict]:
+    """Per (gpus, S, heads): the measured best of our algorithms, the auto choice and whether it is
+    within ``tolerance`` of the best; torch_cp's best and single for reference; and how far the
+    predictions are from the measurements. Prints a table and returns its rows."""
+    rows = [r for p in paths for r in json.load(open(p)) if r.get("bench") == "attention"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["gpus"], r["seq"], r.get("heads") or r["model"]), []).append(r)
+    out, errors = [], []
+    print(f"{'gpus':>4} {'S':>8} {'heads':>6}  {'best (ours)':>22}  {'auto':>22}  {'auto/best':>9}  ok  {'torch_cp':>8}  {'single':>7}")
+    for (gpus, S, heads), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]))):
+        ok_rows = [r for r in rs if r.get("tflops_per_gpu") and not r.get("error")]
+        ours = [r for r in ok_rows if r["system"] == "seqpar"]
+        best = max(ours, key=lambda r: r["tflops_per_gpu"], default=None)
+        auto = next((r.get("auto_choice") for r in rs if r.get("auto_choice")), None)
+        auto_row = next((r for r in ours if r["algorithm"] == auto), None)
+        ratio = auto_row["tflops_per_gpu"] / best["tflops_per_gpu"] if auto_row and best else None
+        cp = max((r["tflops_per_gpu"] for r in ok_rows if r["system"] == "torch_cp"), default=None)
+        single = next((r["tflops_per_gpu"] for r in ok_rows if r["system"] == "single"), None)
+        ok = None if ratio is None else ratio >= 1 - tolerance
+        for r in ours:
+            if r.get("predicted_ms"):
+                errors.append(r["predicted_ms"] / r["time_ms"] - 1)
+        b = f"{best['algorithm']} {best['tflops_per_gpu']:.1f}" if best else "-"
+        a = f"{auto} {auto_row['tflops_per_gpu']:.1f}" if auto_row else f"{auto} (not measured)"
+        fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+        print(f"{gpus:>4} {S:>8} {heads:>6}  {b:>22}  {a:>22}  {fmt(ratio, '.3f'):>9}  "
+              f"{'-' if ok is None else ('yes' if ok else 'NO'):>3}  {fmt(cp, '.1f'):>8}  {fmt(single, '.1f'):>7}")
+        out.append(dict(gpus=gpus, seq=S, heads=heads, best=best and best["algorithm"], auto=auto, auto_over_best=ratio, within=ok))
+    if errors:
+        print(f"cost model: predicted/measured time - 1 over {len(errors)} runs of ours: median {statistics.median(errors):+.3f}, "
+              f"min {min(errors):+.3f}, max {max(errors):+.3f}")
+    decided = [o for o in out if o["within"] is not None]
+    print(f"auto within {tolerance:.0%} of the measured best: {sum(o['within'] for o in decided)}/{len(decided)}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--grid", action="append", default=[], help='"seqs=...;heads=...;systems=...;iters=...;warmup=..." (repeatable)')
+    ap.add_argument("--seqs", default="131072,524288", help="without --grid: the sequence lengths")
+    ap.add_argument("--heads", default="32/8", help="comma list of H_q/H_kv (default of --grid)")
+    ap.add_argument("--systems", default="seqpar:ring,torch_cp:allgather,torch_cp:alltoall", help="default of --grid")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--single-max-seq", type=int, default=131072, help="longest S of the one-GPU reference")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
+    ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print best-vs-auto from result files and exit")
+    args = ap.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
     t0 = time.time()
     with contextlib.suppress(KeyboardInterrupt):
-        main()
+        run(args)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"done in {time.time() - t0:.0f}s")
+        print(f"done in {time.time() - t0:.0f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

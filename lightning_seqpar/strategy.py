@@ -48,6 +48,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS
+from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
@@ -77,11 +78,17 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         head_parallel_size: hp, the head-parallel part of sp (1 = pure context parallel).
             ``attention="2d"`` needs hp > 1 (LoongTrain 2D attention: Ulysses over hp x ring
             over cp = sp / hp). "ring" and "allgather" need hp = 1; "ulysses" splits heads over
-            all sp ranks and needs hp = 1.
+            all sp ranks and needs hp = 1. ``"auto"`` (with ``attention="auto"``): chosen with the
+            algorithm by the cost model (Note [Choosing attention automatically]).
         attention: "ring" (LightSeq DistAttn), "allgather" (LSS), "ulysses" (head all-to-all),
             "2d" (LoongTrain), "lasp" (linear attention: KV-state passing, LASP; needs hp = 1 and
-            the contiguous layout) or "auto" ("lasp" when the model's blocks call
-            ``LinearAttention``, else "2d" when head_parallel_size > 1, else "ring"; decided in setup).
+            the contiguous layout) or "auto": "lasp" when the model's blocks call
+            ``LinearAttention``; else, with ``expected_seq_len``, the algorithm the cost model
+            (``lightning_seqpar.attention.cost.choose_attention``) estimates fastest for the
+            model's heads on the given head_parallel_size; without it "2d" when
+            head_parallel_size > 1, else "ring". Decided in setup; ``attention_plan`` keeps the estimate.
+        expected_seq_len: the global sequence length of the training batches, for
+            ``attention="auto"`` (the batches are not known when the model is parallelized).
         load_balance: how the sequence is split: True / "zigzag" (balanced causal work, LightSeq
             §3.2), False / "contiguous", or "auto" (contiguous for LASP, zigzag otherwise).
         lasp_variant: LASP's state exchange: "p2p" (rank to rank, LASP Alg. 2-3) or "allgather"
@@ -112,8 +119,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self,
         *,
         sequence_parallel_size: int | Literal["auto"] = "auto",
-        head_parallel_size: int = 1,
+        head_parallel_size: int | Literal["auto"] = 1,
         attention: AttentionChoice = "auto",
+        expected_seq_len: int | None = None,
         load_balance: bool | Literal["zigzag", "contiguous", "auto"] = "auto",
         lasp_variant: Literal["p2p", "allgather"] = "p2p",
         data_parallel_replicate_size: int = 1,
@@ -128,24 +136,35 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         name = type(self).__name__
         if not (sequence_parallel_size == "auto" or _positive_int(sequence_parallel_size)):
             raise ValueError(f"{name}: sequence_parallel_size must be a positive int or 'auto', got {sequence_parallel_size!r}")
-        for arg, value in (("head_parallel_size", head_parallel_size), ("data_parallel_replicate_size", data_parallel_replicate_size)):
-            if not _positive_int(value):
-                raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
+        if not (head_parallel_size == "auto" or _positive_int(head_parallel_size)):
+            raise ValueError(f"{name}: head_parallel_size must be a positive int or 'auto', got {head_parallel_size!r}")
+        if not _positive_int(data_parallel_replicate_size):
+            raise ValueError(f"{name}: data_parallel_replicate_size must be a positive int, got {data_parallel_replicate_size!r}")
+        if not (expected_seq_len is None or _positive_int(expected_seq_len)):
+            raise ValueError(f"{name}: expected_seq_len must be a positive int (the global sequence length) or None, got {expected_seq_len!r}")
+        if head_parallel_size == "auto" and attention != "auto":
+            raise ValueError(
+                f"{name}: head_parallel_size='auto' is chosen together with the algorithm and needs attention='auto'; "
+                f"got attention={attention!r} (give head_parallel_size as an int)"
+            )
         choices = (*ALGORITHMS, "lasp", "auto")
         if attention not in choices:
             raise ValueError(f"{name}: attention={attention!r} is not supported; expected one of {choices}")
         if lasp_variant not in LASP_VARIANTS:
             raise ValueError(f"{name}: lasp_variant={lasp_variant!r} is not supported; expected one of {LASP_VARIANTS}")
         # "auto" becomes "lasp" in setup() when the model's blocks call LinearAttention
+        # and to the cost model's choice when expected_seq_len is given (Note [Choosing attention automatically])
         self._auto_attention = attention == "auto"
+        self._expected_seq_len = expected_seq_len
+        self.attention_plan: AttentionPlan | None = None
         if attention == "auto":
-            attention = "2d" if head_parallel_size > 1 else "ring"
+            attention = "2d" if head_parallel_size != "auto" and head_parallel_size > 1 else "ring"
         if attention == "2d" and head_parallel_size == 1:
             raise ValueError(
                 f"{name}: attention='2d' needs head_parallel_size > 1 (Ulysses over hp x ring over cp); "
                 "got head_parallel_size=1 (use attention='ring' for pure context parallelism)"
             )
-        if attention != "2d" and head_parallel_size != 1:
+        if attention != "2d" and head_parallel_size not in (1, "auto"):
             raise ValueError(
                 f"{name}: head_parallel_size={head_parallel_size} needs attention='2d' (or 'auto'); "
                 f"attention={attention!r} runs over all sequence_parallel_size ranks with head_parallel_size=1"
@@ -219,10 +238,16 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         """The mesh sizes for this world (no communication). Raises ValueError naming the argument."""
         world_size = self.num_nodes * self.num_processes
         sp = self.num_processes if self._sequence_parallel_size == "auto" else self._sequence_parallel_size
+        hp = self._head_parallel_size
+        if hp == "auto":  # Note [Choosing attention automatically]: from the model's config, if it has one
+            module = self.lightning_module
+            linear = module is not None and _is_linear_attention_model(module)
+            plan = None if linear or world_size % sp else self._plan_attention(_attention_shape(module), sp=sp, head_parallel_size=None)
+            hp = plan.head_parallel_size if plan is not None else 1
         return ParallelDims.from_sizes(
             world_size=world_size,
             sequence_parallel_size=sp,
-            head_parallel_size=self._head_parallel_size,
+            head_parallel_size=hp,
             data_parallel_replicate_size=self._data_parallel_replicate_size,
             owner=type(self).__name__,
         )
@@ -313,16 +338,58 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 reduce_dtype=reduce_dtype,
             )
 
+    # Note [Choosing attention automatically]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # attention="auto" is resolved in setup(), when the model exists: LASP for a linear-attention
+    # model; for softmax attention with expected_seq_len, the cost model's choice
+    # (Note [Choosing the attention algorithm] in lightning_seqpar.attention.cost) for the model's
+    # (H_q, H_kv, D), sp ranks and this device, among the algorithms the mesh allows: with hp = 1
+    # ring, all-gather or Ulysses; with hp > 1, 2D. head_parallel_size="auto" must be known
+    # earlier, when the mesh is built (setup_environment, before configure_model): it is read
+    # from the LightningModule's ``config`` (CausalLMModule has one) and is 1 when there is none.
+    # The batches come later still, hence expected_seq_len; without it "auto" stays "2d" if
+    # hp > 1 else "ring". Double rings are not chosen here (parallelize takes no inner ring size;
+    # they only pay off across nodes).
+
     def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
-        """attention="auto" on a linear-attention model (its blocks call LinearAttention): LASP, contiguous."""
-        if not (self._auto_attention and roots and all(uses_linear_attention(root) for root in roots)):
+        """attention="auto": LASP on a linear-attention model, else the cost model's plan (Note [Choosing attention automatically])."""
+        if not (self._auto_attention and roots):
             return
         name = type(self).__name__
-        if self._head_parallel_size != 1:
+        dims = self.parallel_dims
+        if not all(uses_linear_attention(root) for root in roots):
+            shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
+            plan = self._plan_attention(shape, sp=dims.sp, head_parallel_size=dims.hp)
+            if plan is not None:
+                self.attention, self.attention_plan = plan.algorithm, plan
+            return
+        if dims.hp != 1:
             raise ValueError(f"{name}: the model uses linear attention (LASP), which needs head_parallel_size=1")
         if self.layout != "contiguous" and not self._auto_layout:
             raise ValueError(f"{name}: the model uses linear attention (LASP), which needs load_balance='contiguous' (or 'auto')")
         self.attention, self.layout = "lasp", "contiguous"
+
+    def _plan_attention(self, shape: tuple[int, int, int] | None, *, sp: int, head_parallel_size: int | None) -> AttentionPlan | None:
+        """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks; None when not asked for or unknown."""
+        if not self._auto_attention or self._expected_seq_len is None or shape is None or sp == 1:
+            return None
+        h_q, h_kv, head_dim = shape
+        device_name = ""
+        if self.parallel_devices and self.root_device.type == "cuda":
+            device_name = torch.cuda.get_device_name(self.root_device)
+        profile = DeviceProfile.for_device(device_name, gpus_per_node=max(1, self.num_processes))
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        try:
+            return choose_attention(
+                seq_len=self._expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
+                layout=self.layout, dtype_bytes=4 if precision.startswith("32") else 2, profile=profile,  # type: ignore[arg-type]
+                head_parallel_size=head_parallel_size, double_ring=False,
+            )
+        except ValueError as error:
+            raise ValueError(
+                f"{type(self).__name__}: attention='auto' with expected_seq_len={self._expected_seq_len}, "
+                f"head_parallel_size={self._head_parallel_size!r} and sequence_parallel_size={sp}: {error}"
+            ) from error
 
     # ----------------------------------------------------------------------------------------- steps
     # Note [Timeouts name themselves]: a rank that waits longer than `timeout` in a collective gets
@@ -557,6 +624,34 @@ def _replace(source: Path, target: Path) -> None:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _attention_shape(module: nn.Module | None) -> tuple[int, int, int] | None:
+    """(H_q, H_kv, D) of the softmax attention of ``module``, from the first ``config`` on it or a
+    submodule that has them (ours: n_head, n_kv_head, head_dim or n_embd; Hugging Face:
+    num_attention_heads, num_key_value_heads, head_dim or hidden_size)."""
+    if module is None:
+        return None
+    for config in (getattr(m, "config", None) for m in module.modules()):
+        for q_name, kv_name, width_name in (("n_head", "n_kv_head", "n_embd"), ("num_attention_heads", "num_key_value_heads", "hidden_size")):
+            h_q = getattr(config, q_name, None)
+            if config is None or not _positive_int(h_q):
+                continue
+            h_kv = getattr(config, kv_name, None)
+            h_kv = h_kv if _positive_int(h_kv) else h_q
+            head_dim, width = getattr(config, "head_dim", None), getattr(config, width_name, None)
+            if not _positive_int(head_dim):
+                head_dim = width // h_q if _positive_int(width) and width % h_q == 0 else None
+            if head_dim is not None and h_q % h_kv == 0:
+                return h_q, h_kv, head_dim
+    return None
+
+
+def _is_linear_attention_model(module: nn.Module) -> bool:
+    """A linear-attention (LASP) model, built (its blocks call LinearAttention) or still a config."""
+    from lightning_seqpar.models import TransNormerConfig
+
+    return uses_linear_attention(module) or isinstance(getattr(module, "config", None), TransNormerConfig)
 
 
 def _is_parallelized(module: nn.Module) -> bool:

@@ -1,0 +1,276 @@
+"""The attention cost model (lightning_seqpar.attention.cost) and attention="auto" in the strategy.
+
+Pure arithmetic: no process group, no GPU. The model's absolute numbers are checked against GPU
+measurements by benchmarks/attention.py (predicted_ms next to time_ms); here we check that its
+choices follow from its structure (Note [Choosing the attention algorithm]).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_seqpar import SequenceParallelStrategy
+from lightning_seqpar.attention.cost import (
+    DeviceProfile,
+    causal_flops,
+    choose_attention,
+    estimate_attention,
+    kv_repeat,
+)
+from lightning_seqpar.attention.ulysses import kv_repeat as ulysses_kv_repeat
+from lightning_seqpar.mesh import ParallelDims
+
+H200 = DeviceProfile.h200()
+SHAPE = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+def _labels(plan):
+    return {c.label for c in plan.candidates}
+
+
+# ---------------------------------------------------------------------------------------------- the choice
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("seq_len", [32768, 131072, 524288, 1048576])
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8), (33, 33), (32, 1)])
+def test_the_pick_is_within_the_tie_tolerance_of_the_fastest(world, seq_len, heads):
+    plan = choose_attention(seq_len=seq_len, num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, world_size=world)
+    fastest = min(c.est_time_s for c in plan.candidates)
+    assert plan.est_time_s <= fastest * 1.01
+    assert plan.candidates[0].label == plan.label
+    rest = [c.est_time_s for c in plan.candidates[1:]]
+    assert rest == sorted(rest)
+    # every estimate is at least the compute of a perfectly balanced kernel
+    bound = causal_flops(batch=1, seq_len=seq_len, num_heads=heads[0], head_dim=128) / world / H200.attention_flops
+    assert all(c.est_time_s >= bound for c in plan.candidates)
+
+
+def test_the_grid_of_candidates():
+    plan = choose_attention(seq_len=131072, world_size=8, **SHAPE)
+    assert _labels(plan) == {"ring", "ring:inner2", "ring:inner4", "allgather", "ulysses", "2d:2x4", "2d:2x4:inner2", "2d:4x2"}
+    assert not plan.skipped
+    assert "ring:inner2" not in _labels(choose_attention(seq_len=131072, world_size=8, double_ring=False, **SHAPE))
+
+
+def test_33_heads_never_split_over_heads():
+    plan = choose_attention(seq_len=131072, num_heads=33, num_kv_heads=33, head_dim=128, world_size=4)
+    assert _labels(plan) == {"ring", "ring:inner2", "allgather"}
+    assert plan.algorithm in ("ring", "allgather")
+    assert dict(plan.skipped) == {"ulysses": "4 head-parallel ranks do not divide num_heads=33",
+                                  "2d:2x2": "2 head-parallel ranks do not divide num_heads=33"}
+    # 3 divides 33: 2D with hp = 3 over 6 ranks is a candidate, hp = 2 and Ulysses over 6 are not
+    six = choose_attention(seq_len=131072, num_heads=33, num_kv_heads=33, head_dim=128, world_size=6)
+    assert "2d:3x2" in _labels(six) and {"ulysses", "2d:2x3"} <= {label for label, _ in six.skipped}
+
+
+def test_mqa_counts_the_repeated_kv_heads():
+    # MQA over 4 head-parallel ranks repeats the one K/V head 4 times (the rule of ulysses.kv_repeat)
+    assert kv_repeat(32, 1, 4) == ulysses_kv_repeat(32, 1, 4) == 4
+    assert kv_repeat(32, 8, 4) == 1 and kv_repeat(32, 2, 4) == 2 and kv_repeat(33, 33, 2) is None
+    kw = dict(algorithm="ulysses", seq_len=131072, num_heads=32, head_dim=128, world_size=4)
+    mqa, four = estimate_attention(num_kv_heads=1, **kw), estimate_attention(num_kv_heads=4, **kw)
+    assert mqa.kv_repeat == 4 and four.kv_repeat == 1
+    # after the repeat MQA moves as many K/V bytes as 4 K/V heads, and copies the repeat on top
+    assert mqa.communication_s == pytest.approx(four.communication_s)
+    assert mqa.elementwise_s > four.elementwise_s
+    # the ring never repeats: MQA's K/V hops are 4x smaller than H_kv = 4
+    ring_mqa = estimate_attention(**{**kw, "algorithm": "ring"}, num_kv_heads=1)
+    assert ring_mqa.kv_repeat == 1 and ring_mqa.peak_memory_bytes < estimate_attention(**{**kw, "algorithm": "ring"}, num_kv_heads=4).peak_memory_bytes
+    # 2D at hp = 2: one K/V head repeated twice
+    assert estimate_attention(algorithm="2d", hp=2, seq_len=131072, num_heads=32, num_kv_heads=1, head_dim=128, world_size=4).kv_repeat == 2
+
+
+def test_long_sequences_on_nvlink_hide_the_communication():
+    for world in (4, 8):
+        plan = choose_attention(seq_len=1048576, world_size=world, **SHAPE)
+        bound = causal_flops(batch=1, seq_len=1048576, head_dim=128, num_heads=32) / world / H200.attention_flops
+        assert plan.est_time_s < 1.03 * bound
+        ring = next(c for c in plan.candidates if c.label == "ring")
+        assert ring.communication_s < 0.01 * ring.est_time_s  # every hop hides behind its block
+
+
+def test_slow_links_expose_the_ring_at_short_sequences_only():
+    pcie = DeviceProfile.h200(intra_node_p2p_bandwidth=20e9, intra_node_collective_bandwidth=20e9)
+    short = estimate_attention(algorithm="ring", seq_len=32768, world_size=8, profile=pcie, **SHAPE)
+    long = estimate_attention(algorithm="ring", seq_len=1048576, world_size=8, profile=pcie, **SHAPE)
+    assert short.communication_s > 0.3 * short.est_time_s
+    assert long.communication_s < 0.01 * long.est_time_s
+
+
+def test_double_ring_pays_off_across_nodes():
+    # 16 ranks on two 8-GPU nodes: a plain ring waits for an inter-node hop at every step; inner
+    # rings of one node (LoongTrain §4.5: w = NICs per node) hide the outer hop behind 8 steps
+    slow_nics = DeviceProfile.h200(inter_node_bandwidth=12.5e9)
+    kw = dict(algorithm="ring", seq_len=131072, world_size=16, profile=slow_nics, **SHAPE)
+    plain, inner8, inner2 = (estimate_attention(inner_ring_size=w, **kw) for w in (None, 8, 2))
+    assert inner8.est_time_s < inner2.est_time_s < plain.est_time_s
+    assert plain.communication_s > 5 * inner8.communication_s
+    # inside one node the double ring only adds steps
+    one_node = dict(kw, world_size=8, profile=H200)
+    assert estimate_attention(inner_ring_size=2, **one_node).est_time_s > estimate_attention(**one_node).est_time_s
+
+
+def test_contiguous_causal_layout_prefers_head_parallel():
+    # the contiguous layout gives the last rank of a ring (2W - 1) / W times the balanced work
+    # (1.75 at W = 4); Ulysses gathers the whole sequence and does not care
+    plan = choose_attention(seq_len=131072, world_size=4, layout="contiguous", **SHAPE)
+    assert plan.algorithm == "ulysses"
+    ring = next(c for c in plan.candidates if c.label == "ring")
+    assert ring.compute_s > 1.7 * next(c for c in plan.candidates if c.label == "ulysses").compute_s
+
+
+def test_allgather_memory_grows_with_the_world():
+    kw = dict(seq_len=524288, **SHAPE)
+    ag4 = estimate_attention(algorithm="allgather", world_size=4, **kw)
+    ring4 = estimate_attention(algorithm="ring", world_size=4, **kw)
+    assert ag4.peak_memory_bytes > 1.5 * ring4.peak_memory_bytes
+    # a sequence whose gathered K/V and fp32 dK/dV cannot fit is skipped with the reason
+    plan = choose_attention(seq_len=2 * 1048576, num_heads=32, num_kv_heads=32, head_dim=128, world_size=4)
+    assert "allgather" in dict(plan.skipped) and "GB" in dict(plan.skipped)["allgather"] and "ring" in _labels(plan)
+
+
+def test_fixed_head_parallel_size():
+    plan = choose_attention(seq_len=131072, world_size=8, head_parallel_size=2, **SHAPE)
+    assert _labels(plan) == {"2d:2x4", "2d:2x4:inner2"}
+    assert (plan.algorithm, plan.hp, plan.cp, plan.head_parallel_size) == ("2d", 2, 4, 2)
+    one = choose_attention(seq_len=131072, world_size=8, head_parallel_size=1, **SHAPE)
+    assert {c.algorithm for c in one.candidates} == {"ring", "allgather", "ulysses"}
+    assert one.head_parallel_size == 1  # Ulysses runs on the strategy's 1-D mesh
+
+
+def test_one_rank_is_local_attention():
+    plan = choose_attention(seq_len=8192, world_size=1, **SHAPE)
+    assert (plan.algorithm, plan.hp, plan.cp) == ("ring", 1, 1) and len(plan.candidates) == 1
+    assert plan.candidates[0].communication_s == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(seq_len=0), "seq_len must be an int >= 1"),
+        (dict(num_heads=32, num_kv_heads=5), r"num_heads \(32\) must be a multiple of num_kv_heads \(5\)"),
+        (dict(head_dim=12.5), "head_dim must be an int"),
+        (dict(world_size=True), "world_size must be an int"),
+        (dict(seq_len=2, world_size=4), r"seq_len \(2\) must be at least world_size \(4\)"),
+        (dict(layout="striped"), "layout='striped' is not supported"),
+        (dict(causal="yes"), "causal must be a bool"),
+        (dict(algorithms=("flash",)), "algorithms=.*must be a non-empty subset"),
+        (dict(head_parallel_size=3), "head_parallel_size=3 must divide world_size=4"),
+        (dict(tie_tolerance=2), "tie_tolerance must be in"),
+        (dict(num_heads=33, num_kv_heads=33, algorithms=("ulysses",)), "no algorithm can run num_heads=33 on world_size=4"),
+    ],
+)
+def test_choose_errors_name_the_argument(kwargs, match):
+    args = dict(seq_len=131072, num_heads=32, num_kv_heads=8, head_dim=128, world_size=4)
+    with pytest.raises(ValueError, match=match):
+        choose_attention(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(algorithm="2d", hp=4), r"algorithm='2d' needs hp with 1 < hp < world_size \(4\)"),
+        (dict(algorithm="ulysses", num_heads=33, num_kv_heads=33), "4 must divide num_heads"),
+        (dict(algorithm="allgather", inner_ring_size=2), "inner_ring_size is only used by 'ring' or '2d'"),
+        (dict(algorithm="ring", inner_ring_size=3), "inner_ring_size=3 must be a positive int dividing"),
+        (dict(algorithm="flash"), "algorithm='flash' is not supported"),
+    ],
+)
+def test_estimate_errors_name_the_argument(kwargs, match):
+    args = dict(seq_len=131072, num_heads=32, num_kv_heads=8, head_dim=128, world_size=4)
+    with pytest.raises(ValueError, match=match):
+        estimate_attention(**{**args, **kwargs})
+
+
+def test_profile_validation_and_lookup():
+    with pytest.raises(ValueError, match="DeviceProfile.gpus_per_node must be a positive int"):
+        DeviceProfile.h200(gpus_per_node=0)
+    with pytest.raises(ValueError, match="DeviceProfile.attention_flops must be positive"):
+        DeviceProfile.h200(attention_flops=0)
+    assert DeviceProfile.for_device("NVIDIA H100 80GB HBM3").name == "H100"
+    assert DeviceProfile.for_device("NVIDIA H200", gpus_per_node=4).gpus_per_node == 4
+
+
+# ---------------------------------------------------------------------------------------------- the strategy
+
+
+def _llama(n_head: int, n_kv_head: int):
+    from lightning_seqpar.models import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        return Llama(LlamaConfig(vocab_size=64, n_embd=n_head * 16, n_layer=1, n_head=n_head, n_kv_head=n_kv_head, head_dim=128))
+
+
+def _strategy(devices: int, dims: ParallelDims | None = None, **kwargs) -> SequenceParallelStrategy:
+    strategy = SequenceParallelStrategy(**kwargs)
+    strategy.parallel_devices = [torch.device("cpu")] * devices
+    strategy._parallel_dims = dims  # what setup_environment sets, without a process group
+    return strategy
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (33, 33), (32, 1)])
+def test_strategy_auto_resolves_to_the_cost_models_plan(heads):
+    model = _llama(*heads)
+    strategy = _strategy(4, ParallelDims(cp=4, world_size=4), expected_seq_len=131072)
+    strategy._resolve_auto_attention([model])
+    # the strategy's default precision is "32-true": 4-byte q, k, v
+    expected = choose_attention(seq_len=131072, num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, world_size=4, dtype_bytes=4,
+                                head_parallel_size=1, double_ring=False, profile=DeviceProfile.h200(gpus_per_node=4))
+    assert strategy.attention == expected.algorithm
+    assert strategy.attention_plan is not None and strategy.attention_plan.label == expected.label
+    if heads[0] == 33:
+        assert strategy.attention in ("ring", "allgather")
+
+
+def test_strategy_auto_keeps_a_fixed_head_parallel_size():
+    strategy = _strategy(4, ParallelDims(hp=2, cp=2, world_size=4), head_parallel_size=2, expected_seq_len=131072)
+    assert strategy.attention == "2d"
+    strategy._resolve_auto_attention([_llama(32, 8)])
+    assert strategy.attention == "2d" and strategy.attention_plan.hp == 2
+    with pytest.raises(ValueError, match="SequenceParallelStrategy: attention='auto' with expected_seq_len=131072.*num_heads=33"):
+        _strategy(4, ParallelDims(hp=2, cp=2, world_size=4), head_parallel_size=2, expected_seq_len=131072)._resolve_auto_attention([_llama(33, 33)])
+
+
+def test_strategy_auto_without_expected_seq_len_is_unchanged():
+    strategy = _strategy(4, ParallelDims(cp=4, world_size=4))
+    strategy._resolve_auto_attention([_llama(32, 8)])
+    assert (strategy.attention, strategy.attention_plan) == ("ring", None)
+    fixed = _strategy(4, ParallelDims(cp=4, world_size=4), attention="allgather", expected_seq_len=131072)
+    fixed._resolve_auto_attention([_llama(32, 8)])
+    assert fixed.attention == "allgather" and fixed.attention_plan is None
+
+
+def test_strategy_auto_head_parallel_size_from_the_module_config():
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.models import LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, n_embd=512, n_layer=1, n_head=32, n_kv_head=8, head_dim=128)
+    strategy = _strategy(4, head_parallel_size="auto", sequence_parallel_size=4, expected_seq_len=131072)
+    strategy.connect(CausalLMModule(config))
+    plan = choose_attention(seq_len=131072, world_size=4, double_ring=False, dtype_bytes=4, profile=DeviceProfile.h200(gpus_per_node=4),
+                            **SHAPE)
+    assert strategy.resolve_parallel_dims().hp == plan.head_parallel_size
+    # no config to read: hp = 1; a linear-attention model: hp = 1 (LASP)
+    bare = _strategy(4, head_parallel_size="auto", expected_seq_len=131072)
+    assert bare.resolve_parallel_dims().hp == 1
+    from lightning_seqpar.models import TransNormerConfig
+
+    tnl = _strategy(4, head_parallel_size="auto", expected_seq_len=131072)
+    tnl.connect(CausalLMModule(TransNormerConfig(vocab_size=64, n_embd=64, n_layer=1, n_head=4)))
+    assert tnl.resolve_parallel_dims().hp == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(head_parallel_size="many"), "head_parallel_size must be a positive int or 'auto'"),
+        (dict(head_parallel_size="auto", attention="ring"), "head_parallel_size='auto' is chosen together with the algorithm"),
+        (dict(expected_seq_len=0), "expected_seq_len must be a positive int"),
+    ],
+)
+def test_strategy_errors_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        SequenceParallelStrategy(**kwargs)
+    assert "SequenceParallelStrategy" in str(info.value)
