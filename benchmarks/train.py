@@ -1,12 +1,14 @@
-"""End-to-end training throughput: our strategy against FSDP2 + torch-native context parallel.
+"""End-to-end training throughput: our strategy against FSDP2 + torch-native context parallel and
+against Megatron-style tensor + sequence parallelism.
 
     torchrun --nproc_per_node=4 benchmarks/train.py --system seqpar --model llama3-8b --seq 131072
     torchrun --nproc_per_node=4 benchmarks/train.py --system torch_cp --model llama3-8b --seq 131072
+    torchrun --nproc_per_node=4 benchmarks/train.py --system tp_sp --model llama3-8b --seq 131072
 
-Both train the same Llama (lightning_seqpar.models.Llama, random init), on the same synthetic
+All train the same Llama (lightning_seqpar.models.Llama, random init), on the same synthetic
 long-range copy data, with AdamW, bf16 compute and fp32 master weights (FSDP2
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), all GPUs in one sequence-parallel
-group, batch 1 sequence of --seq tokens.
+(or, for tp_sp, tensor-parallel) group, batch 1 sequence of --seq tokens.
 
 * seqpar: the product path — ``lightning.Trainer(strategy=SequenceParallelStrategy(...),
   precision="bf16-mixed")`` with ``CausalLMModule`` (ring attention, zigzag, Selective
@@ -15,11 +17,21 @@ group, batch 1 sequence of --seq tokens.
   checkpointing of every block, ``torch.distributed.tensor.experimental.context_parallel`` around
   forward and backward (its round-robin load balancer; SDPA with the cuDNN kernel), plain cross
   entropy on the full logits.
+* tp_sp (the Megatron-LM baseline of the papers): Lightning's ``ModelParallelStrategy`` with
+  tensor parallel over all GPUs + sequence parallel norms, full activation checkpointing,
+  vocabulary-parallel cross entropy, dummy heads where n_head % W != 0 (``benchmarks/tp_sp.py``,
+  Note [The TP+SP baseline]). Every rank reads the full sequence.
 
 Each run times --steps optimizer steps after --warmup steps (CUDA-synchronised wall clock per
 step, median), and reports tokens/s/GPU, MFU = tokens/s/GPU * flops_per_token / 989e12 with
 flops_per_token = 6 * N_non_embedding + 6 * L * S * d, the peak of
-torch.cuda.max_memory_allocated() after warm-up, and the losses.
+torch.cuda.max_memory_allocated() after warm-up (max over ranks), and the losses. With
+``--matmul-peak TFLOPS`` (from ``benchmarks/matmul_peak.py``) the record also has
+``mfu_measured_peak`` = the same model FLOP rate over the measured bf16 matmul peak.
+
+A CUDA out-of-memory error prints ``[train] OOM`` and exits with code 3 (``OOM_EXIT``), so that
+``benchmarks/longest.py`` can tell it from other failures (torchrun itself then exits with 1 and
+prints the worker's exit code 3).
 """
 
 from __future__ import annotations
@@ -28,34 +40,48 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
+OOM_EXIT = 3
+ALGORITHMS = {"torch_cp": "allgather-cp", "tp_sp": "megatron-tp-sp"}
 
 
-def _row(args, cfg, times, peak_gb, losses, world):
+def _row(args, cfg, times, peak_gb, losses, world, **extra):
     step = sorted(times)[len(times) // 2]
     tps = args.seq * args.batch / step / world
-    return dict(bench="train", system=args.system, algorithm=args.algorithm if args.system == "seqpar" else "allgather-cp",
-                model=args.model, seq=args.seq, gpus=world, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                step_time_s=step,
-                tokens_per_s_per_gpu=tps, mfu=tps * cfg.flops_per_token(args.seq) / PEAK_BF16, peak_mem_gb=peak_gb,
-                losses=losses, ac=args.ac if args.system == "seqpar" else "full", commit=args.commit)
+    flops_per_s = tps * cfg.flops_per_token(args.seq)  # model FLOPs per second per GPU
+    row = dict(bench="train", system=args.system, algorithm=ALGORITHMS.get(args.system, args.algorithm),
+               model=args.model, seq=args.seq, gpus=world, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               step_time_s=step,
+               tokens_per_s_per_gpu=tps, mfu=flops_per_s / PEAK_BF16, peak_mem_gb=peak_gb,
+               losses=losses, ac=args.ac if args.system == "seqpar" else ("none" if args.ac == "none" else "full"),
+               commit=args.commit)
+    if args.matmul_peak:
+        row["mfu_measured_peak"] = flops_per_s / (args.matmul_peak * 1e12)
+        row["matmul_peak_tflops"] = args.matmul_peak
+    if args.tag:
+        row["tag"] = args.tag
+    if args.prealloc_optimizer:
+        row["prealloc_optimizer"] = True
+    row.update(extra)
+    return row
 
 
-def run_seqpar(args):
+def _max_over_ranks(value: float, device: str) -> float:
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _step_timer(args, times: list, losses: list):
+    """A callback timing each optimizer step (synchronised) and collecting ``train/loss``."""
     import lightning as L
 
-    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
-    from lightning_seqpar.data import LongRangeDataModule
-    from lightning_seqpar.models import LlamaConfig
-
-    cfg = LlamaConfig.from_name(args.model)
-    times, losses = [], []
-    peak = {}
     cuda = args.device == "cuda"
 
     class StepTimer(L.Callback):
@@ -73,20 +99,119 @@ def run_seqpar(args):
                 times.append(time.perf_counter() - self.t0)
             loss = trainer.callback_metrics.get("train/loss")
             losses.append(float(loss) if loss is not None else float("nan"))
-            peak["gb"] = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
 
+    return StepTimer()
+
+
+def _oom_exit():
+    """A callback that ends this process with OOM_EXIT at once on an out-of-memory error.
+
+    Lightning's own exception handling would first tear down (moving the model to CPU) while the
+    other ranks wait in a collective; torchrun stops them when this rank exits.
+    """
+    import lightning as L
+
+    class OOMExit(L.Callback):
+        def on_exception(self, trainer, pl_module, exception):
+            if _is_oom(exception):
+                _exit_oom(trainer.strategy.global_rank, exception)
+
+    return OOMExit()
+
+
+def _exit_oom(rank, exc: BaseException) -> None:
+    print(f"[train] OOM rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}", flush=True)
+    sys.stderr.flush()
+    os._exit(OOM_EXIT)
+
+
+@torch.no_grad()
+def _prealloc_optimizer(optimizer) -> None:
+    """Allocate the optimizer's state now: one step on zero gradients (AdamW with no weight decay
+    leaves the parameters unchanged; its step count moves by one). The memory peak of step 1 is
+    then that of every later step, so an out-of-memory shows in step 1 (benchmarks/longest.py)."""
+    for group in optimizer.param_groups:
+        if group.get("weight_decay", 0.0) != 0.0:
+            raise ValueError("--prealloc-optimizer needs weight_decay=0 (the zero-gradient step must not change parameters)")
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _prealloc():
+    import lightning as L
+
+    class PreallocOptimizer(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            for optimizer in trainer.optimizers:
+                _prealloc_optimizer(optimizer)
+
+    return PreallocOptimizer()
+
+
+def _trainer(args, strategy, callbacks, precision):
+    import lightning as L
+
+    callbacks = [*callbacks, _oom_exit(), *([_prealloc()] if args.prealloc_optimizer else [])]
+    return L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+                     strategy=strategy, precision=precision, max_steps=args.warmup + args.steps, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks, log_every_n_steps=1)
+
+
+def _datamodule(args, cfg):
+    from lightning_seqpar.data import LongRangeDataModule
+
+    return LongRangeDataModule(vocab_size=cfg.vocab_size, seq_len=args.seq, batch_size=args.batch,
+                               num_samples=(args.warmup + args.steps) * args.batch * 8, val_samples=1, seed=0)
+
+
+def _peak_gb(args) -> float:
+    if args.device != "cuda":
+        return float("nan")
+    return _max_over_ranks(torch.cuda.max_memory_allocated() / 1e9, "cuda")
+
+
+def run_seqpar(args):
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+    from lightning_seqpar.models import LlamaConfig
+
+    cfg = LlamaConfig.from_name(args.model)
+    times, losses = [], []
     strategy = SequenceParallelStrategy(sequence_parallel_size=int(os.environ["WORLD_SIZE"]), attention=args.algorithm,
                                         activation_checkpointing=None if args.ac == "none" else args.ac)
-    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
-                        precision="bf16-mixed" if cuda else "32-true",
-                        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[StepTimer()], log_every_n_steps=1)
+    trainer = _trainer(args, strategy, [_step_timer(args, times, losses)], "bf16-mixed" if args.device == "cuda" else "32-true")
     module = CausalLMModule(model=args.model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size=args.loss_chunk)
-    data = LongRangeDataModule(vocab_size=cfg.vocab_size, seq_len=args.seq, batch_size=args.batch,
-                               num_samples=(args.warmup + args.steps) * args.batch * 8, val_samples=1, seed=0)
-    trainer.fit(module, datamodule=data)
-    world = dist.get_world_size()
-    return _row(args, cfg, times, peak.get("gb", float("nan")), losses, world)
+    trainer.fit(module, datamodule=_datamodule(args, cfg))
+    return _row(args, cfg, times, _peak_gb(args), losses, dist.get_world_size())
+
+
+def run_tp_sp(args):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_seqpar.models import LlamaConfig
+    from tp_sp import TPSPModule, head_layout
+
+    cfg = LlamaConfig.from_name(args.model)
+    world = int(os.environ["WORLD_SIZE"])
+    layout = head_layout(cfg, world)  # ValueError (before any collective) when Megatron TP cannot run the model
+    backends = None
+    if args.device == "cuda":
+        from torch.nn.attention import SDPBackend
+
+        backends = [SDPBackend.CUDNN_ATTENTION]
+    times, losses = [], []
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world)
+    # precision: bf16 compute with fp32 master weights comes from FSDP2's MixedPrecisionPolicy inside the module
+    trainer = _trainer(args, strategy, [_step_timer(args, times, losses)], "32-true")
+    module = TPSPModule(cfg, lr=3e-4, loss_parallel=not args.no_loss_parallel, activation_checkpointing=args.ac != "none",
+                        bf16=args.device == "cuda", attention_backends=backends)
+    trainer.fit(module, datamodule=_datamodule(args, cfg))
+    waste = layout.config(cfg).flops_per_token(args.seq) / cfg.flops_per_token(args.seq) - 1
+    return _row(args, cfg, times, _peak_gb(args), losses, dist.get_world_size(),
+                heads=f"{layout.n_head}/{layout.n_kv_head}", padded_heads=layout.padded, kv_repeat=layout.kv_repeat,
+                padding_flops_waste=waste, loss_parallel=not args.no_loss_parallel)
 
 
 def run_torch_cp(args):
@@ -126,6 +251,8 @@ def run_torch_cp(args):
         torch.manual_seed(0)
         model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=True)
+    if args.prealloc_optimizer:
+        _prealloc_optimizer(opt)
     data = LongRangeDataModule(vocab_size=cfg.vocab_size, seq_len=args.seq, batch_size=args.batch, num_samples=64, val_samples=1, seed=0)
     data.setup("fit")
     loader = iter(data.train_dataloader())
@@ -150,36 +277,61 @@ def run_torch_cp(args):
         rep = loss.detach().clone()
         dist.all_reduce(rep, op=dist.ReduceOp.AVG)
         losses.append(rep.item())
-    peak = torch.tensor(torch.cuda.max_memory_allocated() / 1e9, device="cuda")
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return _row(args, cfg, times, peak.item(), losses, world)
+    return _row(args, cfg, times, _peak_gb(args), losses, world)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, or an allocation failure that a kernel library reports as a RuntimeError."""
+    while exc is not None:
+        if isinstance(exc, torch.OutOfMemoryError) or (
+            isinstance(exc, RuntimeError) and ("out of memory" in str(exc).lower() or "ALLOC_FAILED" in str(exc))
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", choices=["seqpar", "torch_cp"], required=True)
+    ap.add_argument("--system", choices=["seqpar", "torch_cp", "tp_sp"], required=True)
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--seq", type=int, default=131072)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--algorithm", default="ring")
-    ap.add_argument("--ac", default="selective++", choices=["selective++", "full", "none"])
-    ap.add_argument("--loss-chunk", type=int, default=8192)
+    ap.add_argument("--algorithm", default="ring", help="seqpar: the attention algorithm")
+    ap.add_argument("--ac", default="selective++", choices=["selective++", "full", "none"],
+                    help="seqpar: the checkpointing policy; tp_sp: 'none' turns full checkpointing off")
+    ap.add_argument("--loss-chunk", type=int, default=8192, help="seqpar: chunked cross entropy")
+    ap.add_argument("--no-loss-parallel", action="store_true", help="tp_sp: gather the logits instead of the vocab-parallel loss")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the seqpar path (gloo)")
+    ap.add_argument("--matmul-peak", type=float, default=None, metavar="TFLOPS",
+                    help="measured bf16 matmul peak per GPU (benchmarks/matmul_peak.py): adds mfu_measured_peak")
+    ap.add_argument("--prealloc-optimizer", action="store_true",
+                    help="allocate the AdamW state before step 1 (one step on zero gradients), so an OOM shows in step 1")
+    ap.add_argument("--tag", default=None, help="free label stored in the record (e.g. 'scaling')")
+    ap.add_argument("--out", default=None, help="append the record to this JSON list (merge with benchmarks/collect.py)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test (gloo) of seqpar / tp_sp")
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args()
+    if args.device == "cpu" and args.system == "torch_cp":
+        ap.error("--system torch_cp runs on CUDA only")
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
     if args.system == "torch_cp":
         dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), device_id=torch.device("cuda", local_rank))
-    row = run_seqpar(args) if args.system == "seqpar" else run_torch_cp(args)
+    runner = {"seqpar": run_seqpar, "torch_cp": run_torch_cp, "tp_sp": run_tp_sp}[args.system]
+    try:
+        row = runner(args)
+    except BaseException as exc:  # noqa: BLE001 - an OOM must not hang the other ranks in teardown
+        if not _is_oom(exc):
+            raise
+        _exit_oom(os.environ.get("RANK"), exc)
     if dist.get_rank() == 0:
+        extra = f", mfu(measured peak) {row['mfu_measured_peak']:.3f}" if "mfu_measured_peak" in row else ""
         print(f"[train] {row['system']:8s} {row['model']} S={row['seq']} GPUs={row['gpus']}: {row['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
-              f"MFU {row['mfu']:.3f}, step {row['step_time_s']:.2f}s, peak {row['peak_mem_gb']:.1f} GB, losses {[round(x, 3) for x in row['losses']]}",
-              flush=True)
+              f"MFU {row['mfu']:.3f}{extra}, step {row['step_time_s']:.2f}s, peak {row['peak_mem_gb']:.1f} GB, "
+              f"losses {[round(x, 4) for x in row['losses']]}", flush=True)
         if args.out:
             rows = json.load(open(args.out)) if os.path.exists(args.out) else []
             rows.append(row)

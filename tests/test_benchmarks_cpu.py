@@ -1,0 +1,110 @@
+"""The benchmark tools on CPU: the Megatron-style TP+SP baseline (benchmarks/tp_sp.py) trains the same
+model as one device, and benchmarks/collect.py checks and merges records."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+from dist_utils import run_distributed  # noqa: E402
+
+
+def _tp_sp_vs_one_device(rank: int, world_size: int, name: str, steps: int) -> list[tuple[float, float]]:
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_seqpar.data import LongRangeDataModule
+    from lightning_seqpar.models import Llama, LlamaConfig
+    from tp_sp import parallelize_tp_sp
+
+    cfg = LlamaConfig.from_name(name)
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    ref = copy.deepcopy(model)
+    layout = parallelize_tp_sp(model, mesh, loss_parallel=True, activation_checkpointing=True, param_dtype=None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    data = LongRangeDataModule(vocab_size=cfg.vocab_size, seq_len=64, batch_size=2, num_samples=8, val_samples=0, seed=0)
+    data.setup("fit")
+    losses = []
+    for _, batch in zip(range(steps), data.train_dataloader()):
+        ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+        with loss_parallel():
+            loss = F.cross_entropy(model(ids, pos).flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+            loss.backward()
+        ref_loss = F.cross_entropy(ref(ids, pos).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+        losses.append((loss.full_tensor().item(), ref_loss.item()))
+    if layout.padded:  # dummy heads get zero gradients, so they stay zero (Note [Heads that do not divide W])
+        attn = model.layers[0].self_attn
+        q = attn.q_proj.weight.full_tensor().view(layout.n_head, cfg.head_dim, -1)
+        o = attn.o_proj.weight.full_tensor().view(-1, layout.n_head, cfg.head_dim)
+        assert q[cfg.n_head:].abs().max().item() == 0 and o[:, cfg.n_head:].abs().max().item() == 0
+    return losses
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-3h"])  # GQA; 3 heads padded to 4 (W = 2)
+def test_tp_sp_matches_one_device(name):
+    losses = run_distributed(_tp_sp_vs_one_device, 2, name, 3)[0]
+    tp, ref = zip(*losses)
+    assert tp == pytest.approx(ref, rel=1e-5, abs=2e-6)
+    assert abs(ref[-1] - ref[0]) > 1e-3  # the steps changed the model: later losses check the gradients
+
+
+def test_tp_sp_repeated_kv_heads_start_equal():
+    # MQA on 2 ranks: the one K/V head is repeated to 2. Equal at init; the copies then train apart
+    # (each gets the gradient of its own query heads), so only the first loss is the model's.
+    (tp, ref), *_ = run_distributed(_tp_sp_vs_one_device, 2, "tiny-mqa", 1)[0]
+    assert tp == pytest.approx(ref, rel=1e-5, abs=2e-6)
+
+
+def test_head_layout():
+    from lightning_seqpar.models import LlamaConfig
+    from tp_sp import head_layout
+
+    assert head_layout(LlamaConfig.from_name("llama-33h"), 4) == head_layout(LlamaConfig.from_name("llama-33h"), 4)
+    lay = head_layout(LlamaConfig.from_name("llama-33h"), 4)
+    assert (lay.n_head, lay.n_kv_head, lay.padded, lay.kv_repeat) == (36, 36, 3, 1)
+    lay = head_layout(LlamaConfig.from_name("llama3-8b"), 16)
+    assert (lay.n_head, lay.n_kv_head, lay.padded, lay.kv_repeat) == (32, 16, 0, 2)
+    with pytest.raises(ValueError, match="not divisible"):
+        head_layout(LlamaConfig.from_name("llama3-8b"), 3)
+
+
+def _record(**kw):
+    row = dict(bench="train", system="seqpar", algorithm="ring", model="llama3-8b", seq=131072, gpus=4, device="NVIDIA H200",
+               tokens_per_s_per_gpu=2799.0, mfu=0.419, peak_mem_gb=65.6, commit="abc1234")
+    row.update(kw)
+    return row
+
+
+def test_collect_merges_deduplicates_and_validates(tmp_path):
+    import collect
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([_record(), _record(seq=262144)]))
+    b.write_text(json.dumps([_record(), {"bench": "matmul", "device": "NVIDIA H200", "tflops": 800.0, "commit": "x"}]))
+    out = collect.main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(a), str(b)])
+    rows = json.loads(open(out).read())
+    assert out.endswith("20261122-nvidia-h200-x4.json") and len(rows) == 3
+    # merging again adds nothing
+    collect.main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(a)])
+    assert len(json.loads(open(out).read())) == 3
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([_record(mfu=None), {k: v for k, v in _record().items() if k != "commit"}]))
+    with pytest.raises(SystemExit, match=r"record 0 .*mfu.*\n.*record 1 .*commit"):
+        collect.main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(bad)])
