@@ -101,13 +101,25 @@ runs with a zero initial state, outside the custom ops, with fla's own autograd 
 takes the final-state gradient dS_out as ``dht``); the state exchange is the same op as for the
 torch kernel (Note [Two op pairs]). fla's function is ``torch.compiler.disable``d (a graph break
 under torch.compile) and its kernels are not dispatcher ops (Selective Checkpoint++ recomputes
-them). UNTESTED until a GPU run: the branch is kept thin and marked "fla path" below.
+them). UNTESTED until a GPU run: the branch is kept thin and marked "fla path" below. Written
+against fla-core 0.6.0 (``chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None,
+initial_state=None, output_final_state=False, ...)``, [B, T, H, D], fp32 final state;
+tests/test_lasp_gpu.py compares it with the torch kernel in bf16).
+
+First-call cost: fla's kernels are Triton kernels, compiled and autotuned on their first call for
+each (K, V, H) shape; fla's state kernels (``chunk_fwd_kernel_h``, ``chunk_bwd_kernel_dh``) try 48
+configurations each, minutes of compilation per shape. Triton caches the compiled kernels and
+fla's autotune results on disk, so only the first process pays. ``SEQPAR_FLA_AUTOTUNE=small``
+(read at the first fla call; default "full") keeps, in every fla autotuner of more than 8
+configurations, those with 4 warps and at most 3 stages (8 of 48): a smaller search for one-shot
+GPU runs, the same arithmetic (tile shapes change the fp32 summation order only).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Literal
 
 import torch
@@ -247,9 +259,38 @@ def _resolve_kernel(kernel: str, device: torch.device) -> str:
     return kernel
 
 
+FLA_AUTOTUNE_MODES: tuple[str, ...] = ("full", "small")
+
+
+@functools.cache
+def _prepare_fla() -> None:
+    """Apply ``SEQPAR_FLA_AUTOTUNE`` once, before fla's first kernel call (Note [fla-core kernel])."""
+    mode = os.environ.get("SEQPAR_FLA_AUTOTUNE", "full")
+    if mode not in FLA_AUTOTUNE_MODES:
+        raise ValueError(f"SEQPAR_FLA_AUTOTUNE={mode!r} is not supported; expected one of {FLA_AUTOTUNE_MODES} "
+                         "('full': fla's own autotuning; 'small': at most 8 configurations per kernel)")
+    if mode == "full":
+        return
+    import fla.ops.common.chunk_h
+    import fla.ops.common.chunk_o
+    from triton.runtime.autotuner import Autotuner
+
+    for module in (fla.ops.common.chunk_h, fla.ops.common.chunk_o):
+        for kernel in list(vars(module).values()):
+            for _ in range(4):  # triton.heuristics(...) wraps the Autotuner in ``.fn``
+                if isinstance(kernel, Autotuner) or not hasattr(kernel, "fn"):
+                    break
+                kernel = kernel.fn
+            if isinstance(kernel, Autotuner) and len(kernel.configs) > 8:
+                small = [c for c in kernel.configs if c.num_warps == 4 and c.num_stages <= 3]
+                if small:
+                    kernel.configs = small
+
+
 def _fla_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial: Tensor | None, output_final_state: bool):
     from fla.ops.simple_gla import chunk_simple_gla  # fla path
 
+    _prepare_fla()
     return chunk_simple_gla(q, k, v, g_gamma=g.float(), scale=1.0, initial_state=initial, output_final_state=output_final_state)
 
 
