@@ -51,10 +51,11 @@ from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS
 from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
+from lightning_seqpar.documents import PackedDocuments, batch_documents, set_current_documents
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
 from lightning_seqpar.parallelize import find_blocks, parallelize, uses_linear_attention
 from lightning_seqpar.rng import get_rng_state, set_rng_state
-from lightning_seqpar.sharding import LAYOUTS, pad_batch, required_multiple, shard_sequence
+from lightning_seqpar.sharding import LAYOUTS, mesh_sizes, pad_batch, required_multiple, shard_sequence
 from lightning_seqpar.validation import check_batch, check_same_batch
 
 if TYPE_CHECKING:
@@ -555,34 +556,69 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         every tensor with ``shape[1] == input_ids.shape[1]`` (input ids, labels, position ids,
         loss masks, document ids, ...) is split along dim 1 with the strategy's layout. Missing
         ``position_ids`` are created first as the global positions ``0..S-1``.
+
+        Packed documents (``document_ids``, or ``position_ids`` that restart at 0): the batch is
+        split with the per-document zigzag instead, ``position_ids`` become the positions inside
+        each document, and the documents are made current for every ``Attention`` module, so
+        attention never crosses a document boundary (Note [Packed documents and per-document zigzag]).
         """
         name = type(self).__name__
         check_batch(batch, owner=name)
-        if self.parallel_dims.sp == 1:
-            return batch
-        multiple = required_multiple(self.sp_mesh, self.layout)
-        if batch["input_ids"].shape[1] % multiple:
-            if not self.pad_to_multiple:
-                seq_len = batch["input_ids"].shape[1]
-                raise ValueError(
-                    f"{name}: sequence length {seq_len} of batch['input_ids'] must be a multiple of {multiple} "
-                    f"(sequence_parallel_size={self.parallel_dims.sp}, load_balance={self.layout!r}); set "
-                    f"pad_to_multiple=True (pads with ignored labels, the loss does not change) or choose seq_len as a "
-                    f"multiple of {multiple}"
-                )
-            batch = pad_batch(dict(batch), multiple=multiple)
+        sp = self.parallel_dims.sp
+        if sp > 1:
+            multiple = required_multiple(self.sp_mesh, self.layout)
+            if batch["input_ids"].shape[1] % multiple:
+                if not self.pad_to_multiple:
+                    seq_len = batch["input_ids"].shape[1]
+                    raise ValueError(
+                        f"{name}: sequence length {seq_len} of batch['input_ids'] must be a multiple of {multiple} "
+                        f"(sequence_parallel_size={sp}, load_balance={self.layout!r}); set "
+                        f"pad_to_multiple=True (pads with ignored labels, the loss does not change) or choose seq_len as a "
+                        f"multiple of {multiple}"
+                    )
+                batch = pad_batch(dict(batch), multiple=multiple)
+        hp, hp_rank, cp, cp_rank = mesh_sizes(self.sp_mesh) if sp > 1 else (1, 0, 1, 0)
+        documents = self._documents(batch, cp)
+        out = dict(batch)
+        if documents is not None:  # Note [Packed documents and per-document zigzag]: positions restart per document
+            out["position_ids"] = documents.position_ids(batch["input_ids"].device)
+        if sp == 1:
+            return type(batch)(out) if not isinstance(batch, dict) else out
         if self.validate_batches:
-            groups = self.device_mesh.mesh.reshape(-1, self.parallel_dims.sp).tolist()
+            groups = self.device_mesh.mesh.reshape(-1, sp).tolist()
             check_same_batch(batch, groups=groups, owner=name)
         input_ids = batch["input_ids"]
         seq_len = input_ids.shape[1]
-        out = dict(batch)
         if out.get("position_ids") is None:
             out["position_ids"] = torch.arange(seq_len, device=input_ids.device).expand(input_ids.shape[0], seq_len)
         for key, value in out.items():
             if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == seq_len:
-                out[key] = shard_sequence(value, self.sp_mesh, dim=1, layout=self.layout)  # type: ignore[arg-type]
+                if documents is not None:
+                    out[key] = documents.shard(value.expand(input_ids.shape[0], *value.shape[1:]), cp_rank, hp=hp, hp_rank=hp_rank)
+                else:
+                    out[key] = shard_sequence(value, self.sp_mesh, dim=1, layout=self.layout)  # type: ignore[arg-type]
         return type(batch)(out) if not isinstance(batch, dict) else out
+
+    def _documents(self, batch: dict, cp: int) -> PackedDocuments | None:
+        """The batch's packed documents (``document_ids``, or ``position_ids`` restarting at 0), made current for attention."""
+        documents = batch_documents(batch, world=cp)
+        if documents is not None and self.attention == "lasp":
+            raise ValueError(
+                f"{type(self).__name__}: the batch holds packed documents (document_ids / position_ids restarting at 0), which "
+                "attention='lasp' (linear attention) does not mask; drop document_ids and use plain position_ids"
+            )
+        if documents is not None and self.parallel_dims.sp > 1 and self.layout != "zigzag":
+            raise ValueError(
+                f"{type(self).__name__}: packed documents are split with the per-document zigzag; load_balance={self.layout!r} "
+                "must be 'zigzag' or 'auto'"
+            )
+        set_current_documents(documents)
+        return documents
+
+    @override
+    def teardown(self) -> None:
+        set_current_documents(None)
+        super().teardown()
 
     # ----------------------------------------------------------------------------------------- registry
 

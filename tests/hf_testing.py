@@ -179,18 +179,23 @@ def fit_on_text(rank: int, world_size: int, model: Any, datamodule_kwargs: dict[
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
     from lightning_seqpar.data import HFTextDataModule
-    import torch.distributed as dist
-
     from lightning_seqpar.documents import current_documents
     from lightning_seqpar.sharding import unshard_sequence
+
+    def unshard(v, s):
+        documents = current_documents()  # packed documents: sharded with the per-document zigzag
+        if documents is None:
+            return unshard_sequence(v, s.sp_mesh, dim=1, layout=s.layout)
+        shards = [torch.empty_like(v) for _ in range(world_size)]
+        torch.distributed.all_gather(shards, v.contiguous(), group=s.sp_mesh.get_group())
+        return documents.unshard(shards)
 
     class FirstBatch(L.Callback):
         batch: dict[str, torch.Tensor] | None = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if self.batch is None:
-                s = trainer.strategy
-                self.batch = {k: unshard_sequence(v, s.sp_mesh, dim=1, layout=s.layout) for k, v in batch.items()}
+                self.batch = {k: unshard(v, trainer.strategy) for k, v in batch.items()}
 
     first, capture = FirstBatch(), _capture_callback()
     strategy = SequenceParallelStrategy(sequence_parallel_size=world_size, attention="ring")

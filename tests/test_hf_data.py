@@ -131,7 +131,7 @@ def test_errors_name_the_argument(corpus, tmp_path, monkeypatch):
 
 
 def test_packed_batches_train_under_the_strategy(corpus, tmp_path):
-    """The five fields are sharded together; the loss of the first step is the unmodified model's on that batch."""
+    """The five fields are sharded together; the loss of the first step is the unmodified model's on each document alone."""
     root, docs, tokenizer = corpus
     vocab = len(transformers.AutoTokenizer.from_pretrained(tokenizer))
     path = save_tiny_model("llama", str(tmp_path / "llama"), vocab_size=vocab)
@@ -140,8 +140,16 @@ def test_packed_batches_train_under_the_strategy(corpus, tmp_path):
     result = run_distributed(fit_on_text, 2, path, kwargs, timeout=300)[0]
     batch = result["batch"]
     assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids", "document_position_ids"}
-    assert batch["position_ids"][0].tolist() == list(range(16))
+    # packed documents: the strategy gives the model the positions inside each document
+    assert torch.equal(batch["position_ids"], batch["document_position_ids"])
+    # packed documents are masked: the reference runs the unmodified model on each document alone
     model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    rows = []
+    for ids, doc in zip(batch["input_ids"], batch["document_ids"]):
+        lengths = torch.unique_consecutive(doc, return_counts=True)[1].tolist()
+        rows.append(torch.cat([model(input_ids=part[None], position_ids=torch.arange(len(part))[None]).logits[0]
+                               for part in ids.split(lengths)]))
+    assert len(rows[0]) == 16
+    logits = torch.stack(rows)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
     assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6)

@@ -142,7 +142,7 @@ class _Dataset(torch.utils.data.Dataset):
             "input_ids": (i * 1000 + pos) % 256,
             "labels": (i * 1000 + pos + 1) % 256,
             "loss_mask": (pos % 3 != 0).float(),
-            "document_ids": pos // 5,
+            "segment_ids": pos // 5,  # any per-token tensor (document_ids would mean packed documents)
             "sample_id": torch.tensor(i),
         }
         if self.with_positions:
@@ -184,7 +184,7 @@ def _check_batches(rank: int, world_size: int, sp: int, hp: int, layout: str, wi
         torch.testing.assert_close(batch["input_ids"], (ids[:, None] * 1000 + pos) % 256)
         torch.testing.assert_close(batch["labels"], (ids[:, None] * 1000 + pos + 1) % 256)
         torch.testing.assert_close(batch["loss_mask"], (pos % 3 != 0).float())
-        torch.testing.assert_close(batch["document_ids"], pos // 5)
+        torch.testing.assert_close(batch["segment_ids"], pos // 5)
     return {"samples": [b["sample_id"].tolist() for b in module.seen], "sampler": strategy.distributed_sampler_kwargs,
             "coords": (mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard"), mesh.get_local_rank("hp"), mesh.get_local_rank("cp"))}
 
