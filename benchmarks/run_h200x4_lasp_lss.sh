@@ -60,7 +60,7 @@ main() {
   if want 2; then
     for n in $GPUS; do
       variants=p2p; [ $n -eq $NMAX ] && variants=p2p,allgather
-      step "2 $TNL x$n GPUs, $TNL_TOK/GPU" $((n == NMAX ? 150 : 100)) "$LOGS/tnl_x$n.log" \
+      step "2 $TNL x$n GPUs, $TNL_TOK/GPU" $((n == NMAX ? 150 : 120)) "$LOGS/tnl_x$n.log" \
         torchrun --standalone --nproc_per_node=$n $TRAIN $DEV --model $TNL --seq $((TNL_TOK * n)) --attention lasp \
         --lasp-variant $variants --out "$OUT/train_tnl.json"
     done
