@@ -5,6 +5,9 @@
 #       TP+SP), torch_cp (warmup 1, steps 3, with MFU against the measured peak); then the longest
 #       context of torch_cp on 4 GPUs.
 #   PART=longest (~7-9 min): the longest context of seqpar on 4 GPUs, then of tp_sp if time is left.
+#   PART=hf (~9 min): the packed-document GPU test (tests/test_documents_gpu.py), a Hugging Face
+#       Llama (llama3-8b shape) fine-tuned at 128K with packed documents (benchmarks/hf_finetune.py),
+#       then llama3-8b at 128K: torch_cp, tp_sp, seqpar, and the bf16 matmul peak.
 #
 # Usage there: SEQPAR_COMMIT=<sha> [PART=longest] bash benchmarks/run_h200x4_train.sh   (results under $OUT)
 # Every step runs under `timeout` and within one deadline (BUDGET_S seconds from the start): a step
@@ -62,6 +65,21 @@ if [ "$PART" = compare ]; then
   #    then tp_sp's (same estimate) if time is left
   [ "$DEVICE" = cuda ] && longest torch_cp "$TORCH_CP_SEQS"
   longest tp_sp "$TP_SP_SEQS"
+elif [ "$PART" = hf ]; then
+  echo "== documents GPU test" | tee -a "$OUT/train.log"
+  timeout -k 10 150 torchrun --nproc_per_node=$NPROC -m pytest -s -q -p no:cacheprovider tests/test_documents_gpu.py > "$OUT/documents_gpu.log" 2>&1
+  echo "== rc=$? ($(( $(date +%s) - START ))s elapsed)" | tee -a "$OUT/train.log"
+  grep -E "\[documents-gpu\]|passed|failed|Error" "$OUT/documents_gpu.log" | sort -u | tail -14 | tee -a "$OUT/train.log"
+  t=$(( $(left) < 170 ? $(left) : 170 ))
+  echo "== hf_finetune documents S=$SEQ (limit ${t}s)" | tee -a "$OUT/train.log"
+  timeout -k 20 "$t" torchrun --nproc_per_node=$NPROC benchmarks/hf_finetune.py --seq "$SEQ" --documents --mean-doc 16384 \
+    --warmup 1 --steps 3 --device $DEVICE --out "$OUT/train.json" > "$OUT/run.tmp" 2>&1
+  echo "== rc=$? ($(( $(date +%s) - START ))s elapsed)" | tee -a "$OUT/train.log"
+  grep -v -i warn "$OUT/run.tmp" | grep -E "^\[train\]|Error|error" | tail -6 | tee -a "$OUT/train.log"
+  train torch_cp "$SEQ" 150
+  train tp_sp "$SEQ" 200
+  train seqpar "$SEQ" 170
+  [ "$(left)" -gt 40 ] && timeout 40 python benchmarks/matmul_peak.py --sizes 8192 --iters 20 --out "$OUT/train.json" 2>&1 | grep -v -i warn | tee -a "$OUT/train.log"
 elif [ "$PART" = longest ]; then
   # seqpar: peak ~ 43 GB + 0.18 GB per 1K tokens (from 65.6 GB at 128K) -> 512K borderline, 448K ~ 125 GB.
   # 2 steps at 512K ~ 5 min, at 448K ~ 4.5 min; an attempt that does not fit ends in step 1.
