@@ -26,10 +26,26 @@ import torch
 from lightning_seqpar.attention.ulysses import head_to_seq, kv_repeat, seq_to_head
 
 
+class _RepeatKV(torch.autograd.Function):
+    """``x.repeat_interleave(r, dim=2)`` whose backward sums the r copies' gradients in fp32 and
+    rounds once (autograd's own backward would add them in bf16: for MQA under Ulysses each K/V
+    gradient is a sum over every query head, and the repeated roundings doubled its error)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, r: int) -> torch.Tensor:
+        ctx.r = r
+        return x.repeat_interleave(r, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        B, S, H, D = grad.shape
+        return grad.view(B, S, H // ctx.r, ctx.r, D).sum(3, dtype=torch.float32).to(grad.dtype), None
+
+
 def two_d_attention(q, k, v, *, hp: int, hp_group: str, inner_attention) -> torch.Tensor:
     """Head all-to-all over hp around ``inner_attention`` (the ring over cp, or local attention)."""
     r = kv_repeat(q.shape[2], k.shape[2], hp)
     if r > 1:
-        k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+        k, v = _RepeatKV.apply(k, r), _RepeatKV.apply(v, r)
     qh, kh, vh = (seq_to_head(x, hp, hp_group) for x in (q, k, v))
     return head_to_seq(inner_attention(qh, kh, vh), hp, hp_group)
