@@ -13,7 +13,7 @@ q, k = silu(randn) [1, C, H, Dk] and v [1, C, H, Dv], TNL's decay of layer 1; on
 it is the state exchange and the inter-chunk term. ``--kernel auto`` is fla-core's kernel on CUDA
 when installed (Note [fla-core kernel] in lightning_seqpar/attention/lasp.py).
 
-One record per (length, algorithm) appended to the JSON list in ``--out``: bench "attention",
+One record per (length, algorithm) appended to the JSON list in ``--out``: bench "lasp_op",
 system "seqpar", algorithm "lasp-p2p" / "lasp-allgather" / "local", model, seq (global),
 tokens_per_gpu, gpus, device, kernel, time_ms, fwd_ms, peak_mem_gb (max over ranks of
 torch.cuda.max_memory_allocated during the timed calls, inputs and gradients included), commit.
@@ -136,7 +136,7 @@ def main() -> None:
                 err = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            row = dict(bench="attention", system="seqpar", algorithm=algorithm, model=f"TNL H{H} Dk{Dk} Dv{Dv} layer{args.layer}",
+            row = dict(bench="lasp_op", system="seqpar", algorithm=algorithm, model=f"TNL H{H} Dk{Dk} Dv{Dv} layer{args.layer}",
                        seq=C * W, tokens_per_gpu=C, batch=1, gpus=W, device=name, kernel=kernel, time_ms=t * 1e3, fwd_ms=t_fwd * 1e3,
                        peak_mem_gb=peak if device.type == "cuda" else None, commit=args.commit, error=err)
             rows.append(row)
