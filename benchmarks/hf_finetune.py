@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from train import _step_timer  # benchmarks/ is on sys.path when this file runs as a script
 
 PEAK_BF16 = 989e12
 
@@ -91,33 +92,18 @@ def main() -> None:
     data = PackedRandomDocs(shape["vocab_size"], args.seq, (args.warmup + args.steps) * 2, args.mean_doc if args.documents else None)
     times: list[float] = []
     losses: list[float] = []
-    peak: dict[str, float] = {}
-
-    class StepTimer(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if cuda:
-                torch.cuda.synchronize()
-                if batch_idx == args.warmup:
-                    torch.cuda.reset_peak_memory_stats()
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if cuda:
-                torch.cuda.synchronize()
-            if batch_idx >= args.warmup:
-                times.append(time.perf_counter() - self.t0)
-            losses.append(float(trainer.callback_metrics.get("train/loss", float("nan"))))
-            peak["gb"] = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
 
     world = int(os.environ["WORLD_SIZE"])
     strategy = SequenceParallelStrategy(sequence_parallel_size=world, attention=args.algorithm)
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy,
                         precision="bf16-mixed" if cuda else "32-true", max_steps=args.warmup + args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[StepTimer()])
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[_step_timer(args, times, losses)])
     module = CausalLMModule(model=dict(shape), lr=1e-5, warmup_steps=1, weight_decay=0.0, loss_chunk_size=args.loss_chunk)
     loader = torch.utils.data.DataLoader(data, batch_size=1, shuffle=False)
     trainer.fit(module, train_dataloaders=loader)
+    peak = torch.tensor(torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"), device="cuda" if cuda else "cpu")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
 
     hf_model = module.model
     n_non_embedding = sum(p.numel() for name, p in hf_model.named_parameters() if "embed_tokens" not in name and "lm_head" not in name)
@@ -129,7 +115,7 @@ def main() -> None:
     row = dict(bench="train", system="seqpar", algorithm=args.algorithm + ("+documents" if args.documents else ""),
                model="hf-llama3-8b" if cuda else "hf-tiny", seq=args.seq, gpus=world,
                device=torch.cuda.get_device_name() if cuda else "cpu", step_time_s=step, tokens_per_s_per_gpu=tps,
-               mfu=tps * flops_per_token / PEAK_BF16, peak_mem_gb=peak.get("gb", float("nan")), losses=losses,
+               mfu=tps * flops_per_token / PEAK_BF16, peak_mem_gb=peak.item(), losses=losses,
                documents=args.documents, mean_doc=args.mean_doc if args.documents else args.seq,
                attention_span=attn_span, commit=args.commit)
     if dist.get_rank() == 0:

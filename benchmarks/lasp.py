@@ -30,41 +30,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from attention import timed  # benchmarks/ is on sys.path when this file runs as a script
 
 
 def _append(path: str, rows: list[dict]) -> None:
     old = json.load(open(path)) if os.path.exists(path) else []
     with open(path, "w") as f:
         json.dump(old + rows, f, indent=1)
-
-
-def timed(fn, iters: int, warmup: int, device: torch.device) -> tuple[float, float]:
-    """(median seconds of the slowest rank, peak GB over ranks) of ``fn()``."""
-    cuda = device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    dist.barrier()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    t = torch.tensor(sorted(times)[len(times) // 2], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    peak = torch.tensor(torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return t.item(), peak.item()
 
 
 def main() -> None:

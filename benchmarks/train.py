@@ -79,7 +79,8 @@ def _max_over_ranks(value: float, device: str) -> float:
 
 
 def _step_timer(args, times: list, losses: list):
-    """A callback timing each optimizer step (synchronised) and collecting ``train/loss``."""
+    """A callback timing each optimizer step (synchronised) and collecting ``train/loss``; the peak
+    memory statistics are reset after the warm-up. Also used by train_scaling.py and hf_finetune.py."""
     import lightning as L
 
     cuda = args.device == "cuda"

@@ -51,6 +51,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from train import _step_timer  # benchmarks/ is on sys.path when this file runs as a script
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 OOM_EXIT = 3
@@ -114,7 +115,7 @@ def run_one(args, seq: int, lasp_variant: str, kv_comm: str | None) -> dict:
     losses: list[float] = []
     info: dict = {}
 
-    class StepTimer(L.Callback):
+    class StepTimer(type(_step_timer(args, times, losses))):  # train.py's timer + what actually runs
         def on_fit_start(self, trainer, pl_module):
             # what actually runs: the LASP kernel, GPT's resolved K/V communication
             for m in pl_module.modules():
@@ -128,20 +129,8 @@ def run_one(args, seq: int, lasp_variant: str, kv_comm: str | None) -> dict:
             if cuda:
                 info["mem_start_gb"] = torch.cuda.memory_allocated() / 1e9
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if cuda:
-                torch.cuda.synchronize()
-                if batch_idx == args.warmup:
-                    torch.cuda.reset_peak_memory_stats()
-            self.t0 = time.perf_counter()
-
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if cuda:
-                torch.cuda.synchronize()
-            if batch_idx >= args.warmup:
-                times.append(time.perf_counter() - self.t0)
-            loss = trainer.callback_metrics.get("train/loss")
-            losses.append(float(loss) if loss is not None else float("nan"))
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             if rank == 0 and batch_idx < args.warmup:
                 print(f"[train]   warm-up step {batch_idx}: {time.perf_counter() - self.t0:.1f}s", flush=True)
 
