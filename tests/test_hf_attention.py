@@ -143,7 +143,7 @@ def test_other_unsupported_inputs_are_rejected():
     assert out.shape == (1, 8, 4, 8) and weights is None
     with pytest.raises(ValueError, match="soft-capping"):
         seqpar_attention_forward(layer, q, kv, kv, None, scaling=layer.scaling, softcap=50.0)
-    with pytest.raises(ValueError, match="document masking is not implemented"):
+    with pytest.raises(ValueError, match="put document_ids"):
         seqpar_attention_forward(layer, q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="takes no attention mask"):
         seqpar_attention_forward(layer, q, kv, kv, torch.zeros(1, 1, 8, 8))
