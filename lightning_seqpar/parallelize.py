@@ -276,6 +276,7 @@ def parallelize(
     attention: Literal["ring", "allgather", "ulysses", "2d", "lasp"] = "ring",
     layout: Literal["zigzag", "contiguous"] = "zigzag",
     lasp_variant: Literal["p2p", "allgather"] = "p2p",
+    inner_ring_size: int | None = None,
     activation_checkpointing: ActivationCheckpointing | None = "selective++",
     compile_kwargs: dict[str, Any] | None = None,
     param_dtype: torch.dtype | None = None,
@@ -286,7 +287,7 @@ def parallelize(
 
     ``compile_kwargs=None`` skips compile; ``fsdp_mesh=None`` skips FSDP (one process).
     """
-    apply_attention(model, sp_mesh, algorithm=attention, layout=layout, lasp_variant=lasp_variant)
+    apply_attention(model, sp_mesh, algorithm=attention, layout=layout, lasp_variant=lasp_variant, inner_ring_size=inner_ring_size)
     apply_ac(model, activation_checkpointing, block_classes=block_classes)
     if compile_kwargs is not None:
         apply_compile(model, compile_kwargs, block_classes=block_classes)

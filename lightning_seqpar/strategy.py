@@ -94,6 +94,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             §3.2), False / "contiguous", or "auto" (contiguous for LASP, zigzag otherwise).
         lasp_variant: LASP's state exchange: "p2p" (rank to rank, LASP Alg. 2-3) or "allgather"
             (one all-gather of the local states).
+        inner_ring_size: LoongTrain's double ring (§4.3) for attention "ring" / "2d": the cp ranks
+            form rings of this many consecutive ranks (set it to the GPUs of one node, so that
+            only the outer hops cross nodes); must divide the context-parallel size. None: one ring.
         data_parallel_replicate_size: HSDP replicas; the data-parallel ranks inside a replica
             (dp_shard) are what remains: world / (sp x replicas).
         activation_checkpointing: "selective++" (save attention outputs, recompute the rest of
@@ -125,6 +128,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         expected_seq_len: int | None = None,
         load_balance: bool | Literal["zigzag", "contiguous", "auto"] = "auto",
         lasp_variant: Literal["p2p", "allgather"] = "p2p",
+        inner_ring_size: int | None = None,
         data_parallel_replicate_size: int = 1,
         activation_checkpointing: ActivationCheckpointingChoice | None = "selective++",
         compile: bool | dict[str, Any] = False,
@@ -153,6 +157,10 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"{name}: attention={attention!r} is not supported; expected one of {choices}")
         if lasp_variant not in LASP_VARIANTS:
             raise ValueError(f"{name}: lasp_variant={lasp_variant!r} is not supported; expected one of {LASP_VARIANTS}")
+        if inner_ring_size is not None and not _positive_int(inner_ring_size):
+            raise ValueError(f"{name}: inner_ring_size must be a positive int or None, got {inner_ring_size!r}")
+        if inner_ring_size is not None and attention not in ("ring", "2d", "auto"):
+            raise ValueError(f"{name}: inner_ring_size is for attention='ring' or '2d' (the double ring), not attention={attention!r}")
         # "auto" becomes "lasp" in setup() when the model's blocks call LinearAttention
         # and to the cost model's choice when expected_seq_len is given (Note [Choosing attention automatically])
         self._auto_attention = attention == "auto"
@@ -210,6 +218,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.attention: str = attention
         self.layout: str = layout
         self.lasp_variant: str = lasp_variant
+        self.inner_ring_size: int | None = inner_ring_size
         self.activation_checkpointing = activation_checkpointing
         self.compile_kwargs: dict[str, Any] | None = (dict(compile) if isinstance(compile, dict) else {}) if compile else None
         self.timeout: timedelta | None = timeout
@@ -325,6 +334,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         # FSDP2 also on one rank: one code path, and the same checkpoint format at every size.
         mesh_for_fsdp = fsdp_mesh(self.device_mesh, timeout=self.timeout)
         self._resolve_auto_attention(roots)
+        self._check_inner_ring_size()
         for root in roots:
             parallelize(
                 root,
@@ -333,6 +343,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 attention=self.attention,  # type: ignore[arg-type]
                 layout=self.layout,  # type: ignore[arg-type]
                 lasp_variant=self.lasp_variant,  # type: ignore[arg-type]
+                inner_ring_size=self.inner_ring_size,
                 activation_checkpointing=self.activation_checkpointing,
                 compile_kwargs=self.compile_kwargs,
                 param_dtype=param_dtype,
@@ -349,8 +360,21 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     # earlier, when the mesh is built (setup_environment, before configure_model): it is read
     # from the LightningModule's ``config`` (CausalLMModule has one) and is 1 when there is none.
     # The batches come later still, hence expected_seq_len; without it "auto" stays "2d" if
-    # hp > 1 else "ring". Double rings are not chosen here (parallelize takes no inner ring size;
+    # hp > 1 else "ring". Double rings are not chosen here (set inner_ring_size yourself;
     # they only pay off across nodes).
+
+    def _check_inner_ring_size(self) -> None:
+        """inner_ring_size against the resolved attention and the context-parallel size (before any collective)."""
+        inner = self.inner_ring_size
+        if inner is None:
+            return
+        name = type(self).__name__
+        if self.attention not in ("ring", "2d"):
+            raise ValueError(f"{name}: inner_ring_size={inner} needs attention 'ring' or '2d', but attention resolved to {self.attention!r}")
+        cp = self.parallel_dims.cp
+        if cp % inner:
+            raise ValueError(f"{name}: inner_ring_size={inner} must divide the context-parallel size "
+                             f"(sequence_parallel_size / head_parallel_size = {cp})")
 
     def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
         """attention="auto": LASP on a linear-attention model, else the cost model's plan (Note [Choosing attention automatically])."""

@@ -65,6 +65,23 @@ def test_training_parity_other_algorithms(world, sp, attention, load_balance, re
     _check(run_distributed(train_strategy, world, kwargs, timeout=TIMEOUT), reference)
 
 
+def test_training_parity_double_ring(reference):
+    """inner_ring_size=2 over sp=4 (LoongTrain's double ring: 2 inner rings of 2) through the strategy."""
+    kwargs = dict(sequence_parallel_size=4, attention="ring", inner_ring_size=2)
+    _check(run_distributed(train_strategy, 4, kwargs, timeout=TIMEOUT), reference)
+
+
+def _bad_inner_ring(rank: int, world_size: int) -> str:
+    with pytest.raises(ValueError) as info:
+        train_strategy(rank, world_size, dict(sequence_parallel_size=4, attention="ring", inner_ring_size=3))
+    return str(info.value)
+
+
+def test_inner_ring_size_must_divide_cp():
+    messages = run_distributed(_bad_inner_ring, 4, timeout=TIMEOUT)
+    assert all("inner_ring_size=3 must divide the context-parallel size" in m for m in messages)
+
+
 def test_training_parity_hsdp(reference):
     """dp_replicate=2 x sp=2: HSDP replicas, gradients all-reduced across them."""
     kwargs = dict(sequence_parallel_size=2, data_parallel_replicate_size=2, attention="ring")

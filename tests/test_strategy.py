@@ -33,6 +33,8 @@ TIMEOUT = 180
         (dict(activation_checkpointing="some"), "activation_checkpointing='some' is not supported"),
         (dict(compile="yes"), "compile must be a bool or a dict"),
         (dict(timeout="soon"), "timeout must be"),
+        (dict(inner_ring_size=0), "inner_ring_size must be a positive int or None"),
+        (dict(attention="allgather", inner_ring_size=2), "inner_ring_size is for attention='ring' or '2d'"),
     ],
 )
 def test_constructor_errors_name_the_argument(kwargs, match):
