@@ -37,6 +37,16 @@ _MEASURED = ("peak_mem_gb", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "tf
 also ``seq`` of a "longest" record whose search found no S that trains."""
 
 
+def append_records(path: str, rows: dict | list[dict]) -> None:
+    """Append one record or a list of records to the JSON list in ``path`` (created if missing).
+
+    The benchmark scripts call it on one rank after each measurement; collect.py merges the files later.
+    """
+    old = json.load(open(path)) if os.path.exists(path) else []
+    with open(path, "w") as f:
+        json.dump(old + (rows if isinstance(rows, list) else [rows]), f, indent=1)
+
+
 def problems(row: Any) -> list[str]:
     """What is wrong with one record (empty when it is fine)."""
     if not isinstance(row, dict):

@@ -18,12 +18,11 @@ actually attended (= 6 * L * S * d for one document), against 989e12.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
+from collect import append_records  # benchmarks/ is on sys.path when this file runs as a script
 from train import _step_timer  # benchmarks/ is on sys.path when this file runs as a script
 
 PEAK_BF16 = 989e12
@@ -123,9 +122,7 @@ def main() -> None:
               f"(attention span {attn_span:.0f}), step {step:.2f}s, peak {row['peak_mem_gb']:.1f} GB, "
               f"losses {[round(x, 3) for x in losses]}", flush=True)
         if args.out:
-            rows = json.load(open(args.out)) if os.path.exists(args.out) else []
-            rows.append(row)
-            json.dump(rows, open(args.out, "w"), indent=1)
+            append_records(args.out, row)
 
 
 if __name__ == "__main__":

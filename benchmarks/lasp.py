@@ -23,20 +23,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from collect import append_records  # benchmarks/ is on sys.path when this file runs as a script
 from attention import timed  # benchmarks/ is on sys.path when this file runs as a script
-
-
-def _append(path: str, rows: list[dict]) -> None:
-    old = json.load(open(path)) if os.path.exists(path) else []
-    with open(path, "w") as f:
-        json.dump(old + rows, f, indent=1)
 
 
 def main() -> None:
@@ -119,7 +113,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rank == 0 and args.out:
-        _append(args.out, rows)
+        append_records(args.out, rows)
     dist.barrier()
     dist.destroy_process_group()
 

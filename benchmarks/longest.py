@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+from collect import append_records  # benchmarks/ is on sys.path when this file runs as a script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 OOM_EXIT = 3  # train.OOM_EXIT
 
@@ -199,10 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[longest] {args.system} {args.model} GPUs={args.nproc}: longest S = {row['seq']}"
           + (" (lower bound)" if row["lower_bound"] else "") + "; " + ", ".join(f"{a['seq']}:{a['status']}" for a in attempts), flush=True)
     if args.out:
-        rows = json.load(open(args.out)) if os.path.exists(args.out) else []
-        rows.append(row)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        append_records(args.out, row)
     return row
 
 

@@ -12,11 +12,11 @@ much of what the GPU really sustains on a plain GEMM the training step reaches.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
 import torch
+from collect import append_records  # benchmarks/ is on sys.path when this file runs as a script
 
 
 def measure(n: int, *, iters: int, warmup: int, device: torch.device) -> float:
@@ -59,10 +59,7 @@ def main() -> None:
     print(f"[matmul] {row['device']}: bf16 torch.mm peak {row['tflops']:.1f} TFLOP/s (n={best}; "
           + ", ".join(f"{n}: {t:.1f}" for n, t in by_size.items()) + ")", flush=True)
     if args.out:
-        rows = json.load(open(args.out)) if os.path.exists(args.out) else []
-        rows.append(row)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        append_records(args.out, row)
 
 
 if __name__ == "__main__":

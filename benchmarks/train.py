@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from collect import append_records  # benchmarks/ is on sys.path when this file runs as a script
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 OOM_EXIT = 3
@@ -334,9 +334,7 @@ def main() -> None:
               f"MFU {row['mfu']:.3f}{extra}, step {row['step_time_s']:.2f}s, peak {row['peak_mem_gb']:.1f} GB, "
               f"losses {[round(x, 4) for x in row['losses']]}", flush=True)
         if args.out:
-            rows = json.load(open(args.out)) if os.path.exists(args.out) else []
-            rows.append(row)
-            json.dump(rows, open(args.out, "w"), indent=1)
+            append_records(args.out, row)
     dist.barrier()
     dist.destroy_process_group()
 

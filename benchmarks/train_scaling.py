@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import signal
 import subprocess
@@ -51,6 +50,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from collect import append_records  # benchmarks/ is on sys.path when this file runs as a script
 from train import _step_timer  # benchmarks/ is on sys.path when this file runs as a script
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
@@ -76,13 +76,6 @@ def _model_config(name: str, seq: int, kv_comm: str | None):
     if name in TNL_CONFIGS:
         return TransNormerConfig.from_name(name)
     return LlamaConfig.from_name(name)
-
-
-def _append(path: str, row: dict) -> None:
-    rows = json.load(open(path)) if os.path.exists(path) else []
-    rows.append(row)
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
 
 
 def _exit_on_oom(seq: int) -> None:
@@ -192,7 +185,7 @@ def main_worker(args) -> None:
                       f"{row['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, {mfu}step {row['step_time_s']:.2f}s, "
                       f"peak {row['peak_mem_gb'] or 0:.1f} GB, losses {[round(x, 3) for x in row['losses']]}", flush=True)
                 if args.out:
-                    _append(args.out, row)
+                    append_records(args.out, row)
             dist.barrier()
     dist.destroy_process_group()
 
@@ -271,7 +264,7 @@ def find_max_seq(args) -> None:
                attempts=attempts, commit=args.commit)
     print(f"[train] max-seq {args.model} on {args.nproc} GPUs (ac={args.ac}): longest trained {best}", flush=True)
     if args.out:
-        _append(args.out, row)
+        append_records(args.out, row)
 
 
 def main() -> None:

@@ -19,6 +19,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def nccl_world() -> int:
+    """The NCCL world of a ``torchrun --nproc_per_node=N -m pytest`` run (GPU tests); skips elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        pytest.skip("needs CUDA and torchrun with WORLD_SIZE > 1")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    yield dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _close_worker_pools():
     yield

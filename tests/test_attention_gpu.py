@@ -19,7 +19,6 @@ which criterion a tensor met. Rank 0 prints one summary line per case.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -32,23 +31,6 @@ pytestmark = pytest.mark.gpu
 
 BATCH, SEQ_LEN, HEAD_DIM = 1, 8192, 128
 HEAD_CONFIGS = ((32, 32), (32, 8), (32, 1), (33, 33))  # MHA, GQA, MQA, 33 heads (LightSeq)
-
-
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-@pytest.fixture(scope="module")
-def nccl_world() -> int:
-    if not torch.cuda.is_available() or _world() < 2:
-        pytest.skip("needs CUDA and torchrun with WORLD_SIZE > 1")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    yield dist.get_world_size()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _mesh(spec: tuple):

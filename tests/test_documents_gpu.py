@@ -18,7 +18,6 @@ Rank 0 prints one line per case.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -39,18 +38,6 @@ def _lengths(seed: int) -> list[int]:
         out.append(int(torch.randint(1, 1500, (1,), generator=g)))
     out[-1] -= sum(out) - SEQ_LEN
     return [n for n in out if n > 0]
-
-
-@pytest.fixture(scope="module")
-def nccl_world() -> int:
-    if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        pytest.skip("needs CUDA and torchrun with WORLD_SIZE > 1")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    yield dist.get_world_size()
-    dist.barrier()
 
 
 def _per_document(q, k, v, g, lengths, dtype, replicate: int = 1):

@@ -71,10 +71,6 @@ def _has_fla() -> bool:
 needs_fla = pytest.mark.skipif(not (torch.cuda.is_available() and _has_fla()), reason="needs CUDA and fla-core (pip install fla-core)")
 
 
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -214,25 +210,21 @@ def test_transnormer_with_fla_matches_fp32():
 
 
 @pytest.fixture(scope="module")
-def nccl_world() -> int:
-    if not (torch.cuda.is_available() and _has_fla()) or _world() < 2:
-        pytest.skip("needs CUDA, fla-core and torchrun with WORLD_SIZE > 1")
-    device = _device()
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=device)
-    yield dist.get_world_size()
-    dist.barrier()
-    dist.destroy_process_group()
+def lasp_world(nccl_world) -> int:
+    """The NCCL world (tests/conftest.py), with fla-core installed."""
+    if not _has_fla():
+        pytest.skip("needs fla-core")
+    return nccl_world
 
 
 @pytest.mark.parametrize("kernel", ["fla", "torch"])
 @pytest.mark.parametrize("variant", ["p2p", "allgather"])
-def test_lasp_matches_one_gpu(nccl_world, variant, kernel):
+def test_lasp_matches_one_gpu(lasp_world, variant, kernel):
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_seqpar.attention.lasp import lasp_attention
 
-    world, rank = nccl_world, dist.get_rank()
+    world, rank = lasp_world, dist.get_rank()
     device = _device()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("sp",))
     T = world * LOCAL_LEN
