@@ -12,13 +12,17 @@ Systems (``--grid ... systems=`` or ``--systems``, comma separated):
     torch_cp:allgather  torch_cp:alltoall     torch.distributed.tensor.experimental.context_parallel
     single                                    one GPU, the whole sequence (each rank its own copy)
     all = single + every seqpar split for this world size + both torch_cp; seqpar / torch_cp = theirs
+    suffixes of seqpar / single: ":<backend>" (fa4, cudnn, ...; default --backend) and, for ring /
+    all-gather, ":chunks<c>" (head_chunks, Note [Head chunks]), e.g. seqpar:ring:fa4:chunks4
 
 Each rank holds S / W tokens of random q, k, v ([B, S/W, H, D], bf16 on GPU); one measurement is a
 full forward + backward of causal attention (zigzag layout), timed with CUDA events (median of
 iters after warmup; the slowest rank's median). TFLOP/s per GPU uses the causal count
 3.5 * 2 * B * H * S^2 * D / W; ``single`` runs the same count with W = 1 on the whole sequence,
-with the package's local kernel (cuDNN SDPA). Peak memory: torch.cuda.max_memory_allocated() over
-the timed steps, inputs and gradients included (max over ranks).
+with the package's local kernel (cuDNN SDPA unless a backend suffix says otherwise). Peak memory:
+torch.cuda.max_memory_allocated() over the timed steps, inputs and gradients included (max over
+ranks); op memory (op_mem_gb): that peak minus what was allocated just before the timed steps
+(the inputs, and any copies of them a system keeps), i.e. what one forward + backward adds.
 
 torch_cp runs ``F.scaled_dot_product_attention`` (cuDNN kernel, the same one our ring uses) inside
 ``context_parallel`` with its round-robin load balancer and the named rotate method; its inputs
@@ -110,12 +114,18 @@ class System:
     hp: int = 1
     cp: int = 1
     inner: int | None = None
+    backend: str | None = None  # None: --backend
+    chunks: int = 1
 
 
 def parse_system(name: str, world: int) -> System:
+    from lightning_seqpar.attention import BACKENDS
+
     kind, _, rest = name.partition(":")
     if kind == "single":
-        return System("single", "local")
+        if rest and rest not in BACKENDS:
+            raise SystemExit(f"unknown system {name!r}: single or single:<backend>, backend in {BACKENDS}")
+        return System("single", "local", backend=rest or None)
     if kind == "torch_cp":
         if rest not in ("allgather", "alltoall"):
             raise SystemExit(f"unknown system {name!r}: torch_cp:allgather or torch_cp:alltoall")
@@ -123,22 +133,32 @@ def parse_system(name: str, world: int) -> System:
     if kind != "seqpar":
         raise SystemExit(f"unknown system {name!r}; see the docstring of benchmarks/attention.py")
     parts = rest.split(":")
-    base, hp, cp, inner = parts[0], 1, world, None
+    base, extras, hp, cp, inner, backend, chunks = parts[0], parts[1:], 1, world, None, None, 1
+    label = [base]
     if base == "ulysses":
         hp, cp = world, 1
     if base == "2d":
-        if len(parts) < 2 or "x" not in parts[1]:
+        if not extras or "x" not in extras[0]:
             raise SystemExit(f"{name!r}: write 2d as seqpar:2d:<hp>x<cp>")
-        hp, cp = (int(x) for x in parts[1].split("x"))
-        parts = parts[1:]
-    if len(parts) > 1 and parts[1].startswith("inner"):
-        inner = int(parts[1][5:])
+        hp, cp = (int(x) for x in extras[0].split("x"))
+        label.append(extras.pop(0))
+    for e in extras:
+        if e.startswith("inner"):
+            inner = int(e[5:])
+            label.append(e)
+        elif e.startswith("chunks"):
+            chunks = int(e[6:])
+        elif e in BACKENDS:
+            backend = e
+        else:
+            raise SystemExit(f"{name!r}: unknown suffix {e!r} (inner<w>, chunks<c> or a backend of {BACKENDS})")
     if base not in ("ring", "allgather", "ulysses", "2d"):
         raise SystemExit(f"unknown system {name!r}; see the docstring of benchmarks/attention.py")
-    return System("seqpar", rest, base, hp, cp, inner)
+    # the algorithm label leaves out the backend and head chunks (recorded as their own fields)
+    return System("seqpar", ":".join(label), base, hp, cp, inner, backend, chunks)
 
 
-def skip_reason(s: System, world: int, S: int, hq: int, single_max: int, device_type: str) -> str | None:
+def skip_reason(s: System, world: int, S: int, hq: int, single_max: int, device_type: str, hkv: int = 1) -> str | None:
     """Why this combination cannot (or should not) run; None when it runs. Same answer on every rank."""
     if s.kind == "single":
         return f"the one-GPU reference runs up to --single-max-seq={single_max}" if S > single_max else None
@@ -150,20 +170,25 @@ def skip_reason(s: System, world: int, S: int, hq: int, single_max: int, device_
         return f"{s.algorithm} needs {s.hp * s.cp} GPUs, this run has {world}"
     if s.hp > 1 and hq % s.hp:
         return f"{s.hp} head-parallel ranks do not divide {hq} query heads"
+    if s.chunks > 1 and (s.base not in ("ring", "allgather") or hkv % s.chunks):
+        return f"head_chunks={s.chunks} needs ring / all-gather and K/V heads divisible by it"
     if s.inner is not None and (s.cp % s.inner or not 1 < s.inner < s.cp):
         return f"inner ring size {s.inner} must divide cp={s.cp} and be between 1 and it"
     return None
 
 
-def timed(step, iters: int, warmup: int, device: torch.device) -> tuple[float, float]:
+def timed(step, iters: int, warmup: int, device: torch.device) -> tuple[float, float, float]:
+    """(median time s, peak GB, op GB = peak - allocated before the timed steps), max over ranks."""
     cuda = device.type == "cuda"
     for _ in range(warmup):
         step()
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()
+    base = 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     times = []
     for _ in range(iters):
         if cuda:
@@ -180,14 +205,16 @@ def timed(step, iters: int, warmup: int, device: torch.device) -> tuple[float, f
     t = torch.tensor(sorted(times)[len(times) // 2], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     peak = torch.tensor((torch.cuda.max_memory_allocated() if cuda else 0) / 1e9, device=device)
+    op = torch.tensor(((torch.cuda.max_memory_allocated() - base) if cuda else 0) / 1e9, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return t.item(), peak.item()
+    dist.all_reduce(op, op=dist.ReduceOp.MAX)
+    return t.item(), peak.item(), op.item()
 
 
 def seqpar_step(mesh, s: System, q, k, v, do, backend: str):
     def step():
         out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm=s.base, causal=True, layout="zigzag",  # type: ignore[arg-type]
-                                          backend=backend, inner_ring_size=s.inner)
+                                          backend=backend, inner_ring_size=s.inner, head_chunks=s.chunks)
         out.backward(do)
         q.grad = k.grad = v.grad = None
     return step
@@ -251,7 +278,7 @@ def run(args: argparse.Namespace) -> None:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), device_id=device)
-        device_name, dtype, backend = torch.cuda.get_device_name(), torch.bfloat16, "cudnn"
+        device_name, dtype, backend = torch.cuda.get_device_name(), torch.bfloat16, args.backend
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
@@ -273,8 +300,10 @@ def run(args: argparse.Namespace) -> None:
             else:
                 eff = f"  eff {row['efficiency_vs_single']:.3f}" if row.get("efficiency_vs_single") else ""
                 pred = f"  pred {row['predicted_ms']:9.1f} ms" if row.get("predicted_ms") else ""
-                print(f"S={row['seq']:>8} H={row['heads']:>6} {row['system'] + ':' + row['algorithm']:24s} {row['tflops_per_gpu']:7.1f} TFLOP/s/GPU"
-                      f"  {row['time_ms']:9.1f} ms{pred}  peak {row['peak_mem_gb']:6.1f} GB{eff}  auto={row['auto_choice']}", flush=True)
+                name = f"{row['system']}:{row['algorithm']}/{row['backend']}" + (f"/c{row['head_chunks']}" if row["head_chunks"] > 1 else "")
+                print(f"S={row['seq']:>8} H={row['heads']:>6} {name:30s} {row['tflops_per_gpu']:7.1f} TFLOP/s/GPU"
+                      f"  {row['time_ms']:9.1f} ms{pred}  peak {row['peak_mem_gb']:6.1f} GB op {row['op_mem_gb']:6.1f} GB{eff}"
+                      f"  auto={row['auto_choice']}", flush=True)
             if args.out:  # rewritten after every measurement, replaced atomically (a run killed by `timeout` keeps its rows)
                 with open(args.out + ".tmp", "w") as f:
                     json.dump(rows, f, indent=1)
@@ -294,7 +323,8 @@ def run(args: argparse.Namespace) -> None:
                 common = dict(bench="attention", heads=f"{hq}/{hkv}", model=f"H{hq}/{hkv}xD{D}", seq=S, batch=B, gpus=W,
                               device=device_name, commit=args.commit, auto_choice=auto)
                 for s in systems:
-                    why = skip_reason(s, W, S, hq, args.single_max_seq, device_type)
+                    why = skip_reason(s, W, S, hq, args.single_max_seq, device_type, hkv)
+                    be = s.backend or backend
                     pred = predictions(s, S=S, hq=hq, hkv=hkv, D=D, B=B, world=W, profile=profile, dtype_bytes=dtype_bytes)
                     if why is None and s.kind == "seqpar":
                         est = estimate_attention(algorithm=s.base, seq_len=S, num_heads=hq, num_kv_heads=hkv, head_dim=D, world_size=W,  # type: ignore[arg-type]
@@ -302,8 +332,10 @@ def run(args: argparse.Namespace) -> None:
                                                  dtype_bytes=dtype_bytes, profile=profile)
                         if device_type == "cuda" and est.peak_memory_bytes > 0.9 * torch.cuda.get_device_properties(device).total_memory:
                             why = f"the cost model estimates ~{est.peak_memory_bytes / 1e9:.0f} GB per GPU"
-                    row = dict(common, system=s.kind, algorithm=s.algorithm if s.kind != "single" else backend,
-                               predicted_ms=pred, tflops_per_gpu=None, efficiency_vs_single=None, time_ms=None, peak_mem_gb=None, error=None)
+                    row = dict(common, system=s.kind, algorithm=s.algorithm if s.kind != "single" else be,
+                               backend=be if s.kind != "torch_cp" else "cudnn", head_chunks=s.chunks,
+                               predicted_ms=pred, tflops_per_gpu=None, efficiency_vs_single=None, time_ms=None, peak_mem_gb=None,
+                               op_mem_gb=None, error=None)
                     if why is not None:
                         emit(dict(row, error=f"skipped: {why}"))
                         continue
@@ -312,7 +344,7 @@ def run(args: argparse.Namespace) -> None:
                     mk = lambda h: torch.randn(B, n, h, D, device=device, dtype=dtype, generator=g)  # noqa: E731
                     q, k, v, do = mk(hq).requires_grad_(), mk(hkv).requires_grad_(), mk(hkv).requires_grad_(), mk(hq)
                     if s.kind == "single":
-                        step = single_step(q, k, v, do, backend)
+                        step = single_step(q, k, v, do, be)
                     elif s.kind == "torch_cp":
                         step = torch_cp_step(mesh_1d, s.algorithm, q, k, v, do)
                     else:
@@ -321,13 +353,13 @@ def run(args: argparse.Namespace) -> None:
                             if s.hp not in meshes_2d:  # cp ranks adjacent, as the strategy builds it (context-first)
                                 meshes_2d[s.hp] = init_device_mesh(device_type, (s.hp, s.cp), mesh_dim_names=("hp", "cp"))
                             mesh = meshes_2d[s.hp]
-                        step = seqpar_step(mesh, s, q, k, v, do, backend)
+                        step = seqpar_step(mesh, s, q, k, v, do, be)
                     try:
-                        t, peak = timed(step, grid.iters, grid.warmup, device)
+                        t, peak, op = timed(step, grid.iters, grid.warmup, device)
                         tflops = causal_flops(batch=B, seq_len=S, num_heads=hq, head_dim=D) / (1 if s.kind == "single" else W) / t / 1e12
-                        if s.kind == "single":
+                        if s.kind == "single" and single_tflops is None:  # the first single (the --backend one) is the reference
                             single_tflops = tflops
-                        row.update(tflops_per_gpu=tflops, time_ms=t * 1e3, peak_mem_gb=peak,
+                        row.update(tflops_per_gpu=tflops, time_ms=t * 1e3, peak_mem_gb=peak, op_mem_gb=op,
                                    efficiency_vs_single=tflops / single_tflops if single_tflops else None)
                     except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is recorded as such
                         row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -346,13 +378,19 @@ def summarize(paths: list[str], tolerance: float = 0.05) -> list[dict]:
     """Per (gpus, S, heads): the measured best of our algorithms, the auto choice and whether it is
     within ``tolerance`` of the best; torch_cp's best and single for reference; and how far the
     predictions are from the measurements. Prints a table and returns its rows."""
-    rows = [r for p in paths for r in json.load(open(p)) if r.get("bench") == "attention"]
+    rows = [r for p in paths for r in json.load(open(p)) if r.get("bench") == "attention" and r.get("head_chunks", 1) == 1]
     groups: dict[tuple, list[dict]] = {}
+    for r in rows:  # ours per local kernel (the cost model's choice is per kernel); torch_cp / single in every group
+        heads = r.get("heads") or r["model"]
+        if r["system"] == "seqpar":
+            groups.setdefault((r["gpus"], r["seq"], heads, r.get("backend", "cudnn")), []).append(r)
     for r in rows:
-        groups.setdefault((r["gpus"], r["seq"], r.get("heads") or r["model"]), []).append(r)
+        if r["system"] != "seqpar":
+            for key in [k for k in groups if k[:3] == (r["gpus"], r["seq"], r.get("heads") or r["model"])]:
+                groups[key].append(r)
     out, errors = [], []
-    print(f"{'gpus':>4} {'S':>8} {'heads':>6}  {'best (ours)':>22}  {'auto':>22}  {'auto/best':>9}  ok  {'torch_cp':>8}  {'single':>7}")
-    for (gpus, S, heads), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]))):
+    print(f"{'gpus':>4} {'S':>8} {'heads':>6} {'kernel':>6}  {'best (ours)':>22}  {'auto':>22}  {'auto/best':>9}  ok  {'torch_cp':>8}  {'single':>7}")
+    for (gpus, S, heads, kernel), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]), kv[0][3])):
         ok_rows = [r for r in rs if r.get("tflops_per_gpu") and not r.get("error")]
         ours = [r for r in ok_rows if r["system"] == "seqpar"]
         best = max(ours, key=lambda r: r["tflops_per_gpu"], default=None)
@@ -360,7 +398,7 @@ def summarize(paths: list[str], tolerance: float = 0.05) -> list[dict]:
         auto_row = next((r for r in ours if r["algorithm"] == auto), None)
         ratio = auto_row["tflops_per_gpu"] / best["tflops_per_gpu"] if auto_row and best else None
         cp = max((r["tflops_per_gpu"] for r in ok_rows if r["system"] == "torch_cp"), default=None)
-        single = next((r["tflops_per_gpu"] for r in ok_rows if r["system"] == "single"), None)
+        single = next((r["tflops_per_gpu"] for r in ok_rows if r["system"] == "single" and r.get("backend", "cudnn") == "cudnn"), None)
         ok = None if ratio is None else ratio >= 1 - tolerance
         for r in ours:
             if r.get("predicted_ms"):
@@ -368,9 +406,10 @@ def summarize(paths: list[str], tolerance: float = 0.05) -> list[dict]:
         b = f"{best['algorithm']} {best['tflops_per_gpu']:.1f}" if best else "-"
         a = f"{auto} {auto_row['tflops_per_gpu']:.1f}" if auto_row else f"{auto} (not measured)"
         fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-        print(f"{gpus:>4} {S:>8} {heads:>6}  {b:>22}  {a:>22}  {fmt(ratio, '.3f'):>9}  "
+        print(f"{gpus:>4} {S:>8} {heads:>6} {kernel:>6}  {b:>22}  {a:>22}  {fmt(ratio, '.3f'):>9}  "
               f"{'-' if ok is None else ('yes' if ok else 'NO'):>3}  {fmt(cp, '.1f'):>8}  {fmt(single, '.1f'):>7}")
-        out.append(dict(gpus=gpus, seq=S, heads=heads, best=best and best["algorithm"], auto=auto, auto_over_best=ratio, within=ok))
+        out.append(dict(gpus=gpus, seq=S, heads=heads, kernel=kernel, best=best and best["algorithm"], auto=auto, auto_over_best=ratio,
+                        within=ok))
     if errors:
         print(f"cost model: predicted/measured time - 1 over {len(errors)} runs of ours: median {statistics.median(errors):+.3f}, "
               f"min {min(errors):+.3f}, max {max(errors):+.3f}")
@@ -391,6 +430,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--single-max-seq", type=int, default=131072, help="longest S of the one-GPU reference")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--backend", default="cudnn", help="local kernel of seqpar and single without a backend suffix (CUDA)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print best-vs-auto from result files and exit")

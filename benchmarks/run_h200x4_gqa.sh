@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One call on nvidia-h200-x4 (carry .whl: jsonargparse for the CLI, unpacked in .whl/site):
+# One call on nvidia-h200-x4 (carry .whl: jsonargparse for the CLI, unpacked in .site/site):
 # llama-7b-gqa training at 128K and 32K, ours vs FSDP2 + torch CP + full AC, then the quickstart
 # recipe on 2 GPUs.  Usage there: SEQPAR_COMMIT=<sha> bash benchmarks/run_h200x4_gqa.sh
 set -u
-export PYTHONPATH=$PWD:$PWD/.whl/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/.site/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for seq in 131072 32768; do
   for sys in seqpar torch_cp; do

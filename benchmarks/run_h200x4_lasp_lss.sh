@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on nvidia-h200-x4 (about 9 minutes): the GPU acceptance of LASP / TransNormerLLM (issue #4)
 # and of the LSS GPT (issue #5). Usage there, with .whl carried (fla-core and jsonargparse unpacked
-# in .whl/site):
+# in .site/site):
 #     SEQPAR_COMMIT=<sha> bash benchmarks/run_h200x4_lasp_lss.sh
 # Steps, by priority; each under `timeout`, all within BUDGET_S seconds (default 530; a step that
 # would start with < 30 s left is skipped); STEPS="1 2 3 4 5" picks which run (e.g. STEPS=5 later):
@@ -20,7 +20,7 @@
 # lasp_gpu_tests.log, train_tnl.json, train_gpt.json, lasp.json. Full logs of the other steps stay in $LOGS.
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD:$PWD/.whl/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/.site/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} SEQPAR_FLA_AUTOTUNE=${SEQPAR_FLA_AUTOTUNE:-small}
 OUT=${OUT:-/tmp/out}; LOGS=${LOGS:-/tmp/seqpar_logs}; mkdir -p "$OUT" "$LOGS"
 BUDGET=${BUDGET_S:-530}

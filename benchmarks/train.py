@@ -181,11 +181,18 @@ def run_seqpar(args):
     cfg = LlamaConfig.from_name(args.model)
     times, losses = [], []
     strategy = SequenceParallelStrategy(sequence_parallel_size=int(os.environ["WORLD_SIZE"]), attention=args.algorithm,
-                                        activation_checkpointing=None if args.ac == "none" else args.ac)
+                                        activation_checkpointing=None if args.ac == "none" else args.ac,
+                                        attention_backend=args.backend, head_chunks=args.head_chunks,
+                                        uncheckpointed_blocks=args.uncheckpointed_blocks)
     trainer = _trainer(args, strategy, [_step_timer(args, times, losses)], "bf16-mixed" if args.device == "cuda" else "32-true")
     module = CausalLMModule(model=args.model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size=args.loss_chunk)
     trainer.fit(module, datamodule=_datamodule(args, cfg))
-    return _row(args, cfg, times, _peak_gb(args), losses, dist.get_world_size())
+    from lightning_seqpar.attention.local import resolve_backend
+
+    be = resolve_backend(args.backend, torch.device(args.device), torch.bfloat16 if args.device == "cuda" else torch.float32,
+                         cfg.head_dim or cfg.n_embd // cfg.n_head)
+    return _row(args, cfg, times, _peak_gb(args), losses, dist.get_world_size(), backend=be, head_chunks=args.head_chunks,
+                uncheckpointed_blocks=args.uncheckpointed_blocks)
 
 
 def run_tp_sp(args):
@@ -302,6 +309,9 @@ def main() -> None:
     ap.add_argument("--ac", default="selective++", choices=["selective++", "full", "none"],
                     help="seqpar: the checkpointing policy; tp_sp: 'none' turns full checkpointing off")
     ap.add_argument("--loss-chunk", type=int, default=8192, help="seqpar: chunked cross entropy")
+    ap.add_argument("--backend", default="auto", help="seqpar: the local attention kernel (auto: fa4 when installed, else cudnn)")
+    ap.add_argument("--uncheckpointed-blocks", type=int, default=0, help="seqpar: the last N blocks without checkpointing")
+    ap.add_argument("--head-chunks", type=int, default=1, help="seqpar: attention over this many K/V head groups in turn")
     ap.add_argument("--no-loss-parallel", action="store_true", help="tp_sp: gather the logits instead of the vocab-parallel loss")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)

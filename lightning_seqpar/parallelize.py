@@ -110,6 +110,7 @@ def apply_attention(
     backend: str = "auto",
     inner_ring_size: int | None = None,
     lasp_variant: Literal["p2p", "allgather"] = "p2p",
+    head_chunks: int = 1,
 ) -> int:
     """Configure every :class:`~lightning_seqpar.attention.Attention` in ``model`` for ``mesh``.
 
@@ -123,6 +124,10 @@ def apply_attention(
     """
     if algorithm not in (*ALGORITHMS, "lasp"):
         raise ValueError(f"attention={algorithm!r} is not supported; expected one of {(*ALGORITHMS, 'lasp')}")
+    if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
+        raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
+    if head_chunks > 1 and algorithm not in ("ring", "allgather"):
+        raise ValueError(f"head_chunks={head_chunks} is for attention 'ring' or 'allgather', not {algorithm!r}")
     sp = 1 if mesh is None else mesh.size()
     linear = [m for m in model.modules() if isinstance(m, LinearAttention)]
     if algorithm == "lasp":
@@ -151,6 +156,9 @@ def apply_attention(
                 f"{type(model).__name__} has {heads[0]} query heads; choose a {what} that divides {heads[0]} "
                 "or attention='ring' / 'allgather'"
             )
+    heads = _head_counts(model)
+    if head_chunks > 1 and heads is not None and heads[1] % head_chunks:
+        raise ValueError(f"head_chunks={head_chunks} must divide the key/value heads of {type(model).__name__} ({heads[1]})")
     for module in modules:
         module.configure(
             mesh=mesh if sp > 1 else None,
@@ -158,6 +166,7 @@ def apply_attention(
             layout=layout,
             backend=backend,
             inner_ring_size=inner_ring_size,
+            head_chunks=head_chunks if sp > 1 else 1,
         )
     return len(modules)
 
@@ -188,12 +197,17 @@ def apply_ac(
     *,
     block_classes: Sequence[type[nn.Module]] | None = None,
     save_ops: Sequence[Any] = SAVE_OPS,
+    uncheckpointed_blocks: int = 0,
 ) -> int:
-    """Wrap every block of ``model`` for activation checkpointing (in place); returns the block count.
+    """Wrap the blocks of ``model`` for activation checkpointing (in place); returns how many were wrapped.
 
     ``mode``: "selective++" saves the outputs of ``save_ops`` (the attention) and recomputes the
     rest (Note [Selective Checkpoint++]); "full" recomputes whole blocks; None does nothing.
+    ``uncheckpointed_blocks``: the last this many blocks are left unwrapped — they keep every
+    activation and are not recomputed (spend free memory on speed; torchtitan's per-layer AC idea).
     """
+    if not isinstance(uncheckpointed_blocks, int) or isinstance(uncheckpointed_blocks, bool) or uncheckpointed_blocks < 0:
+        raise ValueError(f"uncheckpointed_blocks must be an int >= 0, got {uncheckpointed_blocks!r}")
     if mode is None:
         return 0
     found = find_blocks(model, block_classes)
@@ -202,9 +216,10 @@ def apply_ac(
             f"activation_checkpointing={mode!r}: found no transformer blocks in {type(model).__name__} "
             f"(an nn.ModuleList named one of {BLOCK_CONTAINERS})"
         )
-    for parent, name in found:
+    wrapped = found[: max(len(found) - uncheckpointed_blocks, 0)]
+    for parent, name in wrapped:
         parent.register_module(name, checkpoint_block(getattr(parent, name), mode, save_ops=save_ops))
-    return len(found)
+    return len(wrapped)
 
 
 def apply_compile(
@@ -277,7 +292,10 @@ def parallelize(
     layout: Literal["zigzag", "contiguous"] = "zigzag",
     lasp_variant: Literal["p2p", "allgather"] = "p2p",
     inner_ring_size: int | None = None,
+    head_chunks: int = 1,
+    attention_backend: str = "auto",
     activation_checkpointing: ActivationCheckpointing | None = "selective++",
+    uncheckpointed_blocks: int = 0,
     compile_kwargs: dict[str, Any] | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
@@ -287,8 +305,9 @@ def parallelize(
 
     ``compile_kwargs=None`` skips compile; ``fsdp_mesh=None`` skips FSDP (one process).
     """
-    apply_attention(model, sp_mesh, algorithm=attention, layout=layout, lasp_variant=lasp_variant, inner_ring_size=inner_ring_size)
-    apply_ac(model, activation_checkpointing, block_classes=block_classes)
+    apply_attention(model, sp_mesh, algorithm=attention, layout=layout, lasp_variant=lasp_variant, inner_ring_size=inner_ring_size,
+                    head_chunks=head_chunks, backend=attention_backend)
+    apply_ac(model, activation_checkpointing, block_classes=block_classes, uncheckpointed_blocks=uncheckpointed_blocks)
     if compile_kwargs is not None:
         apply_compile(model, compile_kwargs, block_classes=block_classes)
     if fsdp_mesh is not None:

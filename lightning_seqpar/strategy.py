@@ -47,7 +47,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS
+from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS
 from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
@@ -97,10 +97,18 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         inner_ring_size: LoongTrain's double ring (§4.3) for attention "ring" / "2d": the cp ranks
             form rings of this many consecutive ranks (set it to the GPUs of one node, so that
             only the outer hops cross nodes); must divide the context-parallel size. None: one ring.
+        head_chunks: attention "ring" / "allgather" runs over this many groups of K/V heads one
+            after another: the same result with 1/head_chunks of the attention's working memory
+            (Note [Head chunks] in ``lightning_seqpar.attention.api``); must divide the K/V heads.
+        attention_backend: the local attention kernel: "auto" (flash-attn 4 when installed on
+            Hopper / Blackwell, else cuDNN; the pure-torch kernel on CPU), "fa4", "cudnn",
+            "flash", "efficient" or "math" (Note [Choosing the local kernel]).
         data_parallel_replicate_size: HSDP replicas; the data-parallel ranks inside a replica
             (dp_shard) are what remains: world / (sp x replicas).
         activation_checkpointing: "selective++" (save attention outputs, recompute the rest of
             each block), "full" (recompute whole blocks) or None.
+        uncheckpointed_blocks: leave the last this many blocks without checkpointing: they keep
+            every activation (more memory) and skip the recompute (faster backward).
         compile: ``torch.compile`` each block: True, or a dict of ``torch.compile`` keyword
             arguments.
         save_distributed_checkpoint: each rank writes its shard (a folder) if True; else the full
@@ -129,8 +137,11 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         load_balance: bool | Literal["zigzag", "contiguous", "auto"] = "auto",
         lasp_variant: Literal["p2p", "allgather"] = "p2p",
         inner_ring_size: int | None = None,
+        head_chunks: int = 1,
+        attention_backend: str = "auto",
         data_parallel_replicate_size: int = 1,
         activation_checkpointing: ActivationCheckpointingChoice | None = "selective++",
+        uncheckpointed_blocks: int = 0,
         compile: bool | dict[str, Any] = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -161,6 +172,12 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"{name}: inner_ring_size must be a positive int or None, got {inner_ring_size!r}")
         if inner_ring_size is not None and attention not in ("ring", "2d", "auto"):
             raise ValueError(f"{name}: inner_ring_size is for attention='ring' or '2d' (the double ring), not attention={attention!r}")
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"{name}: attention_backend={attention_backend!r} is not supported; expected one of {BACKENDS}")
+        if not _positive_int(head_chunks):
+            raise ValueError(f"{name}: head_chunks must be a positive int, got {head_chunks!r}")
+        if head_chunks > 1 and attention not in ("ring", "allgather", "auto"):
+            raise ValueError(f"{name}: head_chunks={head_chunks} is for attention='ring' or 'allgather', not attention={attention!r}")
         # "auto" becomes "lasp" in setup() when the model's blocks call LinearAttention
         # and to the cost model's choice when expected_seq_len is given (Note [Choosing attention automatically])
         self._auto_attention = attention == "auto"
@@ -196,6 +213,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             raise ValueError(
                 f"{name}: activation_checkpointing={activation_checkpointing!r} is not supported; expected one of {AC_MODES} or None"
             )
+        if not isinstance(uncheckpointed_blocks, int) or isinstance(uncheckpointed_blocks, bool) or uncheckpointed_blocks < 0:
+            raise ValueError(f"{name}: uncheckpointed_blocks must be an int >= 0, got {uncheckpointed_blocks!r}")
         if not isinstance(compile, (bool, dict)):
             raise ValueError(f"{name}: compile must be a bool or a dict of torch.compile keyword arguments, got {compile!r}")
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -219,7 +238,10 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.layout: str = layout
         self.lasp_variant: str = lasp_variant
         self.inner_ring_size: int | None = inner_ring_size
+        self.head_chunks: int = head_chunks
+        self.attention_backend: str = attention_backend
         self.activation_checkpointing = activation_checkpointing
+        self.uncheckpointed_blocks = uncheckpointed_blocks
         self.compile_kwargs: dict[str, Any] | None = (dict(compile) if isinstance(compile, dict) else {}) if compile else None
         self.timeout: timedelta | None = timeout
         self.pad_to_multiple = pad_to_multiple
@@ -344,7 +366,10 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 layout=self.layout,  # type: ignore[arg-type]
                 lasp_variant=self.lasp_variant,  # type: ignore[arg-type]
                 inner_ring_size=self.inner_ring_size,
+                head_chunks=self.head_chunks,
+                attention_backend=self.attention_backend,
                 activation_checkpointing=self.activation_checkpointing,
+                uncheckpointed_blocks=self.uncheckpointed_blocks,
                 compile_kwargs=self.compile_kwargs,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,

@@ -39,9 +39,11 @@ def _cases():
             yield causal, layout, 4, 2, 8, EXTRA_SCALE
 
 
-def _forbidden(algorithm: str, mesh, h_q: int) -> bool:
+def _forbidden(algorithm: str, mesh, h_q: int, h_kv: int = 1, head_chunks: int = 1) -> bool:
     """Head counts the algorithm's rules reject (DESIGN.md / the API contract)."""
     hp, _, cp, _ = mesh_coords(mesh)
+    if h_kv % head_chunks:
+        return True
     if algorithm == "ulysses":
         return h_q % mesh.size() != 0
     if algorithm == "2d":
@@ -49,22 +51,25 @@ def _forbidden(algorithm: str, mesh, h_q: int) -> bool:
     return False
 
 
-def _equivalence_worker(rank: int, world_size: int, algorithm: str, spec: tuple, inner_ring_size: int | None) -> dict[str, int]:
+def _equivalence_worker(rank: int, world_size: int, algorithm: str, spec: tuple, inner_ring_size: int | None,
+                        head_chunks: int = 1) -> dict[str, int]:
     from lightning_seqpar.attention import sequence_parallel_attention
 
     mesh = make_mesh(spec)
     extra = {} if inner_ring_size is None else {"inner_ring_size": inner_ring_size}
+    if head_chunks > 1:
+        extra["head_chunks"] = head_chunks
     checked = rejected = 0
     failures: list[str] = []
     for seed, (causal, layout, h_q, h_kv, head_dim, scale) in enumerate(_cases()):
         label = (
-            f"{algorithm} mesh={spec} inner_ring_size={inner_ring_size} rank={rank} causal={causal} "
+            f"{algorithm} mesh={spec} inner_ring_size={inner_ring_size} head_chunks={head_chunks} rank={rank} causal={causal} "
             f"layout={layout} H_q={h_q} H_kv={h_kv} D={head_dim} scale={scale}"
         )
         case = make_case(BATCH, SEQ_LEN, h_q, h_kv, head_dim, causal=causal, scale=scale, seed=seed)
         index = expected_index_on(mesh, SEQ_LEN, layout)
         kwargs = dict(mesh=mesh, algorithm=algorithm, causal=causal, layout=layout, scale=scale, **extra)
-        if _forbidden(algorithm, mesh, h_q):
+        if _forbidden(algorithm, mesh, h_q, h_kv, head_chunks):
             with pytest.raises(ValueError):
                 run_sharded(sequence_parallel_attention, case, index, **kwargs)
             rejected += 1
@@ -82,9 +87,9 @@ def _equivalence_worker(rank: int, world_size: int, algorithm: str, spec: tuple,
     return {"checked": checked, "rejected": rejected}
 
 
-def _p(world: int, algorithm: str, spec: tuple | None = None, inner: int | None = None, id: str | None = None):
+def _p(world: int, algorithm: str, spec: tuple | None = None, inner: int | None = None, id: str | None = None, chunks: int = 1):
     spec = spec or ("1d", world)
-    return pytest.param(world, algorithm, spec, inner, id=id or f"W{world}-{algorithm}")
+    return pytest.param(world, algorithm, spec, inner, chunks, id=id or f"W{world}-{algorithm}")
 
 
 HP_CP = ("hp", "cp")
@@ -98,12 +103,17 @@ SWEEP = [
     _p(4, "2d", ("2d", CP_HP, (2, 2)), inner=2, id="W4-2d-cp2xhp2-inner2"),
     _p(4, "2d", ("2d", HP_CP, (1, 4)), inner=2, id="W4-2d-hp1xcp4-inner2"),  # a real double ring: 2 x 2
     _p(4, "2d", ("2d", HP_CP, (4, 1)), id="W4-2d-hp4xcp1"),  # pure head parallelism
+    # Note [Head chunks]: K/V head groups one after another; H_kv not divisible -> ValueError
+    _p(2, "ring", chunks=2, id="W2-ring-chunks2"),
+    _p(3, "ring", chunks=3, id="W3-ring-chunks3"),
+    _p(4, "ring", inner=2, chunks=2, id="W4-ring-inner2-chunks2"),
+    _p(2, "allgather", chunks=2, id="W2-allgather-chunks2"),
 ]
 
 
-@pytest.mark.parametrize(("world", "algorithm", "spec", "inner"), SWEEP)
-def test_matches_full_sequence_attention(world, algorithm, spec, inner):
-    results = run_distributed(_equivalence_worker, world, algorithm, spec, inner)
+@pytest.mark.parametrize(("world", "algorithm", "spec", "inner", "chunks"), SWEEP)
+def test_matches_full_sequence_attention(world, algorithm, spec, inner, chunks):
+    results = run_distributed(_equivalence_worker, world, algorithm, spec, inner, chunks)
     assert all(r == results[0] for r in results), f"ranks disagree on the case counts: {results}"
     assert results[0]["checked"] > 0
 

@@ -5,7 +5,8 @@ Run on a multi-GPU machine with
     torchrun --nproc_per_node=N -m pytest -s tests/test_attention_gpu.py
 
 Every rank builds the same full q, k, v, upstream gradient (bf16, seeded), shards them by the
-layout rules, runs ``sequence_parallel_attention`` (backend="auto") forward and backward, and
+layout rules, runs ``sequence_parallel_attention`` (backend "cudnn" and, when installed, "fa4";
+ring / all-gather also with head_chunks=2) forward and backward, and
 compares out, dq, dk, dv with a single-GPU fp32 reference on the full sequence (the same bf16
 inputs upcast; SDPA in fp32), at atol 8e-3*W / rtol 1e-3*W (DESIGN.md, Testing standard).
 
@@ -96,11 +97,14 @@ def _specs(algorithm: str, world: int) -> list[tuple]:
     return [("2d", ("hp", "cp"), (2, 2)), ("2d", ("cp", "hp"), (2, 2))]
 
 
+@pytest.mark.parametrize("backend", ["cudnn", "fa4"])
 @pytest.mark.parametrize("algorithm", ["ring", "allgather", "ulysses", "2d"])
-def test_bf16_matches_fp32_reference(nccl_world, algorithm):
-    from lightning_seqpar.attention import sequence_parallel_attention
+def test_bf16_matches_fp32_reference(nccl_world, algorithm, backend):
+    from lightning_seqpar.attention import available_backends, sequence_parallel_attention
 
     world = nccl_world
+    if backend not in available_backends("cuda", torch.bfloat16, HEAD_DIM):
+        pytest.skip(f"backend {backend} is not available here (fa4: pip install flash-attn-4)")
     if algorithm == "2d" and world != 4:
         pytest.skip("2d runs at W == 4 (hp=2 x cp=2)")
     rank = dist.get_rank()
@@ -120,8 +124,10 @@ def test_bf16_matches_fp32_reference(nccl_world, algorithm):
                 for h in (h_q, h_kv, h_kv, h_q)
             )
             index = expected_index(SEQ_LEN, layout, cp, cp_rank, hp, hp_rank).to(device)
-            kwargs = dict(mesh=mesh, algorithm=algorithm, causal=causal, layout=layout, backend="auto")
-            label = f"W={world} {algorithm} mesh={spec} causal={causal} layout={layout} H_q={h_q} H_kv={h_kv}"
+            # head chunks (Note [Head chunks]) on every other ring / all-gather case whose K/V heads split in two
+            chunks = 2 if algorithm in ("ring", "allgather") and h_kv % 2 == 0 and seed % 2 else 1
+            kwargs = dict(mesh=mesh, algorithm=algorithm, causal=causal, layout=layout, backend=backend, head_chunks=chunks)
+            label = f"W={world} {algorithm} {backend} mesh={spec} causal={causal} layout={layout} H_q={h_q} H_kv={h_kv} chunks={chunks}"
             q, k, v = (take(t, index).requires_grad_() for t in (q_full, k_full, v_full))
             if _forbidden(algorithm, mesh, h_q):
                 with pytest.raises(ValueError):

@@ -134,3 +134,20 @@ def test_selective_plus_plus_no_attention_recompute_distributed(algorithm):
         assert f["backward"][str(ATTN_FWD)] == b["forward"][str(ATTN_FWD)] > 0
         for name in b_grads:
             torch.testing.assert_close(s_grads[name], b_grads[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("skip", [1, 3, 5])
+def test_uncheckpointed_blocks_keep_their_activations(skip):
+    """The last ``skip`` blocks are not wrapped: they re-run nothing in backward; gradients stay exact."""
+    n_layer = 3
+    ids, pos = _batch()
+    ref_counts, ref_grads = _run(_model(n_layer), ids, pos)
+    model = _model(n_layer)
+    wrapped = apply_ac(model, "full", uncheckpointed_blocks=skip)
+    assert wrapped == max(n_layer - skip, 0)
+    counts, grads = _run(model, ids, pos)
+    assert counts.counts["backward"][ATTN_FWD] == wrapped  # only wrapped blocks recompute their attention
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="uncheckpointed_blocks"):
+        apply_ac(_model(1), "full", uncheckpointed_blocks=-1)

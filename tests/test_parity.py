@@ -40,7 +40,7 @@ def _check(results, reference) -> None:
     weights = results[0][1]
     assert weights.keys() == ref_weights.keys()
     for name, ref in ref_weights.items():
-        torch.testing.assert_close(weights[name], ref, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(weights[name], ref, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _id(layout) -> str:

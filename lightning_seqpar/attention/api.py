@@ -79,7 +79,10 @@ def _local_docs_backward(dout, q, k, v, out, lse, causal, scale, backend, docs):
 
 @torch.library.custom_op("seqpar::attn_fwd", mutates_args=())
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, algorithm: str, group: str, causal: bool, layout: str,
-              scale: float, backend: str, inner: int, docs: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              scale: float, backend: str, inner: int, docs: Tensor | None = None, head_chunks: int = 1) -> tuple[Tensor, Tensor]:
+    if head_chunks > 1:
+        return _fwd_by_heads(q, k, v, head_chunks, lambda qc, kc, vc: _attn_fwd(qc, kc, vc, algorithm, group, causal, layout, scale,
+                                                                                backend, inner, docs))
     if algorithm == "local":
         if docs is not None:
             out, lse = _local_docs_forward(q, k, v, causal, scale, backend, docs)
@@ -98,14 +101,18 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, algorithm: str, group: str, causa
 
 
 @_attn_fwd.register_fake
-def _(q, k, v, algorithm, group, causal, layout, scale, backend, inner, docs=None):
+def _(q, k, v, algorithm, group, causal, layout, scale, backend, inner, docs=None, head_chunks=1):
     B, S, H, _ = q.shape
     return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.custom_op("seqpar::attn_bwd", mutates_args=())
 def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, algorithm: str, group: str,
-              causal: bool, layout: str, scale: float, backend: str, inner: int, docs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              causal: bool, layout: str, scale: float, backend: str, inner: int, docs: Tensor | None = None,
+              head_chunks: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    if head_chunks > 1:
+        return _bwd_by_heads(dout, q, k, v, out, lse, head_chunks,
+                             lambda *t: _attn_bwd(*t, algorithm, group, causal, layout, scale, backend, inner, docs))
     dout = dout.contiguous()
     if algorithm == "local":
         if docs is not None:
@@ -129,14 +136,63 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     else:
         dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout,
                                         scale=scale, backend=backend, docs=docs)
-    # fresh tensors in the input dtypes (custom ops may not return aliases of inputs or of each other)
-    # and contiguous, as the fake implementation promises
-    return (dq.to(q.dtype, memory_format=torch.contiguous_format, copy=True), dk.to(k.dtype, memory_format=torch.contiguous_format, copy=True),
-            dv.to(v.dtype, memory_format=torch.contiguous_format, copy=True))
+    return _fresh((dq, dk, dv), (q, k, v), (dout, q, k, v, out, lse))
+
+
+def _fresh(grads: tuple[Tensor, ...], like: tuple[Tensor, ...], inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """``grads`` as fresh contiguous tensors in the dtypes of ``like``: custom ops may not return aliases
+    of their inputs or of each other. A gradient that already is one is returned as is (no copy:
+    at long context each copy is a transient of the size of q)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs}
+    out = []
+    for g, x in zip(grads, like):
+        ptr = g.untyped_storage().data_ptr()
+        if g.dtype != x.dtype or not g.is_contiguous() or g._base is not None or ptr in seen:
+            g = g.to(x.dtype, memory_format=torch.contiguous_format, copy=True)
+        seen.add(g.untyped_storage().data_ptr())
+        out.append(g)
+    return tuple(out)
+
+
+# Note [Head chunks]
+# ~~~~~~~~~~~~~~~~~~
+# Attention heads are independent, so the op may run over groups of K/V heads one after another
+# (with their query heads: q head i belongs to K/V head i // (H_q / H_kv)). Outputs and gradients
+# are written into full-size tensors; everything the algorithm allocates on the way (the fp32
+# output and dq accumulators, the travelling K/V and dK/dV buffers of the ring, the gathered K/V
+# of all-gather, the kernels' workspaces) is 1/head_chunks as large. Results are identical; the
+# price is head_chunks times as many (smaller) messages and kernel launches.
+
+
+def _head_slices(h_q: int, h_kv: int, chunks: int):
+    for c in range(chunks):
+        yield slice(c * h_q // chunks, (c + 1) * h_q // chunks), slice(c * h_kv // chunks, (c + 1) * h_kv // chunks)
+
+
+def _fwd_by_heads(q: Tensor, k: Tensor, v: Tensor, chunks: int, fn) -> tuple[Tensor, Tensor]:
+    B, S, Hq, _ = q.shape
+    out = q.new_empty((B, S, Hq, v.shape[-1]))
+    lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    for hq, hk in _head_slices(Hq, k.shape[2], chunks):
+        o, l = fn(q[:, :, hq].contiguous(), k[:, :, hk].contiguous(), v[:, :, hk].contiguous())
+        out[:, :, hq] = o
+        lse[:, hq] = l
+        del o, l
+    return out, lse
+
+
+def _bwd_by_heads(dout, q, k, v, out, lse, chunks: int, fn) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for hq, hk in _head_slices(q.shape[2], k.shape[2], chunks):
+        a, b, c = fn(dout[:, :, hq].contiguous(), q[:, :, hq].contiguous(), k[:, :, hk].contiguous(), v[:, :, hk].contiguous(),
+                     out[:, :, hq].contiguous(), lse[:, hq].contiguous())
+        dq[:, :, hq], dk[:, :, hk], dv[:, :, hk] = a, b, c
+        del a, b, c
+    return dq, dk, dv
 
 
 @_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, algorithm, group, causal, layout, scale, backend, inner, docs=None):
+def _(dout, q, k, v, out, lse, algorithm, group, causal, layout, scale, backend, inner, docs=None, head_chunks=1):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -205,6 +261,16 @@ def _mesh_dims(mesh, algorithm: str) -> tuple[int, int]:
     return (mesh.size(), 1) if algorithm == "ulysses" else (1, mesh.size())
 
 
+def _check_head_chunks(head_chunks, h_kv: int, algorithm: str) -> None:
+    if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
+        raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
+    if head_chunks > 1 and algorithm not in ("ring", "allgather"):
+        raise ValueError(f"head_chunks={head_chunks} is for algorithm 'ring' or 'allgather' (Ulysses / 2D already split the heads "
+                         f"over ranks), not {algorithm!r}")
+    if h_kv % head_chunks:
+        raise ValueError(f"head_chunks={head_chunks} must divide the number of key/value heads (k.shape[2]={h_kv})")
+
+
 def _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size) -> None:
     s_local, h_q, h_kv = q.shape[1], q.shape[2], k.shape[2]
     if hp > 1 and h_q % hp:
@@ -255,7 +321,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, sca
     _check_qkv(q, k, v)
     _check_options(causal, "zigzag", "ring")
     docs = _check_documents(documents, q, "zigzag", "ring", 1, 1)
-    be = resolve_backend(backend, q.device, q.dtype)
+    be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, "zigzag", default_scale(q.shape[-1], scale), be, 0, docs)[0]
 
 
@@ -272,6 +338,7 @@ def sequence_parallel_attention(
     backend: str = "auto",
     inner_ring_size: int | None = None,
     documents: PackedDocuments | None = None,
+    head_chunks: int = 1,
 ) -> Tensor:
     """Exact attention of sequence-sharded ``q, k, v`` — the same result as attention on the
     full sequence, sharded the same way.
@@ -293,6 +360,9 @@ def sequence_parallel_attention(
             the full batch with ``world`` = the context-parallel size, or the mesh size for
             "ulysses"; shards from its ``shard``): attention never crosses a document boundary,
             and the per-document zigzag gives every rank the same work. None: one sequence.
+        head_chunks: "ring" / "allgather": run over this many groups of K/V heads one after
+            another (Note [Head chunks]): the same result with 1/head_chunks of the working memory.
+            Must divide ``H_kv``.
 
     Returns:
         ``[B, S_local, H_q, D]`` in the dtype of ``q``. Differentiable in ``q, k, v``.
@@ -304,15 +374,16 @@ def sequence_parallel_attention(
     _check_options(causal, layout, algorithm)
     hp, cp = _mesh_dims(mesh, algorithm)
     _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size)
+    _check_head_chunks(head_chunks, k.shape[2], algorithm)
     docs = _check_documents(documents, q, layout, algorithm, hp, cp)
-    be = resolve_backend(backend, q.device, q.dtype)
+    be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
     inner = inner_ring_size or 0
 
     if algorithm in ("ring", "allgather"):
         if cp == 1:
-            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs)[0]
-        return torch.ops.seqpar.attn_fwd(q, k, v, algorithm, _group_name(mesh), causal, layout, sc, be, inner, docs)[0]
+            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs, head_chunks)[0]
+        return torch.ops.seqpar.attn_fwd(q, k, v, algorithm, _group_name(mesh), causal, layout, sc, be, inner, docs, head_chunks)[0]
 
     if algorithm == "ulysses":
         if hp == 1:
@@ -361,7 +432,7 @@ def gathered_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, 
         raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
     _check_sizes(q, k, "allgather", layout, 1, cp, None)
     docs = _check_documents(documents, q, layout, "allgather", 1, cp)
-    be = resolve_backend(backend, q.device, q.dtype)
+    be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
     if cp == 1:
         return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs)[0]
@@ -407,14 +478,16 @@ class Attention(nn.Module):
         self.layout: str = "zigzag"
         self.backend: str = "auto"
         self.inner_ring_size: int | None = None
+        self.head_chunks: int = 1
 
     def configure(self, *, mesh: DeviceMesh | None, algorithm: Algorithm = "ring", layout: str = "zigzag",
-                  backend: str = "auto", inner_ring_size: int | None = None) -> None:
+                  backend: str = "auto", inner_ring_size: int | None = None, head_chunks: int = 1) -> None:
         """Run sequence-parallel attention over ``mesh`` (None: back to local attention)."""
         if mesh is not None:
             _check_options(self.causal, layout, algorithm)
             _mesh_dims(mesh, algorithm)
         self.mesh, self.algorithm, self.layout, self.backend, self.inner_ring_size = mesh, algorithm, layout, backend, inner_ring_size
+        self.head_chunks = head_chunks
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None) -> Tensor:
         """``documents``: packed documents to mask by; default the batch's (``lightning_seqpar.documents.current_documents``)."""
@@ -423,7 +496,8 @@ class Attention(nn.Module):
             return local_attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend, documents=documents)
         return sequence_parallel_attention(q, k, v, mesh=self.mesh, algorithm=self.algorithm, causal=self.causal,  # type: ignore[arg-type]
                                            layout=self.layout, scale=self.scale, backend=self.backend,  # type: ignore[arg-type]
-                                           inner_ring_size=self.inner_ring_size, documents=documents)
+                                           inner_ring_size=self.inner_ring_size, documents=documents,
+                                           head_chunks=self.head_chunks)
 
     def extra_repr(self) -> str:
         where = "local" if self.mesh is None else f"{self.algorithm}, layout={self.layout}, mesh={tuple(self.mesh.shape)}"

@@ -30,7 +30,7 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     finite = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_cur = torch.exp(cur_lse - finite).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
     w_blk = torch.exp(block_lse - finite).transpose(1, 2).unsqueeze(-1)
-    cur_out.copy_(cur_out * w_cur + block_out.float() * w_blk)
+    cur_out.mul_(w_cur).add_(block_out * w_blk)  # in place: one temporary of the block size, not three
     cur_lse.copy_(new_lse)
 
 

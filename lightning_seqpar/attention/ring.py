@@ -18,7 +18,9 @@ K and V travel as one [2, B, S, H_kv, D] buffer: one send per hop, and only the 
 GQA/MQA groups are formed locally, never before the transfer.
 
 Backward: dq stays home; dK/dV accumulators (fp32) travel with their K/V block and are summed
-into by every rank the block visits; one last hop brings each back to its owner.
+into by every rank the block visits; one last hop brings each back to its owner. A rank computes
+its block's gradients first and only then waits for the accumulator (which travelled meanwhile),
+so two fp32 dK/dV buffers are live, not four.
 
 Causal load balance (zigzag layout, rank r holds chunks r and 2W-1-r) — with K/V from rank s:
     s == r : causal attention of the local shard to itself (chunk r precedes chunk 2W-1-r)
@@ -151,26 +153,34 @@ def ring_backward(dout, q, k, v, out, lse, *, group: dist.ProcessGroup, causal: 
                 nxt = torch.empty_like(cur)
                 kv_works = comm.post([(cur, inner_next)], [(nxt, inner_prev)])
             src = ((g - o) % G) * w + (j - t) % w
-            dkv_blk = torch.zeros(home.shape, dtype=torch.float32, device=q.device)
+            grads = []  # this block's (cols, dk, dv), in the kernel's dtype, until the accumulator arrives
             for rows, cols, is_causal, vl in block_plan(rank, src, causal, layout, s_local, seg):
                 dq_b, dk_b, dv_b = block_backward(dout[:, rows], q[:, rows], cur[0][:, cols], cur[1][:, cols], out[:, rows], lse[:, :, rows],
                                                   causal=is_causal, scale=scale, backend=backend, varlen=vl)
                 dq[:, rows] += dq_b
-                dkv_blk[0][:, cols] += dk_b
-                dkv_blk[1][:, cols] += dv_b
+                grads.append((cols, dk_b, dv_b))
+            # Note [Two dK/dV buffers]: the accumulator of this block is dkv_home (t == 0) or the one that
+            # arrived while the block was computed; the block's gradients go into it, then it travels on.
+            # Live fp32 dK/dV buffers: the one in flight out and the one in flight in.
             if t == 0:
-                dkv_blk += dkv_home
+                acc, dkv_home = dkv_home, None
             else:
                 comm.wait(dkv_works)
-                dkv_blk += dkv_in
+                acc = dkv_in
+            for cols, dk_b, dv_b in grads:
+                acc[0][:, cols] += dk_b
+                acc[1][:, cols] += dv_b
+            del grads
             # pass the accumulator on with (t < w-1) or after (t == w-1: back to the step's starter) its block
-            dkv_in = torch.empty_like(dkv_blk)
-            dkv_works = comm.post([(dkv_blk, inner_next)], [(dkv_in, inner_prev)]) if w > 1 else []
-            if w == 1:
-                dkv_in = dkv_blk
+            if w > 1:
+                dkv_in = torch.empty_like(acc)
+                dkv_works = comm.post([(acc, inner_next)], [(dkv_in, inner_prev)])
+            else:
+                dkv_in = acc
             comm.wait(kv_works)
             cur = nxt if nxt is not None else cur
         comm.wait(dkv_works)
+        del acc
         # dkv_in: dK/dV of `home` summed over this inner ring; send it on with the block's next visit
         comm.wait(kv_outer_works)
         if G > 1:
