@@ -64,7 +64,7 @@ def seq_label(s: float) -> str:
 
 
 def _devices(rows: list[dict]) -> str:
-    devs = sorted({f"{r.get('gpus', 1)} x {r.get('device', '?')}" for r in rows})
+    devs = sorted({f"{r.get('gpus', 1)} x {r['device']}" for r in rows if r.get("device")})
     return "; ".join(devs)
 
 
@@ -168,7 +168,7 @@ def plot_longest(plt: Any, rows: list[dict], out_dir: str) -> str | None:
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(configs)), [f"{m}, {g} GPUs" for m, g in configs], fontsize=8)
     ax.set_ylabel("longest trainable S (K tokens)")
-    ax.set_title(f"Longest context that trains 2 steps (+: lower bound)\n{_devices(rows)}", fontsize=10)
+    ax.set_title(f"Longest context that trains (whole optimizer steps; +: lower bound)\n{_devices(rows)}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     path = _save(fig, out_dir, "longest.png")
@@ -207,6 +207,28 @@ def plot_scaling(plt: Any, rows: list[dict], out_dir: str) -> str | None:
     return path
 
 
+ATTENTION_SERIES = ("system", "algorithm", "backend", "head_chunks", "gpus", "device")
+_PLOTTED = {("seqpar", "ring"), ("seqpar", "ulysses"), ("torch_cp", "allgather"), ("torch_cp", "alltoall"), ("single", None)}
+
+
+def attention_rows(rows: list[dict]) -> list[dict]:
+    """The attention records of the plots: 4 GPUs (single: one), heads 32/8, ring / Ulysses / torch CP / one GPU."""
+    out = []
+    for r in rows:
+        if r.get("bench") != "attention" or r.get("heads") != "32/8" or r.get("gpus") != 4:
+            continue
+        if (r.get("system"), None if r.get("system") == "single" else r.get("algorithm")) in _PLOTTED:
+            out.append({**r, "backend": r.get("backend", "cudnn"), "head_chunks": r.get("head_chunks", 1)})
+    return out
+
+
+def attention_label(r: dict) -> str:
+    who = SYSTEM_NAMES.get(r.get("system"), r.get("system"))
+    alg = "" if r.get("system") == "single" else f" {r.get('algorithm')}"
+    chunks = f", head_chunks {r['head_chunks']}" if r.get("head_chunks", 1) > 1 else ""
+    return f"{who}{alg} ({r.get('backend')}{chunks})"
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"), help="folder of *.json records")
@@ -220,11 +242,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     rows = load(glob.glob(os.path.join(args.results, "*.json")))
     os.makedirs(args.out_dir, exist_ok=True)
     written = [
-        plot_lines(plt, [r for r in rows if r.get("bench") == "attention"], y="tflops_per_gpu",
-                   series=("system", "algorithm", "model", "gpus", "device"),
-                   label=lambda r: f"{SYSTEM_NAMES.get(r.get('system'), r.get('system'))} {r.get('algorithm', '')} ({r.get('model', '')})",
-                   title="Distributed causal attention, forward + backward", ylabel="TFLOP/s per GPU",
+        plot_lines(plt, attention_rows(rows), y="tflops_per_gpu", series=ATTENTION_SERIES, label=attention_label,
+                   title="Causal attention fwd + bwd, heads 32/8, D 128, 4 GPUs", ylabel="TFLOP/s per GPU",
                    out_dir=args.out_dir, name="attention.png"),
+        plot_lines(plt, attention_rows(rows), y="peak_mem_gb", series=ATTENTION_SERIES, label=attention_label,
+                   title="Peak memory of attention fwd + bwd (inputs included), heads 32/8, 4 GPUs", ylabel="GB per GPU",
+                   out_dir=args.out_dir, name="attention_memory.png"),
         plot_lines(plt, [r for r in rows if r.get("bench") == "local"], y="tflops", series=("system", "backend", "hq", "hkv", "device"),
                    label=lambda r: f"{'ours' if r.get('system') == 'seqpar' else SYSTEM_NAMES.get(r.get('system'), r.get('system'))} "
                                    f"{r.get('backend', '')}, H={r.get('hq')}/{r.get('hkv')}",
