@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on nvidia-h200-x4 (carry .whl: jsonargparse for the CLI, unpacked in .site/site):
+# One call on nvidia-h200-x4 (carry .site: jsonargparse for the CLI, unpacked in .site/site):
 # llama-7b-gqa training at 128K and 32K, ours vs FSDP2 + torch CP + full AC, then the quickstart
 # recipe on 2 GPUs.  Usage there: SEQPAR_COMMIT=<sha> bash benchmarks/run_h200x4_gqa.sh
 set -u

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on nvidia-h200-x4 (about 9 minutes): the GPU acceptance of LASP / TransNormerLLM (issue #4)
-# and of the LSS GPT (issue #5). Usage there, with .whl carried (fla-core and jsonargparse unpacked
+# and of the LSS GPT (issue #5). Usage there, with .site carried (fla-core and jsonargparse unpacked
 # in .site/site):
 #     SEQPAR_COMMIT=<sha> bash benchmarks/run_h200x4_lasp_lss.sh
 # Steps, by priority; each under `timeout`, all within BUDGET_S seconds (default 530; a step that
