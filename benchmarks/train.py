@@ -183,7 +183,7 @@ def run_seqpar(args):
     strategy = SequenceParallelStrategy(sequence_parallel_size=int(os.environ["WORLD_SIZE"]), attention=args.algorithm,
                                         activation_checkpointing=None if args.ac == "none" else args.ac,
                                         attention_backend=args.backend, head_chunks=args.head_chunks,
-                                        uncheckpointed_blocks=args.uncheckpointed_blocks)
+                                        uncheckpointed_blocks=args.uncheckpointed_blocks, compile=args.compile)
     trainer = _trainer(args, strategy, [_step_timer(args, times, losses)], "bf16-mixed" if args.device == "cuda" else "32-true")
     module = CausalLMModule(model=args.model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size=args.loss_chunk)
     trainer.fit(module, datamodule=_datamodule(args, cfg))
@@ -192,7 +192,7 @@ def run_seqpar(args):
     be = resolve_backend(args.backend, torch.device(args.device), torch.bfloat16 if args.device == "cuda" else torch.float32,
                          cfg.head_dim or cfg.n_embd // cfg.n_head)
     return _row(args, cfg, times, _peak_gb(args), losses, dist.get_world_size(), backend=be, head_chunks=args.head_chunks,
-                uncheckpointed_blocks=args.uncheckpointed_blocks)
+                uncheckpointed_blocks=args.uncheckpointed_blocks, compiled=args.compile)
 
 
 def run_tp_sp(args):
@@ -310,6 +310,7 @@ def main() -> None:
                     help="seqpar: the checkpointing policy; tp_sp: 'none' turns full checkpointing off")
     ap.add_argument("--loss-chunk", type=int, default=8192, help="seqpar: chunked cross entropy")
     ap.add_argument("--backend", default="auto", help="seqpar: the local attention kernel (auto: fa4 when installed, else cudnn)")
+    ap.add_argument("--compile", action="store_true", help="seqpar: torch.compile each block (strategy compile=True)")
     ap.add_argument("--uncheckpointed-blocks", type=int, default=0, help="seqpar: the last N blocks without checkpointing")
     ap.add_argument("--head-chunks", type=int, default=1, help="seqpar: attention over this many K/V head groups in turn")
     ap.add_argument("--no-loss-parallel", action="store_true", help="tp_sp: gather the logits instead of the vocab-parallel loss")

@@ -71,6 +71,12 @@ def test_training_parity_double_ring(reference):
     _check(run_distributed(train_strategy, 4, kwargs, timeout=TIMEOUT), reference)
 
 
+def test_training_parity_head_chunks_and_uncheckpointed_blocks(reference):
+    """head_chunks=2 (ring over K/V head groups in turn) and one block left unwrapped, through the strategy."""
+    kwargs = dict(sequence_parallel_size=2, attention="ring", head_chunks=2, uncheckpointed_blocks=1)
+    _check(run_distributed(train_strategy, 2, kwargs, timeout=TIMEOUT), reference)
+
+
 def _bad_inner_ring(rank: int, world_size: int) -> str:
     with pytest.raises(ValueError) as info:
         train_strategy(rank, world_size, dict(sequence_parallel_size=4, attention="ring", inner_ring_size=3))

@@ -35,6 +35,10 @@ TIMEOUT = 180
         (dict(timeout="soon"), "timeout must be"),
         (dict(inner_ring_size=0), "inner_ring_size must be a positive int or None"),
         (dict(attention="allgather", inner_ring_size=2), "inner_ring_size is for attention='ring' or '2d'"),
+        (dict(head_chunks=0), "head_chunks must be a positive int"),
+        (dict(attention="ulysses", head_chunks=2), "head_chunks=2 is for attention='ring' or 'allgather'"),
+        (dict(attention_backend="flash_attn"), "attention_backend='flash_attn' is not supported"),
+        (dict(uncheckpointed_blocks=-1), "uncheckpointed_blocks must be an int >= 0"),
     ],
 )
 def test_constructor_errors_name_the_argument(kwargs, match):
