@@ -31,7 +31,7 @@ def _eager_and_compiled(fn, case, index):
     return results
 
 
-def _compile_worker(rank: int, world_size: int, algorithm: str) -> None:
+def _compile_worker(rank: int, world_size: int, algorithm: str, head_chunks: int = 1) -> None:
     from lightning_seqpar.attention import sequence_parallel_attention
 
     _setup_compile()
@@ -41,7 +41,7 @@ def _compile_worker(rank: int, world_size: int, algorithm: str) -> None:
     index = expected_index_on(mesh, SEQ_LEN, layout)
 
     def f(q, k, v):
-        out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm=algorithm, causal=True, layout=layout)
+        out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm=algorithm, causal=True, layout=layout, head_chunks=head_chunks)
         return torch.tanh(out) * 2.0 + 1.0
 
     eager, compiled = _eager_and_compiled(f, case, index)
@@ -50,9 +50,9 @@ def _compile_worker(rank: int, world_size: int, algorithm: str) -> None:
         torch.testing.assert_close(c, e, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{algorithm} compiled vs eager {n}\n{m}")
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "allgather", "ulysses"])
-def test_compiled_matches_eager(algorithm):
-    run_distributed(_compile_worker, 2, algorithm, timeout=COMPILE_TIMEOUT)
+@pytest.mark.parametrize(("algorithm", "head_chunks"), [("ring", 1), ("allgather", 1), ("ulysses", 1), ("ring", 2)])
+def test_compiled_matches_eager(algorithm, head_chunks):
+    run_distributed(_compile_worker, 2, algorithm, head_chunks, timeout=COMPILE_TIMEOUT)
 
 
 def test_local_attention_compiles_fullgraph():
