@@ -136,3 +136,16 @@ def test_local_attention_matches_reference(causal):
                 got = run_sharded(local_attention, case, full, causal=causal, scale=scale, backend=backend)
                 assert got["out"].shape == case.q.shape, label
                 compare_to_reference(got, case, full, label)
+
+
+def test_backend_resolution_on_cpu_and_fa4_head_dims():
+    """"auto" is the pure-torch kernel on CPU; "fa4" there names what is available; fa4's head-dim rules."""
+    from lightning_seqpar.attention.local import fa4_supports, resolve_backend
+
+    assert resolve_backend("auto", torch.device("cpu"), torch.float32, 64) == "math"
+    with pytest.raises(ValueError, match=r"backend='fa4' cannot run on device=cpu.*available here: \('math',\)"):
+        resolve_backend("fa4", torch.device("cpu"), torch.bfloat16, 128)
+    assert all(fa4_supports(d) for d in (8, 64, 96, 128, 192, 256))
+    assert not any(fa4_supports(d) for d in (4, 100, 264))
+    assert fa4_supports(128, major=10) and fa4_supports(256, major=10) and not fa4_supports(192, major=10)
+    assert not fa4_supports(128, 100)  # head_dim_v too

@@ -66,9 +66,12 @@ def _fa4():
     return interface
 
 
-def fa4_supports(head_dim: int, head_dim_v: int | None = None) -> bool:
-    """Head dims flash-attn 4 takes on Hopper / Blackwell: 8..256 (Blackwell: ..128, or 256), multiples of 8."""
+def fa4_supports(head_dim: int, head_dim_v: int | None = None, major: int = 9) -> bool:
+    """Head dims flash-attn 4 takes: multiples of 8, in 8..256 on Hopper (``major`` 9), in 8..128 or
+    exactly 256 on Blackwell (``major`` 10)."""
     dv = head_dim if head_dim_v is None else head_dim_v
+    if major == 10:
+        return all(d % 8 == 0 and (8 <= d <= 128 or d == 256) for d in (head_dim, dv))
     return all(8 <= d <= 256 and d % 8 == 0 for d in (head_dim, dv))
 
 
@@ -80,7 +83,7 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
     out: list[str] = []
     half = dtype in (torch.float16, torch.bfloat16)
     major, _ = torch.cuda.get_device_capability(device)
-    if half and major in (9, 10) and (head_dim is None or fa4_supports(head_dim)) and _fa4() is not None:
+    if half and major in (9, 10) and (head_dim is None or fa4_supports(head_dim, major=major)) and _fa4() is not None:
         out.append("fa4")
     if half and major >= 9 and torch.backends.cudnn.is_available():
         out.append("cudnn")
