@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -104,6 +105,60 @@ def _step_timer(args, times: list, losses: list):
     return StepTimer()
 
 
+def _profiler(args):
+    """A callback profiling the first timed step (batch ``args.warmup``) on every rank; rank 0 writes
+    the summary (benchmarks/profile_summary.py) to ``args.profile``."""
+    import lightning as L
+
+    class StepProfiler(L.Callback):
+        def __init__(self):
+            self.prof, self.t0 = None, 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == args.warmup:
+                self.prof = _start_profiler(args)
+                self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == args.warmup and self.prof is not None:
+                _finish_profiler(args, self.prof, self.t0)
+
+    return StepProfiler()
+
+
+def _start_profiler(args):
+    from torch.profiler import ProfilerActivity, profile
+
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    prof = profile(activities=activities)
+    prof.__enter__()
+    return prof
+
+
+def _finish_profiler(args, prof, t0: float) -> None:
+    from profile_summary import format_summary, summarize
+
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    step = time.perf_counter() - t0
+    prof.__exit__(None, None, None)
+    if dist.get_rank() != 0:
+        return
+    os.makedirs(args.profile, exist_ok=True)
+    summary = dict(summarize(prof, step), system=args.system, model=args.model, seq=args.seq, commit=args.commit,
+                   backend=getattr(args, "backend", None))
+    base = os.path.join(args.profile, f"profile_{args.system}{'_' + args.tag if args.tag else ''}")
+    with open(base + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(base + ".txt", "w") as f:
+        f.write(format_summary(summary) + "\n")
+    if args.profile_trace:
+        prof.export_chrome_trace(base + ".trace.json")
+    print(f"[profile] {format_summary(summary)}", flush=True)
+
+
 def _oom_exit():
     """A callback that ends this process with OOM_EXIT at once on an out-of-memory error.
 
@@ -154,7 +209,8 @@ def _prealloc():
 def _trainer(args, strategy, callbacks, precision):
     import lightning as L
 
-    callbacks = [*callbacks, _oom_exit(), *([_prealloc()] if args.prealloc_optimizer else [])]
+    callbacks = [*callbacks, _oom_exit(), *([_prealloc()] if args.prealloc_optimizer else []),
+                 *([_profiler(args)] if args.profile else [])]
     return L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
                      strategy=strategy, precision=precision, max_steps=args.warmup + args.steps, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -271,6 +327,7 @@ def run_torch_cp(args):
         torch.cuda.synchronize()
         if step == args.warmup:
             torch.cuda.reset_peak_memory_stats()
+        prof = _start_profiler(args) if args.profile and step == args.warmup else None
         t0 = time.perf_counter()
         with context_parallel(mesh, buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1], no_restore_buffers={ids, labels, pos}), \
                 torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
@@ -282,6 +339,8 @@ def run_torch_cp(args):
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+        if prof is not None:
+            _finish_profiler(args, prof, t0)
         rep = loss.detach().clone()
         dist.all_reduce(rep, op=dist.ReduceOp.AVG)
         losses.append(rep.item())
@@ -320,6 +379,9 @@ def main() -> None:
                     help="measured bf16 matmul peak per GPU (benchmarks/matmul_peak.py): adds mfu_measured_peak")
     ap.add_argument("--prealloc-optimizer", action="store_true",
                     help="allocate the AdamW state before step 1 (one step on zero gradients), so an OOM shows in step 1")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="torch.profiler over the first timed step; rank 0 writes a kernel-category summary to DIR")
+    ap.add_argument("--profile-trace", action="store_true", help="with --profile: also the Chrome trace (large)")
     ap.add_argument("--tag", default=None, help="free label stored in the record (e.g. 'scaling')")
     ap.add_argument("--out", default=None, help="append the record to this JSON list (merge with benchmarks/collect.py)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test (gloo) of seqpar / tp_sp")

@@ -108,3 +108,29 @@ def test_collect_merges_deduplicates_and_validates(tmp_path):
     bad.write_text(json.dumps([_record(mfu=None), {k: v for k, v in _record().items() if k != "commit"}]))
     with pytest.raises(SystemExit, match=r"record 0 .*mfu.*\n.*record 1 .*commit"):
         collect.main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(bad)])
+
+
+def test_profile_summary_categories():
+    """benchmarks/profile_summary.py: kernel names fall in the right category; a CPU profile of attention
+    + a matmul shows both."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_seqpar.attention import local_attention
+    from profile_summary import category, format_summary, summarize
+
+    assert category("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "comm"
+    assert category("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90") == "attention"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0") == "attention"
+    assert category("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNN") == "gemm"
+    assert category("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>") == "other"
+    q = torch.randn(1, 32, 2, 8, requires_grad=True)
+    w = torch.randn(8, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = local_attention(q, q, q) @ w
+        out.sum().backward()
+    s = summarize(prof, 1.0)
+    assert s["source"].startswith("cpu")
+    assert s["categories_s"]["attention"] > 0 and s["categories_s"]["gemm"] > 0
+    assert abs(s["compute_s"] - sum(v for k, v in s["categories_s"].items() if k != "comm")) < 1e-12
+    assert "attention" in format_summary(s)
