@@ -46,7 +46,8 @@ def summarize(prof: Any, step_s: float) -> dict[str, Any]:
     from torch.autograd import DeviceType
 
     averages = prof.key_averages()
-    kernels = [e for e in averages if getattr(e, "device_type", None) == DeviceType.CUDA and _device_us(e) > 0]
+    kernels = [e for e in averages if getattr(e, "device_type", None) == DeviceType.CUDA and _device_us(e) > 0
+               and not _annotation(e)]
     rows: list[tuple[str, float, int]] = []
     if kernels:
         source = "cuda kernels"
@@ -63,6 +64,12 @@ def summarize(prof: Any, step_s: float) -> dict[str, Any]:
     return dict(source=source, step_s=step_s, categories_s=by_cat, compute_s=compute, exposed_s=step_s - compute,
                 compute_fraction=compute / step_s if step_s > 0 else None,
                 top=[dict(name=n[:160], seconds=s, count=c, category=category(n)) for n, s, c in top])
+
+
+def _annotation(evt: Any) -> bool:
+    """A user annotation's span on the GPU (``Optimizer.step#AdamW.step``, ``nccl:coalesced``), not a kernel:
+    counting it would count its kernels twice."""
+    return bool(getattr(evt, "is_user_annotation", False)) or "#" in evt.key or evt.key.startswith(("nccl:", "ProfilerStep"))
 
 
 def _device_us(evt: Any) -> float:
