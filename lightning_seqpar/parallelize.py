@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS, Attention, LinearAttention
+from lightning_seqpar.attention.api import check_head_chunks
 from lightning_seqpar.checkpointing import SAVE_OPS, ActivationCheckpointing, checkpoint_block
 
 BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
@@ -124,10 +125,8 @@ def apply_attention(
     """
     if algorithm not in (*ALGORITHMS, "lasp"):
         raise ValueError(f"attention={algorithm!r} is not supported; expected one of {(*ALGORITHMS, 'lasp')}")
-    if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
-        raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
-    if head_chunks > 1 and algorithm not in ("ring", "allgather"):
-        raise ValueError(f"head_chunks={head_chunks} is for attention 'ring' or 'allgather', not {algorithm!r}")
+    heads = _head_counts(model)
+    check_head_chunks(head_chunks, None if heads is None else heads[1], algorithm)
     sp = 1 if mesh is None else mesh.size()
     linear = [m for m in model.modules() if isinstance(m, LinearAttention)]
     if algorithm == "lasp":
@@ -148,7 +147,6 @@ def apply_attention(
         return 0
     if sp > 1 and algorithm in ("ulysses", "2d"):
         degree = sp if algorithm == "ulysses" else mesh.size(mesh.mesh_dim_names.index("hp"))  # type: ignore[union-attr]
-        heads = _head_counts(model)
         if heads is not None and heads[0] % degree:
             what = "sequence_parallel_size" if algorithm == "ulysses" else "head_parallel_size"
             raise ValueError(
@@ -156,9 +154,6 @@ def apply_attention(
                 f"{type(model).__name__} has {heads[0]} query heads; choose a {what} that divides {heads[0]} "
                 "or attention='ring' / 'allgather'"
             )
-    heads = _head_counts(model)
-    if head_chunks > 1 and heads is not None and heads[1] % head_chunks:
-        raise ValueError(f"head_chunks={head_chunks} must divide the key/value heads of {type(model).__name__} ({heads[1]})")
     for module in modules:
         module.configure(
             mesh=mesh if sp > 1 else None,

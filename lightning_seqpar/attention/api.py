@@ -261,14 +261,15 @@ def _mesh_dims(mesh, algorithm: str) -> tuple[int, int]:
     return (mesh.size(), 1) if algorithm == "ulysses" else (1, mesh.size())
 
 
-def _check_head_chunks(head_chunks, h_kv: int, algorithm: str) -> None:
+def check_head_chunks(head_chunks, h_kv: int | None, algorithm: str) -> None:
+    """``head_chunks`` is a positive int, used only by ring / all-gather, and divides ``h_kv`` (when known)."""
     if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1:
         raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
     if head_chunks > 1 and algorithm not in ("ring", "allgather"):
         raise ValueError(f"head_chunks={head_chunks} is for algorithm 'ring' or 'allgather' (Ulysses / 2D already split the heads "
                          f"over ranks), not {algorithm!r}")
-    if h_kv % head_chunks:
-        raise ValueError(f"head_chunks={head_chunks} must divide the number of key/value heads (k.shape[2]={h_kv})")
+    if h_kv is not None and h_kv % head_chunks:
+        raise ValueError(f"head_chunks={head_chunks} must divide the number of key/value heads ({h_kv})")
 
 
 def _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size) -> None:
@@ -374,7 +375,7 @@ def sequence_parallel_attention(
     _check_options(causal, layout, algorithm)
     hp, cp = _mesh_dims(mesh, algorithm)
     _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size)
-    _check_head_chunks(head_chunks, k.shape[2], algorithm)
+    check_head_chunks(head_chunks, k.shape[2], algorithm)
     docs = _check_documents(documents, q, layout, algorithm, hp, cp)
     be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
