@@ -16,6 +16,15 @@ Categories (first match wins, on the kernel name, case-insensitive; see CATEGORI
 ``compute_s`` sums every category but comm (kernels of the compute stream run one after
 another, so this is the compute stream's busy time); ``exposed_s`` = step time - compute_s is
 time the GPU computed nothing: exposed communication, host overhead and synchronisation.
+
+``idle_gaps(trace)`` (``train.py --profile DIR --profile-gaps``) finds WHERE that idle time is, from
+the Chrome trace: every gap on the compute stream is classed as
+
+    host   the next kernel was launched after the GPU ran dry: the CPU was late (Python, hooks,
+           dispatch, a synchronisation); charged to what the launching thread was running
+    wait   the next kernel was queued in time but waited for another stream (an NCCL kernel,
+           a copy): charged to the other-stream kernel that ended last before it started
+    edge   before the first / after the last kernel of the profiled step (data, hooks, step end)
 """
 
 from __future__ import annotations
@@ -80,6 +89,123 @@ def _device_us(evt: Any) -> float:
     return 0.0
 
 
+_KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+_CPU_CATS = ("cpu_op", "user_annotation")
+
+
+def idle_gaps(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | None = None, min_gap_us: float = 5.0,
+              top: int = 25) -> dict[str, Any]:
+    """Idle time of the compute stream in a Chrome trace (``prof.export_chrome_trace``), by cause.
+
+    The compute stream is the stream with the most non-communication kernel time. Returns totals
+    (seconds) for ``host`` / ``wait`` / ``edge`` gaps and the ``top`` causes of each kind, a cause
+    being the launching thread's op stack (outermost > ... > innermost, 3 levels) for host gaps and
+    the name of the other-stream kernel waited on for wait gaps.
+    """
+    import bisect
+
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kernels: list[dict[str, Any]] = []
+    launches: dict[Any, dict[str, Any]] = {}
+    cpu: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("ph") != "X" or "ts" not in e:
+            continue
+        cat = e.get("cat", "")
+        if cat in _KERNEL_CATS:
+            kernels.append(e)
+        elif cat in _LAUNCH_CATS:
+            corr = e.get("args", {}).get("correlation")
+            if corr is not None:
+                launches[corr] = e
+        elif cat in _CPU_CATS and not str(e.get("name", "")).startswith("ProfilerStep"):
+            cpu.setdefault(e.get("tid"), []).append(e)
+    if not kernels:
+        return dict(compute_stream=None, busy_s=0.0, host_s=0.0, wait_s=0.0, edge_s=0.0, gaps=0, host=[], wait=[])
+
+    def stream(e: dict[str, Any]) -> Any:
+        return (e.get("pid"), e.get("args", {}).get("stream", e.get("tid")))
+
+    busy: dict[Any, float] = {}
+    for k in kernels:
+        if category(k.get("name", "")) != "comm":
+            busy[stream(k)] = busy.get(stream(k), 0.0) + float(k.get("dur", 0.0))
+    main = max(busy, key=busy.__getitem__) if busy else stream(kernels[0])
+    compute = sorted((k for k in kernels if stream(k) == main), key=lambda k: k["ts"])
+    others = sorted((k for k in kernels if stream(k) != main and k.get("pid") == main[0]),
+                    key=lambda k: k["ts"] + k.get("dur", 0.0))
+    other_ends = [k["ts"] + k.get("dur", 0.0) for k in others]
+
+    # the op stacks of each CPU thread, for "what was the launching thread doing at time t": ops of a
+    # thread nest, so the ops enclosing t are the last op that started before t and its ancestors
+    parents: dict[Any, list[int]] = {}
+    for tid, evs in cpu.items():
+        evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
+        stack: list[int] = []
+        parent: list[int] = []
+        for i, e in enumerate(evs):
+            while stack and evs[stack[-1]]["ts"] + evs[stack[-1]].get("dur", 0.0) <= e["ts"]:
+                stack.pop()
+            parent.append(stack[-1] if stack else -1)
+            stack.append(i)
+        parents[tid] = parent
+    starts = {tid: [e["ts"] for e in evs] for tid, evs in cpu.items()}
+
+    def stack_at(tid: Any, t: float) -> str:
+        evs, parent = cpu.get(tid, []), parents.get(tid, [])
+        i = bisect.bisect_right(starts.get(tid, []), t) - 1
+        chain: list[str] = []
+        while i >= 0:
+            if evs[i]["ts"] + evs[i].get("dur", 0.0) >= t:
+                chain.append(str(evs[i].get("name", "?"))[:60])
+            i = parent[i]
+        if not chain:
+            return "(no op: Python / framework code between ops)"
+        chain.reverse()  # outermost first
+        return " > ".join(chain if len(chain) <= 3 else [chain[0], chain[1], chain[-1]])
+
+    host: dict[str, float] = {}
+    wait: dict[str, float] = {}
+    host_s = wait_s = 0.0
+    n = 0
+    busy_s = sum(float(k.get("dur", 0.0)) for k in compute) / 1e6
+    end = compute[0]["ts"] + compute[0].get("dur", 0.0)
+    for k in compute[1:]:
+        gap = k["ts"] - end
+        if gap > min_gap_us:
+            n += 1
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            if launch is not None and launch["ts"] > end:
+                cause = stack_at(launch.get("tid"), end + 0.5 * min(gap, launch["ts"] - end))
+                host[cause] = host.get(cause, 0.0) + gap / 1e6
+                host_s += gap / 1e6
+            else:
+                j = bisect.bisect_right(other_ends, k["ts"] + 1.0) - 1  # the other-stream kernel that ended last
+                cause = (f"[{category(others[j]['name'])}] {str(others[j]['name'])[:80]}" if j >= 0 and other_ends[j] > end
+                         else "(no other-stream kernel: event / sync)")
+                wait[cause] = wait.get(cause, 0.0) + gap / 1e6
+                wait_s += gap / 1e6
+        end = max(end, k["ts"] + k.get("dur", 0.0))
+    span_s = (end - compute[0]["ts"]) / 1e6
+    edge_s = max(0.0, step_s - span_s) if step_s is not None else 0.0
+
+    def ranked(d: dict[str, float]) -> list[dict[str, Any]]:
+        return [dict(cause=c, seconds=v) for c, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return dict(compute_stream=str(main), busy_s=busy_s, span_s=span_s, host_s=host_s, wait_s=wait_s, edge_s=edge_s,
+                gaps=n, host=ranked(host), wait=ranked(wait))
+
+
+def format_gaps(g: dict[str, Any]) -> str:
+    lines = [f"compute stream {g['compute_stream']}: busy {g['busy_s']:.3f} s; idle in {g['gaps']} gaps: "
+             f"host {g['host_s']:.3f} s, wait {g['wait_s']:.3f} s; edges {g['edge_s']:.3f} s"]
+    for kind in ("host", "wait"):
+        lines.append(f"top {kind} causes:")
+        lines += [f"  {r['seconds']:8.4f} s  {r['cause']}" for r in g[kind]]
+    return "\n".join(lines)
+
+
 def format_summary(s: dict[str, Any]) -> str:
     lines = [f"profiled step {s['step_s']:.3f} s ({s['source']}): compute {s['compute_s']:.3f} s "
              f"({100 * (s['compute_fraction'] or 0):.1f}%), exposed {s['exposed_s']:.3f} s"]
@@ -95,7 +221,8 @@ def format_summary(s: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     for path in argv if argv is not None else sys.argv[1:]:
         print(f"== {path}")
-        print(format_summary(json.load(open(path))))
+        data = json.load(open(path))
+        print(format_gaps(idle_gaps(data)) if "traceEvents" in data else format_summary(data))
 
 
 if __name__ == "__main__":

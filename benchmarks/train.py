@@ -138,7 +138,7 @@ def _start_profiler(args):
 
 
 def _finish_profiler(args, prof, t0: float) -> None:
-    from profile_summary import format_summary, summarize
+    from profile_summary import format_gaps, format_summary, idle_gaps, summarize
 
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -150,13 +150,24 @@ def _finish_profiler(args, prof, t0: float) -> None:
     summary = dict(summarize(prof, step), system=args.system, model=args.model, seq=args.seq, commit=args.commit,
                    backend=getattr(args, "backend", None))
     base = os.path.join(args.profile, f"profile_{args.system}{'_' + args.tag if args.tag else ''}")
+    text = format_summary(summary)
+    if args.device == "cuda":  # where the idle time is: from the Chrome trace (kept with --profile-trace)
+        import tempfile
+
+        trace = base + ".trace.json" if args.profile_trace else tempfile.mktemp(suffix=".trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            summary["idle"] = idle_gaps(json.load(f), step_s=step)
+        if not args.profile_trace:
+            os.remove(trace)
+        text += "\n" + format_gaps(summary["idle"])
+    elif args.profile_trace:
+        prof.export_chrome_trace(base + ".trace.json")
     with open(base + ".json", "w") as f:
         json.dump(summary, f, indent=1)
     with open(base + ".txt", "w") as f:
-        f.write(format_summary(summary) + "\n")
-    if args.profile_trace:
-        prof.export_chrome_trace(base + ".trace.json")
-    print(f"[profile] {format_summary(summary)}", flush=True)
+        f.write(text + "\n")
+    print(f"[profile] {text}", flush=True)
 
 
 def _oom_exit():

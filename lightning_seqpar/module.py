@@ -77,6 +77,9 @@ class CausalLMModule(L.LightningModule):
             byte-level models such as the enwik8 GPT.
         hf_save_dir: Hugging Face models only: at the end of training write the trained model there
             as one consolidated ``save_pretrained`` folder (:meth:`save_hf_pretrained`).
+        fused_optimizer: AdamW's implementation: True the fused kernels (``fused=True``, one launch
+            per step for all parameters; DTensor parameters of FSDP2 included), False torch's default
+            (``foreach``); None (default) fused when every parameter is on a CUDA device.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class CausalLMModule(L.LightningModule):
         init_seed: int = 0,
         bits_per_character: bool = False,
         hf_save_dir: str | None = None,
+        fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -143,6 +147,8 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"{name}: min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
         if loss_chunk_size is not None and loss_chunk_size < 1:
             raise ValueError(f"{name}: loss_chunk_size must be >= 1 or None, got {loss_chunk_size}")
+        if fused_optimizer is not None and not isinstance(fused_optimizer, bool):
+            raise ValueError(f"{name}: fused_optimizer must be True, False or None (fused on CUDA), got {fused_optimizer!r}")
         # Checkpoints hold the config as plain values (torch.load(weights_only=True) loads them).
         self.save_hyperparameters(ignore=["model"])
         if self._hf_source is not None:
@@ -154,6 +160,7 @@ class CausalLMModule(L.LightningModule):
         self.warmup_steps, self.max_steps, self.min_lr_ratio = warmup_steps, max_steps, min_lr_ratio
         self.loss_chunk_size, self.init_seed = loss_chunk_size, init_seed
         self.hf_save_dir = hf_save_dir
+        self.fused_optimizer = fused_optimizer
         self.model: Llama | TransNormer | GPT | hf.HFCausalLM | None = None if given is None else hf.HFCausalLM(given)
         self.val_loss = MeanMetric()
         self.val_bpc = BitsPerCharacter() if bits_per_character else None
@@ -286,11 +293,15 @@ class CausalLMModule(L.LightningModule):
         model = self._require_model()
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
+        fused = self.fused_optimizer
+        if fused is None:  # torch's default is foreach; fused is one kernel per step (torchtitan's default too)
+            fused = all(p.device.type == "cuda" for p in model.parameters())
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.lr,
             betas=self.betas,
             eps=self.eps,
+            fused=fused or None,
         )
         max_steps = self.max_steps
         if max_steps is None:

@@ -134,3 +134,38 @@ def test_profile_summary_categories():
     assert s["categories_s"]["attention"] > 0 and s["categories_s"]["gemm"] > 0
     assert abs(s["compute_s"] - sum(v for k, v in s["categories_s"].items() if k != "comm")) < 1e-12
     assert "attention" in format_summary(s)
+
+
+def test_profile_idle_gaps_classified():
+    """profile_summary.idle_gaps on a hand-made trace: a gap whose kernel was launched late is 'host' and
+    charged to the launching thread's op stack; a gap of a kernel queued in time is 'wait' and charged to
+    the NCCL kernel it waited for; the edges are the step minus the kernels' span."""
+    from profile_summary import format_gaps, idle_gaps
+
+    def k(name, ts, dur, stream, corr):
+        return dict(ph="X", cat="kernel", name=name, pid=0, tid=stream, ts=ts, dur=dur, args=dict(stream=stream, correlation=corr))
+
+    def launch(ts, corr, tid=1):
+        return dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", pid=9, tid=tid, ts=ts, dur=2, args=dict(correlation=corr))
+
+    def op(name, ts, dur, tid=1):
+        return dict(ph="X", cat="cpu_op", name=name, pid=9, tid=tid, ts=ts, dur=dur)
+
+    events = [
+        k("nvjet_gemm", 0, 100, 7, 1), launch(-10, 1),
+        # kernel 2 launched at 150, after kernel 1 ended at 100: 60 us host gap, while thread 1 ran Optimizer > foreach
+        k("vectorized_elementwise_kernel", 160, 40, 7, 2), launch(150, 2),
+        op("Optimizer.step#AdamW.step", 90, 100), op("aten::_foreach_mul_", 110, 30), op("aten::empty", 112, 2),
+        # kernel 3 queued at 170 but starts at 400: waited for the SendRecv ending at 399
+        k("flash_fwd", 400, 500, 7, 3), launch(170, 3),
+        k("ncclDevKernel_SendRecv", 150, 249, 20, 4), launch(140, 4),
+        # a comm-only stream with more time must not be taken for the compute stream
+        k("ncclDevKernel_AllGather", 0, 2000, 21, 5), launch(-5, 5),
+    ]
+    g = idle_gaps({"traceEvents": events}, step_s=1000e-6)
+    assert g["compute_stream"] == str((0, 7)) and g["gaps"] == 2
+    assert g["host_s"] == pytest.approx(60e-6) and g["wait_s"] == pytest.approx(200e-6)
+    assert g["host"][0]["cause"] == "Optimizer.step#AdamW.step > aten::_foreach_mul_"
+    assert g["wait"][0]["cause"].startswith("[comm] ncclDevKernel_SendRecv")
+    assert g["busy_s"] == pytest.approx(640e-6) and g["edge_s"] == pytest.approx(100e-6)
+    assert "host 0.000 s" in format_gaps(g)

@@ -127,3 +127,10 @@ def test_training_parity_gradient_clipping():
     reference = train_reference(trainer_kwargs=clip)
     kwargs = dict(sequence_parallel_size=2, attention="ring")
     _check(run_distributed(train_strategy, 4, kwargs, trainer_kwargs=clip, timeout=TIMEOUT), reference)
+
+
+def test_training_parity_fused_optimizer():
+    """AdamW(fused=True) over FSDP2's DTensor parameters (the default on CUDA) equals the fused single-device run."""
+    reference = train_reference(fused_optimizer=True)
+    kwargs = dict(sequence_parallel_size=2, attention="ring")
+    _check(run_distributed(train_strategy, 2, kwargs, fused_optimizer=True, timeout=TIMEOUT), reference)

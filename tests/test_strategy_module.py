@@ -26,6 +26,7 @@ from lightning_seqpar.module import batch_samples, batch_tokens, warmup_cosine
         (dict(max_steps=0), "max_steps"),
         (dict(min_lr_ratio=2), "min_lr_ratio"),
         (dict(loss_chunk_size=0), "loss_chunk_size"),
+        (dict(fused_optimizer="yes"), "fused_optimizer must be True, False or None"),
     ],
 )
 def test_errors_name_the_argument(kwargs, match):
