@@ -109,7 +109,8 @@ def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
             and _num(r, "tokens_per_s_per_gpu") is not None and _num(r, "seq")]
     if not rows:
         return None
-    rows = latest(rows, ("system", "algorithm", "model", "seq", "gpus", "device"))
+    # the latest record of each setting (tag: e.g. compile / uncheckpointed blocks), then each system's best
+    rows = latest(rows, ("system", "algorithm", "model", "seq", "gpus", "device", "tag"))
     configs = sorted({(str(r.get("model")), int(r["seq"]), int(r.get("gpus") or 0)) for r in rows})
     systems = sorted({str(r.get("system")) for r in rows}, key=lambda s: (s != "seqpar", s))
     width = 0.8 / len(systems)
@@ -119,17 +120,18 @@ def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
             xs, ys, mfus = [], [], []
             for j, cfg in enumerate(configs):
                 match = [r for r in rows if str(r.get("system")) == system and (str(r.get("model")), int(r["seq"]), int(r.get("gpus") or 0)) == cfg]
-                if match and _num(match[-1], key) is not None:
+                best = max(match, key=lambda r: r["tokens_per_s_per_gpu"]) if match else None
+                if best is not None and _num(best, key) is not None:
                     xs.append(j + (i - (len(systems) - 1) / 2) * width)
-                    ys.append(match[-1][key])
-                    mfus.append(_num(match[-1], "mfu"))
+                    ys.append(best[key])
+                    mfus.append(_num(best, "mfu"))
             bars = ax.bar(xs, ys, width, label=SYSTEM_NAMES.get(system, system))
             if key == "tokens_per_s_per_gpu":
                 for bar, mfu in zip(bars, mfus):
                     if mfu is not None:
                         ax.annotate(f"{mfu:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                                     va="bottom", fontsize=7)
-    ax1.set_ylabel("tokens/s/GPU (MFU on bars)")
+    ax1.set_ylabel("tokens/s/GPU, best setting (MFU on bars)")
     ax2.set_ylabel("peak memory per GPU (GB)")
     ax2.set_xticks(range(len(configs)), [f"{m}\nS={seq_label(s)}, {g} GPUs" for m, s, g in configs], fontsize=8)
     ax1.set_title(f"Training throughput and memory\n{_devices(rows)}", fontsize=10)

@@ -25,6 +25,9 @@ the Chrome trace: every gap on the compute stream is classed as
     wait   the next kernel was queued in time but waited for another stream (an NCCL kernel,
            a copy): charged to the other-stream kernel that ended last before it started
     edge   before the first / after the last kernel of the profiled step (data, hooks, step end)
+
+and NCCL kernels that run ON the compute stream (synchronous collectives are enqueued on the
+current stream) are listed apart: the stream is busy then, but with communication only.
 """
 
 from __future__ import annotations
@@ -122,7 +125,8 @@ def idle_gaps(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | N
         elif cat in _CPU_CATS and not str(e.get("name", "")).startswith("ProfilerStep"):
             cpu.setdefault(e.get("tid"), []).append(e)
     if not kernels:
-        return dict(compute_stream=None, busy_s=0.0, host_s=0.0, wait_s=0.0, edge_s=0.0, gaps=0, host=[], wait=[])
+        return dict(compute_stream=None, busy_s=0.0, host_s=0.0, wait_s=0.0, edge_s=0.0, gaps=0, host=[], wait=[],
+                    comm_on_compute_s=0.0, comm_on_compute=[])
 
     def stream(e: dict[str, Any]) -> Any:
         return (e.get("pid"), e.get("args", {}).get("stream", e.get("tid")))
@@ -170,6 +174,11 @@ def idle_gaps(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | N
     host_s = wait_s = 0.0
     n = 0
     busy_s = sum(float(k.get("dur", 0.0)) for k in compute) / 1e6
+    serial: dict[str, float] = {}  # communication kernels ON the compute stream: nothing overlaps them
+    for k in compute:
+        if category(k.get("name", "")) == "comm":
+            name = str(k.get("name", "?"))[:80]
+            serial[name] = serial.get(name, 0.0) + float(k.get("dur", 0.0)) / 1e6
     end = compute[0]["ts"] + compute[0].get("dur", 0.0)
     for k in compute[1:]:
         gap = k["ts"] - end
@@ -194,7 +203,8 @@ def idle_gaps(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | N
         return [dict(cause=c, seconds=v) for c, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
 
     return dict(compute_stream=str(main), busy_s=busy_s, span_s=span_s, host_s=host_s, wait_s=wait_s, edge_s=edge_s,
-                gaps=n, host=ranked(host), wait=ranked(wait))
+                gaps=n, host=ranked(host), wait=ranked(wait), comm_on_compute_s=sum(serial.values()),
+                comm_on_compute=ranked(serial))
 
 
 def format_gaps(g: dict[str, Any]) -> str:
@@ -203,6 +213,8 @@ def format_gaps(g: dict[str, Any]) -> str:
     for kind in ("host", "wait"):
         lines.append(f"top {kind} causes:")
         lines += [f"  {r['seconds']:8.4f} s  {r['cause']}" for r in g[kind]]
+    lines.append(f"communication kernels on the compute stream (not overlapped): {g.get('comm_on_compute_s', 0.0):.3f} s")
+    lines += [f"  {r['seconds']:8.4f} s  {r['cause']}" for r in g.get("comm_on_compute", [])]
     return "\n".join(lines)
 
 

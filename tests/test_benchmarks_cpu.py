@@ -161,11 +161,14 @@ def test_profile_idle_gaps_classified():
         k("ncclDevKernel_SendRecv", 150, 249, 20, 4), launch(140, 4),
         # a comm-only stream with more time must not be taken for the compute stream
         k("ncclDevKernel_AllGather", 0, 2000, 21, 5), launch(-5, 5),
+        # a synchronous all-to-all enqueued on the compute stream itself
+        k("ncclDevKernel_SendRecv", 900, 30, 7, 6), launch(880, 6),
     ]
     g = idle_gaps({"traceEvents": events}, step_s=1000e-6)
     assert g["compute_stream"] == str((0, 7)) and g["gaps"] == 2
     assert g["host_s"] == pytest.approx(60e-6) and g["wait_s"] == pytest.approx(200e-6)
     assert g["host"][0]["cause"] == "Optimizer.step#AdamW.step > aten::_foreach_mul_"
     assert g["wait"][0]["cause"].startswith("[comm] ncclDevKernel_SendRecv")
-    assert g["busy_s"] == pytest.approx(640e-6) and g["edge_s"] == pytest.approx(100e-6)
+    assert g["busy_s"] == pytest.approx(670e-6) and g["edge_s"] == pytest.approx(70e-6)
+    assert g["comm_on_compute_s"] == pytest.approx(30e-6) and g["comm_on_compute"][0]["cause"] == "ncclDevKernel_SendRecv"
     assert "host 0.000 s" in format_gaps(g)
