@@ -6,7 +6,8 @@
 #   STAGE=1 (carry .whl):  copy the first wheels to /tmp/whl; bf16 matmul peak; torch CP baseline;
 #           ours with cuDNN (+10 uncheckpointed blocks), eager and compiled, each profiled.
 #   STAGE=2 (carry .whl2): install flash-attn 4 into /tmp/site; ours with fa4, eager and compiled.
-#   STAGE=3: RUNS="args;args;..." — one train.py run per ;-separated argument list (warm machine).
+#   STAGE=3: RUNS="args;args;..." — one train.py run per ;-separated argument list (warm machine;
+#           NPROC=2 SEQ=65536 for a 2-GPU machine).
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_mfu.sh   (results under $OUT)
 set -u
@@ -28,8 +29,8 @@ train() {  # train LIMIT ARGS...: one llama3-8b run at 128K (rank 0 prints the [
   local t=$(( $(left) < limit ? $(left) : limit ))
   if [ "$t" -lt 70 ]; then echo "== skip train $*: ${t}s left" | tee -a "$OUT/train.log"; return; fi
   echo "== train $* (limit ${t}s)" | tee -a "$OUT/train.log"
-  timeout -k 20 "$t" torchrun --nproc_per_node=4 --master_port=$((29500 + RANDOM % 2000)) benchmarks/train.py \
-    --model llama3-8b --seq 131072 --warmup 1 --steps 3 ${PEAK:+--matmul-peak $PEAK} --out "$OUT/train.json" "$@" > "$OUT/run.tmp" 2>&1
+  timeout -k 20 "$t" torchrun --nproc_per_node=${NPROC:-4} --master_port=$((29500 + RANDOM % 2000)) benchmarks/train.py \
+    --model llama3-8b --seq ${SEQ:-131072} --warmup 1 --steps 3 ${PEAK:+--matmul-peak $PEAK} --out "$OUT/train.json" "$@" > "$OUT/run.tmp" 2>&1
   local rc=$?
   grep -v -i warn "$OUT/run.tmp" | grep -E "^\[train\]|Error|error|exitcode" | tail -6 | tee -a "$OUT/train.log"
   echo "== rc=$rc ($(( $(date +%s) - START ))s elapsed)" | tee -a "$OUT/train.log"
