@@ -66,6 +66,12 @@ def _fa4():
     return interface
 
 
+@torch.compiler.assume_constant_result
+def _fa4_installed() -> bool:
+    """Whether flash-attn 4 loads; a constant to torch.compile (the backend is chosen inside compiled blocks)."""
+    return _fa4() is not None
+
+
 def fa4_supports(head_dim: int, head_dim_v: int | None = None, major: int = 9) -> bool:
     """Head dims flash-attn 4 takes: multiples of 8, in 8..256 on Hopper (``major`` 9), in 8..128 or
     exactly 256 on Blackwell (``major`` 10)."""
@@ -83,7 +89,7 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
     out: list[str] = []
     half = dtype in (torch.float16, torch.bfloat16)
     major, _ = torch.cuda.get_device_capability(device)
-    if half and major in (9, 10) and (head_dim is None or fa4_supports(head_dim, major=major)) and _fa4() is not None:
+    if half and major in (9, 10) and (head_dim is None or fa4_supports(head_dim, major=major)) and _fa4_installed():
         out.append("fa4")
     if half and major >= 9 and torch.backends.cudnn.is_available():
         out.append("cudnn")
