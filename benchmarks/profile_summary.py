@@ -18,7 +18,7 @@ step time - compute_s. That is only an upper bound of the idle time: on llama3-8
 the key_averages sums come out ~0.7 s below the kernel durations in the trace. The idle time
 itself comes from the trace, below.
 
-``idle_gaps(trace)`` (``train.py --profile DIR --profile-gaps``) finds WHERE that idle time is, from
+``idle_gaps(trace)`` (run by ``train.py --profile DIR`` on CUDA) finds WHERE the idle time is, from
 the Chrome trace: every gap on the compute stream is classed as
 
     host   the next kernel was launched after the GPU ran dry: the CPU was late (Python, hooks,
@@ -102,8 +102,9 @@ def idle_gaps(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | N
               top: int = 25) -> dict[str, Any]:
     """Idle time of the compute stream in a Chrome trace (``prof.export_chrome_trace``), by cause.
 
-    The compute stream is the stream with the most non-communication kernel time. Returns totals
-    (seconds) for ``host`` / ``wait`` / ``edge`` gaps and the ``top`` causes of each kind, a cause
+    The compute stream is the stream with the most non-communication kernel time. Returns its
+    ``busy_s`` (the union of its kernels' intervals), ``kernel_sum_s`` (their durations summed),
+    totals (seconds) for ``host`` / ``wait`` / ``edge`` gaps and the ``top`` causes of each kind, a cause
     being the launching thread's op stack (outermost > ... > innermost, 3 levels) for host gaps and
     the name of the other-stream kernel waited on for wait gaps.
     """
@@ -126,7 +127,7 @@ def idle_gaps(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | N
         elif cat in _CPU_CATS and not str(e.get("name", "")).startswith("ProfilerStep"):
             cpu.setdefault(e.get("tid"), []).append(e)
     if not kernels:
-        return dict(compute_stream=None, busy_s=0.0, host_s=0.0, wait_s=0.0, edge_s=0.0, gaps=0, host=[], wait=[],
+        return dict(compute_stream=None, busy_s=0.0, kernel_sum_s=0.0, span_s=0.0, host_s=0.0, wait_s=0.0, edge_s=0.0, gaps=0, host=[], wait=[],
                     comm_on_compute_s=0.0, comm_on_compute=[])
 
     def stream(e: dict[str, Any]) -> Any:
@@ -174,15 +175,18 @@ def idle_gaps(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | N
     wait: dict[str, float] = {}
     host_s = wait_s = 0.0
     n = 0
-    busy_s = sum(float(k.get("dur", 0.0)) for k in compute) / 1e6
+    kernel_sum_s = sum(float(k.get("dur", 0.0)) for k in compute) / 1e6
     serial: dict[str, float] = {}  # communication kernels ON the compute stream: nothing overlaps them
     for k in compute:
         if category(k.get("name", "")) == "comm":
             name = str(k.get("name", "?"))[:80]
             serial[name] = serial.get(name, 0.0) + float(k.get("dur", 0.0)) / 1e6
     end = compute[0]["ts"] + compute[0].get("dur", 0.0)
+    small_s = 0.0  # gaps of at most min_gap_us: launch latency, not counted as idle
     for k in compute[1:]:
         gap = k["ts"] - end
+        if 0 < gap <= min_gap_us:
+            small_s += gap / 1e6
         if gap > min_gap_us:
             n += 1
             launch = launches.get(k.get("args", {}).get("correlation"))
@@ -199,11 +203,12 @@ def idle_gaps(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | N
         end = max(end, k["ts"] + k.get("dur", 0.0))
     span_s = (end - compute[0]["ts"]) / 1e6
     edge_s = max(0.0, step_s - span_s) if step_s is not None else 0.0
+    busy_s = span_s - host_s - wait_s - small_s  # the union of the kernels' intervals (kernels may overlap)
 
     def ranked(d: dict[str, float]) -> list[dict[str, Any]]:
         return [dict(cause=c, seconds=v) for c, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
 
-    return dict(compute_stream=str(main), busy_s=busy_s, span_s=span_s, host_s=host_s, wait_s=wait_s, edge_s=edge_s,
+    return dict(compute_stream=str(main), busy_s=busy_s, kernel_sum_s=kernel_sum_s, span_s=span_s, host_s=host_s, wait_s=wait_s, edge_s=edge_s,
                 gaps=n, host=ranked(host), wait=ranked(wait), comm_on_compute_s=sum(serial.values()),
                 comm_on_compute=ranked(serial))
 
