@@ -149,3 +149,13 @@ def test_backend_resolution_on_cpu_and_fa4_head_dims():
     assert not any(fa4_supports(d) for d in (4, 100, 264))
     assert fa4_supports(128, major=10) and fa4_supports(256, major=10) and not fa4_supports(192, major=10)
     assert not fa4_supports(128, 100)  # head_dim_v too
+
+
+def test_fa4_check_is_a_compile_time_constant():
+    """The "flash-attn 4 installed" check that backend resolution makes inside compiled blocks traces
+    as a constant (no graph break, no Dynamo warning about a cached function)."""
+    from lightning_seqpar.attention import local
+
+    f = torch.compile(lambda x: x + (1.0 if local._fa4_installed() else 2.0), fullgraph=True, backend="eager")
+    expected = 1.0 if local._fa4() is not None else 2.0
+    torch.testing.assert_close(f(torch.zeros(2)), torch.full((2,), expected))
