@@ -16,15 +16,8 @@
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_fa4.sh   (results under $OUT)
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGE=${STAGE:-1}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
-export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 BUDGET_S=${BUDGET_S:-560}
-START=$(date +%s); DEADLINE=$((START + BUDGET_S))
-left() { echo $((DEADLINE - $(date +%s))); }
-fa4() { python -c "from lightning_seqpar.attention import available_backends as a; import torch; print('fa4' in a('cuda', torch.bfloat16, 128))" 2>/dev/null; }
+source "$(dirname "$0")/device_common.sh"
 echo "== STAGE=$STAGE commit=${SEQPAR_COMMIT:-unknown} $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) fa4=$(fa4)"
 
 attention() {  # attention LABEL LIMIT GRID...
@@ -36,21 +29,8 @@ attention() {  # attention LABEL LIMIT GRID...
     "${grids[@]}" 2>&1 | grep -v -i warn | tee "$OUT/attention_$label.log"
 }
 
-train() {  # train LIMIT ARGS...: one llama3-8b run at 128K
-  local limit=$1; shift
-  local t=$(( $(left) < limit ? $(left) : limit ))
-  if [ "$t" -lt 60 ]; then echo "== skip train $*: ${t}s left" | tee -a "$OUT/train.log"; return; fi
-  echo "== train $* (limit ${t}s)" | tee -a "$OUT/train.log"
-  timeout -k 20 "$t" torchrun --nproc_per_node=4 --master_port=$((29500 + RANDOM % 2000)) benchmarks/train.py \
-    --model llama3-8b --seq 131072 --warmup 1 --steps 3 ${PEAK:+--matmul-peak $PEAK} --out "$OUT/train.json" "$@" > "$OUT/run.tmp" 2>&1
-  local rc=$?
-  grep -v -i warn "$OUT/run.tmp" | grep -E "^\[train\]|Error|error|exitcode" | tail -6 | tee -a "$OUT/train.log"
-  echo "== rc=$rc ($(( $(date +%s) - START ))s elapsed)" | tee -a "$OUT/train.log"
-  rm -f "$OUT/run.tmp"
-}
-
 if [ "$STAGE" = 1 ]; then
-  mkdir -p /tmp/whl && cp .whl/* /tmp/whl/ && echo "== copied .whl to /tmp/whl ($(ls /tmp/whl | wc -l) files)"
+  copy_fa4_part1
   attention cudnn 200 \
     "seqs=131072;heads=32/8;systems=single,seqpar:ring,seqpar:ulysses,seqpar:ring:chunks2,seqpar:ring:chunks4,seqpar:allgather:chunks4,torch_cp:allgather,torch_cp:alltoall" \
     "seqs=524288;heads=32/8;systems=seqpar:ring,seqpar:ring:chunks4,seqpar:ulysses,torch_cp:allgather,torch_cp:alltoall;iters=2"
@@ -59,10 +39,7 @@ if [ "$STAGE" = 1 ]; then
     --system torch_cp --model llama3-8b --nproc 4 --seqs 262144:140,229376:140,196608:140 --deadline "$DEADLINE" \
     --out "$OUT/longest.json" --log "$OUT/longest.log"
 elif [ "$STAGE" = 2 ]; then
-  cp .whl2/* /tmp/whl/ && cat /tmp/whl/cu13part.* > /tmp/whl/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
-    && rm /tmp/whl/cu13part.* \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site /tmp/whl/*.whl 2>&1 | tail -2
-  echo "== fa4 available: $(fa4) ($(( $(date +%s) - START ))s)"
+  install_fa4_part2
   echo "== GPU tests with fa4 ($(left)s left)"
   timeout -k 10 220 torchrun --nproc_per_node=4 -m pytest -s -q -p no:cacheprovider tests/test_attention_gpu.py -k fa4 > "$OUT/attention_gpu_fa4.log" 2>&1
   echo "== rc=$? ($(( $(date +%s) - START ))s)"; grep -E "FAIL|passed|failed|skipped|Error" "$OUT/attention_gpu_fa4.log" | sort | uniq -c | tail -12
@@ -73,7 +50,7 @@ elif [ "$STAGE" = 2 ]; then
     "seqs=524288;heads=32/8;systems=seqpar:ring:fa4,seqpar:ring:fa4:chunks4,seqpar:allgather:fa4,torch_cp:allgather,torch_cp:alltoall;iters=2"
 elif [ "$STAGE" = 3 ]; then
   timeout 60 python benchmarks/matmul_peak.py --sizes 8192 --iters 20 --out "$OUT/train.json" 2>&1 | grep -v -i warn | tee -a "$OUT/train.log"
-  PEAK=$(python -c "import json,sys; r=[x for x in json.load(open(sys.argv[1])) if x.get('bench')=='matmul']; print(round(r[-1]['tflops'],1) if r else '')" "$OUT/train.json" 2>/dev/null)
+  PEAK=$(peak_tflops "$OUT/train.json")
   train 150 --system seqpar --backend fa4
   train 150 --system torch_cp
   train 160 --system seqpar --backend fa4 --uncheckpointed-blocks 10 --tag uncheckpointed10

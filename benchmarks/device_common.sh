@@ -1,0 +1,49 @@
+# Shared by the nvidia-h200-x4 run scripts (run_h200x4_fa4.sh, run_h200x4_mfu.sh); sourced, not run.
+# Sets the NCCL / flash-attn 4 / Inductor environment, the call's time budget (BUDGET_S, set before
+# sourcing) and these helpers:
+#   left               seconds left before the budget's deadline
+#   fa4                True when flash-attn 4 loads as our local kernel
+#   copy_fa4_part1     stage 1 (carry .whl): the first wheels to /tmp/whl
+#   install_fa4_part2  stage 2 (carry .whl2): the rest, joined, installed into /tmp/site
+#   train LIMIT ARGS   one benchmarks/train.py run (llama3-8b, SEQ tokens, NPROC GPUs) under min(LIMIT, left);
+#                      skipped below TRAIN_MIN_S seconds left; [train] lines to $OUT/train.log
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STAGE=${STAGE:-1}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+BUDGET_S=${BUDGET_S:-560}
+TRAIN_MIN_S=${TRAIN_MIN_S:-60}
+START=$(date +%s); DEADLINE=$((START + BUDGET_S))
+left() { echo $((DEADLINE - $(date +%s))); }
+fa4() { python -c "from lightning_seqpar.attention import available_backends as a; import torch; print('fa4' in a('cuda', torch.bfloat16, 128))" 2>/dev/null; }
+
+copy_fa4_part1() {
+  mkdir -p /tmp/whl && cp .whl/* /tmp/whl/ && echo "== copied .whl to /tmp/whl ($(ls /tmp/whl | wc -l) files)"
+}
+
+install_fa4_part2() {
+  cp .whl2/* /tmp/whl/ && cat /tmp/whl/cu13part.* > /tmp/whl/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
+    && rm /tmp/whl/cu13part.* \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site /tmp/whl/*.whl 2>&1 | tail -2
+  echo "== fa4 available: $(fa4) ($(( $(date +%s) - START ))s)"
+}
+
+train() {  # train LIMIT ARGS...
+  local limit=$1; shift
+  local t=$(( $(left) < limit ? $(left) : limit ))
+  if [ "$t" -lt "$TRAIN_MIN_S" ]; then echo "== skip train $*: ${t}s left" | tee -a "$OUT/train.log"; return; fi
+  echo "== train $* (limit ${t}s)" | tee -a "$OUT/train.log"
+  timeout -k 20 "$t" torchrun --nproc_per_node=${NPROC:-4} --master_port=$((29500 + RANDOM % 2000)) benchmarks/train.py \
+    --model llama3-8b --seq ${SEQ:-131072} --warmup 1 --steps 3 ${PEAK:+--matmul-peak $PEAK} --out "$OUT/train.json" "$@" > "$OUT/run.tmp" 2>&1
+  local rc=$?
+  grep -v -i warn "$OUT/run.tmp" | grep -E "^\[train\]|Error|error|exitcode" | tail -6 | tee -a "$OUT/train.log"
+  echo "== rc=$rc ($(( $(date +%s) - START ))s elapsed)" | tee -a "$OUT/train.log"
+  [ "$rc" = 0 ] || grep -v -i warn "$OUT/run.tmp" | tail -30 > "$OUT/failed_$(date +%s).log"
+  rm -f "$OUT/run.tmp"
+}
+
+peak_tflops() {  # peak_tflops FILE: the last bf16 matmul peak recorded in FILE (benchmarks/matmul_peak.py), or ''
+  python -c "import json,sys; r=[x for x in json.load(open(sys.argv[1])) if x.get('bench')=='matmul']; print(round(r[-1]['tflops'],1) if r else '')" "$1" 2>/dev/null
+}
