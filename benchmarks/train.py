@@ -152,9 +152,7 @@ def _finish_profiler(args, prof, t0: float) -> None:
     base = os.path.join(args.profile, f"profile_{args.system}{'_' + args.tag if args.tag else ''}")
     text = format_summary(summary)
     if args.device == "cuda":  # where the idle time is: from the Chrome trace (kept with --profile-trace)
-        import tempfile
-
-        trace = base + ".trace.json" if args.profile_trace else tempfile.mktemp(suffix=".trace.json")
+        trace = base + ".trace.json"  # removed again unless --profile-trace
         prof.export_chrome_trace(trace)
         with open(trace) as f:
             summary["idle"] = idle_gaps(json.load(f), step_s=step)
