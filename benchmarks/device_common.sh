@@ -1,4 +1,4 @@
-# Shared by the nvidia-h200-x4 run scripts (run_h200x4_fa4.sh, run_h200x4_mfu.sh); sourced, not run.
+# Shared by the device run scripts (run_h200x4_fa4.sh, run_h200x4_mfu.sh, run_h200x2_longest.sh); sourced, not run.
 # Sets the NCCL / flash-attn 4 / Inductor environment, the call's time budget (BUDGET_S, set before
 # sourcing) and these helpers:
 #   left               seconds left before the budget's deadline
