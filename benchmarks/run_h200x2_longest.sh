@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Longest trainable llama3-8b context on 2 GPUs (nvidia-h200-x2), ours against both baselines
+# Longest trainable context (llama3-8b, llama-7b) on 2 GPUs (nvidia-h200-x2), ours against both baselines
 # (issue #7 item 3: per model and GPU count, against each baseline). Two calls, cuDNN kernel (no fa4:
 # the kernel does not change what fits). Each attempt is a benchmarks/longest.py process: the AdamW
 # state allocated first, then one step (seqpar) / two steps (baselines); descending S, the first
@@ -8,6 +8,8 @@
 #   STAGE=1: ours: full checkpointing, head_chunks 4, chunked CE; 320K, 288K, 256K.
 #   STAGE=2: FSDP2 + torch CP + full AC (96K, 80K, 64K, 48K), then Megatron-style TP+SP
 #            (128K, 96K, 80K, 64K) with what time is left.
+#   STAGE=3: llama-7b (MHA, vocab 32K): ours (320K, 256K), then torch CP (256K ... 128K).
+#   STAGE=4: llama-7b: TP+SP (224K ... 128K).
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x2_longest.sh   (results under $OUT)
 set -u
@@ -16,10 +18,10 @@ source "$(dirname "$0")/device_common.sh"
 echo "== STAGE=$STAGE commit=${SEQPAR_COMMIT:-unknown} $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
-longest() {  # longest SYSTEM SEQS [-- TRAIN ARGS]
+longest() {  # longest SYSTEM SEQS [-- TRAIN ARGS]   (MODEL: llama3-8b)
   local system=$1 seqs=$2; shift 2
-  echo "== longest $system ($(left)s left)"
-  timeout -k 30 $(( $(left) + 10 )) python benchmarks/longest.py --system "$system" --model llama3-8b --nproc 2 \
+  echo "== longest $system ${MODEL:-llama3-8b} ($(left)s left)"
+  timeout -k 30 $(( $(left) + 10 )) python benchmarks/longest.py --system "$system" --model "${MODEL:-llama3-8b}" --nproc 2 \
     --seqs "$seqs" --deadline "$DEADLINE" --out "$OUT/longest.json" --log "$OUT/longest.log" "$@" 2>&1 | grep "^\[longest\]"
 }
 
@@ -28,5 +30,10 @@ if [ "$STAGE" = 1 ]; then
 elif [ "$STAGE" = 2 ]; then
   longest torch_cp 98304:100,81920:90,65536:80,49152:70
   longest tp_sp 131072:110,98304:100,81920:90,65536:80
+elif [ "$STAGE" = 3 ]; then
+  MODEL=llama-7b longest seqpar 327680:250,262144:220 -- --ac full --head-chunks 4 --warmup 0 --steps 1 --backend cudnn
+  MODEL=llama-7b longest torch_cp 262144:100,229376:90,196608:90,163840:80,131072:80
+elif [ "$STAGE" = 4 ]; then
+  MODEL=llama-7b longest tp_sp 229376:110,196608:100,163840:90,131072:80
 fi
 echo "== done in $(( $(date +%s) - START ))s"
