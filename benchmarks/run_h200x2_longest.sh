@@ -8,8 +8,9 @@
 #   STAGE=1: ours: full checkpointing, head_chunks 4, chunked CE; 320K, 288K, 256K.
 #   STAGE=2: FSDP2 + torch CP + full AC (96K, 80K, 64K, 48K), then Megatron-style TP+SP
 #            (128K, 96K, 80K, 64K) with what time is left.
-#   STAGE=3: llama-7b (MHA, vocab 32K): ours (320K, 256K), then torch CP (256K ... 128K).
-#   STAGE=4: llama-7b: TP+SP (224K ... 128K).
+#   STAGE=3: llama-7b (MHA, vocab 32K): ours at 384K (one step, ~230 s).
+#   STAGE=4: llama-7b: torch CP at 256K, then 192K (one step each: two steps at 256K take ~200 s).
+#   STAGE=5: llama-7b: TP+SP (224K ... 128K, one step each) -- not run yet (device time).
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x2_longest.sh   (results under $OUT)
 set -u
@@ -31,9 +32,10 @@ elif [ "$STAGE" = 2 ]; then
   longest torch_cp 98304:100,81920:90,65536:80,49152:70
   longest tp_sp 131072:110,98304:100,81920:90,65536:80
 elif [ "$STAGE" = 3 ]; then
-  MODEL=llama-7b longest seqpar 327680:250,262144:220 -- --ac full --head-chunks 4 --warmup 0 --steps 1 --backend cudnn
-  MODEL=llama-7b longest torch_cp 262144:100,229376:90,196608:90,163840:80,131072:80
+  MODEL=llama-7b longest seqpar 393216:300 -- --ac full --head-chunks 4 --warmup 0 --steps 1 --backend cudnn
 elif [ "$STAGE" = 4 ]; then
-  MODEL=llama-7b longest tp_sp 229376:110,196608:100,163840:90,131072:80
+  MODEL=llama-7b longest torch_cp 262144:200,196608:150 -- --warmup 0 --steps 1
+elif [ "$STAGE" = 5 ]; then
+  MODEL=llama-7b longest tp_sp 229376:170,196608:140,163840:120,131072:100 -- --warmup 0 --steps 1
 fi
 echo "== done in $(( $(date +%s) - START ))s"
