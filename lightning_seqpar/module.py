@@ -28,14 +28,18 @@ from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_seqpar import hf
+from lightning_seqpar.attention import Attention
 from lightning_seqpar.data.chars import BitsPerCharacter
-from lightning_seqpar.loss import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
+from lightning_seqpar.documents import batch_documents, set_current_documents
+from lightning_seqpar.loss import IGNORE_INDEX, chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
 from lightning_seqpar.mesh import MESH_AXES
 from lightning_seqpar.models.gpt import CONFIGS as GPT_CONFIGS
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.models.llama import Llama, LlamaConfig
 from lightning_seqpar.models.transnormer import CONFIGS as TNL_CONFIGS
 from lightning_seqpar.models.transnormer import TransNormer, TransNormerConfig
+from lightning_seqpar.parallelize import uses_linear_attention
+from lightning_seqpar.strategy import SequenceParallelStrategy
 
 __all__ = ["CausalLMModule", "batch_samples", "batch_tokens"]
 
@@ -210,6 +214,39 @@ class CausalLMModule(L.LightningModule):
         hidden = model(input_ids, position_ids, output="hidden")  # (B, S, d)
         return chunked_cross_entropy_sum(hidden, model.lm_head.weight, labels, chunk_size=self.loss_chunk_size)
 
+    # ----------------------------------------------------------------------------------------- batches
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Packed documents without ``SequenceParallelStrategy`` (one device, DDP, ...): what the
+        strategy's batch hook does for them (Note [Packed documents and per-document zigzag]) with
+        whole sequences: the batch's documents (``document_ids``, or ``position_ids`` restarting
+        at 0) become current for attention and the positions restart at every document, so that a
+        batch gives the same loss with and without the strategy."""
+        batch = super().on_after_batch_transfer(batch, dataloader_idx)
+        if _under_sequence_parallel_strategy(self) or not isinstance(batch, Mapping) or "input_ids" not in batch:
+            return batch
+        documents = batch_documents(batch, world=1)
+        if documents is not None:
+            model = self._require_model()
+            what = f"{type(self).__name__}: the batch holds packed documents (document_ids / position_ids restarting at 0), "
+            if uses_linear_attention(model):
+                raise ValueError(what + "which linear attention does not mask; drop document_ids and use plain position_ids")
+            if not any(isinstance(m, Attention) for m in model.modules()):
+                raise ValueError(what + "which only the package's attention masks, and this model runs its own (a Hugging Face "
+                                 "model outside SequenceParallelStrategy); train under SequenceParallelStrategy (devices=1 works)")
+        set_current_documents(documents)
+        self._documents_set = True
+        if documents is None:
+            return batch
+        return {**batch, "position_ids": documents.position_ids(batch["input_ids"].device)}
+
+    @override
+    def teardown(self, stage: str) -> None:
+        if getattr(self, "_documents_set", False):
+            set_current_documents(None)
+            self._documents_set = False
+
     # ----------------------------------------------------------------------------------------- steps
 
     @override
@@ -249,6 +286,43 @@ class CausalLMModule(L.LightningModule):
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log_dict({"test/loss": loss, "test/ppl": loss.exp(), **self._bits_per_character("test")}, sync_dist=True)
+
+    @override
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
+        """Per-token outputs of the whole sequences (on every rank under the strategy):
+
+        * ``predictions`` (B, S) int64: the most likely next token after each position;
+        * ``token_logprobs`` (B, S) fp32, when the batch has ``labels``: log p(label) at each
+          position, 0 where the label is ignored (-100). Their sum over a sample is its log-likelihood.
+
+        With ``loss_chunk_size`` the logits of at most that many tokens exist at a time. Under
+        ``SequenceParallelStrategy`` each rank computes its shard and the pieces are put back in
+        sequence order (``SequenceParallelStrategy.gather_sequence``); padding from
+        ``pad_to_multiple`` stays at the end.
+        """
+        model = self._require_model()
+        input_ids, labels, position_ids = batch["input_ids"], batch.get("labels"), batch.get("position_ids")
+        if self.loss_chunk_size is None:
+            pieces: Any = [model(input_ids, position_ids)]  # (B, S, V)
+        else:
+            hidden, weight, step = model(input_ids, position_ids, output="hidden"), model.lm_head.weight, self.loss_chunk_size
+            pieces = (hidden[:, i : i + step] @ weight.T for i in range(0, hidden.shape[1], step))  # (B, n, V) each
+        predictions, logprobs = [], []
+        start = 0
+        for logits in pieces:
+            logits = logits.float()
+            predictions.append(logits.argmax(-1))
+            if labels is not None:
+                y = labels[:, start : start + logits.shape[1]]
+                valid = y != IGNORE_INDEX
+                picked = logits.gather(-1, torch.where(valid, y, 0).unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+                logprobs.append(torch.where(valid, picked, 0.0))
+            start += logits.shape[1]
+        out = {"predictions": torch.cat(predictions, dim=1)}
+        if labels is not None:
+            out["token_logprobs"] = torch.cat(logprobs, dim=1)
+        gather = getattr(self.trainer.strategy, "gather_sequence", None) if self._trainer is not None else None
+        return {k: gather(v) for k, v in out.items()} if gather is not None else out
 
     def _bits_per_character(self, stage: str) -> dict[str, torch.Tensor]:
         """``{"<stage>/bpc": value}`` from the metric (then reset), or nothing without ``bits_per_character``."""
@@ -309,6 +383,10 @@ class CausalLMModule(L.LightningModule):
         schedule = warmup_cosine(warmup_steps=self.warmup_steps, max_steps=max_steps, min_lr_ratio=self.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _under_sequence_parallel_strategy(module: L.LightningModule) -> bool:
+    return module._trainer is not None and isinstance(module.trainer.strategy, SequenceParallelStrategy)
 
 
 def _is_named_config(name: str) -> bool:

@@ -141,8 +141,9 @@ def apply_attention(
         if sp > 1:
             raise ValueError(
                 f"{type(model).__name__} has no lightning_seqpar.attention.Attention module, so sequence "
-                f"parallelism over {sp} ranks cannot be installed; call `Attention` (or "
-                "`sequence_parallel_attention`) for the attention of every block"
+                f"parallelism over {sp} ranks cannot be installed; compute the attention of every block with "
+                "a `lightning_seqpar.attention.Attention` module (calling `sequence_parallel_attention` directly "
+                "is not enough: the strategy installs its mesh and algorithm through those modules)"
             )
         return 0
     if sp > 1 and algorithm in ("ulysses", "2d"):

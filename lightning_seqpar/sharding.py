@@ -114,10 +114,10 @@ def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: La
     hp, _, cp, _ = mesh_sizes(mesh)
     dim = dim % x.ndim
     if mesh.ndim == 2 and hp > 1:  # the hp split of a cp shard is contiguous: gathering restores it
-        x = _gather(x, mesh.get_group("hp"), dim)
+        x = gather_along(x, mesh.get_group("hp"), dim)
     if cp == 1:
         return x
-    x = _gather(x, mesh.get_group("cp") if mesh.ndim == 2 else mesh.get_group(), dim)
+    x = gather_along(x, mesh.get_group("cp") if mesh.ndim == 2 else mesh.get_group(), dim)
     full_len = x.shape[dim]
     chunk = full_len // num_chunks(cp, layout)
     local = torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=x.device) for r in range(cp) for c in chunk_ids(r, cp, layout)])
@@ -126,10 +126,14 @@ def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: La
     return x.index_select(dim, order)
 
 
-def _gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+def gather_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """The ranks' ``x`` concatenated along ``dim`` in group-rank order (differentiable all-gather)."""
+    import torch.distributed._functional_collectives as fc
 
-    out = all_gather_tensor_autograd(x.movedim(dim, 0).contiguous(), gather_dim=0, group=group)
+    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd  # renamed after torch 2.11
+    out = gather(x.movedim(dim, 0).contiguous(), gather_dim=0, group=group)
+    if isinstance(out, fc.AsyncCollectiveTensor):  # wait here: a caller may keep the result without computing on it
+        out = out.trigger_wait()
     return out.movedim(0, dim)
 
 

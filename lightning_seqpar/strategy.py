@@ -48,14 +48,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS
-from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
+from lightning_seqpar.attention.cost import COST_ALGORITHMS, AttentionPlan, DeviceProfile, choose_attention
+from lightning_seqpar.attention.local import available_backends, resolve_backend
 from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
-from lightning_seqpar.documents import PackedDocuments, batch_documents, set_current_documents
+from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, set_current_documents
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
 from lightning_seqpar.parallelize import find_blocks, parallelize, uses_linear_attention
 from lightning_seqpar.rng import get_rng_state, set_rng_state
-from lightning_seqpar.sharding import LAYOUTS, mesh_sizes, pad_batch, required_multiple, shard_sequence
+from lightning_seqpar.sharding import LAYOUTS, gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
 from lightning_seqpar.validation import check_batch, check_same_batch
 
 if TYPE_CHECKING:
@@ -178,6 +179,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"{name}: head_chunks must be a positive int, got {head_chunks!r}")
         if head_chunks > 1 and attention not in ("ring", "allgather", "auto"):
             raise ValueError(f"{name}: head_chunks={head_chunks} is for attention='ring' or 'allgather', not attention={attention!r}")
+        if head_chunks > 1 and head_parallel_size != "auto" and head_parallel_size > 1:
+            raise ValueError(f"{name}: head_chunks={head_chunks} is for attention='ring' or 'allgather' (head_parallel_size=1), "
+                             f"but head_parallel_size={head_parallel_size} means 2D attention")
         # "auto" becomes "lasp" in setup() when the model's blocks call LinearAttention
         # and to the cost model's choice when expected_seq_len is given (Note [Choosing attention automatically])
         self._auto_attention = attention == "auto"
@@ -357,6 +361,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         mesh_for_fsdp = fsdp_mesh(self.device_mesh, timeout=self.timeout)
         self._resolve_auto_attention(roots)
         self._check_inner_ring_size()
+        self._check_attention_backend(roots)
         for root in roots:
             parallelize(
                 root,
@@ -387,6 +392,22 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     # The batches come later still, hence expected_seq_len; without it "auto" stays "2d" if
     # hp > 1 else "ring". Double rings are not chosen here (set inner_ring_size yourself;
     # they only pay off across nodes).
+
+    def _check_attention_backend(self, roots: list[nn.Module]) -> None:
+        """A named attention_backend must run on this device (for the precision's dtype, or bf16 / fp16
+        under a user's own autocast): checked in setup, not in the first step."""
+        if self.attention_backend == "auto" or all(uses_linear_attention(root) for root in roots):
+            return
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        dtype = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}.get(precision.split("-")[0], torch.float32)
+        shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
+        head_dim = None if shape is None else shape[2]
+        runnable = {b for d in (dtype, torch.bfloat16, torch.float16) for b in available_backends(self.root_device, d, head_dim)}
+        if self.attention_backend not in runnable:
+            try:  # resolve_backend's message says why (install, device, dtype, head dim)
+                resolve_backend(self.attention_backend, self.root_device, dtype, head_dim)
+            except ValueError as error:
+                raise ValueError(f"{type(self).__name__}: attention_backend={self.attention_backend!r}: {error}") from error
 
     def _check_inner_ring_size(self) -> None:
         """inner_ring_size against the resolved attention and the context-parallel size (before any collective)."""
@@ -419,6 +440,16 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"{name}: the model uses linear attention (LASP), which needs load_balance='contiguous' (or 'auto')")
         self.attention, self.layout = "lasp", "contiguous"
 
+    def _auto_candidates(self) -> tuple[str, ...]:
+        """The algorithms attention="auto" may pick: those that take the options the user set
+        (head_chunks > 1: ring or all-gather; inner_ring_size: ring or 2D)."""
+        allowed = set(COST_ALGORITHMS)
+        if self.head_chunks > 1:
+            allowed &= {"ring", "allgather"}
+        if self.inner_ring_size is not None:
+            allowed &= {"ring", "2d"}
+        return tuple(a for a in COST_ALGORITHMS if a in allowed)
+
     def _plan_attention(self, shape: tuple[int, int, int] | None, *, sp: int, head_parallel_size: int | None) -> AttentionPlan | None:
         """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks; None when not asked for or unknown."""
         if not self._auto_attention or self._expected_seq_len is None or shape is None or sp == 1:
@@ -433,7 +464,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             return choose_attention(
                 seq_len=self._expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
                 layout=self.layout, dtype_bytes=4 if precision.startswith("32") else 2, profile=profile,  # type: ignore[arg-type]
-                head_parallel_size=head_parallel_size, double_ring=False,
+                algorithms=self._auto_candidates(), head_parallel_size=head_parallel_size, double_ring=False,
             )
         except ValueError as error:
             raise ValueError(
@@ -647,6 +678,25 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 else:
                     out[key] = shard_sequence(value, self.sp_mesh, dim=1, layout=self.layout)  # type: ignore[arg-type]
         return type(batch)(out) if not isinstance(batch, dict) else out
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The full sequences, on every rank, from this rank's piece of a per-token tensor of the current
+        batch (``(B, S_local, ...)``, e.g. predictions from the sharded ``input_ids``): the inverse of
+        :meth:`shard_batch` along dim 1, with its layout or per-document split (an all-gather over the
+        sequence-parallel ranks). Without sequence parallelism ``x`` itself. Padding that
+        ``pad_to_multiple`` added stays at the end."""
+        if self.parallel_dims.sp == 1:
+            return x
+        documents = current_documents()
+        if documents is None:
+            return unshard_sequence(x, self.sp_mesh, dim=1, layout=self.layout)  # type: ignore[arg-type]
+        hp, _, cp, _ = mesh_sizes(self.sp_mesh)
+        if hp > 1:  # Note [Sequence layouts]: the hp split of a cp shard is contiguous
+            x = gather_along(x, self.sp_mesh.get_group("hp"), dim=1)
+        if cp > 1:
+            group = self.sp_mesh.get_group("cp") if self.sp_mesh.ndim == 2 else self.sp_mesh.get_group()
+            x = documents.unshard(gather_along(x, group, dim=1).chunk(cp, dim=1), dim=1)
+        return x
 
     def _documents(self, batch: dict, cp: int) -> PackedDocuments | None:
         """The batch's packed documents (``document_ids``, or ``position_ids`` restarting at 0), made current for attention."""

@@ -233,6 +233,19 @@ def test_strategy_auto_keeps_a_fixed_head_parallel_size():
         _strategy(4, ParallelDims(hp=2, cp=2, world_size=4), head_parallel_size=2, expected_seq_len=131072)._resolve_auto_attention([_llama(33, 33)])
 
 
+@pytest.mark.parametrize("option,allowed", [(dict(head_chunks=2), ("ring", "allgather")), (dict(inner_ring_size=2), ("ring", "2d"))])
+def test_strategy_auto_picks_among_algorithms_that_take_the_users_options(option, allowed):
+    # unrestricted, the plan for 32/8 heads on 4 ranks is Ulysses, which takes neither option
+    kw = dict(seq_len=131072, num_heads=32, num_kv_heads=8, head_dim=128, world_size=4, dtype_bytes=4, double_ring=False,
+              profile=DeviceProfile.h200(gpus_per_node=4))
+    assert choose_attention(head_parallel_size=1, **kw).algorithm == "ulysses"
+    strategy = _strategy(4, ParallelDims(cp=4, world_size=4), expected_seq_len=131072, **option)
+    strategy._resolve_auto_attention([_llama(32, 8)])
+    strategy._check_inner_ring_size()  # what setup() runs next: no error
+    assert strategy.attention in allowed
+    assert strategy.attention_plan.label == choose_attention(head_parallel_size=1, algorithms=allowed, **kw).label
+
+
 def test_strategy_auto_without_expected_seq_len_is_unchanged():
     strategy = _strategy(4, ParallelDims(cp=4, world_size=4))
     strategy._resolve_auto_attention([_llama(32, 8)])
@@ -268,6 +281,7 @@ def test_strategy_auto_head_parallel_size_from_the_module_config():
         (dict(head_parallel_size="many"), "head_parallel_size must be a positive int or 'auto'"),
         (dict(head_parallel_size="auto", attention="ring"), "head_parallel_size='auto' is chosen together with the algorithm"),
         (dict(expected_seq_len=0), "expected_seq_len must be a positive int"),
+        (dict(head_chunks=2, head_parallel_size=2), "head_chunks=2 is for attention='ring' or 'allgather' .*head_parallel_size=2 means 2D"),
     ],
 )
 def test_strategy_errors_name_the_argument(kwargs, match):

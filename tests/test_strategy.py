@@ -114,6 +114,25 @@ def test_trainer_accepts_registered_name():
     assert isinstance(trainer.strategy, SequenceParallelStrategy)
 
 
+def test_unrunnable_attention_backend_fails_in_setup():
+    import lightning as L
+
+    warnings.filterwarnings("ignore")
+    steps = []
+
+    class Module(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            steps.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    batch = {"input_ids": torch.zeros(1, 16, dtype=torch.long), "labels": torch.zeros(1, 16, dtype=torch.long)}
+    trainer = L.Trainer(strategy=SequenceParallelStrategy(attention_backend="efficient"), accelerator="cpu", devices=1, max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"SequenceParallelStrategy: attention_backend='efficient'.*cannot run on device=cpu"):
+        trainer.fit(Module("tiny"), train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
+    assert steps == []  # raised in setup, before the first step
+
+
 # ---------------------------------------------------------------------------------------------- batch hook
 
 

@@ -39,6 +39,7 @@ from typing import Literal
 from torch import Tensor, nn
 
 from lightning_seqpar.attention.api import Attention, gathered_kv_attention
+from lightning_seqpar.sharding import gather_along
 
 __all__ = ["KVComm", "KV_COMMS", "FusedKVAttention", "resolve_kv_comm"]
 
@@ -122,12 +123,10 @@ class FusedKVAttention(nn.Module):
         if mode != "input":
             k, v = kv_proj(x)  # (B, S, H_kv, D) each
             return self.core(q, k, v)  # (B, S, H, D)
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
-
         mesh = self.core.mesh
         assert mesh is not None and mesh.ndim == 1
         # One all-gather of x in the forward pass; its autograd backward is one reduce-scatter.
-        x_full = all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=mesh.get_group())  # (B, W*S, d), rank order
+        x_full = gather_along(x, mesh.get_group(), dim=1)  # (B, W*S, d), rank order
         k, v = kv_proj(x_full)  # (B, W*S, H_kv, D) each
         core = self.core
         return gathered_kv_attention(q, k, v, mesh=mesh, causal=core.causal, layout=core.layout,  # type: ignore[arg-type]
