@@ -171,6 +171,15 @@ def chunked_cross_entropy_sum(
     return loss_sum, (labels != ignore_index).sum()
 
 
+_GLOBAL_MEAN_CALLS = 0
+"""How often :func:`global_mean_loss` ran: ``SequenceParallelStrategy`` warns when a training step's loss did not come from it."""
+
+
+def global_mean_loss_calls() -> int:
+    """The number of :func:`global_mean_loss` calls so far in this process."""
+    return _GLOBAL_MEAN_CALLS
+
+
 def global_mean_loss(
     loss_sum: torch.Tensor,
     n_valid: torch.Tensor | int,
@@ -191,6 +200,8 @@ def global_mean_loss(
         mean over every valid token. A global count of zero gives a zero loss (with a gradient of
         zero), never NaN.
     """
+    global _GLOBAL_MEAN_CALLS
+    _GLOBAL_MEAN_CALLS += 1
     count = torch.as_tensor(n_valid, device=loss_sum.device).detach().to(torch.int64).clone()
     if count.ndim != 0:
         raise ValueError(f"n_valid must be a scalar count, got shape {tuple(count.shape)}")

@@ -65,16 +65,17 @@ def chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
 
 
 def required_multiple(mesh: DeviceMesh, layout: str) -> int:
-    """The global sequence length must be a multiple of this number."""
+    """The global sequence length must be a multiple of this number (with one cp rank both layouts
+    are the identity: only the hp split remains)."""
     hp, _, cp, _ = mesh_sizes(mesh)
-    return num_chunks(cp, layout) * hp
+    return (num_chunks(cp, layout) if cp > 1 else 1) * hp
 
 
 def _check_length(seq_len: int, mesh: DeviceMesh, layout: str, what: str) -> None:
     m = required_multiple(mesh, layout)
     if seq_len % m:
         hp, _, cp, _ = mesh_sizes(mesh)
-        detail = f"2 * cp_size ({cp}) * hp_size ({hp})" if layout == "zigzag" else f"cp_size ({cp}) * hp_size ({hp})"
+        detail = f"2 * cp_size ({cp}) * hp_size ({hp})" if layout == "zigzag" and cp > 1 else f"cp_size ({cp}) * hp_size ({hp})"
         raise ValueError(
             f"{what}={seq_len} must be divisible by {m} = {detail} for layout={layout!r}; "
             f"pad the sequence (labels ignored) to a multiple of {m}"
@@ -86,17 +87,26 @@ def sequence_index(seq_len: int, mesh: DeviceMesh, layout: Layout = "zigzag", de
     _check_layout(layout)
     _check_length(seq_len, mesh, layout, "seq_len")
     hp, hp_rank, cp, cp_rank = mesh_sizes(mesh)
+    if cp == 1:
+        return torch.arange(seq_len, device=device).chunk(hp)[hp_rank]
     chunk = seq_len // num_chunks(cp, layout)
     cp_index = torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids(cp_rank, cp, layout)])
     return cp_index.chunk(hp)[hp_rank]
 
 
+def _check_dim(x: torch.Tensor, dim: int) -> int:
+    """``dim`` of ``x`` as a non-negative index, or a ValueError naming it."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a tensor, got {type(x).__name__}")
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"dim={dim!r} is out of range for x of shape {tuple(x.shape)} (expected an int in [{-x.ndim}, {x.ndim - 1}])")
+    return dim % x.ndim
+
+
 def shard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: Layout = "zigzag") -> torch.Tensor:
     """This rank's shard of a full tensor ``x`` along ``dim`` (a view-free gather; differentiable)."""
     _check_layout(layout)
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a tensor, got {type(x).__name__}")
-    dim = dim % x.ndim if x.ndim else 0
+    dim = _check_dim(x, dim)
     _check_length(x.shape[dim], mesh, layout, f"x.shape[{dim}]")
     idx = sequence_index(x.shape[dim], mesh, layout, device=x.device)
     return x.index_select(dim, idx)
@@ -109,10 +119,9 @@ def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: La
     rows of its own shard (the all-gather / reduce-scatter pair).
     """
     _check_layout(layout)
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a tensor, got {type(x).__name__}")
+    dim = _check_dim(x, dim)
     hp, _, cp, _ = mesh_sizes(mesh)
-    dim = dim % x.ndim
+    _check_length(x.shape[dim] * hp * cp, mesh, layout, f"the global length (x.shape[{dim}]={x.shape[dim]} x {hp * cp} ranks)")  # before the all-gather
     if mesh.ndim == 2 and hp > 1:  # the hp split of a cp shard is contiguous: gathering restores it
         x = gather_along(x, mesh.get_group("hp"), dim)
     if cp == 1:

@@ -43,6 +43,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -53,6 +54,7 @@ from lightning_seqpar.attention.local import available_backends, resolve_backend
 from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, set_current_documents
+from lightning_seqpar.loss import global_mean_loss_calls
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
 from lightning_seqpar.parallelize import find_blocks, parallelize, uses_linear_attention
 from lightning_seqpar.rng import get_rng_state, set_rng_state
@@ -187,6 +189,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._auto_attention = attention == "auto"
         self._expected_seq_len = expected_seq_len
         self.attention_plan: AttentionPlan | None = None
+        self._warned_loss = False
         if attention == "auto":
             attention = "2d" if head_parallel_size != "auto" and head_parallel_size > 1 else "ring"
         if attention == "2d" and head_parallel_size == 1:
@@ -479,8 +482,27 @@ class SequenceParallelStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        calls = global_mean_loss_calls()
         with self._explain_timeouts("training_step"):
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+        self._check_loss_normalisation(calls)
+        return out
+
+    def _check_loss_normalisation(self, calls_before: int) -> None:
+        """Warn (once) when a step's loss did not go through ``global_mean_loss`` while gradients are summed
+        over several ranks (Note [Loss normalisation under sequence parallelism]): a per-rank mean loss would
+        train with ``dp x sp`` times the gradient, silently."""
+        dims = self.parallel_dims
+        ranks = dims.dp_replicate * dims.dp_shard * dims.sp
+        if ranks == 1 or self._warned_loss or global_mean_loss_calls() != calls_before:
+            return
+        self._warned_loss = True
+        rank_zero_warn(
+            f"{type(self).__name__}: the loss of training_step did not come from lightning_seqpar.loss.global_mean_loss. "
+            f"Gradients are SUMMED over the {ranks} data- and sequence-parallel ranks, so a per-rank mean loss trains with "
+            f"{ranks}x the single-device gradient; return global_mean_loss(loss_sum, n_valid, self.device_mesh) "
+            "(CausalLMModule does), or ignore this if your loss is already a share of the global mean."
+        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -230,6 +230,7 @@ _FUNCOL_COLLECTIVES = (
     "all_gather_tensor",
     "all_to_all_single",
     "all_gather_tensor_autograd",
+    "all_gather_single_autograd",
     "all_to_all_single_autograd",
     "reduce_scatter_tensor",
     "reduce_scatter_tensor_autograd",

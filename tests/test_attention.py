@@ -118,6 +118,35 @@ def test_matches_full_sequence_attention(world, algorithm, spec, inner, chunks):
     assert results[0]["checked"] > 0
 
 
+def _float64_worker(rank: int, world_size: int, algorithm: str, spec: tuple, extra: dict) -> int:
+    """fp64 inputs are computed in fp64 (accumulators, log-sum-exps, travelling dK/dV): out and
+    gradients equal the fp64 reference to round-off, far below any fp32 error."""
+    from lightning_seqpar.attention import sequence_parallel_attention
+
+    mesh = make_mesh(spec)
+    checked = 0
+    for seed, (causal, layout, h_q, h_kv) in enumerate([(True, "zigzag", 4, 2), (False, "contiguous", 4, 4), (True, "contiguous", 4, 1 if "head_chunks" not in extra else 2)]):
+        case = make_case(BATCH, SEQ_LEN, h_q, h_kv, 8, causal=causal, seed=seed, dtype=torch.float64)
+        index = expected_index_on(mesh, SEQ_LEN, layout)
+        got = run_sharded(sequence_parallel_attention, case, index, mesh=mesh, algorithm=algorithm, causal=causal, layout=layout, **extra)
+        assert got["out"].dtype == torch.float64
+        compare_to_reference(got, case, index, f"fp64 {algorithm} {spec} {extra} causal={causal} {layout} {h_q}/{h_kv}", atol=1e-12, rtol=1e-10)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize(("world", "algorithm", "spec", "extra"), [
+    pytest.param(1, "ring", ("1d", 1), {}, id="W1"),
+    pytest.param(2, "ring", ("1d", 2), {}, id="W2-ring"),
+    pytest.param(2, "allgather", ("1d", 2), dict(head_chunks=2), id="W2-allgather-chunks2"),
+    pytest.param(2, "ulysses", ("1d", 2), {}, id="W2-ulysses"),
+    pytest.param(4, "ring", ("1d", 4), dict(inner_ring_size=2), id="W4-double-ring"),
+    pytest.param(4, "2d", ("2d", HP_CP, (2, 2)), {}, id="W4-2d"),
+])
+def test_float64_is_computed_in_float64(world, algorithm, spec, extra):
+    assert run_distributed(_float64_worker, world, algorithm, spec, extra) == [3] * world
+
+
 # ----------------------------------------------------------------------------------------------
 # local_attention: one device, no mesh
 # ----------------------------------------------------------------------------------------------

@@ -108,10 +108,36 @@ def _errors_w2_worker(rank: int, world_size: int) -> int:
         ("inner_ring_size=0", _qkv(), kw(inner_ring_size=0), r"inner_ring_size"),
         ("inner_ring_size with ulysses", _qkv(), kw(algorithm="ulysses", inner_ring_size=1), r"inner_ring_size"),
         ("inner_ring_size with allgather", _qkv(), kw(algorithm="allgather", inner_ring_size=1), r"inner_ring_size"),
+        ("inner_ring_size=True", _qkv(), kw(inner_ring_size=True), r"inner_ring_size=True"),
+        ("no K/V heads", _qkv(h_k=0), kw(), r"\bk must have at least one head"),
+        ("head_dim 0", (torch.randn(B, S_LOCAL, H, 0),) * 3, kw(), r"head_dim >= 1"),
+        *[(f"scale={bad!r}", _qkv(), kw(scale=bad), r"scale must be None or a finite Python number")
+          for bad in ("x", float("nan"), float("inf"), torch.tensor(0.5), True)],
     ]
     n = _check_all(cases)
     _sanity_call(mesh, "ring")
     return n
+
+
+def _empty_worker(rank: int, world_size: int) -> list[str]:
+    """No tokens (S_local = 0) or no samples (B = 0): an empty output and empty gradients, as SDPA gives."""
+    from lightning_seqpar.attention import sequence_parallel_attention
+
+    mesh = make_mesh(("1d", world_size))
+    done = []
+    for shape in ((1, 0, H, D), (0, S_LOCAL, H, D)):
+        for algorithm in ("ring", "allgather", "ulysses"):
+            q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
+            out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm=algorithm)
+            out.backward(torch.ones_like(out))
+            assert out.shape == shape and all(t.grad is not None and t.grad.shape == shape for t in (q, k, v))
+            done.append(f"{shape}-{algorithm}")
+    return done
+
+
+def test_empty_inputs_w2():
+    a, b = run_distributed(_empty_worker, 2)
+    assert a == b and len(a) == 6
 
 
 def test_errors_w2():

@@ -143,3 +143,35 @@ def test_packed_documents_without_the_strategy_equal_each_document_alone():
     # the same batch through a plain forward (no documents) differs: the check has teeth
     plain = _reference({k: v for k, v in batch.items() if k != "document_ids"})["token_logprobs"]
     assert not torch.allclose(plain, ref, atol=1e-3)
+
+
+def _fit_warnings(rank: int, world: int, plain_mean: bool) -> list[str]:
+    import lightning as L
+
+    from lightning_seqpar.loss import token_cross_entropy_sum
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+
+    class PlainMean(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            loss_sum, n = token_cross_entropy_sum(self.model(batch["input_ids"], batch.get("position_ids")), batch["labels"])
+            return loss_sum / n  # a per-rank mean: the strategy must say that gradients are summed
+
+    module = (PlainMean if plain_mean else CausalLMModule)("tiny", init_seed=0, warmup_steps=0, max_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=SequenceParallelStrategy(sequence_parallel_size=world),
+                        max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([_batch(), _batch(seed=1)], batch_size=None))
+    return [str(w.message) for w in caught if "global_mean_loss" in str(w.message)]
+
+
+@pytest.mark.parametrize("plain_mean", [True, False])
+def test_a_loss_not_from_global_mean_loss_is_warned_about(plain_mean):
+    rank0, rank1 = run_distributed(_fit_warnings, 2, plain_mean, timeout=TIMEOUT)
+    assert rank1 == []  # rank zero warns
+    if plain_mean:
+        assert len(rank0) == 1 and "SUMMED over the 2 data- and sequence-parallel ranks" in rank0[0]
+    else:
+        assert rank0 == []

@@ -131,8 +131,51 @@ def _errors_worker(rank: int, world_size: int, spec: tuple) -> None:
             fn(arg, mesh, dim=1, layout="striped")
     with pytest.raises(ValueError, match="layout"):
         sequence_index(SEQ_LEN, mesh, "striped")
+    from seqpar_testing import no_collectives
+
+    with no_collectives():  # wrong dims and local lengths are refused before the all-gather
+        for dim in (3, -4, 1.0, True):
+            with pytest.raises(ValueError, match=rf"dim={dim!r} is out of range"):
+                shard_sequence(torch.zeros(2, SEQ_LEN, 3), mesh, dim=dim)
+            with pytest.raises(ValueError, match=rf"dim={dim!r} is out of range"):
+                unshard_sequence(torch.zeros(2, SEQ_LEN // world_size, 3), mesh, dim=dim)
+        with pytest.raises(ValueError, match="out of range"):
+            shard_sequence(torch.tensor(1.0), mesh, dim=0)
+        with pytest.raises(ValueError, match=rf"global length \(x.shape\[1\]=3 x {world_size} ranks\)"):
+            unshard_sequence(torch.zeros(2, 3), mesh, dim=1, layout="zigzag")  # odd: 2 * cp chunks do not fit
+        with pytest.raises(ValueError, match="must be divisible"):
+            shard_sequence(torch.zeros(2, 3 * world_size + 1), mesh, dim=1, layout="contiguous")
 
 
 @pytest.mark.parametrize("spec", [MESHES[1], MESHES[2], MESHES[4]])
 def test_errors(spec):
     run_distributed(_errors_worker, _world(spec), spec)
+
+
+def _one_cp_rank_worker(rank: int, world_size: int, spec: tuple) -> None:
+    """With one rank in the layout's dimension (W = 1, or a 2-D mesh with cp = 1) zigzag is the identity:
+    any length the hp split allows is sharded, and the attention on it is exact."""
+    from lightning_seqpar.attention import sequence_parallel_attention
+    from lightning_seqpar.sharding import shard_sequence, unshard_sequence
+    from seqpar_testing import compare_to_reference, make_case
+
+    mesh = make_mesh(spec)
+    hp, _, cp, _ = mesh_coords(mesh)
+    seq = 3 * hp  # odd local length 3
+    x = _full_tensor((2, seq, 5), 0)
+    local = shard_sequence(x, mesh, dim=1, layout="zigzag")
+    assert local.shape[1] == 3
+    torch.testing.assert_close(unshard_sequence(local, mesh, dim=1, layout="zigzag"), x, rtol=0, atol=0)
+    index = expected_index_on(mesh, seq, "contiguous")  # the identity layout
+    torch.testing.assert_close(local, x[:, index], rtol=0, atol=0)
+    case = make_case(2, seq, 2 * hp, hp, 8, causal=True, seed=1)
+    algorithm = "2d" if spec[0] == "2d" else "ring"
+    q, k, v = (shard_sequence(t, mesh, dim=1).detach().requires_grad_() for t in (case.q, case.k, case.v))
+    out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm=algorithm, layout="zigzag")
+    out.backward(shard_sequence(case.grad_out, mesh, dim=1))
+    compare_to_reference({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, case, index, f"{spec} zigzag S={seq}")
+
+
+@pytest.mark.parametrize("spec", [MESHES[0], pytest.param(("2d", ("hp", "cp"), (2, 1)), id="hp2xcp1")])
+def test_zigzag_is_the_identity_on_one_cp_rank(spec):
+    run_distributed(_one_cp_rank_worker, _world(spec), spec)

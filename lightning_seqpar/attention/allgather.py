@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_seqpar.attention.documents import DocSegments, gathered_doc_plan
-from lightning_seqpar.attention.local import block_backward, block_forward
+from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward
 from lightning_seqpar.attention.merge import merge_, new_accumulators
 from lightning_seqpar.sharding import chunk_ids, num_chunks
 
@@ -94,8 +94,8 @@ def gathered_forward(q, kv, *, rank: int, world: int, causal: bool, layout: str,
 def gathered_backward(dout, q, kv, out, lse, *, rank: int, world: int, causal: bool, layout: str, scale: float, backend: str):
     """``(dq, dkv)`` of :func:`gathered_forward`; dkv (fp32) in global order, summed over local queries only."""
     s_local = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=acc_dtype(q.dtype), device=q.device)
     for rows, cols, is_causal in _blocks(rank, world, causal, layout, s_local):
         dq_b, dk_b, dv_b = block_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows], lse[:, :, rows],
                                           causal=is_causal, scale=scale, backend=backend)
@@ -121,15 +121,15 @@ def doc_gathered_forward(q, kv, *, rank: int, world: int, causal: bool, scale: f
 def doc_gathered_backward(dout, q, kv, out, lse, *, rank: int, world: int, causal: bool, scale: float, backend: str, docs: torch.Tensor):
     """``(dq, dkv)`` of :func:`doc_gathered_forward`; dkv (fp32) in rank order like ``kv``."""
     s_local = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
     flat = kv.reshape(2, -1, *kv.shape[3:])
-    dkv = torch.zeros(flat.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(flat.shape, dtype=acc_dtype(q.dtype), device=q.device)
     for rows, index, is_causal, vl in gathered_doc_plan(rank, world, causal, s_local, DocSegments(docs, q.device)):
         dq_b, dk_b, dv_b = block_backward(dout[:, rows], q[:, rows], flat[0].index_select(0, index)[None], flat[1].index_select(0, index)[None],
                                           out[:, rows], lse[:, :, rows], causal=is_causal, scale=scale, backend=backend, varlen=vl)
         dq[:, rows] += dq_b
-        dkv[0].index_add_(0, index, dk_b[0].float())
-        dkv[1].index_add_(0, index, dv_b[0].float())
+        dkv[0].index_add_(0, index, dk_b[0].to(dkv.dtype))
+        dkv[1].index_add_(0, index, dv_b[0].to(dkv.dtype))
     return dq, dkv.view(kv.shape)
 
 

@@ -38,7 +38,7 @@ from lightning_seqpar.attention.allgather import (
     to_rank_order,
 )
 from lightning_seqpar.attention.documents import DocSegments, reorder, sample_order
-from lightning_seqpar.attention.local import block_backward, block_forward, default_scale, resolve_backend
+from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward, default_scale, resolve_backend
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
 from lightning_seqpar.attention.two_d import two_d_attention
 from lightning_seqpar.attention.ulysses import kv_repeat
@@ -103,7 +103,7 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, algorithm: str, group: str, causa
 @_attn_fwd.register_fake
 def _(q, k, v, algorithm, group, causal, layout, scale, backend, inner, docs=None, head_chunks=1):
     B, S, H, _ = q.shape
-    return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=torch.float32)
+    return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("seqpar::attn_bwd", mutates_args=())
@@ -172,7 +172,7 @@ def _head_slices(h_q: int, h_kv: int, chunks: int):
 def _fwd_by_heads(q: Tensor, k: Tensor, v: Tensor, chunks: int, fn) -> tuple[Tensor, Tensor]:
     B, S, Hq, _ = q.shape
     out = q.new_empty((B, S, Hq, v.shape[-1]))
-    lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, Hq, S), dtype=acc_dtype(q.dtype), device=q.device)
     for hq, hk in _head_slices(Hq, k.shape[2], chunks):
         o, l = fn(q[:, :, hq].contiguous(), k[:, :, hk].contiguous(), v[:, :, hk].contiguous())
         out[:, :, hq] = o
@@ -280,7 +280,10 @@ def _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size) -> None:
     if hp > 1:
         kv_repeat(h_q, h_kv, hp)  # always succeeds when hp | h_q; kept as the invariant's check
     # zigzag cuts the global sequence into 2 * hp * cp equal chunks: every local shard is two of them
-    if layout == "zigzag" and hp * cp > 1 and s_local % 2:
+    # (with one rank in the layout's dimension both layouts are the identity; Ulysses runs on a 1-D
+    # mesh whose W ranks hold the layout's shards)
+    layout_ranks = hp if algorithm == "ulysses" else cp
+    if layout == "zigzag" and layout_ranks > 1 and s_local % 2:
         raise ValueError(
             f"layout='zigzag' needs the global sequence length divisible by 2 * sequence-parallel size: "
             f"q.shape[1]={s_local} is the local length of a global length {s_local * hp * cp}, not divisible by {2 * hp * cp}; "
@@ -289,7 +292,7 @@ def _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size) -> None:
     if inner_ring_size is not None:
         if algorithm not in ("ring", "2d"):
             raise ValueError(f"inner_ring_size is only used by algorithm 'ring' or '2d', not {algorithm!r}")
-        if not isinstance(inner_ring_size, int) or inner_ring_size < 1 or cp % inner_ring_size:
+        if not isinstance(inner_ring_size, int) or isinstance(inner_ring_size, bool) or inner_ring_size < 1 or cp % inner_ring_size:
             raise ValueError(f"inner_ring_size={inner_ring_size!r} must be a positive int dividing the context-parallel size ({cp})")
 
 
@@ -306,10 +309,10 @@ def _check_documents(documents, q, layout: str, algorithm: str, hp: int, cp: int
         return None
     if not isinstance(documents, PackedDocuments):
         raise ValueError(f"documents must be a lightning_seqpar.documents.PackedDocuments or None, got {type(documents).__name__}")
-    if layout != "zigzag":
-        raise ValueError(f"documents are sharded with the per-document zigzag (PackedDocuments.shard); layout={layout!r} must be 'zigzag'")
     # the ranks the documents were split over: the 1-D ranks (Ulysses) or the cp ranks (ring, all-gather, 2D)
     world = hp if algorithm == "ulysses" else cp
+    if layout != "zigzag" and world > 1:
+        raise ValueError(f"documents are sharded with the per-document zigzag (PackedDocuments.shard); layout={layout!r} must be 'zigzag'")
     documents.check(batch=q.shape[0], local_len=q.shape[1] * hp * cp // world, world=world)
     return documents.pieces
 

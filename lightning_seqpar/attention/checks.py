@@ -15,6 +15,8 @@ def check_qkv_tensors(q, k, v) -> None:
             raise ValueError(f"{name} must have 4 dims [batch, seq_local, heads, head_dim], got shape {tuple(t.shape)}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.shape[2] == 0 or t.shape[3] == 0:
+            raise ValueError(f"{name} must have at least one head and head_dim >= 1, got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):

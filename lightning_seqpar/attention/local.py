@@ -119,8 +119,19 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
     return backend
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of outputs, log-sum-exps and gradients: fp64 for fp64 inputs (gradient
+    checks run at fp64 accuracy), fp32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def default_scale(head_dim: int, scale: float | None) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    """``scale``, or 1/sqrt(head_dim) for None; a ValueError for anything but a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be None or a finite Python number (a tensor would get no gradient), got {scale!r}")
+    return float(scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,8 +141,9 @@ def default_scale(head_dim: int, scale: float | None) -> float:
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
-    qg = q.float().view(B, Sq, Hkv, Hq // Hkv, D)  # (B, Sq, Hkv, G, D)
-    s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.float()) * scale  # (B, Hkv, G, Sq, Sk)
+    acc = acc_dtype(q.dtype)
+    qg = q.to(acc).view(B, Sq, Hkv, Hq // Hkv, D)  # (B, Sq, Hkv, G, D)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.to(acc)) * scale  # (B, Hkv, G, Sq, Sk)
     if allowed is not None:  # packed documents: the (Sq, Sk) mask of the segments
         s = s.masked_fill(~allowed, float("-inf"))
     elif causal:
@@ -151,7 +163,7 @@ def _math_forward(q, k, v, causal: bool, scale: float, allowed: torch.Tensor | N
     s = _scores(q, k, causal, scale, allowed)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Sq)
     p = torch.exp(s - _safe(lse).unsqueeze(-1))
-    out = torch.einsum("bhgqk,bkhd->bqhgd", p, v.float()).reshape(B, Sq, Hq, v.shape[-1])
+    out = torch.einsum("bhgqk,bkhd->bqhgd", p, v.to(p.dtype)).reshape(B, Sq, Hq, v.shape[-1])
     return out.to(q.dtype), lse.reshape(B, Hq, Sq)
 
 
@@ -163,13 +175,14 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, allowed:
     lse = lse.reshape(B, Hkv, G, Sq)
     p = torch.exp(s - _safe(lse).unsqueeze(-1))  # (B, Hkv, G, Sq, Sk)
     p = p.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)  # rows with no key anywhere: P = 0
-    do = dout.float().view(B, Sq, Hkv, G, -1)
+    acc, Dv = p.dtype, v.shape[-1]
+    do = dout.to(acc).view(B, Sq, Hkv, G, Dv)
     dv = torch.einsum("bhgqk,bqhgd->bkhd", p, do)
-    dp = torch.einsum("bqhgd,bkhd->bhgqk", do, v.float())
-    delta = (do * out.float().view(B, Sq, Hkv, G, -1)).sum(-1).permute(0, 2, 3, 1)  # (B, Hkv, G, Sq)
+    dp = torch.einsum("bqhgd,bkhd->bhgqk", do, v.to(acc))
+    delta = (do * out.to(acc).view(B, Sq, Hkv, G, Dv)).sum(-1).permute(0, 2, 3, 1)  # (B, Hkv, G, Sq)
     ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.einsum("bhgqk,bkhd->bqhgd", ds, k.float()).reshape(B, Sq, Hq, D) * scale
-    dk = torch.einsum("bhgqk,bqhgd->bkhd", ds, q.float().view(B, Sq, Hkv, G, D)) * scale
+    dq = torch.einsum("bhgqk,bkhd->bqhgd", ds, k.to(acc)).reshape(B, Sq, Hq, D) * scale
+    dk = torch.einsum("bhgqk,bqhgd->bkhd", ds, q.to(acc).view(B, Sq, Hkv, G, D)) * scale
     return dq, dk, dv
 
 
@@ -206,7 +219,7 @@ def _sdpa_forward(q, k, v, causal: bool, scale: float, backend: str):
         out, lse = aten._scaled_dot_product_flash_attention(_t(q), _t(k), _t(v), 0.0, causal, False, scale=scale)[:2]
     else:
         out, lse = aten._scaled_dot_product_efficient_attention(_t(q), _t(k), _t(v), None, True, 0.0, causal, scale=scale)[:2]
-    lse = lse.reshape(B, Hq, -1)[..., :Sq].float()
+    lse = lse.reshape(B, Hq, -1)[..., :Sq].to(acc_dtype(q.dtype))
     return _t(out), lse
 
 
@@ -304,7 +317,7 @@ def _varlen_forward(q, k, v, vl: Varlen, causal: bool, scale: float, backend: st
     if lse.ndim != 2:
         raise RuntimeError(f"unexpected varlen log-sum-exp shape {tuple(lse.shape)} from the {backend} varlen kernel")
     # rows whose segment has no key: the kernels write lse = +inf (FA2) or -inf; the merge wants -inf and out = 0
-    lse = lse.float()
+    lse = lse.to(acc_dtype(q.dtype))
     empty = torch.isinf(lse)
     lse = lse.masked_fill(empty, float("-inf"))
     out = out.masked_fill(empty[:, : B * Sq].transpose(0, 1).unsqueeze(-1), 0.0)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_seqpar.attention.local import acc_dtype
+
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice = slice(None)) -> None:
     """Merge ``(block_out, block_lse)`` into ``out[:, rows]`` / ``lse[:, :, rows]`` in place.
@@ -35,8 +37,9 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
 
 def new_accumulators(q: torch.Tensor, head_dim_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero output [B, S, Hq, Dv] and -inf lse [B, Hq, S], both fp32."""
+    """Zero output [B, S, Hq, Dv] and -inf lse [B, Hq, S], both fp32 (fp64 for fp64 ``q``)."""
     B, S, H, D = q.shape
-    out = torch.zeros(B, S, H, head_dim_v or D, dtype=torch.float32, device=q.device)
-    lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(B, S, H, head_dim_v or D, dtype=acc, device=q.device)
+    lse = torch.full((B, H, S), float("-inf"), dtype=acc, device=q.device)
     return out, lse

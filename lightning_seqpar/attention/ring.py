@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_seqpar.attention.documents import Block, DocSegments, ring_doc_plan
-from lightning_seqpar.attention.local import block_backward, block_forward
+from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward
 from lightning_seqpar.attention.merge import merge_, new_accumulators
 
 
@@ -138,9 +138,10 @@ def ring_backward(dout, q, k, v, out, lse, *, group: dist.ProcessGroup, causal: 
     s_local = q.shape[1]
     inner_next, inner_prev = g * w + (j + 1) % w, g * w + (j - 1) % w
     outer_next, outer_prev = ((g + 1) % G) * w + j, ((g - 1) % G) * w + j
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     home = torch.stack([k, v])
-    dkv_home = torch.zeros(home.shape, dtype=torch.float32, device=q.device)  # partial dK/dV of `home`
+    dkv_home = torch.zeros(home.shape, dtype=acc, device=q.device)  # partial dK/dV of `home`
     for o in range(G):
         kv_outer_works, kv_outer_next = [], None
         if o < G - 1:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_seqpar.attention.local import acc_dtype
 from lightning_seqpar.attention.ulysses import head_to_seq, kv_repeat, seq_to_head
 
 
@@ -39,7 +40,7 @@ class _RepeatKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         B, S, H, D = grad.shape
-        return grad.view(B, S, H // ctx.r, ctx.r, D).sum(3, dtype=torch.float32).to(grad.dtype), None
+        return grad.view(B, S, H // ctx.r, ctx.r, D).sum(3, dtype=acc_dtype(grad.dtype)).to(grad.dtype), None
 
 
 def two_d_attention(q, k, v, *, hp: int, hp_group: str, inner_attention) -> torch.Tensor:
