@@ -234,6 +234,11 @@ def batch_documents(batch: dict, *, world: int) -> PackedDocuments | None:
     return None
 
 
+def documents_error(owner: str, why: str) -> ValueError:
+    """The error for a batch of packed documents that ``owner`` cannot mask, ``why`` saying why and what to do."""
+    return ValueError(f"{owner}: the batch holds packed documents (document_ids / position_ids restarting at 0), {why}")
+
+
 _CURRENT: PackedDocuments | None = None
 
 

@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_seqpar import hf
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.data.chars import BitsPerCharacter
-from lightning_seqpar.documents import batch_documents, set_current_documents
+from lightning_seqpar.documents import batch_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import IGNORE_INDEX, chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
 from lightning_seqpar.mesh import MESH_AXES
 from lightning_seqpar.models.gpt import CONFIGS as GPT_CONFIGS
@@ -229,12 +229,12 @@ class CausalLMModule(L.LightningModule):
         documents = batch_documents(batch, world=1)
         if documents is not None:
             model = self._require_model()
-            what = f"{type(self).__name__}: the batch holds packed documents (document_ids / position_ids restarting at 0), "
+            name = type(self).__name__
             if uses_linear_attention(model):
-                raise ValueError(what + "which linear attention does not mask; drop document_ids and use plain position_ids")
+                raise documents_error(name, "which linear attention does not mask; drop document_ids and use plain position_ids")
             if not any(isinstance(m, Attention) for m in model.modules()):
-                raise ValueError(what + "which only the package's attention masks, and this model runs its own (a Hugging Face "
-                                 "model outside SequenceParallelStrategy); train under SequenceParallelStrategy (devices=1 works)")
+                raise documents_error(name, "which only the package's attention masks, and this model runs its own (a Hugging Face "
+                                      "model outside SequenceParallelStrategy); train under SequenceParallelStrategy (devices=1 works)")
         set_current_documents(documents)
         self._documents_set = True
         if documents is None:

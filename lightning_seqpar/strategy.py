@@ -53,7 +53,7 @@ from lightning_seqpar.attention.cost import COST_ALGORITHMS, AttentionPlan, Devi
 from lightning_seqpar.attention.local import available_backends, resolve_backend
 from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
-from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, set_current_documents
+from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
 from lightning_seqpar.parallelize import find_blocks, parallelize, uses_linear_attention
@@ -396,13 +396,17 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     # hp > 1 else "ring". Double rings are not chosen here (set inner_ring_size yourself;
     # they only pay off across nodes).
 
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype attention computes in under the Trainer's precision ("bf16-mixed" -> bf16, "32-true" -> fp32, ...)."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        return {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}.get(precision.split("-")[0], torch.float32)
+
     def _check_attention_backend(self, roots: list[nn.Module]) -> None:
         """A named attention_backend must run on this device (for the precision's dtype, or bf16 / fp16
         under a user's own autocast): checked in setup, not in the first step."""
         if self.attention_backend == "auto" or all(uses_linear_attention(root) for root in roots):
             return
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        dtype = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}.get(precision.split("-")[0], torch.float32)
+        dtype = self._compute_dtype()
         shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
         head_dim = None if shape is None else shape[2]
         runnable = {b for d in (dtype, torch.bfloat16, torch.float16) for b in available_backends(self.root_device, d, head_dim)}
@@ -462,11 +466,10 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         if self.parallel_devices and self.root_device.type == "cuda":
             device_name = torch.cuda.get_device_name(self.root_device)
         profile = DeviceProfile.for_device(device_name, gpus_per_node=max(1, self.num_processes))
-        precision = str(getattr(self.precision_plugin, "precision", ""))
         try:
             return choose_attention(
                 seq_len=self._expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
-                layout=self.layout, dtype_bytes=4 if precision.startswith("32") else 2, profile=profile,  # type: ignore[arg-type]
+                layout=self.layout, dtype_bytes=4 if str(getattr(self.precision_plugin, "precision", "")).startswith("32") else 2, profile=profile,  # type: ignore[arg-type]
                 algorithms=self._auto_candidates(), head_parallel_size=head_parallel_size, double_ring=False,
             )
         except ValueError as error:
@@ -724,10 +727,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         """The batch's packed documents (``document_ids``, or ``position_ids`` restarting at 0), made current for attention."""
         documents = batch_documents(batch, world=cp)
         if documents is not None and self.attention == "lasp":
-            raise ValueError(
-                f"{type(self).__name__}: the batch holds packed documents (document_ids / position_ids restarting at 0), which "
-                "attention='lasp' (linear attention) does not mask; drop document_ids and use plain position_ids"
-            )
+            raise documents_error(type(self).__name__, "which attention='lasp' (linear attention) does not mask; drop document_ids "
+                                  "and use plain position_ids")
         if documents is not None and self.parallel_dims.sp > 1 and self.layout != "zigzag":
             raise ValueError(
                 f"{type(self).__name__}: packed documents are split with the per-document zigzag; load_balance={self.layout!r} "
