@@ -175,3 +175,17 @@ def test_a_loss_not_from_global_mean_loss_is_warned_about(plain_mean):
         assert len(rank0) == 1 and "SUMMED over the 2 data- and sequence-parallel ranks" in rank0[0]
     else:
         assert rank0 == []
+
+
+@pytest.mark.parametrize("under_strategy", [False, True])
+def test_packed_documents_with_linear_attention_are_refused(under_strategy):
+    import lightning as L
+
+    warnings.filterwarnings("ignore")
+    batch = _batch(documents=True)
+    strategy = SequenceParallelStrategy() if under_strategy else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    module = CausalLMModule("tnl-tiny", init_seed=0, warmup_steps=0, max_steps=1)
+    with pytest.raises(ValueError, match=r"the batch holds packed documents .*linear attention.* does not mask"):
+        trainer.validate(module, dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
