@@ -239,6 +239,13 @@ def _peak_gb(args) -> float:
     return _max_over_ranks(torch.cuda.max_memory_allocated() / 1e9, "cuda")
 
 
+def _host_peak_gb(args) -> float:
+    """Peak resident host memory of this process (pinned offload buffers included), max over ranks."""
+    import resource
+
+    return _max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, args.device)
+
+
 def run_seqpar(args):
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
     from lightning_seqpar.models import LlamaConfig
@@ -248,7 +255,8 @@ def run_seqpar(args):
     strategy = SequenceParallelStrategy(sequence_parallel_size=int(os.environ["WORLD_SIZE"]), attention=args.algorithm,
                                         activation_checkpointing=None if args.ac == "none" else args.ac,
                                         attention_backend=args.backend, head_chunks=args.head_chunks,
-                                        uncheckpointed_blocks=args.uncheckpointed_blocks, compile=args.compile)
+                                        uncheckpointed_blocks=args.uncheckpointed_blocks, compile=args.compile,
+                                        offload_checkpoints=args.offload, mlp_chunk_size=args.mlp_chunk)
     trainer = _trainer(args, strategy, [_step_timer(args, times, losses)], "bf16-mixed" if args.device == "cuda" else "32-true")
     module = CausalLMModule(model=args.model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size=args.loss_chunk)
     trainer.fit(module, datamodule=_datamodule(args, cfg))
@@ -257,7 +265,9 @@ def run_seqpar(args):
     be = resolve_backend(args.backend, torch.device(args.device), torch.bfloat16 if args.device == "cuda" else torch.float32,
                          cfg.head_dim or cfg.n_embd // cfg.n_head)
     return _row(args, cfg, times, _peak_gb(args), losses, dist.get_world_size(), backend=be, head_chunks=args.head_chunks,
-                uncheckpointed_blocks=args.uncheckpointed_blocks, compiled=args.compile)
+                uncheckpointed_blocks=args.uncheckpointed_blocks, compiled=args.compile,
+                **({"offload_checkpoints": True, "host_peak_gb": _host_peak_gb(args)} if args.offload else {}),
+                **({"mlp_chunk_size": args.mlp_chunk} if args.mlp_chunk else {}))
 
 
 def run_tp_sp(args):
@@ -381,6 +391,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="seqpar: torch.compile each block (strategy compile=True)")
     ap.add_argument("--uncheckpointed-blocks", type=int, default=0, help="seqpar: the last N blocks without checkpointing")
     ap.add_argument("--head-chunks", type=int, default=1, help="seqpar: attention over this many K/V head groups in turn")
+    ap.add_argument("--offload", action="store_true", help="seqpar: checkpointed block inputs in pinned host memory (offload_checkpoints)")
+    ap.add_argument("--mlp-chunk", type=int, default=None, help="seqpar: the MLP over slices of this many tokens (mlp_chunk_size)")
     ap.add_argument("--no-loss-parallel", action="store_true", help="tp_sp: gather the logits instead of the vocab-parallel loss")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)

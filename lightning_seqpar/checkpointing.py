@@ -25,22 +25,59 @@ Blocks are wrapped with torch's ``checkpoint_wrapper`` (non-reentrant ``torch.ut
 It is what torchtitan and Lightning use, and ``torch.distributed.checkpoint`` and
 ``Module.state_dict`` both strip its ``_checkpoint_wrapped_module.`` prefix, so checkpoints keep
 the model's own parameter names.
+
+Note [Offloading checkpoints to host memory]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+What a checkpointed block keeps until its backward is its input (B, S/W, d) — and, under
+Selective Checkpoint++, the attention output of the same size. At the longest contexts the kept
+inputs are what no longer fits: llama3-8b at 1M tokens on 4 GPUs keeps 32 x 2.1 GB of block
+inputs per GPU. ``offload=True`` runs each checkpointed block under saved-tensor hooks
+(:class:`HostOffload`) that copy what the checkpoint saves and needs a gradient — the block's
+input; inputs without a gradient (positions, RoPE tables) are shared by every block and stay
+where they are. The tensors
+saved inside the block are the checkpoint's own placeholders, and Selective Checkpoint++ keeps
+its attention outputs in its own cache, on the GPU — to pinned host memory, and back when the
+backward recomputes the block::
+
+    forward, block l:   x_l --(side stream, D2H, async)--> pinned host copy;  GPU memory of x_l freed
+    backward, block l:  host copy --(H2D, compute stream)--> x_l  -> recompute block l -> its backward
+
+The device-to-host copy runs on a side stream after the block's input is ready (the input's
+memory is not reused until it has finished: ``record_stream``), so it overlaps the block's
+forward; the copy back waits for it (an event) and costs ~2 GB / 25 GB/s per block in backward.
+
+Note [Sequence-tiled MLP]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+The MLP is position-wise, so running it over slices of the sequence gives the same rows. Its
+intermediate activations are I/d = 3.5 times the block's width (llama3-8b: 262K tokens x 14,336
+x 2 bytes = 7.5 GB per tensor at 1M tokens on 4 GPUs, several alive in its backward), which makes
+them the largest working set of a checkpointed block's backward. ``mlp_chunk_size=c`` runs the
+block's MLP (the child named one of :data:`MLP_NAMES`) over slices of c tokens, each slice under
+its own non-reentrant checkpoint: only the slices' inputs are kept, and the backward recomputes
+one slice at a time (ALST's "tiled MLP", arXiv:2506.13996 §3.2). Inside a checkpointed block the
+MLP forward then runs three times instead of two — a few percent of a long-context step, whose
+time is the attention's.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_seqpar.attention import ATTENTION_OPS
 
 ActivationCheckpointing = Literal["selective++", "full"]
 AC_MODES: tuple[str, ...] = ("selective++", "full")
+
+MLP_NAMES: tuple[str, ...] = ("mlp", "channel_mixer", "feed_forward")
+"""Names of a block's position-wise MLP child (Llama / GPT / Hugging Face, TNL, torchtitan)."""
 
 SAVE_OPS: tuple[Any, ...] = tuple(ATTENTION_OPS)
 """The Selective Checkpoint++ whitelist: ops whose outputs are saved; everything else is recomputed."""
@@ -60,13 +97,107 @@ def _selective_context(save_ops: tuple[Any, ...]) -> Any:
     return create_selective_checkpoint_contexts(selective_checkpoint_policy(save_ops))
 
 
+class HostOffload:
+    """Saved-tensor hooks keeping what they pack in pinned host memory (Note [Offloading checkpoints to host memory]).
+
+    ``with offload.hooks(): ...`` offloads every tensor that autograd saves in the region and that
+    needs a gradient; CUDA tensors are copied on a side stream (one per device, owned by this
+    object), others copied on the host. Pinned memory comes in pieces of ``piece_bytes`` (a power
+    of two): torch's pinned-memory cache rounds every allocation up to a power of two, which
+    would waste up to half of it on a block input of, say, 1.5 GiB. ``packed_bytes`` counts
+    what was offloaded (the tests read it).
+    """
+
+    def __init__(self, piece_bytes: int = 1 << 28) -> None:
+        if piece_bytes < 1 or piece_bytes & (piece_bytes - 1):
+            raise ValueError(f"piece_bytes must be a power of two, got {piece_bytes!r}")
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self.piece_bytes = piece_bytes
+        self.packed_bytes = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        return self._streams[index]
+
+    def _pack(self, tensor: torch.Tensor) -> tuple[Any, ...]:
+        if not tensor.requires_grad:  # positions, RoPE tables, masks: shared by every block, one GPU copy
+            return (tensor,)
+        self.packed_bytes += tensor.numel() * tensor.element_size()
+        flat = tensor.detach().reshape(-1)  # a view for the (contiguous) block input
+        step = max(self.piece_bytes // tensor.element_size(), 1)
+        cuda = tensor.device.type == "cuda"
+        side = self._stream(tensor.device) if cuda else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(tensor.device))  # the input is ready
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            pieces = []
+            for piece in flat.split(step):
+                host = torch.empty(piece.shape, dtype=piece.dtype, device="cpu", pin_memory=cuda)
+                host.copy_(piece, non_blocking=cuda)
+                pieces.append(host)
+            done = side.record_event() if side is not None else None
+        if side is not None:
+            flat.record_stream(side)  # its memory is not reused before the copies have finished
+        return (tensor.device, tensor.shape, flat.dtype, pieces, done)
+
+    @staticmethod
+    def _unpack(packed: tuple[Any, ...]) -> torch.Tensor:
+        if len(packed) == 1:
+            return packed[0]
+        device, shape, dtype, pieces, done = packed
+        if done is not None:
+            torch.cuda.current_stream(device).wait_event(done)
+        flat = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=device)
+        if pieces:
+            for piece, dst in zip(pieces, flat.split(pieces[0].numel())):
+                dst.copy_(piece, non_blocking=done is not None)
+        return flat.view(shape)
+
+
+def _offloaded_checkpoint(fn: Callable[..., Any], *args: Any, offload: HostOffload, **kwargs: Any) -> Any:
+    with offload.hooks():
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
 def checkpoint_block(
-    block: nn.Module, mode: ActivationCheckpointing, *, save_ops: Sequence[Any] = SAVE_OPS
+    block: nn.Module,
+    mode: ActivationCheckpointing,
+    *,
+    save_ops: Sequence[Any] = SAVE_OPS,
+    offload: HostOffload | None = None,
 ) -> nn.Module:
-    """``block`` wrapped for activation checkpointing in ``mode`` ("selective++" or "full")."""
+    """``block`` wrapped for activation checkpointing in ``mode`` ("selective++" or "full").
+
+    ``offload``: keep the block's saved input in pinned host memory (Note [Offloading checkpoints to host memory]).
+    """
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpointing={mode!r} is not supported; expected one of {AC_MODES} or None")
     kwargs: dict[str, Any] = {}
     if mode == "selective++":
         kwargs["context_fn"] = partial(_selective_context, tuple(save_ops))
+    if offload is not None:
+        return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=_offloaded_checkpoint,
+                                  offload=offload, **kwargs)
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+
+
+def _sequence_tiles(fn: Callable[..., Any], x: torch.Tensor, *, chunk_size: int) -> torch.Tensor:
+    """``fn(x)`` over slices of ``chunk_size`` tokens (dim 1 of (B, S, d), dim 0 of (N, d)), each checkpointed (Note [Sequence-tiled MLP])."""
+    dim = 1 if x.dim() >= 3 else 0
+    pieces = x.split(chunk_size, dim=dim)
+    if not torch.is_grad_enabled():
+        return torch.cat([fn(p) for p in pieces], dim=dim)
+    return torch.cat([checkpoint(fn, p, use_reentrant=False) for p in pieces], dim=dim)
+
+
+def tile_mlp(mlp: nn.Module, chunk_size: int) -> nn.Module:
+    """``mlp`` run over slices of ``chunk_size`` tokens, each under its own checkpoint (parameter names unchanged)."""
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"mlp_chunk_size must be a positive int (tokens per slice) or None, got {chunk_size!r}")
+    return checkpoint_wrapper(mlp, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=_sequence_tiles,
+                              chunk_size=chunk_size)

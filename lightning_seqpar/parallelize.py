@@ -8,13 +8,15 @@ Note [Order of the apply_* calls]
    sequence-parallel algorithm. First, because it only sets attributes and checks the head
    counts against the mesh before anything else touches the model (errors before any
    communication of the step).
-2. :func:`apply_ac` — wrap each block for activation checkpointing. Before compile, so that the
+2. :func:`apply_mlp_tiles` — optional: each block's MLP runs over slices of the sequence, each
+   slice checkpointed (Note [Sequence-tiled MLP]). Inside the block, so before its wrapper.
+3. :func:`apply_ac` — wrap each block for activation checkpointing. Before compile, so that the
    compiled region contains the checkpoint (torch.compile traces the selective-checkpoint
    policy and keeps the attention op's outputs), and before FSDP so that FSDP's all-gathers stay
    outside the recomputed region.
-3. :func:`apply_compile` — ``torch.compile`` each (wrapped) block in place. Per block, not the
+4. :func:`apply_compile` — ``torch.compile`` each (wrapped) block in place. Per block, not the
    whole model: one small graph reused for every layer, and FSDP's hooks stay between graphs.
-4. :func:`apply_fsdp` — ``fully_shard`` each block, then the root. Last, because it replaces
+5. :func:`apply_fsdp` — ``fully_shard`` each block, then the root. Last, because it replaces
    parameters by DTensor shards: everything above must see the module structure first.
 
 "Blocks" are the transformer layers: the elements of an ``nn.ModuleList`` attribute named one
@@ -34,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS, Attention, LinearAttention
 from lightning_seqpar.attention.api import check_head_chunks
-from lightning_seqpar.checkpointing import SAVE_OPS, ActivationCheckpointing, checkpoint_block
+from lightning_seqpar.checkpointing import MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, tile_mlp
 
 BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
 """Names of the ``nn.ModuleList`` attributes whose elements are transformer blocks."""
@@ -194,6 +196,7 @@ def apply_ac(
     block_classes: Sequence[type[nn.Module]] | None = None,
     save_ops: Sequence[Any] = SAVE_OPS,
     uncheckpointed_blocks: int = 0,
+    offload: bool = False,
 ) -> int:
     """Wrap the blocks of ``model`` for activation checkpointing (in place); returns how many were wrapped.
 
@@ -201,10 +204,16 @@ def apply_ac(
     rest (Note [Selective Checkpoint++]); "full" recomputes whole blocks; None does nothing.
     ``uncheckpointed_blocks``: the last this many blocks are left unwrapped — they keep every
     activation and are not recomputed (spend free memory on speed; torchtitan's per-layer AC idea).
+    ``offload``: the checkpointed blocks keep their inputs in pinned host memory (Note [Offloading
+    checkpoints to host memory]).
     """
     if not isinstance(uncheckpointed_blocks, int) or isinstance(uncheckpointed_blocks, bool) or uncheckpointed_blocks < 0:
         raise ValueError(f"uncheckpointed_blocks must be an int >= 0, got {uncheckpointed_blocks!r}")
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload must be True or False, got {offload!r}")
     if mode is None:
+        if offload:
+            raise ValueError("offload=True offloads what checkpointed blocks keep; it needs activation_checkpointing, got None")
         return 0
     found = find_blocks(model, block_classes)
     if not found:
@@ -213,9 +222,39 @@ def apply_ac(
             f"(an nn.ModuleList named one of {BLOCK_CONTAINERS})"
         )
     wrapped = found[: max(len(found) - uncheckpointed_blocks, 0)]
+    host = HostOffload() if offload else None  # one side stream per device for all blocks
     for parent, name in wrapped:
-        parent.register_module(name, checkpoint_block(getattr(parent, name), mode, save_ops=save_ops))
+        parent.register_module(name, checkpoint_block(getattr(parent, name), mode, save_ops=save_ops, offload=host))
     return len(wrapped)
+
+
+def apply_mlp_tiles(model: nn.Module, chunk_size: int | None, *, block_classes: Sequence[type[nn.Module]] | None = None) -> int:
+    """Run each block's MLP over slices of ``chunk_size`` tokens, each checkpointed (Note [Sequence-tiled MLP]).
+
+    The MLP is the block's child named one of :data:`~lightning_seqpar.checkpointing.MLP_NAMES`;
+    returns how many were tiled. ``chunk_size=None`` does nothing.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    if chunk_size is None:
+        return 0
+    blocks = list(_blocks(model, block_classes))
+    if not blocks:
+        raise ValueError(f"mlp_chunk_size: found no transformer blocks in {type(model).__name__} "
+                         f"(an nn.ModuleList named one of {BLOCK_CONTAINERS})")
+    tiled = 0
+    for block in blocks:
+        name = next((n for n in MLP_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+        if name is None:
+            raise ValueError(
+                f"mlp_chunk_size={chunk_size}: block {type(block).__name__} has no MLP child named one of {MLP_NAMES}; "
+                "tile it by hand with lightning_seqpar.checkpointing.tile_mlp, or leave mlp_chunk_size=None"
+            )
+        mlp = getattr(block, name)
+        if not isinstance(mlp, CheckpointWrapper):  # tiled already (parallelize called again)
+            block.register_module(name, tile_mlp(mlp, chunk_size))
+            tiled += 1
+    return tiled
 
 
 def apply_compile(
@@ -292,18 +331,22 @@ def parallelize(
     attention_backend: str = "auto",
     activation_checkpointing: ActivationCheckpointing | None = "selective++",
     uncheckpointed_blocks: int = 0,
+    offload_checkpoints: bool = False,
+    mlp_chunk_size: int | None = None,
     compile_kwargs: dict[str, Any] | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     block_classes: Sequence[type[nn.Module]] | None = None,
 ) -> nn.Module:
-    """Apply attention -> AC -> compile -> FSDP to ``model`` (Note [Order of the apply_* calls]).
+    """Apply attention -> MLP tiles -> AC -> compile -> FSDP to ``model`` (Note [Order of the apply_* calls]).
 
     ``compile_kwargs=None`` skips compile; ``fsdp_mesh=None`` skips FSDP (one process).
     """
     apply_attention(model, sp_mesh, algorithm=attention, layout=layout, lasp_variant=lasp_variant, inner_ring_size=inner_ring_size,
                     head_chunks=head_chunks, backend=attention_backend)
-    apply_ac(model, activation_checkpointing, block_classes=block_classes, uncheckpointed_blocks=uncheckpointed_blocks)
+    apply_mlp_tiles(model, mlp_chunk_size, block_classes=block_classes)
+    apply_ac(model, activation_checkpointing, block_classes=block_classes, uncheckpointed_blocks=uncheckpointed_blocks,
+             offload=offload_checkpoints)
     if compile_kwargs is not None:
         apply_compile(model, compile_kwargs, block_classes=block_classes)
     if fsdp_mesh is not None:

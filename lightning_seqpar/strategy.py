@@ -112,6 +112,13 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             each block), "full" (recompute whole blocks) or None.
         uncheckpointed_blocks: leave the last this many blocks without checkpointing: they keep
             every activation (more memory) and skip the recompute (faster backward).
+        offload_checkpoints: keep the inputs that checkpointed blocks save in pinned host memory
+            (copied on a side stream in forward, back in backward): for the longest contexts,
+            where the saved inputs are what does not fit (Note [Offloading checkpoints to host
+            memory] in ``lightning_seqpar.checkpointing``). Needs activation_checkpointing.
+        mlp_chunk_size: run each block's MLP over slices of this many tokens, each checkpointed:
+            the MLP's intermediate activations (3.5x the block width) exist for one slice at a
+            time (Note [Sequence-tiled MLP]). None: the MLP runs on the whole local sequence.
         compile: ``torch.compile`` each block: True, or a dict of ``torch.compile`` keyword
             arguments.
         save_distributed_checkpoint: each rank writes its shard (a folder) if True; else the full
@@ -145,6 +152,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         data_parallel_replicate_size: int = 1,
         activation_checkpointing: ActivationCheckpointingChoice | None = "selective++",
         uncheckpointed_blocks: int = 0,
+        offload_checkpoints: bool = False,
+        mlp_chunk_size: int | None = None,
         compile: bool | dict[str, Any] = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -224,6 +233,16 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"{name}: uncheckpointed_blocks must be an int >= 0, got {uncheckpointed_blocks!r}")
         if not isinstance(compile, (bool, dict)):
             raise ValueError(f"{name}: compile must be a bool or a dict of torch.compile keyword arguments, got {compile!r}")
+        if not isinstance(offload_checkpoints, bool):
+            raise ValueError(f"{name}: offload_checkpoints must be True or False, got {offload_checkpoints!r}")
+        if offload_checkpoints and activation_checkpointing is None:
+            raise ValueError(f"{name}: offload_checkpoints=True offloads what checkpointed blocks keep; "
+                             "set activation_checkpointing='selective++' or 'full'")
+        if offload_checkpoints and compile:
+            raise ValueError(f"{name}: offload_checkpoints=True runs the blocks eagerly (saved-tensor hooks around the "
+                             "checkpoint); set compile=False")
+        if mlp_chunk_size is not None and not _positive_int(mlp_chunk_size):
+            raise ValueError(f"{name}: mlp_chunk_size must be a positive int (tokens per slice) or None, got {mlp_chunk_size!r}")
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -249,6 +268,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.attention_backend: str = attention_backend
         self.activation_checkpointing = activation_checkpointing
         self.uncheckpointed_blocks = uncheckpointed_blocks
+        self.offload_checkpoints = offload_checkpoints
+        self.mlp_chunk_size = mlp_chunk_size
         self.compile_kwargs: dict[str, Any] | None = (dict(compile) if isinstance(compile, dict) else {}) if compile else None
         self.timeout: timedelta | None = timeout
         self.pad_to_multiple = pad_to_multiple
@@ -378,6 +399,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 attention_backend=self.attention_backend,
                 activation_checkpointing=self.activation_checkpointing,
                 uncheckpointed_blocks=self.uncheckpointed_blocks,
+                offload_checkpoints=self.offload_checkpoints,
+                mlp_chunk_size=self.mlp_chunk_size,
                 compile_kwargs=self.compile_kwargs,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,

@@ -14,8 +14,19 @@ The same bf16 inputs also go through torch SDPA on one GPU over the full sequenc
 MQA, dK/dV of that single-GPU kernel are themselves outside the fixed tolerance (each K/V head
 sums the gradients of all 32 query heads, and its bf16 rounding grows with the sum), so a tensor
 also passes when its error is at most 2x the single-GPU kernel's error on the same inputs: the
-distributed result is then as exact as attention on one device can be in bf16. Each line says
-which criterion a tensor met. Rank 0 prints one summary line per case.
+distributed result is then as exact as attention on one device can be in bf16.
+
+A third criterion, for the ring only ("blocks"): the ring's dK/dV are sums of per-block
+gradients that the kernels return in bf16 (cuDNN and flash-attn 4 have no fp32 output), so
+each partial is rounded before the fp32 sum — one rounding per rank the block visits, where one
+kernel over the whole sequence rounds once. At W = 2 that can exceed 2x the one-GPU error on
+the largest elements (seen once in 44 cases: 33 heads, zigzag, dK 2.3x). The test then computes
+the same block decomposition on this one GPU (``_ring_blocks_on_one_gpu``: the ring's block
+plan, the same kernels, the same fp32 accumulation order) and passes the tensor when the
+distributed result equals it within one bf16 unit in the last place — the communication added
+nothing — and that decomposition is itself within 4x the one-GPU kernel's error of the fp32
+reference (a wrong block plan could not pass). Each line says which criterion a tensor met.
+Rank 0 prints one summary line per case.
 """
 
 from __future__ import annotations
@@ -67,6 +78,48 @@ def _single_bf16(q, k, v, grad_out, causal: bool):
                                          enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
     out.backward(grad_out)
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def _ring_blocks_on_one_gpu(q_full, k_full, v_full, g_full, *, world: int, layout: str, causal: bool, backend: str, index_of):
+    """The ring's forward and backward for all ``world`` ranks on this GPU, without communication:
+    its block plan, kernels and fp32 accumulation order (Note [Ring attention]). Returns the
+    per-rank (dk, dv) in the input dtype."""
+    from lightning_seqpar.attention.local import block_backward, block_forward
+    from lightning_seqpar.attention.merge import merge_, new_accumulators
+    from lightning_seqpar.attention.ring import block_plan
+
+    scale = HEAD_DIM ** -0.5
+    q, k, v, g = ([take(t, index_of(r)) for r in range(world)] for t in (q_full, k_full, v_full, g_full))
+    s_local = q[0].shape[1]
+    outs, lses = [], []
+    for r in range(world):  # rank r sees the K/V of rank (r - t) at step t
+        out, lse = new_accumulators(q[r], HEAD_DIM)
+        for t in range(world):
+            s = (r - t) % world
+            for rows, cols, is_causal, _ in block_plan(r, s, causal, layout, s_local):
+                o, lse_b = block_forward(q[r][:, rows], k[s][:, cols], v[s][:, cols], causal=is_causal, scale=scale, backend=backend)
+                merge_(out, lse, o, lse_b, rows)
+        outs.append(out.to(q[r].dtype))
+        lses.append(lse)
+    grads = []
+    for s in range(world):  # the accumulator of K/V block s starts at its owner and visits s+1, s+2, ...
+        dk = torch.zeros(k[s].shape, dtype=torch.float32, device=k[s].device)
+        dv = torch.zeros_like(dk)
+        for t in range(world):
+            r = (s + t) % world
+            for rows, cols, is_causal, _ in block_plan(r, s, causal, layout, s_local):
+                _, dk_b, dv_b = block_backward(g[r][:, rows], q[r][:, rows], k[s][:, cols], v[s][:, cols], outs[r][:, rows],
+                                               lses[r][:, :, rows], causal=is_causal, scale=scale, backend=backend)
+                dk[:, cols] += dk_b
+                dv[:, cols] += dv_b
+        grads.append((dk.to(k[s].dtype), dv.to(v[s].dtype)))
+    return grads
+
+
+def _ulp_close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """|actual - expected| <= one bf16 unit in the last place of |expected| (2^-7 relative), elementwise."""
+    exponent = torch.floor(torch.log2(expected.float().abs().clamp_min(2.0 ** -126)))
+    return bool(((actual.float() - expected.float()).abs() <= torch.exp2(exponent - 7)).all())
 
 
 def _err(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> tuple[float, bool]:
@@ -145,6 +198,16 @@ def test_bf16_matches_fp32_reference(nccl_world, algorithm, backend):
                 base[name] = _err(one, expected, atol, rtol)[0]
             verdict = {n: "tol" if e[1] else ("2x1gpu" if e[0] <= 2 * base[n] and torch.isfinite(torch.tensor(e[0])) else "FAIL")
                        for n, e in errors.items()}
+            if algorithm == "ring" and any(verdict[n] == "FAIL" for n in ("dk", "dv")):
+                blocks = _ring_blocks_on_one_gpu(q_full, k_full, v_full, g_full, world=world, layout=layout, causal=causal,
+                                                 backend=backend, index_of=lambda r: expected_index(SEQ_LEN, layout, cp, r, hp, 0).to(device))
+                for name, got, mine in (("dk", k.grad, blocks[cp_rank][0]), ("dv", v.grad, blocks[cp_rank][1])):
+                    own = _err(mine, take(ref[2 if name == "dk" else 3], index), atol, rtol)[0]
+                    if verdict[name] == "FAIL" and _ulp_close(got, mine) and own <= 4 * base[name]:
+                        verdict[name] = "blocks"
+                    if rank == 0:
+                        print(f"[gpu-equivalence] {label}: {name} of the ring's blocks on one GPU: err {own:.2e}, "
+                              f"distributed within 1 ulp of it: {_ulp_close(got, mine)}", flush=True)
             ok = "FAIL" not in verdict.values()
             summary = " ".join(f"{n}={e[0]:.2e}(1gpu {base[n]:.2e},{verdict[n]})" for n, e in errors.items())
             if rank == 0:

@@ -31,7 +31,7 @@ def reference():
     return train_reference()
 
 
-def _check(results, reference) -> None:
+def _check(results, reference, weight_atol: float = 1e-5) -> None:
     ref_losses, ref_weights = reference
     losses = [r[0] for r in results]
     for rank_losses in losses:  # every rank logs the same global loss
@@ -40,7 +40,7 @@ def _check(results, reference) -> None:
     weights = results[0][1]
     assert weights.keys() == ref_weights.keys()
     for name, ref in ref_weights.items():
-        torch.testing.assert_close(weights[name], ref, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(weights[name], ref, rtol=0, atol=weight_atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _id(layout) -> str:
@@ -75,6 +75,27 @@ def test_training_parity_head_chunks_and_uncheckpointed_blocks(reference):
     """head_chunks=2 (ring over K/V head groups in turn) and one block left unwrapped, through the strategy."""
     kwargs = dict(sequence_parallel_size=2, attention="ring", head_chunks=2, uncheckpointed_blocks=1)
     _check(run_distributed(train_strategy, 2, kwargs, timeout=TIMEOUT), reference)
+
+
+@pytest.mark.parametrize("ac", ["selective++", "full"])
+def test_training_parity_offload_and_mlp_tiles(ac, reference):
+    """Checkpointed block inputs offloaded to host memory and the MLP over 5-token slices (16 local
+    tokens: slices of 5, 5, 5, 1), one block left unwrapped (its MLP tiled as well)."""
+    kwargs = dict(sequence_parallel_size=2, attention="ring", activation_checkpointing=ac, offload_checkpoints=True,
+                  mlp_chunk_size=5, uncheckpointed_blocks=1)
+    _check(run_distributed(train_strategy, 2, kwargs, timeout=TIMEOUT), reference)
+
+
+def test_training_parity_mlp_tiles_compiled_without_checkpointing(reference):
+    """The tiled MLP under torch.compile (per block) and with activation_checkpointing=None, dp2 x sp2.
+
+    Weights at atol 2e-5: Inductor's fused fp32 kernels differ from eager in the last bits, and
+    AdamW's normalised step amplifies that where a gradient is near zero. Measured after 5 steps
+    (max |weight - reference|): compile alone 5-6e-6, compile + 3-token slices 0.9-1.0e-5, eager
+    slices 1-3e-6; the losses agree to 1e-6 in all three.
+    """
+    kwargs = dict(sequence_parallel_size=2, attention="ring", activation_checkpointing=None, mlp_chunk_size=3, compile=True)
+    _check(run_distributed(train_strategy, 4, kwargs, timeout=600), reference, weight_atol=2e-5)
 
 
 def _bad_inner_ring(rank: int, world_size: int) -> str:
