@@ -5,19 +5,18 @@
 # memory, sequence-tiled MLP). flash-attn 4's wheels come in two parts (.whl, .whl2), as in
 # run_h200x4_fa4.sh; stages 2-3 need the machine still warm.
 #
-#   STAGE=1 (carry .whl, .site): copy the first fa4 wheels; tests/test_attention_gpu.py -k "ring and cudnn"
+#   STAGE=1 (carry .whl): copy the first fa4 wheels; tests/test_attention_gpu.py -k "ring and cudnn"
 #           on 2 of the GPUs; attention fwd+bwd at S = 1M, heads 32/8, cuDNN: ours (ring + head_chunks 4,
 #           Ulysses) against torch CP (all-gather, all-to-all).
-#   STAGE=2 (carry .whl2, .site): install fa4; attention at 1M with fa4 (ring + head_chunks 4, Ulysses);
+#   STAGE=2 (carry .whl2): install fa4; attention at 1M with fa4 (ring + head_chunks 4, Ulysses);
 #           one training step of llama3-8b at 512K with the 1M settings (peak GPU and host memory, step
 #           time: the 1M step is ~4x the attention part).
-#   STAGE=3 (carry .site): one training step of llama3-8b at 1,048,576 tokens (benchmarks/longest.py).
+#   STAGE=3 (carry nothing; fa4 stays in /tmp/site): one training step of llama3-8b at 1,048,576 tokens (benchmarks/longest.py).
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_1m.sh   (results under $OUT)
 set -u
 BUDGET_S=${BUDGET_S:-570}
 source "$(dirname "$0")/device_common.sh"
-export PYTHONPATH=$PYTHONPATH:$PWD/.site/site
 echo "== STAGE=$STAGE commit=${SEQPAR_COMMIT:-unknown} $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) fa4=$(fa4)"
 LONG_ARGS="--ac selective++ --head-chunks 4 --offload --mlp-chunk 32768 --warmup 0 --steps 1 --backend auto"
 
