@@ -10,7 +10,7 @@
 #            (128K, 96K, 80K, 64K) with what time is left.
 #   STAGE=3: llama-7b (MHA, vocab 32K): ours at 384K (one step, ~230 s).
 #   STAGE=4: llama-7b: torch CP at 256K, then 192K (one step each: two steps at 256K take ~200 s).
-#   STAGE=5: llama-7b: TP+SP (224K ... 128K, one step each) -- not run yet (device time).
+#   STAGE=5: llama-7b: TP+SP (160K, 128K, 96K, 80K, 64K; one step each).
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x2_longest.sh   (results under $OUT)
 set -u
@@ -36,6 +36,6 @@ elif [ "$STAGE" = 3 ]; then
 elif [ "$STAGE" = 4 ]; then
   MODEL=llama-7b longest torch_cp 262144:200,196608:150 -- --warmup 0 --steps 1
 elif [ "$STAGE" = 5 ]; then
-  MODEL=llama-7b longest tp_sp 229376:170,196608:140,163840:120,131072:100 -- --warmup 0 --steps 1
+  MODEL=llama-7b longest tp_sp 163840:110,131072:100,98304:90,81920:80,65536:70 -- --warmup 0 --steps 1
 fi
 echo "== done in $(( $(date +%s) - START ))s"
