@@ -196,6 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
                commit=args.commit, attempts=attempts, lower_bound=bool(found and skipped),
                tokens_per_s_per_gpu=(found or {}).get("tokens_per_s_per_gpu"), peak_mem_gb=(found or {}).get("peak_mem_gb"),
                mfu=(found or {}).get("mfu"), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    row["train_args"] = " ".join(extra)  # the settings of every attempt
+    for key in ("step_time_s", "ac", "backend", "head_chunks", "offload_checkpoints", "host_peak_gb", "mlp_chunk_size"):
+        if found and key in found:
+            row[key] = found[key]
     if found is None:
         row["error"] = "no sequence length of the list trained" + (" (some were skipped)" if skipped else "")
     print(f"[longest] {args.system} {args.model} GPUs={args.nproc}: longest S = {row['seq']}"
