@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_seqpar.checkpointing import HostOffload, checkpoint_block, tile_mlp
-from lightning_seqpar.models import Llama, LlamaConfig
+from lightning_seqpar.models import GPT, GPTConfig, Llama, LlamaConfig, TransNormer, TransNormerConfig
 from lightning_seqpar.models.llama import rope_freqs_cis
 from lightning_seqpar.parallelize import apply_ac, apply_mlp_tiles
 
@@ -131,3 +131,19 @@ def test_mlp_tiles_need_an_mlp_child():
 def test_offload_needs_checkpointing():
     with pytest.raises(ValueError, match="needs activation_checkpointing"):
         apply_ac(_model(), None, offload=True)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: GPT(GPTConfig.from_name("gpt-tiny")),
+    lambda: TransNormer(TransNormerConfig.from_name("tnl-tiny")),
+], ids=["gpt", "tnl"])
+def test_other_models_tile_and_offload(build):
+    """GPT's ``mlp`` and TNL's ``channel_mixer`` are tiled; both models equal their plain selves."""
+    torch.manual_seed(0)
+    plain = build()
+    ids = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(1))
+    expected = _loss_and_grads(plain, ids)
+    model = copy.deepcopy(plain)
+    assert apply_mlp_tiles(model, 4) == 2
+    assert apply_ac(model, "selective++", offload=True) == 2
+    _assert_same(_loss_and_grads(model, ids), expected)

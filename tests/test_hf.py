@@ -67,6 +67,16 @@ def test_chunked_loss_and_no_checkpointing(models):
             torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=name)
 
 
+def test_offloaded_checkpoints_and_mlp_slices(models):
+    """offload_checkpoints and mlp_chunk_size on Hugging Face decoder layers (their ``mlp`` child;
+    RoPE cos/sin and masks need no gradient and stay on the device)."""
+    refs, data = models
+    results = run_distributed(train_each, 2, [refs[k][0] for k in KINDS], data, timeout=TIMEOUT,
+                              strategy_kwargs={"attention": "ring", "offload_checkpoints": True, "mlp_chunk_size": 5})[0]
+    for kind, result in zip(KINDS, results):
+        _check(result, refs[kind])
+
+
 def test_save_pretrained_round_trip(models, tmp_path):
     """hf_save_dir: the folder written after 2 steps under the strategy is a plain transformers model with the trained weights."""
     refs, data = models
