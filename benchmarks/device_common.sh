@@ -5,6 +5,8 @@
 #   fa4                True when flash-attn 4 loads as our local kernel
 #   copy_fa4_part1     stage 1 (carry .whl): the first wheels to /tmp/whl
 #   install_fa4_part2  stage 2 (carry .whl2): the rest, joined, installed into /tmp/site
+#   attention LABEL LIMIT GRID...  benchmarks/attention.py on 4 GPUs over the grids, ATTN_ITERS (3) timed
+#                      iterations after one warm-up, under min(LIMIT, left); $OUT/attention_LABEL.{json,log}
 #   train LIMIT ARGS   one benchmarks/train.py run (llama3-8b, SEQ tokens, NPROC GPUs) under min(LIMIT, left);
 #                      skipped below TRAIN_MIN_S seconds left; [train] lines to $OUT/train.log
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,6 +30,15 @@ install_fa4_part2() {
     && rm /tmp/whl/cu13part.* \
     && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site /tmp/whl/*.whl 2>&1 | tail -2
   echo "== fa4 available: $(fa4) ($(( $(date +%s) - START ))s)"
+}
+
+attention() {  # attention LABEL LIMIT GRID...
+  local label=$1 limit=$2; shift 2
+  local t=$(( $(left) < limit ? $(left) : limit ))
+  echo "== attention $label (limit ${t}s)"
+  local grids=(); for g in "$@"; do grids+=(--grid "$g"); done
+  timeout -k 10 "$t" torchrun --nproc_per_node=4 benchmarks/attention.py --out "$OUT/attention_$label.json" --iters "${ATTN_ITERS:-3}" \
+    --warmup 1 --commit "${SEQPAR_COMMIT:-unknown}" "${grids[@]}" 2>&1 | grep -v -i warn | tee "$OUT/attention_$label.log"
 }
 
 train() {  # train LIMIT ARGS...

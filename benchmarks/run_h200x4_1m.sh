@@ -16,18 +16,10 @@
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_1m.sh   (results under $OUT)
 set -u
 BUDGET_S=${BUDGET_S:-570}
+ATTN_ITERS=1
 source "$(dirname "$0")/device_common.sh"
 echo "== STAGE=$STAGE commit=${SEQPAR_COMMIT:-unknown} $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) fa4=$(fa4)"
 LONG_ARGS="--ac selective++ --head-chunks 4 --offload --mlp-chunk 32768 --warmup 0 --steps 1 --backend auto"
-
-attention() {  # attention LABEL LIMIT GRID...
-  local label=$1 limit=$2; shift 2
-  local t=$(( $(left) < limit ? $(left) : limit ))
-  echo "== attention $label (limit ${t}s)"
-  local grids=(); for g in "$@"; do grids+=(--grid "$g"); done
-  timeout -k 10 "$t" torchrun --nproc_per_node=4 benchmarks/attention.py --out "$OUT/attention_$label.json" --iters 1 --warmup 1 \
-    --commit "${SEQPAR_COMMIT:-unknown}" "${grids[@]}" 2>&1 | grep -v -i warn | tee "$OUT/attention_$label.log"
-}
 
 if [ "$STAGE" = 1 ]; then
   copy_fa4_part1

@@ -20,15 +20,6 @@ BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/device_common.sh"
 echo "== STAGE=$STAGE commit=${SEQPAR_COMMIT:-unknown} $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) fa4=$(fa4)"
 
-attention() {  # attention LABEL LIMIT GRID...
-  local label=$1 limit=$2; shift 2
-  local t=$(( $(left) < limit ? $(left) : limit ))
-  echo "== attention $label (limit ${t}s)"
-  local grids=(); for g in "$@"; do grids+=(--grid "$g"); done
-  timeout -k 10 "$t" torchrun --nproc_per_node=4 benchmarks/attention.py --out "$OUT/attention_$label.json" --iters 3 --warmup 1 \
-    "${grids[@]}" 2>&1 | grep -v -i warn | tee "$OUT/attention_$label.log"
-}
-
 if [ "$STAGE" = 1 ]; then
   copy_fa4_part1
   attention cudnn 200 \
