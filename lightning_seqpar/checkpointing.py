@@ -33,11 +33,10 @@ Selective Checkpoint++, the attention output of the same size. At the longest co
 inputs are what no longer fits: llama3-8b at 1M tokens on 4 GPUs keeps 32 x 2.1 GB of block
 inputs per GPU. ``offload=True`` runs each checkpointed block under saved-tensor hooks
 (:class:`HostOffload`) that copy what the checkpoint saves and needs a gradient — the block's
-input; inputs without a gradient (positions, RoPE tables) are shared by every block and stay
-where they are. The tensors
+input — to pinned host memory, and back when the backward recomputes the block. Inputs without a
+gradient (positions, RoPE tables) are shared by every block and stay where they are; the tensors
 saved inside the block are the checkpoint's own placeholders, and Selective Checkpoint++ keeps
-its attention outputs in its own cache, on the GPU — to pinned host memory, and back when the
-backward recomputes the block::
+its attention outputs in its own cache, on the GPU::
 
     forward, block l:   x_l --(side stream, D2H, async)--> pinned host copy;  GPU memory of x_l freed
     backward, block l:  host copy --(H2D, compute stream)--> x_l  -> recompute block l -> its backward

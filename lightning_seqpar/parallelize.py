@@ -342,6 +342,9 @@ def parallelize(
 
     ``compile_kwargs=None`` skips compile; ``fsdp_mesh=None`` skips FSDP (one process).
     """
+    if offload_checkpoints and compile_kwargs is not None:
+        raise ValueError("offload_checkpoints=True runs the blocks eagerly (saved-tensor hooks around the checkpoint); "
+                         "pass compile_kwargs=None")
     apply_attention(model, sp_mesh, algorithm=attention, layout=layout, lasp_variant=lasp_variant, inner_ring_size=inner_ring_size,
                     head_chunks=head_chunks, backend=attention_backend)
     apply_mlp_tiles(model, mlp_chunk_size, block_classes=block_classes)

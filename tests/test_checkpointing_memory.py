@@ -147,3 +147,10 @@ def test_other_models_tile_and_offload(build):
     assert apply_mlp_tiles(model, 4) == 2
     assert apply_ac(model, "selective++", offload=True) == 2
     _assert_same(_loss_and_grads(model, ids), expected)
+
+
+def test_offload_and_compile_are_refused_together():
+    from lightning_seqpar.parallelize import parallelize
+
+    with pytest.raises(ValueError, match="offload_checkpoints=True runs the blocks eagerly"):
+        parallelize(_model(), sp_mesh=None, fsdp_mesh=None, offload_checkpoints=True, compile_kwargs={})
