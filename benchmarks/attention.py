@@ -285,7 +285,10 @@ def run(args: argparse.Namespace) -> None:
         device_name, dtype, backend = "cpu", torch.float32, "math"
     W, rank = dist.get_world_size(), dist.get_rank()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", W))
-    profile = DeviceProfile.for_device(device_name, gpus_per_node=per_node)
+    profiles: dict[str, DeviceProfile] = {}
+
+    def profile_for(kernel: str) -> DeviceProfile:  # the cost model's rates depend on the local kernel
+        return profiles.setdefault(kernel, DeviceProfile.for_device(device_name, backend=kernel, gpus_per_node=per_node))
     dtype_bytes = torch.finfo(dtype).bits // 8
     mesh_1d = init_device_mesh(device_type, (W,), mesh_dim_names=("cp",))
     meshes_2d: dict[int, object] = {}
@@ -314,17 +317,25 @@ def run(args: argparse.Namespace) -> None:
         for S in grid.seqs:
             for hq, hkv in grid.heads:
                 B, D = args.batch, args.head_dim
-                try:
-                    auto = choose_attention(seq_len=S, num_heads=hq, num_kv_heads=hkv, head_dim=D, world_size=W, batch=B,
-                                            dtype_bytes=dtype_bytes, profile=profile, double_ring=False).label
-                except ValueError as e:
-                    auto = f"none ({e})"
+                autos: dict[str, str] = {}
+
+                def auto_for(kernel: str) -> str:  # what attention="auto" picks for this S, heads and W with this kernel
+                    if kernel not in autos:
+                        try:
+                            autos[kernel] = choose_attention(seq_len=S, num_heads=hq, num_kv_heads=hkv, head_dim=D, world_size=W,
+                                                             batch=B, dtype_bytes=dtype_bytes, profile=profile_for(kernel),
+                                                             double_ring=False).label
+                        except ValueError as e:
+                            autos[kernel] = f"none ({e})"
+                    return autos[kernel]
+
                 single_tflops = None
                 common = dict(bench="attention", heads=f"{hq}/{hkv}", model=f"H{hq}/{hkv}xD{D}", seq=S, batch=B, gpus=W,
-                              device=device_name, commit=args.commit, auto_choice=auto)
+                              device=device_name, commit=args.commit)
                 for s in systems:
                     why = skip_reason(s, W, S, hq, args.single_max_seq, device_type, hkv)
                     be = s.backend or backend
+                    profile = profile_for(be)
                     pred = predictions(s, S=S, hq=hq, hkv=hkv, D=D, B=B, world=W, profile=profile, dtype_bytes=dtype_bytes)
                     if why is None and s.kind == "seqpar":
                         est = estimate_attention(algorithm=s.base, seq_len=S, num_heads=hq, num_kv_heads=hkv, head_dim=D, world_size=W,  # type: ignore[arg-type]
@@ -332,7 +343,7 @@ def run(args: argparse.Namespace) -> None:
                                                  dtype_bytes=dtype_bytes, profile=profile)
                         if device_type == "cuda" and est.peak_memory_bytes > 0.9 * torch.cuda.get_device_properties(device).total_memory:
                             why = f"the cost model estimates ~{est.peak_memory_bytes / 1e9:.0f} GB per GPU"
-                    row = dict(common, system=s.kind, algorithm=s.algorithm if s.kind != "single" else be,
+                    row = dict(common, auto_choice=auto_for(be), system=s.kind, algorithm=s.algorithm if s.kind != "single" else be,
                                backend=be if s.kind != "torch_cp" else "cudnn", head_chunks=s.chunks,
                                predicted_ms=pred, tflops_per_gpu=None, efficiency_vs_single=None, time_ms=None, peak_mem_gb=None,
                                op_mem_gb=None, error=None)

@@ -12,7 +12,12 @@ ulysses.py, two_d.py):
 
 * compute: the causal FLOPs of this rank (balanced by zigzag: 2 B H S^2 D / W forward, 2.5x that
   backward, i.e. the 3.5 x 2 B H S^2 D count) at the local kernel's rate, plus a fixed cost per
-  kernel call (which is what makes many small blocks slower than one large one).
+  kernel call (which is what makes many small blocks slower than one large one). The rate of a
+  causal (masked) call and of an unmasked block differ by ``full_block_speedup``: cuDNN runs the
+  ring's unmasked half blocks ~5% faster than causal calls, so the ring ((W-1)/W of its work
+  unmasked) beats Ulysses (one causal call over the whole sequence) at long S with cuDNN, and
+  not with flash-attention 4, whose causal calls lose nothing (measured both ways at 1M on 4 x
+  H200). The profile therefore depends on the kernel (``DeviceProfile.for_device(..., backend=)``).
 * ring (over cp ranks, w = inner ring size, G = cp / w outer steps), at every step::
 
         forward step    max(block compute, K/V hop)                 + overlap_slowdown x hop
@@ -77,6 +82,9 @@ class DeviceProfile:
             slows that compute (NCCL kernels use SMs and memory bandwidth).
         gpus_per_node: GPUs joined by the intra-node links.
         memory_bytes: device memory, for the feasibility of a candidate.
+        full_block_speedup: the kernel's rate on a block without a causal mask, relative to
+            ``attention_flops`` (its rate on causal calls). The ring (zigzag) spends (W-1)/W of
+            its work in such blocks, Ulysses none: one causal call over the whole sequence.
     """
 
     name: str
@@ -92,10 +100,11 @@ class DeviceProfile:
     overlap_slowdown: float
     gpus_per_node: int
     memory_bytes: float
+    full_block_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("attention_flops", "memory_bandwidth", "intra_node_p2p_bandwidth",
-                     "intra_node_collective_bandwidth", "inter_node_bandwidth", "memory_bytes"):
+                     "intra_node_collective_bandwidth", "inter_node_bandwidth", "memory_bytes", "full_block_speedup"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DeviceProfile.{name} must be positive, got {getattr(self, name)!r}")
         for name in ("attention_call_s", "elementwise_call_s", "p2p_latency_s", "collective_latency_s", "overlap_slowdown"):
@@ -106,10 +115,13 @@ class DeviceProfile:
 
     @classmethod
     def h200(cls, **overrides) -> DeviceProfile:
-        """One H200 (bf16) in an 8-GPU NVLink/NVSwitch node, one 400 Gb/s NIC per GPU.
+        """One H200 (bf16, cuDNN attention) in an 8-GPU NVLink/NVSwitch node, one 400 Gb/s NIC per GPU.
 
         Measured (benchmarks/results, 2026-11-21): ``attention_flops`` — our cuDNN path on one
-        H200 reaches 538-545 TFLOP/s causal forward + backward at S = 8K-32K; the rest was checked
+        H200 reaches 538-545 TFLOP/s causal forward + backward at S = 8K-32K (519-541 at
+        128K-1M); ``full_block_speedup`` — the same kernel without a mask runs 555-562 TFLOP/s on
+        the ring's half blocks at 128K-1M, against 522-541 for causal calls of those lengths
+        (``benchmarks/kernel_rates.py``, 2026-11-22: 1.04-1.07x); the rest was checked
         against 4xH200, H 32/8, D 128: ring 510.8 / 528.3 and all-gather 513.4 / 537.3 TFLOP/s per
         GPU at S = 128K / 512K (the model gives 515 / 533 and 516 / 535).
         Assumed: the link rates (NVLink 4 is 450 GB/s per direction, NCCL reaches ~350), 45 GB/s
@@ -120,19 +132,34 @@ class DeviceProfile:
             name="H200", attention_flops=540e12, attention_call_s=20e-6, memory_bandwidth=3.0e12,
             elementwise_call_s=5e-6, intra_node_p2p_bandwidth=350e9, intra_node_collective_bandwidth=350e9,
             inter_node_bandwidth=45e9, p2p_latency_s=15e-6, collective_latency_s=25e-6, overlap_slowdown=0.15,
-            gpus_per_node=8, memory_bytes=141e9), **overrides)
+            gpus_per_node=8, memory_bytes=141e9, full_block_speedup=1.05), **overrides)
 
     @classmethod
     def h100(cls, **overrides) -> DeviceProfile:
         """One H100 SXM: the H200 profile with H100 memory (80 GB, 3.35 TB/s). Assumed, not
         measured: a kernel rate of 500e12 (same SMs and clocks, less memory bandwidth)."""
-        return cls.h200(name="H100", attention_flops=500e12, memory_bandwidth=2.2e12, memory_bytes=80e9, **overrides)
+        return cls.h200(**{"name": "H100", "attention_flops": 500e12, "memory_bandwidth": 2.2e12, "memory_bytes": 80e9, **overrides})
 
     @classmethod
-    def for_device(cls, device_name: str, **overrides) -> DeviceProfile:
-        """The profile for a ``torch.cuda.get_device_name()``: H100 for an H100, else H200 (the
-        one measured; also the stand-in for CPU runs, where the choice does not matter)."""
-        return cls.h100(**overrides) if "H100" in device_name.upper() else cls.h200(**overrides)
+    def for_device(cls, device_name: str, backend: str = "cudnn", **overrides) -> DeviceProfile:
+        """The profile for a ``torch.cuda.get_device_name()`` and local kernel: H100 for an H100,
+        else H200 (the one measured; also the stand-in for CPU runs, where the choice does not
+        matter). ``backend="fa4"``: flash-attention 4's rates (:data:`FA4_RATES`); any other
+        kernel is modelled as cuDNN."""
+        rates = dict(FA4_RATES) if backend == "fa4" else {}
+        if "H100" in device_name.upper():
+            if rates:
+                rates["attention_flops"] *= 500 / 540  # the H100 profile's ratio to the H200's (assumed)
+            return cls.h100(**{**rates, **overrides})
+        return cls.h200(**{**rates, **overrides})
+
+
+FA4_RATES: dict[str, float] = {"attention_flops": 600e12, "full_block_speedup": 1.0}
+"""flash-attention 4 on an H200 (2026-11-22, benchmarks/results): 609 TFLOP/s causal forward +
+backward on one GPU at 128K, our ring / Ulysses with it 582-607 TFLOP/s per GPU at 128K-1M on 4
+GPUs. Its causal scheduling leaves no gap to unmasked blocks that the distributed runs show
+(Ulysses, one causal call, is 1.6% faster than the ring at 128K and at 1M): 1.0, assumed from
+those runs, not measured per block."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,8 +278,10 @@ def _hop(nbytes: float, crosses: bool, p: DeviceProfile) -> float:
     return p.p2p_latency_s + nbytes / (p.inter_node_bandwidth if crosses else p.intra_node_p2p_bandwidth)
 
 
-def _attn_call(flops_fwd: float, p: DeviceProfile, backward: bool) -> float:
-    return (2.5 if backward else 1.0) * flops_fwd / p.attention_flops + p.attention_call_s
+def _attn_call(flops_fwd: float, p: DeviceProfile, backward: bool, causal_share: float = 1.0) -> float:
+    """One kernel call of ``flops_fwd`` forward FLOPs, ``causal_share`` of them in causal (masked) calls."""
+    per_flop = causal_share / p.attention_flops + (1.0 - causal_share) / (p.attention_flops * p.full_block_speedup)
+    return (2.5 if backward else 1.0) * flops_fwd * per_flop + p.attention_call_s
 
 
 def _fwd_flops(B: int, H: int, n_q: int, n_k: int, D: int, causal_block: bool) -> float:
@@ -275,6 +304,13 @@ def _ring(sh: _Shape, hq: int, hkv: int, cp: int, w: int, t: _Tally, p: DevicePr
     if sh.causal and not sh.balanced:
         total = _fwd_flops(B, hq, s_local, sh.S - s_local, D, False) + _fwd_flops(B, hq, s_local, s_local, D, True)
     step = total / cp
+    # the causal (masked) call: the rank's own shard, 1/cp of the work when balanced; none without a mask
+    if not sh.causal:
+        causal_share = 0.0
+    elif sh.balanced:
+        causal_share = 1.0 / cp
+    else:
+        causal_share = _fwd_flops(B, hq, s_local, s_local, D, True) / total
     kv_hop = _hop(kv_el * e, inner_crosses, p)
     kv_dkv_hop = _hop(kv_el * (e + 4), inner_crosses, p)
     dkv_hop = _hop(kv_el * 4, inner_crosses, p)
@@ -282,7 +318,7 @@ def _ring(sh: _Shape, hq: int, hkv: int, cp: int, w: int, t: _Tally, p: DevicePr
     outer_dkv_hop = _hop(kv_el * 4, outer_crosses, p)
     s = p.overlap_slowdown
 
-    fwd_c, bwd_c = _attn_call(step, p, False), _attn_call(step, p, True)
+    fwd_c, bwd_c = _attn_call(step, p, False, causal_share), _attn_call(step, p, True, causal_share)
     fwd = bwd = comm = 0.0
     for o in range(G):
         # forward inner ring: the next K/V block arrives while this one is computed
@@ -326,9 +362,12 @@ def _allgather(sh: _Shape, t: _Tally, p: DeviceProfile) -> None:
     if sh.causal and not sh.balanced:
         total = _fwd_flops(B, sh.Hq, s_local, sh.S - s_local, D, False) + _fwd_flops(B, sh.Hq, s_local, s_local, D, True)
     calls = 4 if sh.causal and sh.balanced else (2 if sh.causal else 1)
+    # masked calls: the two diagonal chunks (zigzag: 1/(2W) of the work), the own shard (contiguous)
+    causal_share = 0.0 if not sh.causal else (_fwd_flops(B, sh.Hq, s_local, s_local, D, True) / total if not sh.balanced
+                                              else 1.0 / (2 * W))
     gather = _collective(full_el * e, W, 1, p)
     scatter = _collective(full_el * 4, W, 1, p)
-    t.compute += calls * (_attn_call(total / calls, p, False) + _attn_call(total / calls, p, True))
+    t.compute += calls * (_attn_call(total / calls, p, False, causal_share) + _attn_call(total / calls, p, True, causal_share))
     t.comm += 2 * gather + scatter
     merged = B * s_local * sh.Hq * D * (2 if sh.causal else 1)
     order = 2 * kv_el * e + 2 * (2 * full_el * e)  # stack; permute copy + index_select into global order
@@ -356,7 +395,8 @@ def _head_parallel(sh: _Shape, hp: int, cp: int, r: int, t: _Tally, p: DevicePro
 def _local(sh: _Shape, hq: int, t: _Tally, p: DeviceProfile, reorder_el: float) -> None:
     """Ulysses' inner attention: the whole sequence for ``hq`` heads, reordered to global order under zigzag."""
     total = _fwd_flops(sh.B, hq, sh.S, sh.S, sh.D, causal_block=sh.causal)
-    t.compute += _attn_call(total, p, False) + _attn_call(total, p, True)
+    share = 1.0 if sh.causal else 0.0  # one call over the whole sequence
+    t.compute += _attn_call(total, p, False, share) + _attn_call(total, p, True, share)
     if sh.causal and sh.balanced and sh.W > 1:  # index_select forward, index-add backward
         t.elementwise_bytes += 2 * sh.e * reorder_el + 3 * sh.e * reorder_el
         t.elementwise_calls += 8
