@@ -489,7 +489,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         if self.parallel_devices and self.root_device.type == "cuda":
             device_name = torch.cuda.get_device_name(self.root_device)
         # the local kernel the attention will run (the cost model's rates differ per kernel)
-        kernels = [b for d in (self._compute_dtype(), torch.bfloat16) for b in available_backends(self.root_device, d, head_dim)]
+        device = self.root_device if self.parallel_devices else torch.device("cpu")
+        kernels = [b for d in (self._compute_dtype(), torch.bfloat16) for b in available_backends(device, d, head_dim)]
         kernel = self.attention_backend if self.attention_backend != "auto" else (kernels[0] if kernels else "cudnn")
         profile = DeviceProfile.for_device(device_name, backend=kernel, gpus_per_node=max(1, self.num_processes))
         try:
