@@ -47,7 +47,9 @@ forward; the copy back waits for it (an event) and costs ~2 GB / 25 GB/s per blo
 
 Note [Sequence-tiled MLP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-The MLP is position-wise, so running it over slices of the sequence gives the same rows. Its
+The MLP is position-wise (row t of its output depends on row t of its input only), so running it
+over slices of the sequence gives the same rows; a module that is not (a mixture of experts with
+capacity limits or batch-level router statistics) must not be tiled. Its
 intermediate activations are I/d = 3.5 times the block's width (llama3-8b: 262K tokens x 14,336
 x 2 bytes = 7.5 GB per tensor at 1M tokens on 4 GPUs, several alive in its backward), which makes
 them the largest working set of a checkpointed block's backward. ``mlp_chunk_size=c`` runs the
@@ -187,11 +189,21 @@ def checkpoint_block(
 
 def _sequence_tiles(fn: Callable[..., Any], x: torch.Tensor, *, chunk_size: int) -> torch.Tensor:
     """``fn(x)`` over slices of ``chunk_size`` tokens (dim 1 of (B, S, d), dim 0 of (N, d)), each checkpointed (Note [Sequence-tiled MLP])."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"mlp_chunk_size: the tiled MLP takes one tensor of tokens, got {type(x).__name__}")
     dim = 1 if x.dim() >= 3 else 0
     pieces = x.split(chunk_size, dim=dim)
-    if not torch.is_grad_enabled():
-        return torch.cat([fn(p) for p in pieces], dim=dim)
-    return torch.cat([checkpoint(fn, p, use_reentrant=False) for p in pieces], dim=dim)
+    if torch.is_grad_enabled():
+        outs = [checkpoint(fn, p, use_reentrant=False) for p in pieces]
+    else:
+        outs = [fn(p) for p in pieces]
+    if not all(isinstance(o, torch.Tensor) and o.shape[: dim + 1] == p.shape[: dim + 1] for o, p in zip(outs, pieces)):
+        raise ValueError(
+            f"mlp_chunk_size: the MLP ({getattr(fn, '__class__', type(fn)).__name__}) must be position-wise and return one "
+            f"tensor with a row per input token; got {type(outs[0]).__name__}. Leave mlp_chunk_size=None for this model "
+            "(a mixture-of-experts block that returns router logits, for example)"
+        )
+    return torch.cat(outs, dim=dim)
 
 
 def tile_mlp(mlp: nn.Module, chunk_size: int) -> nn.Module:

@@ -154,3 +154,16 @@ def test_offload_and_compile_are_refused_together():
 
     with pytest.raises(ValueError, match="offload_checkpoints=True runs the blocks eagerly"):
         parallelize(_model(), sp_mesh=None, fsdp_mesh=None, offload_checkpoints=True, compile_kwargs={})
+
+
+def test_tiled_mlp_needs_one_tensor_per_token():
+    class RouterMLP(nn.Module):  # returns (hidden, router logits), as some mixture-of-experts blocks do
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(D, D)
+
+        def forward(self, x):
+            return self.proj(x), x.mean(dim=-1)
+
+    with pytest.raises(ValueError, match="must be position-wise and return one tensor"):
+        tile_mlp(RouterMLP(), 4)(torch.randn(B, S, D, requires_grad=True))
