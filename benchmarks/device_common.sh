@@ -5,8 +5,9 @@
 #   fa4                True when flash-attn 4 loads as our local kernel
 #   copy_fa4_part1     stage 1 (carry .whl): the first wheels to /tmp/whl
 #   install_fa4_part2  stage 2 (carry .whl2): the rest, joined, installed into /tmp/site
-#   attention LABEL LIMIT GRID...  benchmarks/attention.py on 4 GPUs over the grids, ATTN_ITERS (3) timed
-#                      iterations after one warm-up, under min(LIMIT, left); $OUT/attention_LABEL.{json,log}
+#   attention LABEL LIMIT GRID...  benchmarks/attention.py on ATTN_NPROC (4) GPUs over the grids, ATTN_ITERS (3)
+#                      timed iterations after one warm-up, under min(LIMIT, left); $OUT/attention_LABEL.{json,log};
+#                      extra attention.py flags in ATTN_ARGS; its own rendezvous port, so runs on disjoint CUDA_VISIBLE_DEVICES can go side by side
 #   train LIMIT ARGS   one benchmarks/train.py run (llama3-8b, SEQ tokens, NPROC GPUs) under min(LIMIT, left);
 #                      skipped below TRAIN_MIN_S seconds left; [train] lines to $OUT/train.log
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -37,8 +38,8 @@ attention() {  # attention LABEL LIMIT GRID...
   local t=$(( $(left) < limit ? $(left) : limit ))
   echo "== attention $label (limit ${t}s)"
   local grids=(); for g in "$@"; do grids+=(--grid "$g"); done
-  timeout -k 10 "$t" torchrun --nproc_per_node=4 benchmarks/attention.py --out "$OUT/attention_$label.json" --iters "${ATTN_ITERS:-3}" \
-    --warmup 1 --commit "${SEQPAR_COMMIT:-unknown}" "${grids[@]}" 2>&1 | grep -v -i warn | tee "$OUT/attention_$label.log"
+  timeout -k 10 "$t" torchrun --nproc_per_node="${ATTN_NPROC:-4}" --master_port=$((29500 + RANDOM % 2000)) benchmarks/attention.py --out "$OUT/attention_$label.json" --iters "${ATTN_ITERS:-3}" \
+    --warmup 1 --commit "${SEQPAR_COMMIT:-unknown}" ${ATTN_ARGS:-} "${grids[@]}" 2>&1 | grep -v -i warn | tee "$OUT/attention_$label.log"
 }
 
 train() {  # train LIMIT ARGS...
