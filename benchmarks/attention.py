@@ -340,7 +340,7 @@ def run(args: argparse.Namespace) -> None:
                     if why is None and s.kind == "seqpar":
                         est = estimate_attention(algorithm=s.base, seq_len=S, num_heads=hq, num_kv_heads=hkv, head_dim=D, world_size=W,  # type: ignore[arg-type]
                                                  hp=s.hp if s.base == "2d" else None, inner_ring_size=s.inner, batch=B,
-                                                 dtype_bytes=dtype_bytes, profile=profile)
+                                                 dtype_bytes=dtype_bytes, profile=profile, head_chunks=s.chunks)
                         if device_type == "cuda" and est.peak_memory_bytes > 0.9 * torch.cuda.get_device_properties(device).total_memory:
                             why = f"the cost model estimates ~{est.peak_memory_bytes / 1e9:.0f} GB per GPU"
                     row = dict(common, auto_choice=auto_for(be), system=s.kind, algorithm=s.algorithm if s.kind != "single" else be,

@@ -11,6 +11,9 @@
 #           runs side by side on GPUs 0,1 and 2,3 (512K every system and heads; 1M MHA and 33 heads).
 #   STAGE=3 (carry nothing): one GPU, the whole sequence, each GPU its own process (1M 32/8, 32/32, 33/33;
 #           512K all three); then fa4 on 4 GPUs at 512K (Ulysses, the one fa4 algorithm not measured there).
+#   STAGE=4 (a fresh machine): the one-GPU references again (1M 33/33 and 512K, whose files did not come
+#           back: at most 8 files per call), and the all-gather with head chunks at 1M on 4 GPUs (stage 1
+#           skipped it: the memory estimate did not know head chunks).
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_grid.sh   (results under $OUT)
 set -u
@@ -34,8 +37,8 @@ elif [ "$STAGE" = 2 ]; then
     "seqs=$K;heads=32/8;systems=seqpar:ring:inner2"
   W2="seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,torch_cp:allgather,torch_cp:alltoall"
   T=$(( $(left) - 15 ))
-  CUDA_VISIBLE_DEVICES=0,1 ATTN_NPROC=2 attention w2-a $T "seqs=$K;heads=32/32,33/33;systems=$W2" \
-    "seqs=$K;heads=32/8;systems=seqpar:allgather:chunks4" "seqs=$M;heads=33/33;systems=seqpar:ring:chunks4,torch_cp:allgather" > /dev/null &
+  CUDA_VISIBLE_DEVICES=0,1 ATTN_NPROC=2 attention w2-a $T "seqs=$K;heads=32/32;systems=$W2" "seqs=$K;heads=33/33;systems=${W2//chunks4/chunks3}" \
+    "seqs=$K;heads=32/8;systems=seqpar:allgather:chunks4" "seqs=$M;heads=33/33;systems=seqpar:ring:chunks3,torch_cp:allgather" > /dev/null &
   CUDA_VISIBLE_DEVICES=2,3 ATTN_NPROC=2 attention w2-b $T "seqs=$M;heads=32/32;systems=seqpar:ring:chunks4,seqpar:ulysses,torch_cp:allgather" \
     "seqs=$M;heads=32/8;systems=seqpar:allgather:chunks4" > /dev/null &
   wait
@@ -48,7 +51,23 @@ elif [ "$STAGE" = 3 ]; then
   done
   wait
   grep -h "TFLOP" "$OUT"/attention_single-*.log | tail -10
+  attention 1m-w4-33 $(( $(left) - 5 )) "seqs=$M;heads=33/33;systems=seqpar:ring:chunks3,seqpar:allgather:chunks3"
   [ "$(fa4)" = True ] && attention fa4-512k $(( $(left) - 5 )) "seqs=$K;heads=32/8;systems=seqpar:ulysses:fa4"
+elif [ "$STAGE" = 4 ]; then
+  T=$(( $(left) - 120 ))
+  for g in "0 $M 33/33" "1 $K 32/8" "2 $K 32/32" "3 $K 33/33"; do
+    set -- $g
+    CUDA_VISIBLE_DEVICES=$1 ATTN_NPROC=1 ATTN_ARGS="--single-max-seq $M" attention single-$1 $T "seqs=$2;heads=$3;systems=single" > /dev/null &
+  done
+  wait
+  python - "$OUT" <<'PY'   # one file for the four (the call returns at most 8 files)
+import glob, json, os, sys
+rows = [r for f in sorted(glob.glob(os.path.join(sys.argv[1], "attention_single-*.json"))) for r in json.load(open(f))]
+json.dump(rows, open(os.path.join(sys.argv[1], "attention_single.json"), "w"), indent=1)
+for f in glob.glob(os.path.join(sys.argv[1], "attention_single-*.json")): os.remove(f)
+PY
+  cat "$OUT"/attention_single-*.log | grep TFLOP > "$OUT/attention_single.log"; rm -f "$OUT"/attention_single-*.log; cat "$OUT/attention_single.log"
+  attention 1m-w4-ag $(( $(left) - 5 )) "seqs=$M;heads=32/32;systems=seqpar:allgather:chunks4" "seqs=$M;heads=33/33;systems=seqpar:allgather:chunks3"
 fi
 python benchmarks/collect.py --summary "$OUT"/*.json 2>/dev/null | tail -40
 echo "== done in $(( $(date +%s) - START ))s"

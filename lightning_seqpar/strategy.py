@@ -498,6 +498,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 seq_len=self._expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
                 layout=self.layout, dtype_bytes=4 if str(getattr(self.precision_plugin, "precision", "")).startswith("32") else 2, profile=profile,  # type: ignore[arg-type]
                 algorithms=self._auto_candidates(), head_parallel_size=head_parallel_size, double_ring=False,
+                head_chunks=self.head_chunks if h_kv % self.head_chunks == 0 else 1,
             )
         except ValueError as error:
             raise ValueError(

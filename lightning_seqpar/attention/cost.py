@@ -402,8 +402,11 @@ def _local(sh: _Shape, hq: int, t: _Tally, p: DeviceProfile, reorder_el: float) 
         t.elementwise_calls += 8
 
 
-def _memory(sh: _Shape, algorithm: str, hp: int, cp: int, r: int, inner: int | None) -> float:
-    """Rough peak bytes of one layer's attention (inputs, outputs, gradients, buffers) on one rank."""
+def _memory(sh: _Shape, algorithm: str, hp: int, cp: int, r: int, inner: int | None, chunks: int = 1) -> float:
+    """Rough peak bytes of one layer's attention (inputs, outputs, gradients, buffers) on one rank.
+
+    ``chunks``: head chunks of the ring / all-gather (Note [Head chunks]); the buffers beyond the
+    inputs, outputs and their gradients hold one chunk of heads at a time."""
     B, D, e, W = sh.B, sh.D, sh.e, sh.W
     s_local = sh.S // W
     q_el = B * s_local * sh.Hq * D
@@ -418,10 +421,10 @@ def _memory(sh: _Shape, algorithm: str, hp: int, cp: int, r: int, inner: int | N
         extra += 2 * (2 * q_el + kvr) * e
     if algorithm == "allgather":
         full = W * kv_el
-        return base + max(3 * full * e + 4 * 4 * q_el, 2 * full * e + 3 * 4 * full + 4 * q_el)
+        return base + max(3 * full * e + 4 * 4 * q_el, 2 * full * e + 3 * 4 * full + 4 * q_el) / chunks
     bufs = (2 + (1 if inner and inner < cp else 0)) * kvr * e
     # forward: the fp32 output and the merge's fp32 temporaries; backward: fp32 dQ and three dK/dV buffers
-    return base + extra + bufs + max(4 * 4 * q_el, 4 * q_el + 3 * 4 * kvr + q_el * e)
+    return base + extra + (bufs + max(4 * 4 * q_el, 4 * q_el + 3 * 4 * kvr + q_el * e)) / chunks
 
 
 def _divisors(n: int) -> list[int]:
@@ -448,12 +451,14 @@ def estimate_attention(
     layout: Literal["zigzag", "contiguous"] = "zigzag",
     dtype_bytes: int = 2,
     profile: DeviceProfile | None = None,
+    head_chunks: int = 1,
 ) -> Candidate:
     """The cost model's estimate for one algorithm (Note [Choosing the attention algorithm]).
 
     ``hp``: head-parallel degree of "2d" (1 < hp < world_size, dividing it); ignored otherwise.
-    ``inner_ring_size``: double ring for "ring" / "2d". Raises ValueError, naming the argument,
-    for a combination that cannot run.
+    ``inner_ring_size``: double ring for "ring" / "2d". ``head_chunks``: "ring" / "all-gather" over
+    this many groups of K/V heads one after another (Note [Head chunks]): the same time, less
+    working memory. Raises ValueError, naming the argument, for a combination that cannot run.
     """
     profile = profile or DeviceProfile.h200()
     sh = _shape(seq_len, num_heads, num_kv_heads, head_dim, world_size, batch, causal, layout, dtype_bytes)
@@ -477,6 +482,10 @@ def estimate_attention(
                              f"the context-parallel size ({cp})")
         if inner_ring_size == cp:
             inner_ring_size = None
+    _check("head_chunks", head_chunks)
+    if head_chunks > 1 and (algorithm not in ("ring", "allgather") or num_kv_heads % head_chunks):
+        raise ValueError(f"estimate_attention: head_chunks={head_chunks} needs algorithm 'ring' or 'allgather' and must divide "
+                         f"num_kv_heads={num_kv_heads}; got algorithm={algorithm!r}")
     r = kv_repeat(num_heads, num_kv_heads, hp) if hp > 1 else 1
     assert r is not None  # hp | num_heads makes r = H_q / H_kv always work
     t = _Tally()
@@ -497,7 +506,7 @@ def estimate_attention(
     return Candidate(
         algorithm=algorithm, hp=hp, cp=cp, inner_ring_size=inner_ring_size, est_time_s=compute + comm + ew,
         compute_s=compute, communication_s=comm, elementwise_s=ew,
-        peak_memory_bytes=_memory(sh, algorithm, hp, cp, r, inner_ring_size), kv_repeat=r,
+        peak_memory_bytes=_memory(sh, algorithm, hp, cp, r, inner_ring_size, head_chunks), kv_repeat=r,
     )
 
 
@@ -533,6 +542,7 @@ def choose_attention(
     head_parallel_size: int | None = None,
     double_ring: bool = True,
     tie_tolerance: float = 0.01,
+    head_chunks: int = 1,
 ) -> AttentionPlan:
     """Pick the attention algorithm and hp x cp split with the least estimated time.
 
@@ -552,6 +562,9 @@ def choose_attention(
         double_ring: include inner ring sizes.
         tie_tolerance: among candidates within this fraction of the fastest, the one with the
             least estimated memory wins.
+        head_chunks: the ring and all-gather candidates run over this many groups of K/V heads
+            (Note [Head chunks]; must divide num_kv_heads), which lowers their estimated memory;
+            the other candidates are estimated without.
 
     Returns:
         :class:`AttentionPlan`; ``candidates`` fastest first, ``skipped`` says what cannot run.
@@ -571,6 +584,9 @@ def choose_attention(
             raise ValueError(f"choose_attention: head_parallel_size={head_parallel_size} must divide world_size={world_size}")
     if not 0 <= tie_tolerance < 1:
         raise ValueError(f"choose_attention: tie_tolerance must be in [0, 1), got {tie_tolerance!r}")
+    _check("head_chunks", head_chunks)
+    if num_kv_heads % head_chunks:
+        raise ValueError(f"choose_attention: head_chunks={head_chunks} must divide num_kv_heads={num_kv_heads}")
     W = world_size
     kw = dict(seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, world_size=W,
               batch=batch, causal=causal, layout=layout, dtype_bytes=dtype_bytes, profile=profile)
@@ -601,7 +617,8 @@ def choose_attention(
         if degree > 1 and num_heads % degree:
             skipped.append((label, f"{degree} head-parallel ranks do not divide num_heads={num_heads}"))
             continue
-        c = estimate_attention(algorithm=algorithm, hp=hp, inner_ring_size=inner, **kw)  # type: ignore[arg-type]
+        chunks = head_chunks if algorithm in ("ring", "allgather") else 1
+        c = estimate_attention(algorithm=algorithm, hp=hp, inner_ring_size=inner, head_chunks=chunks, **kw)  # type: ignore[arg-type]
         if c.peak_memory_bytes > profile.memory_bytes:
             skipped.append((label, f"needs ~{c.peak_memory_bytes / 1e9:.0f} GB of {profile.memory_bytes / 1e9:.0f} GB"))
             continue
