@@ -5,6 +5,7 @@ with the cost model's prediction next to each measurement.
         --grid "seqs=32768,131072;heads=32/8,32/32,33/33;systems=all" \
         --grid "seqs=524288;heads=32/8;systems=seqpar:ring,seqpar:ulysses;iters=2"
     python benchmarks/attention.py --summarize attention.json        # best vs auto, no GPU needed
+    python benchmarks/attention.py --table benchmarks/results/*.json --table-seqs 524288,1048576   # docs tables
 
 Systems (``--grid ... systems=`` or ``--systems``, comma separated):
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -375,6 +377,7 @@ def run(args: argparse.Namespace) -> None:
                     except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is recorded as such
                         row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
                     del q, k, v, do, step
+                    gc.collect()  # a failed step's traceback holds its graph in a reference cycle (an OOM left 17 GB once)
                     if device_type == "cuda":
                         torch.cuda.empty_cache()
                     emit(row)
@@ -429,6 +432,61 @@ def summarize(paths: list[str], tolerance: float = 0.05) -> list[dict]:
     return out
 
 
+COLUMNS = (("seqpar", "ring", "ring"), ("seqpar", "allgather", "all-gather"), ("seqpar", "ulysses", "Ulysses"),
+           ("seqpar", "2d:2x2", "2D 2x2"), ("seqpar", "ring:inner2", "double ring (2)"),
+           ("torch_cp", "allgather", "torch CP allgather"), ("torch_cp", "alltoall", "torch CP alltoall"))
+
+
+def grid_tables(paths: list[str], seqs: list[int] | None = None) -> str:
+    """Markdown tables of the cuDNN grid, one per (GPUs, S): per heads, each system's TFLOP/s/GPU /
+    peak GB (the latest record of each head-chunk count, the fastest of those; "c<n>": head chunks),
+    the best of ours bold, and the ratios of the best of ours to the best torch CP and to one GPU
+    (the latest one-GPU record at that S and heads, from any run)."""
+    data = [json.load(open(p)) for p in sorted(paths)]
+    rows = [r for d in data if isinstance(d, list) for r in d if isinstance(r, dict) and r.get("bench") == "attention" and r.get("heads")
+            and (r["system"] == "torch_cp" or r.get("backend", "cudnn") == "cudnn") and (not seqs or r["seq"] in seqs)]
+    latest: dict[tuple, dict] = {}
+    for r in rows:  # later records win
+        latest[(r["gpus"], r["seq"], r["heads"], r["system"], r["algorithm"] if r["system"] != "single" else "", r.get("head_chunks", 1))] = r
+    ok = lambda r: r is not None and r.get("tflops_per_gpu") and not r.get("error")  # noqa: E731
+
+    def cell(gpus, S, heads, system, algorithm):
+        cands = [r for k, r in latest.items() if k[:5] == (gpus, S, heads, system, algorithm)]
+        good = [r for r in cands if ok(r)]
+        if good:
+            r = max(good, key=lambda r: r["tflops_per_gpu"])
+            return r, f"{r['tflops_per_gpu']:.1f} / {r['peak_mem_gb']:.1f}" + (f" c{r['head_chunks']}" if r.get("head_chunks", 1) > 1 else "")
+        errs = [r["error"] for r in cands if r.get("error")]
+        hp = {"ulysses": gpus, "2d:2x2": 2}.get(algorithm, 1) if system == "seqpar" else 1
+        if int(heads.split("/")[0]) % hp or any("divide" in e and "head-parallel" in e for e in errs):
+            return None, f"({heads.split('/')[0]} heads)"
+        return None, "OOM" if any("OutOfMemory" in e for e in errs) else "-"
+
+    def single(S, heads):
+        rs = [r for k, r in latest.items() if k[1:4] == (S, heads, "single") and ok(r)]
+        return rs[-1] if rs else None
+
+    out = []
+    for gpus, S in sorted({(k[0], k[1]) for k in latest if k[3] != "single"}):
+        cols = [c for c in COLUMNS if any(k[:2] == (gpus, S) and (k[3], k[4]) == c[:2] for k in latest)]
+        out += [f"{gpus} GPUs, S = {S // 1024}K (TFLOP/s/GPU / peak GB):", "",
+                "| heads | one GPU | " + " | ".join(c[2] for c in cols) + " | ours / torch CP | ours / one GPU |",
+                "| --- " * (len(cols) + 4) + "|"]
+        for heads in sorted({k[2] for k in latest if k[:2] == (gpus, S)}, key=lambda h: (int(h.split("/")[0]), -int(h.split("/")[1]))):
+            cells = [cell(gpus, S, heads, *c[:2]) for c in cols]
+            ours = [r for (r, _), c in zip(cells, cols) if r and c[0] == "seqpar"]
+            best = max(ours, key=lambda r: r["tflops_per_gpu"], default=None)
+            cp = max((r["tflops_per_gpu"] for (r, _), c in zip(cells, cols) if r and c[0] == "torch_cp"), default=None)
+            one = single(S, heads)
+            texts = [f"**{t}**" if r is best and r else t for r, t in cells]
+            ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"  # noqa: E731
+            one_text = f"{one['tflops_per_gpu']:.1f} / {one['peak_mem_gb']:.1f}" if one else "-"
+            out.append(f"| {heads} | {one_text} | " + " | ".join(texts)
+                       + f" | {ratio(best and best['tflops_per_gpu'], cp)} | {ratio(best and best['tflops_per_gpu'], one and one['tflops_per_gpu'])} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--grid", action="append", default=[], help='"seqs=...;heads=...;systems=...;iters=...;warmup=..." (repeatable)')
@@ -445,7 +503,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print best-vs-auto from result files and exit")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print markdown tables of the cuDNN grid (docs/benchmarks.md) and exit")
+    ap.add_argument("--table-seqs", default="", help="with --table: only these S (comma list)")
     args = ap.parse_args()
+    if args.table:
+        print(grid_tables(args.table, [int(x) for x in args.table_seqs.split(",") if x]))
+        return
     if args.summarize:
         summarize(args.summarize)
         return

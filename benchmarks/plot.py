@@ -6,7 +6,8 @@ A figure is drawn only when records for it exist; records lacking a field a figu
 out of that figure (missing fields never stop the script). When one configuration was measured
 more than once, the record read last (files in name order, i.e. by date) is the one drawn.
 
-* attention.png        bench=attention: TFLOP/s/GPU against S, one line per system/algorithm and GPU count
+* attention.png        bench=attention: TFLOP/s/GPU against S, heads 32/8 on 4 GPUs (one GPU: its own line), one line per
+                       system / algorithm / kernel / head chunks
 * local_attention.png  bench=local: one-GPU kernel TFLOP/s against S, per system/backend and H_kv
 * train.png            bench=train: tokens/s/GPU (with MFU on the bars) and peak memory, per model/S/GPUs and system
 * longest.png          bench=longest (or train_max_seq): longest trainable S per model/GPUs and system
@@ -85,7 +86,8 @@ def plot_lines(plt: Any, rows: list[dict], *, y: str, series: tuple[str, ...], l
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault(tuple(str(r.get(k)) for k in series), []).append(r)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    ax.set_prop_cycle(color=[plt.get_cmap("tab20")(i) for i in range(20)])
     for key, rs in sorted(groups.items()):
         rs.sort(key=lambda r: r["seq"])
         ax.plot([r["seq"] for r in rs], [r[y] for r in rs], marker="o", label=label(rs[0]))
@@ -98,7 +100,7 @@ def plot_lines(plt: Any, rows: list[dict], *, y: str, series: tuple[str, ...], l
     ax.set_ylabel(ylabel)
     ax.set_title(f"{title}\n{_devices(rows)}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines stay readable
     path = _save(fig, out_dir, name)
     plt.close(fig)
     return path
@@ -210,17 +212,20 @@ def plot_scaling(plt: Any, rows: list[dict], out_dir: str) -> str | None:
 
 
 ATTENTION_SERIES = ("system", "algorithm", "backend", "head_chunks", "gpus", "device")
-_PLOTTED = {("seqpar", "ring"), ("seqpar", "ulysses"), ("torch_cp", "allgather"), ("torch_cp", "alltoall"), ("single", None)}
+_PLOTTED = {("seqpar", "ring"), ("seqpar", "allgather"), ("seqpar", "ulysses"), ("torch_cp", "allgather"), ("torch_cp", "alltoall"),
+            ("single", None)}
 
 
 def attention_rows(rows: list[dict]) -> list[dict]:
-    """The attention records of the plots: 4 GPUs (single: one), heads 32/8, ring / Ulysses / torch CP / one GPU."""
+    """The attention records of the plots: heads 32/8 on 4 GPUs (ring / all-gather / Ulysses / torch CP)
+    and one GPU (single, from a run of any size: its figure is per GPU)."""
     out = []
     for r in rows:
-        if r.get("bench") != "attention" or r.get("heads") != "32/8" or r.get("gpus") != 4:
+        single = r.get("system") == "single"
+        if r.get("bench") != "attention" or r.get("heads") != "32/8" or (r.get("gpus") != 4 and not single):
             continue
-        if (r.get("system"), None if r.get("system") == "single" else r.get("algorithm")) in _PLOTTED:
-            out.append({**r, "backend": r.get("backend", "cudnn"), "head_chunks": r.get("head_chunks", 1)})
+        if (r.get("system"), None if single else r.get("algorithm")) in _PLOTTED:
+            out.append({**r, "backend": r.get("backend", "cudnn"), "head_chunks": r.get("head_chunks", 1), "gpus": 1 if single else 4})
     return out
 
 

@@ -172,3 +172,36 @@ def test_profile_idle_gaps_classified():
     assert g["busy_s"] == pytest.approx(670e-6) and g["edge_s"] == pytest.approx(70e-6)
     assert g["comm_on_compute_s"] == pytest.approx(30e-6) and g["comm_on_compute"][0]["cause"] == "ncclDevKernel_SendRecv"
     assert "host 0.000 s" in format_gaps(g)
+
+
+def _attn(system, algorithm, tflops, peak, heads="32/8", gpus=4, seq=1048576, chunks=1, error=None):
+    return dict(bench="attention", system=system, algorithm=algorithm, heads=heads, seq=seq, gpus=gpus, backend="cudnn",
+                head_chunks=chunks, tflops_per_gpu=tflops, peak_mem_gb=peak, error=error)
+
+
+def test_attention_grid_table(tmp_path):
+    import attention
+
+    old, new = tmp_path / "20261121.json", tmp_path / "20261122.json"
+    old.write_text(json.dumps([_attn("seqpar", "ring", 400.0, 9.0), _attn("single", "cudnn", 500.0, 70.0, gpus=1)]))
+    new.write_text(json.dumps([
+        _attn("seqpar", "ring", 510.0, 20.0),  # the later record of the same point wins over 400.0
+        _attn("seqpar", "ring", 505.0, 12.0, chunks=4),  # another head-chunk count: the faster one is shown
+        _attn("seqpar", "allgather", 520.0, 25.0, chunks=4),
+        _attn("torch_cp", "allgather", 480.0, 40.0),
+        _attn("torch_cp", "alltoall", None, None, error="OutOfMemoryError: CUDA out of memory"),
+        _attn("seqpar", "ring", 490.0, 30.0, heads="33/33", chunks=3),
+        _attn("torch_cp", "allgather", 500.0, 90.0, heads="33/33"),
+        _attn("seqpar", "ring", 1.0, 1.0, seq=131072),  # filtered out by seqs
+        dict(_attn("seqpar", "ulysses", 700.0, 1.0), backend="fa4"),  # another kernel: not in the cuDNN grid
+    ]))
+    table = attention.grid_tables([str(new), str(old)], [1048576])
+    lines = table.splitlines()
+    assert lines[0] == "4 GPUs, S = 1024K (TFLOP/s/GPU / peak GB):" and "131072" not in table and "128K" not in table
+    assert lines[2] == ("| heads | one GPU | ring | all-gather | torch CP allgather | torch CP alltoall | ours / torch CP | ours / one GPU |")
+    # rows: 32/8 before 33/33 (by query heads); the best of ours bold; ratios to the best torch CP and one GPU
+    assert lines[4] == "| 32/8 | 500.0 / 70.0 | 510.0 / 20.0 | **520.0 / 25.0 c4** | 480.0 / 40.0 | OOM | 1.083 | 1.040 |"
+    assert lines[5] == "| 33/33 | - | **490.0 / 30.0 c3** | - | 500.0 / 90.0 | - | 0.980 | - |"
+    # a head-parallel system that cannot split the heads reads "(33 heads)", measured or not
+    new.write_text(json.dumps([_attn("seqpar", "ulysses", 500.0, 5.0), _attn("seqpar", "ring", 490.0, 30.0, heads="33/33")]))
+    assert "| 33/33 | - | **490.0 / 30.0** | (33 heads) |" in attention.grid_tables([str(new)])

@@ -147,6 +147,50 @@ def test_one_rank_is_local_attention():
     assert plan.candidates[0].communication_s == 0
 
 
+# measured on 4 / 2 x H200 (benchmarks/results/20261122-nvidia-h200-x4.json): peak GB of one forward + backward
+@pytest.mark.parametrize(
+    "algorithm,seq_len,world,heads,chunks,measured_gb",
+    [
+        ("allgather", 1048576, 4, (33, 33), 3, 67.2),
+        ("allgather", 1048576, 4, (32, 32), 4, 53.2),
+        ("ring", 1048576, 4, (32, 32), 4, 32.3),
+        ("ring", 1048576, 4, (33, 33), 3, 38.5),
+        ("allgather", 524288, 2, (33, 33), 3, 46.6),
+        ("ring", 1048576, 2, (32, 32), 4, 62.4),
+    ],
+)
+def test_head_chunks_in_the_memory_estimate(algorithm, seq_len, world, heads, chunks, measured_gb):
+    kw = dict(algorithm=algorithm, seq_len=seq_len, num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, world_size=world)
+    plain, chunked = estimate_attention(**kw), estimate_attention(head_chunks=chunks, **kw)
+    assert chunked.peak_memory_bytes < plain.peak_memory_bytes
+    assert chunked.est_time_s == plain.est_time_s  # the same kernels, one group of heads after another
+    assert abs(chunked.peak_memory_bytes / 1e9 / measured_gb - 1) < 0.1
+
+
+def test_head_chunks_let_the_allgather_fit_at_1m():
+    # without chunks the all-gather of 33 MHA heads at 1M on 4 GPUs needs ~168 GB (skipped); with 3 it ran in 67.2 GB
+    kw = dict(seq_len=1048576, num_heads=33, num_kv_heads=33, head_dim=128, world_size=4, algorithms=("allgather",))
+    with pytest.raises(ValueError, match=r"allgather: needs ~168 GB"):
+        choose_attention(**kw)
+    assert choose_attention(head_chunks=3, **kw).algorithm == "allgather"
+    # only the ring and all-gather run in head chunks: Ulysses' estimate is the same with or without
+    both = choose_attention(seq_len=1048576, num_heads=32, num_kv_heads=8, head_dim=128, world_size=4, head_chunks=4)
+    plain = choose_attention(seq_len=1048576, num_heads=32, num_kv_heads=8, head_dim=128, world_size=4)
+    mem = lambda plan, label: next(c.peak_memory_bytes for c in plan.candidates if c.label == label)  # noqa: E731
+    assert mem(both, "ulysses") == mem(plain, "ulysses") and mem(both, "ring") < mem(plain, "ring")
+
+
+def test_strategy_auto_plans_with_its_head_chunks():
+    # fp32 (the strategy's default precision): the all-gather of 33 MHA heads at 1M on 4 ranks needs ~221 GB, ~100 GB in 3 chunks
+    plain = _strategy(4, ParallelDims(cp=4, world_size=4), expected_seq_len=1048576)
+    plain._resolve_auto_attention([_llama(33, 33)])
+    assert "allgather" in {label for label, _ in plain.attention_plan.skipped}
+    strategy = _strategy(4, ParallelDims(cp=4, world_size=4), expected_seq_len=1048576, head_chunks=3)
+    strategy._resolve_auto_attention([_llama(33, 33)])
+    assert strategy.attention in ("ring", "allgather")
+    assert "allgather" in {c.algorithm for c in strategy.attention_plan.candidates}  # fits: the plan knows the chunks
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -161,6 +205,8 @@ def test_one_rank_is_local_attention():
         (dict(head_parallel_size=3), "head_parallel_size=3 must divide world_size=4"),
         (dict(tie_tolerance=2), "tie_tolerance must be in"),
         (dict(num_heads=33, num_kv_heads=33, algorithms=("ulysses",)), "no algorithm can run num_heads=33 on world_size=4"),
+        (dict(head_chunks=3), "head_chunks=3 must divide num_kv_heads=8"),
+        (dict(head_chunks=0), "head_chunks must be an int >= 1"),
     ],
 )
 def test_choose_errors_name_the_argument(kwargs, match):
@@ -177,6 +223,8 @@ def test_choose_errors_name_the_argument(kwargs, match):
         (dict(algorithm="allgather", inner_ring_size=2), "inner_ring_size is only used by 'ring' or '2d'"),
         (dict(algorithm="ring", inner_ring_size=3), "inner_ring_size=3 must be a positive int dividing"),
         (dict(algorithm="flash"), "algorithm='flash' is not supported"),
+        (dict(algorithm="ulysses", head_chunks=2), "head_chunks=2 needs algorithm 'ring' or 'allgather'"),
+        (dict(algorithm="ring", head_chunks=3), "head_chunks=3 needs .* must divide num_kv_heads=8"),
     ],
 )
 def test_estimate_errors_name_the_argument(kwargs, match):
