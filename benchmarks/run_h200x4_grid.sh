@@ -23,6 +23,25 @@ source "$(dirname "$0")/device_common.sh"
 echo "== STAGE=$STAGE commit=${SEQPAR_COMMIT:-unknown} $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) fa4=$(fa4)"
 M=1048576; K=524288
 
+singles() {  # singles LIMIT "GPU SEQS HEADS"...: one-GPU references, one process per GPU side by side;
+  # their records merged into $OUT/attention_single.{json,log} (a call returns at most 8 files: the
+  # 2026-11-22 stage 3 ran before this merge and lost two of its four JSON files)
+  local limit=$1; shift
+  for g in "$@"; do
+    set -- $g
+    CUDA_VISIBLE_DEVICES=$1 ATTN_NPROC=1 ATTN_ARGS="--single-max-seq $M" attention single-$1 "$limit" "seqs=$2;heads=$3;systems=single" > /dev/null &
+  done
+  wait
+  python - "$OUT" <<'PY'
+import glob, json, os, sys
+parts = sorted(glob.glob(os.path.join(sys.argv[1], "attention_single-*.json")))
+json.dump([r for f in parts for r in json.load(open(f))], open(os.path.join(sys.argv[1], "attention_single.json"), "w"), indent=1)
+for f in parts: os.remove(f)
+PY
+  cat "$OUT"/attention_single-*.log | grep TFLOP >> "$OUT/attention_single.log"; rm -f "$OUT"/attention_single-*.log
+  cat "$OUT/attention_single.log"
+}
+
 if [ "$STAGE" = 1 ]; then
   copy_fa4_part1
   attention 1m-w4 $(( $(left) - 10 )) \
@@ -44,29 +63,11 @@ elif [ "$STAGE" = 2 ]; then
   wait
   grep -h "^\[attention\]\|TFLOP" "$OUT"/attention_w2-*.log | tail -30
 elif [ "$STAGE" = 3 ]; then
-  T=$(( $(left) - 100 ))
-  for g in "0 $M 32/8" "1 $M 32/32" "2 $M 33/33" "3 $K 32/8,32/32,33/33"; do
-    set -- $g
-    CUDA_VISIBLE_DEVICES=$1 ATTN_NPROC=1 ATTN_ARGS="--single-max-seq $M" attention single-$1 $T "seqs=$2;heads=$3;systems=single" > /dev/null &
-  done
-  wait
-  grep -h "TFLOP" "$OUT"/attention_single-*.log | tail -10
+  singles $(( $(left) - 100 )) "0 $M 32/8" "1 $M 32/32" "2 $M 33/33" "3 $K 32/8,32/32,33/33"
   attention 1m-w4-33 $(( $(left) - 5 )) "seqs=$M;heads=33/33;systems=seqpar:ring:chunks3,seqpar:allgather:chunks3"
   [ "$(fa4)" = True ] && attention fa4-512k $(( $(left) - 5 )) "seqs=$K;heads=32/8;systems=seqpar:ulysses:fa4"
 elif [ "$STAGE" = 4 ]; then
-  T=$(( $(left) - 120 ))
-  for g in "0 $M 33/33" "1 $K 32/8" "2 $K 32/32" "3 $K 33/33"; do
-    set -- $g
-    CUDA_VISIBLE_DEVICES=$1 ATTN_NPROC=1 ATTN_ARGS="--single-max-seq $M" attention single-$1 $T "seqs=$2;heads=$3;systems=single" > /dev/null &
-  done
-  wait
-  python - "$OUT" <<'PY'   # one file for the four (the call returns at most 8 files)
-import glob, json, os, sys
-rows = [r for f in sorted(glob.glob(os.path.join(sys.argv[1], "attention_single-*.json"))) for r in json.load(open(f))]
-json.dump(rows, open(os.path.join(sys.argv[1], "attention_single.json"), "w"), indent=1)
-for f in glob.glob(os.path.join(sys.argv[1], "attention_single-*.json")): os.remove(f)
-PY
-  cat "$OUT"/attention_single-*.log | grep TFLOP > "$OUT/attention_single.log"; rm -f "$OUT"/attention_single-*.log; cat "$OUT/attention_single.log"
+  singles $(( $(left) - 120 )) "0 $M 33/33" "1 $K 32/8" "2 $K 32/32" "3 $K 33/33"
   attention 1m-w4-ag $(( $(left) - 5 )) "seqs=$M;heads=32/32;systems=seqpar:allgather:chunks4" "seqs=$M;heads=33/33;systems=seqpar:allgather:chunks3"
 fi
 python benchmarks/collect.py --summary "$OUT"/*.json 2>/dev/null | tail -40
