@@ -10,7 +10,7 @@
 #           llama-7b with Ulysses, llama-33h with the ring (4 does not divide 33 heads).
 #   STAGE=3: llama-33h: torch_cp, tp_sp.
 #   STAGE=4 / STAGE=5 (fa4 still installed): llama-7b / llama-33h at 256K, one step after the warm-up
-#           each: ours (fa4, Selective Checkpoint++, head chunks 4, auto algorithm), torch_cp, tp_sp.
+#           each: ours (fa4, Selective Checkpoint++, head chunks 4 / 3, auto algorithm), torch_cp, tp_sp.
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_models.sh   (results under $OUT)
 set -u
@@ -30,9 +30,9 @@ elif [ "$STAGE" = 3 ]; then
   train 270 --model llama-33h --system torch_cp
   train $(( $(left) - 5 )) --model llama-33h --system tp_sp
 elif [ "$STAGE" = 4 ] || [ "$STAGE" = 5 ]; then
-  M=llama-7b; [ "$STAGE" = 5 ] && M=llama-33h
+  M=llama-7b HC=4; [ "$STAGE" = 5 ] && M=llama-33h HC=3  # head chunks must divide the K/V heads (33)
   export SEQ=262144
-  train 190 --model $M --system seqpar --backend fa4 --ac selective++ --head-chunks 4 --steps 1
+  train 190 --model $M --system seqpar --backend fa4 --ac selective++ --head-chunks $HC --steps 1
   train 180 --model $M --system torch_cp --steps 1
   train $(( $(left) - 5 )) --model $M --system tp_sp --steps 1
 fi
