@@ -1,4 +1,4 @@
-# Shared by the device run scripts (run_h200x4_fa4.sh, run_h200x4_mfu.sh, run_h200x2_longest.sh); sourced, not run.
+# Shared by the device run scripts (benchmarks/run_h200x*.sh); sourced, not run.
 # Sets the NCCL / flash-attn 4 / Inductor environment, the call's time budget (BUDGET_S, set before
 # sourcing) and these helpers:
 #   left               seconds left before the budget's deadline
@@ -8,6 +8,9 @@
 #   attention LABEL LIMIT GRID...  benchmarks/attention.py on ATTN_NPROC (4) GPUs over the grids, ATTN_ITERS (3)
 #                      timed iterations after one warm-up, under min(LIMIT, left); $OUT/attention_LABEL.{json,log};
 #                      extra attention.py flags in ATTN_ARGS; its own rendezvous port, so runs on disjoint CUDA_VISIBLE_DEVICES can go side by side
+#   longest SYSTEM SEQS [-- TRAIN ARGS]  benchmarks/longest.py (descending S, see its docstring) for MODEL (llama3-8b)
+#                      on NPROC (4) GPUs, every attempt ended by the call's deadline; $OUT/longest[_LABEL].{json,log}
+#                      (a LABEL per run when runs on disjoint CUDA_VISIBLE_DEVICES go side by side)
 #   train LIMIT ARGS   one benchmarks/train.py run (llama3-8b, SEQ tokens, NPROC GPUs) under min(LIMIT, left);
 #                      skipped below TRAIN_MIN_S seconds left; [train] lines to $OUT/train.log
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,6 +43,13 @@ attention() {  # attention LABEL LIMIT GRID...
   local grids=(); for g in "$@"; do grids+=(--grid "$g"); done
   timeout -k 10 "$t" torchrun --nproc_per_node="${ATTN_NPROC:-4}" --master_port=$((29500 + RANDOM % 2000)) benchmarks/attention.py --out "$OUT/attention_$label.json" --iters "${ATTN_ITERS:-3}" \
     --warmup 1 --commit "${SEQPAR_COMMIT:-unknown}" ${ATTN_ARGS:-} "${grids[@]}" 2>&1 | grep -v -i warn | tee "$OUT/attention_$label.log"
+}
+
+longest() {  # longest SYSTEM SEQS [-- TRAIN ARGS]
+  local system=$1 seqs=$2 f="$OUT/longest${LABEL:+_$LABEL}"; shift 2
+  echo "== longest $system ${MODEL:-llama3-8b} on ${NPROC:-4} GPUs ${CUDA_VISIBLE_DEVICES:+(GPUs $CUDA_VISIBLE_DEVICES) }($(left)s left)"
+  timeout -k 30 $(( $(left) + 10 )) python benchmarks/longest.py --system "$system" --model "${MODEL:-llama3-8b}" --nproc "${NPROC:-4}" \
+    --seqs "$seqs" --deadline "$DEADLINE" --out "$f.json" --log "$f.log" "$@" 2>&1 | grep "^\[longest\]"
 }
 
 train() {  # train LIMIT ARGS...

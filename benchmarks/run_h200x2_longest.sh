@@ -18,13 +18,7 @@ BUDGET_S=${BUDGET_S:-560}
 source "$(dirname "$0")/device_common.sh"
 echo "== STAGE=$STAGE commit=${SEQPAR_COMMIT:-unknown} $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-
-longest() {  # longest SYSTEM SEQS [-- TRAIN ARGS]   (MODEL: llama3-8b)
-  local system=$1 seqs=$2; shift 2
-  echo "== longest $system ${MODEL:-llama3-8b} ($(left)s left)"
-  timeout -k 30 $(( $(left) + 10 )) python benchmarks/longest.py --system "$system" --model "${MODEL:-llama3-8b}" --nproc 2 \
-    --seqs "$seqs" --deadline "$DEADLINE" --out "$OUT/longest.json" --log "$OUT/longest.log" "$@" 2>&1 | grep "^\[longest\]"
-}
+export NPROC=2
 
 if [ "$STAGE" = 1 ]; then
   longest seqpar 327680:300,294912:270,262144:240 -- --ac full --head-chunks 4 --warmup 0 --steps 1 --backend cudnn

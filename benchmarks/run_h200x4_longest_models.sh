@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Longest trainable context of llama-7b (MHA, vocab 32K) and llama-33h on 4 GPUs, and of llama-33h on
+# 2 GPUs, ours against FSDP2 + torch CP + full AC and Megatron-style TP+SP (issue #7 item 3: per model
+# and GPU count, against each baseline; llama3-8b on 2 and 4 GPUs and llama-7b on 2 GPUs are measured).
+# Each attempt is a benchmarks/longest.py process (AdamW state allocated first, then ONE step here,
+# --warmup 0 --steps 1); descending S, the first that trains is the record. Ours runs the settings of
+# the llama3-8b 1M record (fa4 ring, Selective Checkpoint++, offloaded block inputs, 32K MLP slices,
+# head chunks; 1M is the first and only attempt, so a success is a lower bound). Eight calls on
+# nvidia-h200-x4, each <= 10 min, in two sessions of ~28 device minutes (1-3, then 4-8); fa4's wheels
+# come in two parts (.whl, .whl2) and stages 2-3 / 5-6 need the machine still warm.
+#
+#   STAGE=1 (carry .whl):  copy the first fa4 wheels; llama-7b torch CP on 4 GPUs (576K, 512K, 448K).
+#   STAGE=2 (carry .whl2): install fa4; llama-7b TP+SP on 4 GPUs (576K, 512K, 448K).
+#   STAGE=3:               ours llama-7b at 1M on 4 GPUs (~500 s).
+#   STAGE=4 (carry .whl):  copy; llama-33h torch CP on 4 GPUs (544K, 480K, 416K).
+#   STAGE=5 (carry .whl2): install fa4; llama-33h TP+SP (36 heads) on 4 GPUs (512K, 448K, 384K).
+#   STAGE=6:               ours llama-33h at 1M on 4 GPUs (head chunks 3).
+#   STAGE=7: 2 GPUs, two runs side by side (GPUs 0,1 | 2,3), cuDNN: llama-33h torch CP | TP+SP (34 heads).
+#   STAGE=8: 2 GPUs side by side: ours llama-33h at 384K | ours llama-7b at 448K (full AC, cuDNN, the
+#            2-GPU settings of run_h200x2_longest.sh; llama-7b's 393,216 there was its only attempt).
+#
+# Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_longest_models.sh   (results under $OUT)
+set -u
+BUDGET_S=${BUDGET_S:-575}
+source "$(dirname "$0")/device_common.sh"
+echo "== STAGE=$STAGE commit=${SEQPAR_COMMIT:-unknown} $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) fa4=$(fa4)"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+ONE="--warmup 0 --steps 1"
+OURS_1M="--ac selective++ --offload --mlp-chunk 32768 $ONE --backend fa4"
+OURS_2GPU="--ac full $ONE --backend cudnn"
+
+if [ "$STAGE" = 1 ]; then
+  copy_fa4_part1
+  MODEL=llama-7b longest torch_cp 589824:290,524288:250,458752:210 -- $ONE
+elif [ "$STAGE" = 2 ]; then
+  install_fa4_part2
+  MODEL=llama-7b longest tp_sp 589824:290,524288:250,458752:210 -- $ONE
+elif [ "$STAGE" = 3 ]; then
+  MODEL=llama-7b longest seqpar 1048576:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 4
+elif [ "$STAGE" = 4 ]; then
+  copy_fa4_part1
+  MODEL=llama-33h longest torch_cp 557056:300,491520:250,425984:200 -- $ONE
+elif [ "$STAGE" = 5 ]; then
+  install_fa4_part2
+  MODEL=llama-33h longest tp_sp 524288:270,458752:220,393216:180 -- $ONE
+elif [ "$STAGE" = 6 ]; then
+  MODEL=llama-33h longest seqpar 1048576:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 3
+elif [ "$STAGE" = 7 ]; then
+  CUDA_VISIBLE_DEVICES=0,1 NPROC=2 LABEL=a MODEL=llama-33h longest torch_cp 262144:170,245760:160,229376:150,196608:130 -- $ONE &
+  CUDA_VISIBLE_DEVICES=2,3 NPROC=2 LABEL=b MODEL=llama-33h longest tp_sp 245760:160,229376:150,212992:140,196608:130 -- $ONE &
+  wait
+elif [ "$STAGE" = 8 ]; then
+  CUDA_VISIBLE_DEVICES=0,1 NPROC=2 LABEL=a MODEL=llama-33h longest seqpar 393216:300,360448:260 -- $OURS_2GPU --head-chunks 3 &
+  CUDA_VISIBLE_DEVICES=2,3 NPROC=2 LABEL=b MODEL=llama-7b longest seqpar 458752:$(( $(left) - 10 )) -- $OURS_2GPU --head-chunks 4 &
+  wait
+fi
+grep -h -E "^\[train\] (OOM|[a-z_]+ +llama)" "$OUT"/longest*.log 2>/dev/null | cut -c1-200 | tail -12
+python benchmarks/collect.py --summary "$OUT"/*.json 2>/dev/null | tail -12
+echo "== done in $(( $(date +%s) - START ))s"
