@@ -28,6 +28,7 @@ from seqpar_testing import (
 BATCH = 2
 SEQ_LEN = 48  # divisible by 2 * W (W = 1..4) and by 2 * cp * hp
 EXTRA_SCALE = 0.37  # one non-default softmax scale per (causal, layout)
+LARGE_SCALE = 1.3  # and a large one: scores of |s| ~ 10, the fp32 cancellation of Note [fp64 accumulation on the CPU]
 
 
 def _cases():
@@ -37,6 +38,7 @@ def _cases():
             for h_q, h_kv, head_dim in HEAD_CONFIGS:
                 yield causal, layout, h_q, h_kv, head_dim, None
             yield causal, layout, 4, 2, 8, EXTRA_SCALE
+            yield causal, layout, 4, 1, 8, LARGE_SCALE
 
 
 def _forbidden(algorithm: str, mesh, h_q: int, h_kv: int = 1, head_chunks: int = 1) -> bool:

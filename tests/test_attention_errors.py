@@ -181,3 +181,56 @@ def _errors_2d_worker(rank: int, world_size: int, dim_names: tuple[str, str]) ->
 @pytest.mark.parametrize("dim_names", [("hp", "cp"), ("cp", "hp")], ids=["hp-cp", "cp-hp"])
 def test_errors_2d(dim_names):
     run_distributed(_errors_2d_worker, 4, dim_names)
+
+
+def _disagree_worker(rank: int, world_size: int) -> list[str]:
+    """Note [Inputs that differ across ranks]: inputs that pass every local check but differ between
+    ranks get the same ValueError on every rank (naming what differs), not a hang or an abort."""
+    from lightning_seqpar.attention import checks, sequence_parallel_attention
+
+    mesh = make_mesh(("1d", world_size))
+    mesh_2d = make_mesh(("2d", ("hp", "cp"), (2, world_size // 2))) if world_size == 4 else None
+    r = rank % 2  # ranks 0, 2 / 1, 3 differ
+    cases = [  # (label, (q, k, v), kwargs, the field that must be named)
+        *[(f"uneven S_local, {a} {lay}", _qkv(s_q=(4, 6)[r]), dict(mesh=mesh, algorithm=a, layout=lay), "seq_local")
+          for a in ("ring", "allgather", "ulysses") for lay in ("zigzag", "contiguous")],
+        ("ulysses, other head counts", _qkv(h_q=(2, 1)[r] * world_size, h_k=(2, 1)[r] * world_size), dict(mesh=mesh, algorithm="ulysses"), "heads_q"),
+        ("ring, GQA on one rank", _qkv(h_k=(4, 2)[r]), dict(mesh=mesh, algorithm="ring"), "heads_kv"),
+        ("ring, causal on one rank", _qkv(), dict(mesh=mesh, algorithm="ring", causal=(True, False)[r]), "causal"),
+        ("allgather, other scale", _qkv(), dict(mesh=mesh, algorithm="allgather", scale=(0.5, 0.25)[r]), "scale"),
+        ("ring vs allgather", _qkv(), dict(mesh=mesh, algorithm=("ring", "allgather")[r]), "algorithm"),
+        ("other dtype", tuple(t.to((torch.float32, torch.float64)[r]) for t in _qkv()), dict(mesh=mesh), "dtype"),
+    ]
+    if mesh_2d is not None:  # only rank 3 differs: caught along both of its mesh dimensions
+        cases.append(("2d, one rank longer", _qkv(s_q=6 if rank == 3 else 4), dict(mesh=mesh_2d, algorithm="2d"), "seq_local"))
+    messages = []
+    for label, (q, k, v), kwargs, field in cases:
+        with pytest.raises(ValueError, match=rf"passed different inputs: .*'{field}'") as info:
+            sequence_parallel_attention(q, k, v, **kwargs)
+        messages.append(f"{label}: {info.value}")
+    # the ranks are still in step, and a signature that agreed is not checked again
+    calls = []
+    gather = checks.dist.all_gather
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return gather(*args, **kwargs)
+
+    checks.dist.all_gather = counting
+    try:
+        for _ in range(3):
+            out = sequence_parallel_attention(*_qkv(s_q=8), mesh=mesh, algorithm="ring")
+    finally:
+        checks.dist.all_gather = gather
+    assert out.shape == (B, 8, H, D) and len(calls) == 1, calls
+    return messages
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_disagree_get_one_error(world):
+    messages = run_distributed(_disagree_worker, world)
+    assert all(m == messages[0] for m in messages), "every rank must raise the same error"
+    assert len(messages[0]) == 12 + (world == 4)
+    assert "'seq_local': {0: 4, 1: 6}" in messages[0][0] if world == 2 else "'seq_local': {0: 4, 1: 6, 2: 4, 3: 6}" in messages[0][0]
+    if world == 4:  # the 2-D mesh's table, gathered along hp then cp, is mapped back to global ranks
+        assert "'seq_local': {0: 4, 1: 4, 2: 4, 3: 6}" in messages[0][-1], messages[0][-1]

@@ -94,8 +94,8 @@ def gathered_forward(q, kv, *, rank: int, world: int, causal: bool, layout: str,
 def gathered_backward(dout, q, kv, out, lse, *, rank: int, world: int, causal: bool, layout: str, scale: float, backend: str):
     """``(dq, dkv)`` of :func:`gathered_forward`; dkv (fp32) in global order, summed over local queries only."""
     s_local = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-    dkv = torch.zeros(kv.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype, q.device), device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=acc_dtype(q.dtype, q.device), device=q.device)
     for rows, cols, is_causal in _blocks(rank, world, causal, layout, s_local):
         dq_b, dk_b, dv_b = block_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows], lse[:, :, rows],
                                           causal=is_causal, scale=scale, backend=backend)
@@ -121,9 +121,9 @@ def doc_gathered_forward(q, kv, *, rank: int, world: int, causal: bool, scale: f
 def doc_gathered_backward(dout, q, kv, out, lse, *, rank: int, world: int, causal: bool, scale: float, backend: str, docs: torch.Tensor):
     """``(dq, dkv)`` of :func:`doc_gathered_forward`; dkv (fp32) in rank order like ``kv``."""
     s_local = q.shape[1]
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype, q.device), device=q.device)
     flat = kv.reshape(2, -1, *kv.shape[3:])
-    dkv = torch.zeros(flat.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    dkv = torch.zeros(flat.shape, dtype=acc_dtype(q.dtype, q.device), device=q.device)
     for rows, index, is_causal, vl in gathered_doc_plan(rank, world, causal, s_local, DocSegments(docs, q.device)):
         dq_b, dk_b, dv_b = block_backward(dout[:, rows], q[:, rows], flat[0].index_select(0, index)[None], flat[1].index_select(0, index)[None],
                                           out[:, rows], lse[:, :, rows], causal=is_causal, scale=scale, backend=backend, varlen=vl)

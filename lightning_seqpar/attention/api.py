@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.attention.checks import check_qkv_tensors
+from lightning_seqpar.attention.checks import check_qkv_tensors, check_ranks_agree
 from lightning_seqpar.attention.lasp import LASP_OPS
 from lightning_seqpar.attention.allgather import (
     _global_order,
@@ -103,7 +103,7 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, algorithm: str, group: str, causa
 @_attn_fwd.register_fake
 def _(q, k, v, algorithm, group, causal, layout, scale, backend, inner, docs=None, head_chunks=1):
     B, S, H, _ = q.shape
-    return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=acc_dtype(q.dtype))
+    return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=acc_dtype(q.dtype, q.device))
 
 
 @torch.library.custom_op("seqpar::attn_bwd", mutates_args=())
@@ -172,7 +172,7 @@ def _head_slices(h_q: int, h_kv: int, chunks: int):
 def _fwd_by_heads(q: Tensor, k: Tensor, v: Tensor, chunks: int, fn) -> tuple[Tensor, Tensor]:
     B, S, Hq, _ = q.shape
     out = q.new_empty((B, S, Hq, v.shape[-1]))
-    lse = torch.empty((B, Hq, S), dtype=acc_dtype(q.dtype), device=q.device)
+    lse = torch.empty((B, Hq, S), dtype=acc_dtype(q.dtype, q.device), device=q.device)
     for hq, hk in _head_slices(Hq, k.shape[2], chunks):
         o, l = fn(q[:, :, hq].contiguous(), k[:, :, hk].contiguous(), v[:, :, hk].contiguous())
         out[:, :, hq] = o
@@ -296,6 +296,9 @@ def _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size) -> None:
             raise ValueError(f"inner_ring_size={inner_ring_size!r} must be a positive int dividing the context-parallel size ({cp})")
 
 
+_DTYPE_CODES = {torch.float16: 16, torch.bfloat16: 161, torch.float32: 32, torch.float64: 64}  # in the rank-agreement message
+
+
 def _group_name(mesh: DeviceMesh, dim: str | None = None) -> str:
     return (mesh.get_group(dim) if dim is not None else mesh.get_group()).group_name
 
@@ -383,6 +386,10 @@ def sequence_parallel_attention(
     be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
     inner = inner_ring_size or 0
+    check_ranks_agree(mesh, dict(  # Note [Inputs that differ across ranks]
+        batch=q.shape[0], seq_local=q.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], head_dim_v=v.shape[3],
+        dtype=_DTYPE_CODES.get(q.dtype, 0), algorithm=ALGORITHMS.index(algorithm), causal=int(causal), layout=LAYOUTS.index(layout),
+        scale=sc, inner_ring_size=inner, head_chunks=head_chunks, documents=int(docs is not None)), q.device, "sequence_parallel_attention")
 
     if algorithm in ("ring", "allgather"):
         if cp == 1:

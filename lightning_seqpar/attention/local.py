@@ -119,10 +119,18 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
     return backend
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype, device: torch.device | str | None = None) -> torch.dtype:
     """Accumulation dtype of outputs, log-sum-exps and gradients: fp64 for fp64 inputs (gradient
-    checks run at fp64 accuracy), fp32 for everything else."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    checks run at fp64 accuracy) and for fp32 inputs on the CPU, fp32 for everything else.
+
+    Note [fp64 accumulation on the CPU]: the math path rebuilds P = exp(s - lse) in backward and
+    takes dS = P * (dP - rowsum(dO * O)), a difference of near-equal terms; in fp32, with scores of
+    |s| ~ 10 (an explicit scale of ~1, D = 8), that gave dq / dk errors of 2-4e-5, ~10x a plain
+    fp32 softmax's, and the ring / all-gather merges added up to ~5x more. In fp64 the blocks and
+    merges are exact to fp32 rounding of the result, at a cost only the CPU (tests, CPU recipes) pays."""
+    if dtype == torch.float64 or (dtype == torch.float32 and device is not None and torch.device(device).type == "cpu"):
+        return torch.float64
+    return torch.float32
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
@@ -141,7 +149,7 @@ def default_scale(head_dim: int, scale: float | None) -> float:
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
-    acc = acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype, q.device)
     qg = q.to(acc).view(B, Sq, Hkv, Hq // Hkv, D)  # (B, Sq, Hkv, G, D)
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.to(acc)) * scale  # (B, Hkv, G, Sq, Sk)
     if allowed is not None:  # packed documents: the (Sq, Sk) mask of the segments
@@ -219,7 +227,7 @@ def _sdpa_forward(q, k, v, causal: bool, scale: float, backend: str):
         out, lse = aten._scaled_dot_product_flash_attention(_t(q), _t(k), _t(v), 0.0, causal, False, scale=scale)[:2]
     else:
         out, lse = aten._scaled_dot_product_efficient_attention(_t(q), _t(k), _t(v), None, True, 0.0, causal, scale=scale)[:2]
-    lse = lse.reshape(B, Hq, -1)[..., :Sq].to(acc_dtype(q.dtype))
+    lse = lse.reshape(B, Hq, -1)[..., :Sq].to(acc_dtype(q.dtype, q.device))
     return _t(out), lse
 
 
@@ -317,7 +325,7 @@ def _varlen_forward(q, k, v, vl: Varlen, causal: bool, scale: float, backend: st
     if lse.ndim != 2:
         raise RuntimeError(f"unexpected varlen log-sum-exp shape {tuple(lse.shape)} from the {backend} varlen kernel")
     # rows whose segment has no key: the kernels write lse = +inf (FA2) or -inf; the merge wants -inf and out = 0
-    lse = lse.to(acc_dtype(q.dtype))
+    lse = lse.to(acc_dtype(q.dtype, q.device))
     empty = torch.isinf(lse)
     lse = lse.masked_fill(empty, float("-inf"))
     out = out.masked_fill(empty[:, : B * Sq].transpose(0, 1).unsqueeze(-1), 0.0)

@@ -37,9 +37,9 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
 
 def new_accumulators(q: torch.Tensor, head_dim_v: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero output [B, S, Hq, Dv] and -inf lse [B, Hq, S], both fp32 (fp64 for fp64 ``q``)."""
+    """Zero output [B, S, Hq, Dv] and -inf lse [B, Hq, S], in ``acc_dtype`` (fp32; fp64 for fp64 ``q`` and fp32 ``q`` on the CPU)."""
     B, S, H, D = q.shape
-    acc = acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype, q.device)
     out = torch.zeros(B, S, H, head_dim_v or D, dtype=acc, device=q.device)
     lse = torch.full((B, H, S), float("-inf"), dtype=acc, device=q.device)
     return out, lse

@@ -138,7 +138,7 @@ def ring_backward(dout, q, k, v, out, lse, *, group: dist.ProcessGroup, causal: 
     s_local = q.shape[1]
     inner_next, inner_prev = g * w + (j + 1) % w, g * w + (j - 1) % w
     outer_next, outer_prev = ((g + 1) % G) * w + j, ((g - 1) % G) * w + j
-    acc = acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype, q.device)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     home = torch.stack([k, v])
     dkv_home = torch.zeros(home.shape, dtype=acc, device=q.device)  # partial dK/dV of `home`

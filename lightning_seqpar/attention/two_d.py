@@ -40,7 +40,7 @@ class _RepeatKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         B, S, H, D = grad.shape
-        return grad.view(B, S, H // ctx.r, ctx.r, D).sum(3, dtype=acc_dtype(grad.dtype)).to(grad.dtype), None
+        return grad.view(B, S, H // ctx.r, ctx.r, D).sum(3, dtype=acc_dtype(grad.dtype, grad.device)).to(grad.dtype), None
 
 
 def two_d_attention(q, k, v, *, hp: int, hp_group: str, inner_attention) -> torch.Tensor:
