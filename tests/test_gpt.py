@@ -304,7 +304,9 @@ def _record_collectives():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace in ("_c10d_functional", "c10d"):
-                first = args[0] if isinstance(args[0], torch.Tensor) else args[0][0]
+                first = args[0]
+                while not isinstance(first, torch.Tensor):  # c10d.allgather_ takes a list of lists of tensors
+                    first = first[0]
                 self.calls.append((func.__name__.split(".")[0], first.numel()))
             return func(*args, **(kwargs or {}))
 

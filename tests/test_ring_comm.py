@@ -32,6 +32,8 @@ def _ring_forward_traffic_worker(rank: int, world_size: int, h_q: int, h_kv: int
         case = make_case(BATCH, SEQ_LEN, h_q, h_kv, HEAD_DIM, causal=causal)
         index = expected_index_on(mesh, SEQ_LEN, layout)
         q, k, v = (take(t, index).requires_grad_() for t in (case.q, case.k, case.v))
+        # the first call on a mesh also all-gathers the ranks' input signatures (Note [Inputs that differ across ranks])
+        sequence_parallel_attention(q.detach(), k.detach(), v.detach(), mesh=mesh, algorithm="ring", causal=causal, layout=layout)
         with record_p2p() as (record, ops):
             out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm="ring", causal=causal, layout=layout)
         assert record.calls > 0, (

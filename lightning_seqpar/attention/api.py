@@ -375,7 +375,9 @@ def sequence_parallel_attention(
         ``[B, S_local, H_q, D]`` in the dtype of ``q``. Differentiable in ``q, k, v``.
 
     Raises:
-        ValueError: naming the argument, before any communication, for any input it does not take.
+        ValueError: naming the argument, before any communication, for any input it does not take;
+            and on every rank, on the first call on ``mesh``, when the ranks passed different shapes or
+            options (one small all-gather; Note [Inputs that differ across ranks] in ``checks.py``).
     """
     _check_qkv(q, k, v)
     _check_options(causal, layout, algorithm)

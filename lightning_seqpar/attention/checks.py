@@ -28,24 +28,26 @@ def check_qkv_tensors(q, k, v) -> None:
 # Note [Inputs that differ across ranks]: the checks above read this rank's tensors only. Ranks that
 # disagree — a sequence cut unevenly with torch.chunk, another head count, causal on one rank only —
 # would send and receive blocks of different sizes: gloo aborts, NCCL may hang or read past a
-# buffer. So the first call with a given signature (shapes, dtype, options) on a mesh gathers every
-# rank's signature (a few numbers; all-gathered along mesh dimension 0, then that block along
-# dimension 1, ..., so every rank ends with the whole mesh's, through the same collectives whatever
-# it holds) and every rank raises the same ValueError if they differ. Once per signature and
-# process: a rank that has seen its signature before skips the check, so ranks whose shapes change
-# out of step (one rank's new shape is another's old one) are not caught, nor a rank that fails a
-# local check while the others pass (they wait in the gather until the process group's timeout);
-# shard_sequence and the strategy's batch hook always give every rank the same shapes. Nothing runs
-# while torch.compile traces (the check is for the eager first call), and none on a one-rank mesh.
+# buffer. So the first call on a mesh gathers every rank's signature (shapes, dtype, options: a few
+# numbers, all-gathered along mesh dimension 0, then that block along dimension 1, ..., so every
+# rank ends with the whole mesh's through the same collectives whatever it holds), and every rank
+# raises the same ValueError if they differ. Once per mesh and process, until a call agrees: later
+# calls are not checked, since a rank cannot know without communicating whether the others' shapes
+# changed with its own (checking each new signature would let one rank check while another skips,
+# and hang). A rank that fails a local check while the others pass is not caught either (they wait
+# in the gather until the process group's timeout). shard_sequence and the strategy's batch hook
+# always give every rank the same shapes. Nothing runs while torch.compile traces (the check is for
+# the eager first call), and none on a one-rank mesh.
 _AGREED: set[tuple] = set()
 
 
 def check_ranks_agree(mesh, fields: dict[str, float], device: torch.device, what: str) -> None:
-    """Every rank of ``mesh`` passed the same ``fields`` (name -> number), or the same ValueError on all of them."""
+    """Every rank of ``mesh`` passed the same ``fields`` (name -> number), or the same ValueError on all of them;
+    checked until the first call on ``mesh`` that agrees (Note [Inputs that differ across ranks])."""
     if mesh.size() == 1 or torch.compiler.is_compiling():
         return
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
-    key = (tuple(g.group_name for g in groups), tuple(fields.items()))
+    key = tuple(g.group_name for g in groups)
     if key in _AGREED:
         return
     names = list(fields)
