@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_seqpar.agreement import check_ranks_agree
+
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
 
@@ -122,6 +124,7 @@ def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: La
     dim = _check_dim(x, dim)
     hp, _, cp, _ = mesh_sizes(mesh)
     _check_length(x.shape[dim] * hp * cp, mesh, layout, f"the global length (x.shape[{dim}]={x.shape[dim]} x {hp * cp} ranks)")  # before the all-gather
+    check_ranks_agree(mesh, _signature(x, dim, layout), x.device, "unshard_sequence")  # Note [Inputs that differ across ranks]
     if mesh.ndim == 2 and hp > 1:  # the hp split of a cp shard is contiguous: gathering restores it
         x = gather_along(x, mesh.get_group("hp"), dim)
     if cp == 1:
@@ -133,6 +136,14 @@ def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: La
     order = torch.empty_like(local)
     order[local] = torch.arange(full_len, device=x.device)
     return x.index_select(dim, order)
+
+
+def _signature(x: torch.Tensor, dim: int, layout: str) -> dict[str, float]:
+    """What every rank's ``unshard_sequence`` input must share: ndim, dim, layout, dtype and the sizes
+    of the first 8 dims (-1 past ndim; a fixed number of fields) and the element count."""
+    sizes = {f"shape[{i}]": float(x.shape[i]) if i < x.ndim else -1.0 for i in range(8)}
+    return dict(ndim=x.ndim, dim=dim, layout=LAYOUTS.index(layout), dtype_bytes=x.element_size(),
+                floating=int(x.is_floating_point()), numel=x.numel(), **sizes)
 
 
 def gather_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

@@ -186,9 +186,10 @@ def test_errors_2d(dim_names):
 def _disagree_worker(rank: int, world_size: int) -> list[str]:
     """Note [Inputs that differ across ranks]: inputs that pass every local check but differ between
     ranks get the same ValueError on every rank (naming what differs), not a hang or an abort."""
-    from lightning_seqpar.attention import checks, sequence_parallel_attention
+    from lightning_seqpar import agreement
+    from lightning_seqpar.attention import sequence_parallel_attention
 
-    checks._AGREED.clear()  # the pool's workers ran other tests' calls on meshes like these
+    agreement._AGREED.clear()  # the pool's workers ran other tests' calls on meshes like these
     mesh = make_mesh(("1d", world_size))
     mesh_2d = make_mesh(("2d", ("hp", "cp"), (2, world_size // 2))) if world_size == 4 else None
     r = rank % 2  # ranks 0, 2 / 1, 3 differ
@@ -211,19 +212,19 @@ def _disagree_worker(rank: int, world_size: int) -> list[str]:
         messages.append(f"{label}: {info.value}")
     # the ranks are still in step, and once a call on the mesh agreed, later calls are not checked
     calls = []
-    gather = checks.dist.all_gather
+    gather = agreement.dist.all_gather
 
     def counting(*args, **kwargs):
         calls.append(1)
         return gather(*args, **kwargs)
 
-    checks.dist.all_gather = counting
+    agreement.dist.all_gather = counting
     try:
         for _ in range(3):
             out = sequence_parallel_attention(*_qkv(s_q=8), mesh=mesh, algorithm="ring")
         out = sequence_parallel_attention(*_qkv(s_q=6), mesh=mesh, algorithm="allgather")
     finally:
-        checks.dist.all_gather = gather
+        agreement.dist.all_gather = gather
     assert out.shape == (B, 6, H, D) and len(calls) == 1, calls
     return messages
 

@@ -6,6 +6,8 @@ the code under test.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -179,3 +181,34 @@ def _one_cp_rank_worker(rank: int, world_size: int, spec: tuple) -> None:
 @pytest.mark.parametrize("spec", [MESHES[0], pytest.param(("2d", ("hp", "cp"), (2, 1)), id="hp2xcp1")])
 def test_zigzag_is_the_identity_on_one_cp_rank(spec):
     run_distributed(_one_cp_rank_worker, _world(spec), spec)
+
+
+def _unshard_disagree_worker(rank: int, world_size: int) -> list[str]:
+    """Note [Inputs that differ across ranks]: local shards of other lengths, widths, dtypes or ndim on
+    some ranks get one ValueError on every rank, naming what differs, instead of a gloo abort."""
+    from lightning_seqpar import agreement
+    from lightning_seqpar.sharding import unshard_sequence
+
+    agreement._AGREED.clear()  # the pool's workers ran other tests' calls on meshes like these
+    mesh = make_mesh(("1d", world_size))
+    odd = rank == world_size - 1
+    cases = [
+        ("length", torch.zeros(2, 6 if odd else 4, 3), "shape[1]"),
+        ("width", torch.zeros(2, 4, 5 if odd else 3), "shape[2]"),
+        ("dtype", torch.zeros(2, 4, 3, dtype=torch.float64 if odd else torch.float32), "dtype_bytes"),
+        ("ndim", torch.zeros(2, 4, 3, 1) if odd else torch.zeros(2, 4, 3), "ndim"),
+    ]
+    messages = []
+    for label, x, field in cases:
+        with pytest.raises(ValueError, match=rf"unshard_sequence: the ranks of the mesh passed different inputs: .*'{re.escape(field)}'"):
+            unshard_sequence(x, mesh, dim=1, layout="contiguous")
+        messages.append(label)
+    full = unshard_sequence(torch.full((2, 4, 3), float(rank)), mesh, dim=1, layout="contiguous")  # still in step
+    assert full.shape == (2, 4 * world_size, 3) and full[0, :, 0].tolist() == [float(r) for r in range(world_size) for _ in range(4)]
+    return messages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unshard_inputs_that_differ_across_ranks(world):
+    results = run_distributed(_unshard_disagree_worker, world)
+    assert all(r == ["length", "width", "dtype", "ndim"] for r in results)

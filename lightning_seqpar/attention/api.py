@@ -377,7 +377,7 @@ def sequence_parallel_attention(
     Raises:
         ValueError: naming the argument, before any communication, for any input it does not take;
             and on every rank, on the first call on ``mesh``, when the ranks passed different shapes or
-            options (one small all-gather; Note [Inputs that differ across ranks] in ``checks.py``).
+            options (one small all-gather; Note [Inputs that differ across ranks] in ``lightning_seqpar/agreement.py``).
     """
     _check_qkv(q, k, v)
     _check_options(causal, layout, algorithm)
