@@ -385,6 +385,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         mesh_for_fsdp = fsdp_mesh(self.device_mesh, timeout=self.timeout)
         self._resolve_auto_attention(roots)
         self._check_inner_ring_size()
+        self._check_head_chunks(roots)
         self._check_attention_backend(roots)
         for root in roots:
             parallelize(
@@ -451,6 +452,17 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         if cp % inner:
             raise ValueError(f"{name}: inner_ring_size={inner} must divide the context-parallel size "
                              f"(sequence_parallel_size / head_parallel_size = {cp})")
+
+    def _check_head_chunks(self, roots: list[nn.Module]) -> None:
+        """head_chunks against the model's key/value heads (before any collective)."""
+        chunks = self.head_chunks
+        shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
+        if chunks == 1 or shape is None or shape[1] % chunks == 0:
+            return
+        h_kv = shape[1]
+        divisors = [d for d in range(1, h_kv + 1) if h_kv % d == 0]
+        raise ValueError(f"{type(self).__name__}: head_chunks={chunks} must divide the model's key/value heads ({h_kv}); "
+                         f"choose one of {divisors}")
 
     def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
         """attention="auto": LASP on a linear-attention model, else the cost model's plan (Note [Choosing attention automatically])."""

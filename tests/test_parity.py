@@ -109,6 +109,18 @@ def test_inner_ring_size_must_divide_cp():
     assert all("inner_ring_size=3 must divide the context-parallel size" in m for m in messages)
 
 
+def _bad_head_chunks(rank: int, world_size: int) -> str:
+    with pytest.raises(ValueError) as info:  # "tiny" has 2 K/V heads
+        train_strategy(rank, world_size, dict(sequence_parallel_size=2, attention="ring", head_chunks=3))
+    return str(info.value)
+
+
+def test_head_chunks_must_divide_the_kv_heads():
+    messages = run_distributed(_bad_head_chunks, 2, timeout=TIMEOUT)
+    assert all("SequenceParallelStrategy: head_chunks=3 must divide the model's key/value heads (2); choose one of [1, 2]" in m
+               for m in messages), messages
+
+
 def test_training_parity_hsdp(reference):
     """dp_replicate=2 x sp=2: HSDP replicas, gradients all-reduced across them."""
     kwargs = dict(sequence_parallel_size=2, data_parallel_replicate_size=2, attention="ring")
