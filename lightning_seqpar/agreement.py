@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -23,19 +25,21 @@ import torch.distributed as dist
 _AGREED: set[tuple] = set()
 
 
-def check_ranks_agree(mesh, fields: dict[str, float], device: torch.device, what: str) -> None:
-    """Every rank of ``mesh`` passed the same ``fields`` (name -> number), or the same ValueError on all of them;
-    checked until the first call on ``mesh`` that agrees (Note [Inputs that differ across ranks])."""
+def check_ranks_agree(mesh, fields: Callable[[], dict[str, float]], device: torch.device, what: str) -> None:
+    """Every rank of ``mesh`` passed the same ``fields()`` (name -> number), or the same ValueError on all of them;
+    checked until the first call on ``mesh`` that agrees (Note [Inputs that differ across ranks]). ``fields``
+    is a callable so that the calls after that (hot paths: every attention layer) build nothing."""
     if mesh.size() == 1 or torch.compiler.is_compiling():
         return
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
     key = (what, *(g.group_name for g in groups))
     if key in _AGREED:
         return
-    names = list(fields)
+    values = fields()
+    names = list(values)
     if mesh.device_type != device.type:
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    table = torch.tensor([float(fields[n]) for n in names], dtype=torch.float64, device=device)
+    table = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=device)
     for group in groups:  # table: (size_{i-1}, ..., size_0, fields) after dimension i - 1
         rows = [torch.empty_like(table) for _ in range(dist.get_world_size(group))]
         dist.all_gather(rows, table.contiguous(), group=group)

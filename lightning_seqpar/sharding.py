@@ -124,7 +124,7 @@ def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: La
     dim = _check_dim(x, dim)
     hp, _, cp, _ = mesh_sizes(mesh)
     _check_length(x.shape[dim] * hp * cp, mesh, layout, f"the global length (x.shape[{dim}]={x.shape[dim]} x {hp * cp} ranks)")  # before the all-gather
-    check_ranks_agree(mesh, _signature(x, dim, layout), x.device, "unshard_sequence")  # Note [Inputs that differ across ranks]
+    check_ranks_agree(mesh, lambda: _signature(x, dim, layout), x.device, "unshard_sequence")  # Note [Inputs that differ across ranks]
     if mesh.ndim == 2 and hp > 1:  # the hp split of a cp shard is contiguous: gathering restores it
         x = gather_along(x, mesh.get_group("hp"), dim)
     if cp == 1:

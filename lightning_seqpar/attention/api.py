@@ -388,7 +388,7 @@ def sequence_parallel_attention(
     be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
     inner = inner_ring_size or 0
-    check_ranks_agree(mesh, dict(  # Note [Inputs that differ across ranks]
+    check_ranks_agree(mesh, lambda: dict(  # Note [Inputs that differ across ranks]
         batch=q.shape[0], seq_local=q.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], head_dim_v=v.shape[3],
         dtype=_DTYPE_CODES.get(q.dtype, 0), algorithm=ALGORITHMS.index(algorithm), causal=int(causal), layout=LAYOUTS.index(layout),
         scale=sc, inner_ring_size=inner, head_chunks=head_chunks, documents=int(docs is not None)), q.device, "sequence_parallel_attention")
