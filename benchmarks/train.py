@@ -22,6 +22,13 @@ MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), all GPUs in one sequ
   vocabulary-parallel cross entropy, dummy heads where n_head % W != 0 (``benchmarks/tp_sp.py``,
   Note [The TP+SP baseline]). Every rank reads the full sequence.
 
+``--seqs 32768:3,65536:3,131072:2,262144:1 --models llama-7b,llama-33h`` runs several lengths
+(and models: each length for every model before the next length, so an out-of-memory at the longest
+ends only the longest) in turn in one process, saving the start-up of a process per run. One record
+each, with ``in_process`` (the process's [model, S] list) and ``held_before_gb``: what was still
+allocated before the run, so a leak between runs would show rather than hide in the peak.
+``S:STEPS`` times STEPS steps at that S instead of --steps.
+
 Each run times --steps optimizer steps after --warmup steps (CUDA-synchronised wall clock per
 step, median), and reports tokens/s/GPU, MFU = tokens/s/GPU * flops_per_token / 989e12 with
 flops_per_token = 6 * N_non_embedding + 6 * L * S * d, the peak of
@@ -381,7 +388,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--system", choices=["seqpar", "torch_cp", "tp_sp"], required=True)
     ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--models", default=None, metavar="M1,M2,...", help="several models in turn in this one process (see --seqs)")
     ap.add_argument("--seq", type=int, default=131072)
+    ap.add_argument("--seqs", default=None, metavar="S[:STEPS],...",
+                    help="several sequence lengths in turn in this one process, a record each (instead of --seq); "
+                         "S:STEPS times STEPS steps at S instead of --steps")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--algorithm", default="ring", help="seqpar: the attention algorithm")
     ap.add_argument("--ac", default="selective++", choices=["selective++", "full", "none"],
@@ -408,6 +419,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test (gloo) of seqpar / tp_sp")
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args()
+    try:
+        runs = [tuple(int(y) for y in x.split(":")) for x in args.seqs.split(",")] if args.seqs else [(args.seq,)]
+    except ValueError:
+        ap.error(f"--seqs: expected S or S:STEPS entries, comma separated, got {args.seqs!r}")
+    if any(len(r) > 2 or min(r) <= 0 for r in runs):
+        ap.error(f"--seqs: expected positive S or S:STEPS entries, got {args.seqs!r}")
+    models = args.models.split(",") if args.models else [args.model]
+    runs = [(m, r[0], r[1] if len(r) == 2 else args.steps) for r in runs for m in models]
     if args.device == "cpu" and args.system == "torch_cp":
         ap.error("--system torch_cp runs on CUDA only")
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -416,21 +435,41 @@ def main() -> None:
     if args.system == "torch_cp":
         dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), device_id=torch.device("cuda", local_rank))
     runner = {"seqpar": run_seqpar, "torch_cp": run_torch_cp, "tp_sp": run_tp_sp}[args.system]
-    try:
-        row = runner(args)
-    except BaseException as exc:  # noqa: BLE001 - an OOM must not hang the other ranks in teardown
-        if not _is_oom(exc):
-            raise
-        _exit_oom(os.environ.get("RANK"), exc)
-    if dist.get_rank() == 0:
-        extra = f", mfu(measured peak) {row['mfu_measured_peak']:.3f}" if "mfu_measured_peak" in row else ""
-        print(f"[train] {row['system']:8s} {row['model']} S={row['seq']} GPUs={row['gpus']}: {row['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
-              f"MFU {row['mfu']:.3f}{extra}, step {row['step_time_s']:.2f}s, peak {row['peak_mem_gb']:.1f} GB, "
-              f"losses {[round(x, 4) for x in row['losses']]}", flush=True)
-        if args.out:
-            append_records(args.out, row)
+    for args.model, args.seq, args.steps in runs:
+        held = _release(args)
+        try:
+            row = runner(args)
+        except BaseException as exc:  # noqa: BLE001 - an OOM must not hang the other ranks in teardown
+            if not _is_oom(exc):
+                raise
+            _exit_oom(os.environ.get("RANK"), exc)
+        if len(runs) > 1:
+            row.update(in_process=[[m, seq] for m, seq, _ in runs], held_before_gb=held)
+        if dist.get_rank() == 0:
+            extra = f", mfu(measured peak) {row['mfu_measured_peak']:.3f}" if "mfu_measured_peak" in row else ""
+            print(f"[train] {row['system']:8s} {row['model']} S={row['seq']} GPUs={row['gpus']}: {row['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
+                  f"MFU {row['mfu']:.3f}{extra}, step {row['step_time_s']:.2f}s, peak {row['peak_mem_gb']:.1f} GB, "
+                  f"losses {[round(x, 4) for x in row['losses']]}", flush=True)
+            if args.out:
+                append_records(args.out, row)
+        del row
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _release(args) -> float:
+    """Before each run of a --seqs list: free what the previous run left (its trainer, model and
+    optimizer are unreachable once its runner returned) and return what is still allocated, in GB
+    (max over ranks; recorded as ``held_before_gb``, so a leak would show in the record rather
+    than as a peak that silently includes it)."""
+    import gc
+
+    gc.collect()
+    if args.device != "cuda" or not dist.is_initialized():
+        return 0.0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return _max_over_ranks(torch.cuda.memory_allocated() / 1e9, "cuda")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ from dist_utils import close_pools  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if config.pluginmanager.hasplugin("rerunfailures"):
+        # A test whose gloo worker died from a signal (dist_utils.WorkerCrashed: a native crash, not
+        # an assertion or a Python error) runs once more on a fresh pool; pytest reports the rerun.
+        rerun = pytest.mark.flaky(reruns=1, only_rerun=["WorkerCrashed"])
+        for item in items:
+            item.add_marker(rerun)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; recorded from runs on the GPU machine")

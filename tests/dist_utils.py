@@ -6,6 +6,14 @@ workers for the whole test session. A test sends a module-level function; every 
 sends its traceback back (the test fails with it); a run that does not finish within
 ``timeout`` seconds kills the pool (the next test gets a fresh one) and fails the test, so a
 hang never stalls CI.
+
+A worker that dies from a signal (a native crash: SIGSEGV, or SIGABRT from the C allocator's
+heap checks) fails the test with ``WorkerCrashed``, naming the rank and the signal, instead of
+the other ranks' "connection reset" errors; faulthandler prints the dead rank's Python stack to
+the test's captured stderr. conftest.py lets pytest-rerunfailures (a dev dependency) run such a
+test once more on a fresh pool, and only such a test: an assertion or a Python exception in a
+worker is never rerun, and a second crash fails. Tests that load torch.compile's generated code
+run in pools of their own (``pool="compile"``), so that code never shares a process with the rest.
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ import traceback
 from typing import Any, Callable
 
 DEFAULT_TIMEOUT = float(os.environ.get("SEQPAR_TEST_TIMEOUT", "240"))
+
+
+class WorkerCrashed(RuntimeError):
+    """A pooled worker process died from a signal (see the module docstring)."""
 
 
 def _free_port() -> int:
@@ -41,6 +53,11 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
         OMP_NUM_THREADS="1",
     )
     import datetime
+    import faulthandler
+
+    # A native crash (SIGSEGV, SIGABRT from the allocator) prints this rank's Python stack to the
+    # test's captured stderr, so the report says where the rank died, not only that it did.
+    faulthandler.enable(all_threads=True)
 
     import torch
     import torch.distributed as dist
@@ -99,17 +116,38 @@ class DistPool:
                 except queue.Empty:
                     dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                     if dead or time.monotonic() > deadline:
+                        crashed = self._crashed(wait=0.0)
                         self.close(kill=True)
+                        if crashed:
+                            raise WorkerCrashed(f"{name}: {crashed} (finished ranks: {sorted(out)})") from None
                         why = f"worker ranks {dead} died" if dead else f"did not finish within {timeout}s"
                         raise TimeoutError(f"{name}: {why} (finished ranks: {sorted(out)})") from None
             if ok:
                 out[rank] = value
             else:
-                errors.append(f"--- rank {rank} ---\n{value}")
+                # A rank whose peer crashed fails in its next collective; name the crash, not that.
+                crashed = self._crashed(wait=1.0)
                 # The other ranks may now wait forever in a collective: do not wait for them.
                 self.close(kill=True)
+                if crashed:
+                    raise WorkerCrashed(f"{name}: {crashed}; rank {rank} then failed with:\n{value}")
                 raise AssertionError(f"{name} failed on rank {rank}:\n{value}")
         return [out[r] for r in range(self.world_size)]
+
+    def _crashed(self, wait: float) -> str:
+        """'worker rank R died from SIGNAL ...' for the workers a signal ended (waiting up to ``wait``
+        seconds for one), or ''."""
+        import signal
+
+        deadline = time.monotonic() + wait
+        while True:
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+            crashed = [(r, -code) for r, code in dead if code is not None and code < 0]
+            if crashed or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return "; ".join(f"worker rank {r} died from {signal.Signals(sig).name} (a native crash; its Python stack, "
+                         f"from faulthandler, is in the captured stderr)" for r, sig in crashed)
 
     def close(self, kill: bool = False) -> None:
         for p, t in zip(self._procs, self._tasks):
@@ -123,14 +161,15 @@ class DistPool:
                 p.kill()
 
 
-_POOLS: dict[int, DistPool] = {}
+_POOLS: dict[tuple[int, str], DistPool] = {}
 
 
-def get_pool(world_size: int) -> DistPool:
-    pool = _POOLS.get(world_size)
-    if pool is None or not pool.alive:
-        pool = _POOLS[world_size] = DistPool(world_size)
-    return pool
+def get_pool(world_size: int, pool: str = "default") -> DistPool:
+    key = (world_size, pool)
+    found = _POOLS.get(key)
+    if found is None or not found.alive:
+        found = _POOLS[key] = DistPool(world_size)
+    return found
 
 
 def close_pools() -> None:
@@ -139,9 +178,11 @@ def close_pools() -> None:
     _POOLS.clear()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (pooled); results by rank."""
-    return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
+                    pool: str = "default", **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (pooled; ``pool`` names a
+    separate set of workers, e.g. "compile"); results by rank."""
+    return get_pool(world_size, pool).run(fn, *args, timeout=timeout, **kwargs)
 
 
 def tmpdir_shared() -> str:

@@ -52,7 +52,7 @@ def _compile_worker(rank: int, world_size: int, algorithm: str, head_chunks: int
 
 @pytest.mark.parametrize(("algorithm", "head_chunks"), [("ring", 1), ("allgather", 1), ("ulysses", 1), ("ring", 2)])
 def test_compiled_matches_eager(algorithm, head_chunks):
-    run_distributed(_compile_worker, 2, algorithm, head_chunks, timeout=COMPILE_TIMEOUT)
+    run_distributed(_compile_worker, 2, algorithm, head_chunks, timeout=COMPILE_TIMEOUT, pool="compile")
 
 
 def test_local_attention_compiles_fullgraph():

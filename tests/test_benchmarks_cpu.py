@@ -12,7 +12,7 @@ import pytest
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import _free_port, run_distributed  # noqa: E402
 
 
 def _tp_sp_vs_one_device(rank: int, world_size: int, name: str, steps: int) -> list[tuple[float, float]]:
@@ -83,6 +83,34 @@ def test_head_layout():
     assert (lay.n_head, lay.n_kv_head, lay.padded, lay.kv_repeat) == (32, 16, 0, 2)
     with pytest.raises(ValueError, match="not divisible"):
         head_layout(LlamaConfig.from_name("llama3-8b"), 3)
+
+
+@pytest.mark.timeout(300)
+def test_train_several_lengths_in_one_process(tmp_path):
+    """benchmarks/train.py --seqs / --models: one record per run, and nothing carries over between the runs of
+    one process (S = 128 trains the same losses before and after S = 64); S:STEPS sets the timed steps."""
+    import shutil
+    import subprocess
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("no torchrun on PATH")
+    out = tmp_path / "train.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={_free_port()}", os.path.join(BENCHMARKS, "train.py"), "--device", "cpu",
+           "--system", "seqpar", "--models", "tiny,tiny-mha", "--seqs", "128,64:2,128", "--warmup", "1", "--steps", "1", "--out", str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    runs = [[m, s] for s in (128, 64, 128) for m in ("tiny", "tiny-mha")]  # each length for both models in turn
+    assert [[r["model"], r["seq"]] for r in rows] == runs
+    assert all(r["in_process"] == runs and r["gpus"] == 2 for r in rows)
+    assert [len(r["losses"]) for r in rows] == [2, 2, 3, 3, 2, 2]  # warm-up + steps (64:2 times two steps)
+    assert rows[0]["losses"] == rows[4]["losses"] and rows[1]["losses"] == rows[5]["losses"]
+    assert rows[0]["losses"] != rows[1]["losses"]  # the models differ
+    assert rows[0]["losses"] != rows[2]["losses"][:2]
 
 
 def _record(**kw):

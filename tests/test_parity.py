@@ -95,7 +95,7 @@ def test_training_parity_mlp_tiles_compiled_without_checkpointing(reference):
     slices 1-3e-6; the losses agree to 1e-6 in all three.
     """
     kwargs = dict(sequence_parallel_size=2, attention="ring", activation_checkpointing=None, mlp_chunk_size=3, compile=True)
-    _check(run_distributed(train_strategy, 4, kwargs, timeout=600), reference, weight_atol=2e-5)
+    _check(run_distributed(train_strategy, 4, kwargs, timeout=600, pool="compile"), reference, weight_atol=2e-5)
 
 
 def _bad_inner_ring(rank: int, world_size: int) -> str:
@@ -130,7 +130,7 @@ def test_training_parity_hsdp(reference):
 def test_training_parity_compile(reference):
     """torch.compile per block (after Selective Checkpoint++, before FSDP2) equals eager."""
     kwargs = dict(sequence_parallel_size=2, attention="ring", activation_checkpointing="selective++", compile=True)
-    _check(run_distributed(train_strategy, 2, kwargs, timeout=600), reference)
+    _check(run_distributed(train_strategy, 2, kwargs, timeout=600, pool="compile"), reference)
 
 
 def test_training_parity_chunked_loss():
