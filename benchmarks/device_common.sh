@@ -11,8 +11,9 @@
 #   longest SYSTEM SEQS [-- TRAIN ARGS]  benchmarks/longest.py (descending S, see its docstring) for MODEL (llama3-8b)
 #                      on NPROC (4) GPUs, every attempt ended by the call's deadline; $OUT/longest[_LABEL].{json,log}
 #                      (a LABEL per run when runs on disjoint CUDA_VISIBLE_DEVICES go side by side)
-#   train LIMIT ARGS   one benchmarks/train.py run (llama3-8b, SEQ tokens, NPROC GPUs) under min(LIMIT, left);
-#                      skipped below TRAIN_MIN_S seconds left; [train] lines to $OUT/train.log
+#   train LIMIT ARGS   one benchmarks/train.py process (llama3-8b, SEQ tokens, NPROC GPUs; or its --models / --seqs)
+#                      under min(LIMIT, left); skipped below TRAIN_MIN_S seconds left; every [train] line and the
+#                      last error lines to $OUT/train.log
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGE=${STAGE:-1}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -60,7 +61,7 @@ train() {  # train LIMIT ARGS...
   timeout -k 20 "$t" torchrun --nproc_per_node=${NPROC:-4} --master_port=$((29500 + RANDOM % 2000)) benchmarks/train.py \
     --model llama3-8b --seq ${SEQ:-131072} --warmup 1 --steps 3 ${PEAK:+--matmul-peak $PEAK} --out "$OUT/train.json" "$@" > "$OUT/run.tmp" 2>&1
   local rc=$?
-  grep -v -i warn "$OUT/run.tmp" | grep -E "^\[train\]|Error|error|exitcode" | tail -6 | tee -a "$OUT/train.log"
+  { grep -v -i warn "$OUT/run.tmp" | grep -E "^\[train\]"; grep -v -i warn "$OUT/run.tmp" | grep -v "^\[train\]" | grep -E "Error|error|exitcode" | tail -4; } | tee -a "$OUT/train.log"
   echo "== rc=$rc ($(( $(date +%s) - START ))s elapsed)" | tee -a "$OUT/train.log"
   [ "$rc" = 0 ] || grep -v -i warn "$OUT/run.tmp" | tail -30 > "$OUT/failed_$(date +%s).log"
   rm -f "$OUT/run.tmp"

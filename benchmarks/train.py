@@ -259,7 +259,9 @@ def run_seqpar(args):
 
     cfg = LlamaConfig.from_name(args.model)
     times, losses = [], []
+    hp = args.head_parallel if args.head_parallel == "auto" else int(args.head_parallel)
     strategy = SequenceParallelStrategy(sequence_parallel_size=int(os.environ["WORLD_SIZE"]), attention=args.algorithm,
+                                        head_parallel_size=hp, expected_seq_len=args.seq if args.algorithm == "auto" else None,
                                         activation_checkpointing=None if args.ac == "none" else args.ac,
                                         attention_backend=args.backend, head_chunks=args.head_chunks,
                                         uncheckpointed_blocks=args.uncheckpointed_blocks, compile=args.compile,
@@ -271,7 +273,10 @@ def run_seqpar(args):
 
     be = resolve_backend(args.backend, torch.device(args.device), torch.bfloat16 if args.device == "cuda" else torch.float32,
                          cfg.head_dim or cfg.n_embd // cfg.n_head)
+    dims = strategy.parallel_dims  # what "auto" chose, named as benchmarks/attention.py names it
+    algorithm = f"2d:{dims.hp}x{dims.cp}" if strategy.attention == "2d" else strategy.attention
     return _row(args, cfg, times, _peak_gb(args), losses, dist.get_world_size(), backend=be, head_chunks=args.head_chunks,
+                algorithm=algorithm, **({"auto": True} if args.algorithm == "auto" else {}),
                 uncheckpointed_blocks=args.uncheckpointed_blocks, compiled=args.compile,
                 **({"offload_checkpoints": True, "host_peak_gb": _host_peak_gb(args)} if args.offload else {}),
                 **({"mlp_chunk_size": args.mlp_chunk} if args.mlp_chunk else {}))
@@ -394,7 +399,8 @@ def main() -> None:
                     help="several sequence lengths in turn in this one process, a record each (instead of --seq); "
                          "S:STEPS times STEPS steps at S instead of --steps")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--algorithm", default="ring", help="seqpar: the attention algorithm")
+    ap.add_argument("--algorithm", default="ring", help="seqpar: the attention algorithm ('auto': the cost model's, for --seq)")
+    ap.add_argument("--head-parallel", default="1", help="seqpar: head_parallel_size (hp of 2D attention), or 'auto' with --algorithm auto")
     ap.add_argument("--ac", default="selective++", choices=["selective++", "full", "none"],
                     help="seqpar: the checkpointing policy; tp_sp: 'none' turns full checkpointing off")
     ap.add_argument("--loss-chunk", type=int, default=8192, help="seqpar: chunked cross entropy")

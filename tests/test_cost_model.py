@@ -218,7 +218,9 @@ def test_choose_errors_name_the_argument(kwargs, match):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(algorithm="2d", hp=4), r"algorithm='2d' needs hp with 1 < hp < world_size \(4\)"),
+        (dict(algorithm="2d", hp=3), r"algorithm='2d' needs hp, a divisor of world_size \(4\) from 1 to 4, got hp=3"),
+        (dict(algorithm="2d", hp=8), r"algorithm='2d' needs hp, a divisor of world_size \(4\) from 1 to 4, got hp=8"),
+        (dict(algorithm="2d"), r"algorithm='2d' needs hp, .* got hp=None"),
         (dict(algorithm="ulysses", num_heads=33, num_kv_heads=33), "4 must divide num_heads"),
         (dict(algorithm="allgather", inner_ring_size=2), "inner_ring_size is only used by 'ring' or '2d'"),
         (dict(algorithm="ring", inner_ring_size=3), "inner_ring_size=3 must be a positive int dividing"),
@@ -231,6 +233,21 @@ def test_estimate_errors_name_the_argument(kwargs, match):
     args = dict(seq_len=131072, num_heads=32, num_kv_heads=8, head_dim=128, world_size=4)
     with pytest.raises(ValueError, match=match):
         estimate_attention(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8)])
+def test_2d_at_its_extremes(heads):
+    """2D at hp = 1 is the ring over every rank (the attention runs exactly that); at hp = W it is
+    Ulysses' head parallelism without Ulysses' zigzag reorder (its cp = 1 shards are contiguous)."""
+    args = dict(seq_len=131072, num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, world_size=8)
+    ring, ulysses = estimate_attention(algorithm="ring", **args), estimate_attention(algorithm="ulysses", **args)
+    one = estimate_attention(algorithm="2d", hp=1, **args)
+    assert (one.hp, one.cp) == (1, 8)
+    assert one.est_time_s == ring.est_time_s and one.peak_memory_bytes == ring.peak_memory_bytes
+    eight = estimate_attention(algorithm="2d", hp=8, **args)
+    assert (eight.hp, eight.cp) == (8, 1) and eight.peak_memory_bytes == ulysses.peak_memory_bytes
+    assert eight.compute_s == ulysses.compute_s and eight.communication_s == ulysses.communication_s
+    assert eight.elementwise_s < ulysses.elementwise_s  # no reorder
 
 
 def test_profile_validation_and_lookup():

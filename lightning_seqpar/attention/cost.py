@@ -397,7 +397,7 @@ def _local(sh: _Shape, hq: int, t: _Tally, p: DeviceProfile, reorder_el: float) 
     total = _fwd_flops(sh.B, hq, sh.S, sh.S, sh.D, causal_block=sh.causal)
     share = 1.0 if sh.causal else 0.0  # one call over the whole sequence
     t.compute += _attn_call(total, p, False, share) + _attn_call(total, p, True, share)
-    if sh.causal and sh.balanced and sh.W > 1:  # index_select forward, index-add backward
+    if reorder_el and sh.causal and sh.balanced and sh.W > 1:  # index_select forward, index-add backward
         t.elementwise_bytes += 2 * sh.e * reorder_el + 3 * sh.e * reorder_el
         t.elementwise_calls += 8
 
@@ -414,7 +414,7 @@ def _memory(sh: _Shape, algorithm: str, hp: int, cp: int, r: int, inner: int | N
     # q, out, dout, k, v; their gradients; lse; the kernel's fp32 dQ workspace in backward
     base = (3 * q_el + kv_el) * e + (q_el + kv_el) * e + 4 * B * s_local * sh.Hq + 4 * q_el
     kvr = r * kv_el
-    if algorithm == "ulysses":
+    if algorithm == "ulysses" or (algorithm == "2d" and cp == 1):
         return base + 3 * (2 * q_el + kvr) * e
     extra = 0.0
     if hp > 1:  # head layout copies of q, k, v, out
@@ -455,7 +455,8 @@ def estimate_attention(
 ) -> Candidate:
     """The cost model's estimate for one algorithm (Note [Choosing the attention algorithm]).
 
-    ``hp``: head-parallel degree of "2d" (1 < hp < world_size, dividing it); ignored otherwise.
+    ``hp``: head-parallel degree of "2d" (dividing world_size; hp = 1 is the ring over every rank and
+    hp = world_size head parallelism alone, as the attention runs them); ignored otherwise.
     ``inner_ring_size``: double ring for "ring" / "2d". ``head_chunks``: "ring" / "all-gather" over
     this many groups of K/V heads one after another (Note [Head chunks]): the same time, less
     working memory. Raises ValueError, naming the argument, for a combination that cannot run.
@@ -466,8 +467,8 @@ def estimate_attention(
         raise ValueError(f"estimate_attention: algorithm={algorithm!r} is not supported; expected one of {COST_ALGORITHMS}")
     W = world_size
     if algorithm == "2d":
-        if hp is None or isinstance(hp, bool) or not isinstance(hp, int) or not 1 < hp < W or W % hp:
-            raise ValueError(f"estimate_attention: algorithm='2d' needs hp with 1 < hp < world_size ({W}) dividing it, got hp={hp!r}")
+        if hp is None or isinstance(hp, bool) or not isinstance(hp, int) or not 1 <= hp <= W or W % hp:
+            raise ValueError(f"estimate_attention: algorithm='2d' needs hp, a divisor of world_size ({W}) from 1 to {W}, got hp={hp!r}")
     else:
         hp = W if algorithm == "ulysses" else 1
     cp = W // hp
@@ -495,11 +496,13 @@ def estimate_attention(
         _allgather(sh, t, profile)
     elif algorithm == "ring":
         _ring(sh, num_heads, num_kv_heads, W, inner_ring_size or W, t, profile)
-    else:
-        _head_parallel(sh, hp, cp, r, t, profile)
-        if cp == 1:
+    else:  # Ulysses, or 2D at any hp x cp (hp = 1 runs the ring alone: no all-to-all, no copies)
+        if hp > 1:
+            _head_parallel(sh, hp, cp, r, t, profile)
+        if cp == 1:  # Ulysses reorders the zigzag shards to sequence order; 2D's cp = 1 shards are contiguous
             s_local = seq_len // W
-            _local(sh, num_heads // hp, t, profile, batch * s_local * (2 * num_heads + 2 * num_kv_heads * r) * head_dim)
+            reorder = batch * s_local * (2 * num_heads + 2 * num_kv_heads * r) * head_dim if algorithm == "ulysses" else 0
+            _local(sh, num_heads // hp, t, profile, reorder)
         else:
             _ring(sh, num_heads // hp, num_kv_heads * r // hp, cp, inner_ring_size or cp, t, profile)
     compute, comm, ew = t.time(profile)
