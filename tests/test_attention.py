@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import get_pool, run_distributed
 from seqpar_testing import (
     HEAD_CONFIGS,
     LAYOUTS,
@@ -31,11 +31,11 @@ EXTRA_SCALE = 0.37  # one non-default softmax scale per (causal, layout)
 LARGE_SCALE = 1.3  # and a large one: scores of |s| ~ 10, the fp32 cancellation of Note [fp64 accumulation on the CPU]
 
 
-def _cases():
+def _cases(heads=HEAD_CONFIGS):
     """(causal, layout, H_q, H_kv, D, scale) for one equivalence sweep."""
     for causal in (True, False):
         for layout in LAYOUTS:
-            for h_q, h_kv, head_dim in HEAD_CONFIGS:
+            for h_q, h_kv, head_dim in heads:
                 yield causal, layout, h_q, h_kv, head_dim, None
             yield causal, layout, 4, 2, 8, EXTRA_SCALE
             yield causal, layout, 4, 1, 8, LARGE_SCALE
@@ -54,7 +54,7 @@ def _forbidden(algorithm: str, mesh, h_q: int, h_kv: int = 1, head_chunks: int =
 
 
 def _equivalence_worker(rank: int, world_size: int, algorithm: str, spec: tuple, inner_ring_size: int | None,
-                        head_chunks: int = 1) -> dict[str, int]:
+                        head_chunks: int = 1, heads=HEAD_CONFIGS) -> dict[str, int]:
     from lightning_seqpar.attention import sequence_parallel_attention
 
     mesh = make_mesh(spec)
@@ -63,7 +63,7 @@ def _equivalence_worker(rank: int, world_size: int, algorithm: str, spec: tuple,
         extra["head_chunks"] = head_chunks
     checked = rejected = 0
     failures: list[str] = []
-    for seed, (causal, layout, h_q, h_kv, head_dim, scale) in enumerate(_cases()):
+    for seed, (causal, layout, h_q, h_kv, head_dim, scale) in enumerate(_cases(heads)):
         label = (
             f"{algorithm} mesh={spec} inner_ring_size={inner_ring_size} head_chunks={head_chunks} rank={rank} causal={causal} "
             f"layout={layout} H_q={h_q} H_kv={h_kv} D={head_dim} scale={scale}"
@@ -118,6 +118,35 @@ def test_matches_full_sequence_attention(world, algorithm, spec, inner, chunks):
     results = run_distributed(_equivalence_worker, world, algorithm, spec, inner, chunks)
     assert all(r == results[0] for r in results), f"ranks disagree on the case counts: {results}"
     assert results[0]["checked"] > 0
+
+
+# Eight ranks, as on one 8-GPU node (issue #9's runs): every algorithm, 2D at each hp x cp with both
+# dimension orders, and double rings of 2 and 4, on head counts 8 divides (and 3 heads, which only the
+# ring and all-gather take).
+EIGHT_HEADS = ((8, 8, 8), (8, 2, 8), (8, 1, 8), (3, 3, 8))
+EIGHT = (
+    ("ring", ("1d", 8), None), ("allgather", ("1d", 8), None), ("ulysses", ("1d", 8), None),
+    ("ring", ("1d", 8), 2), ("ring", ("1d", 8), 4),
+    ("2d", ("2d", HP_CP, (8, 1)), None), ("2d", ("2d", CP_HP, (4, 2)), None), ("2d", ("2d", HP_CP, (2, 4)), None),
+    ("2d", ("2d", CP_HP, (2, 4)), 2), ("2d", ("2d", HP_CP, (1, 8)), 4),
+)
+
+
+def _eight_rank_worker(rank: int, world_size: int) -> list[dict[str, int]]:
+    return [_equivalence_worker(rank, world_size, algorithm, spec, inner, heads=EIGHT_HEADS) for algorithm, spec, inner in EIGHT]
+
+
+@pytest.mark.timeout(900)
+def test_eight_ranks_match_full_sequence_attention():
+    try:
+        results = run_distributed(_eight_rank_worker, 8, timeout=800)
+    finally:
+        get_pool(8).close()  # no other test runs on eight ranks: free the workers now
+    assert all(r == results[0] for r in results), f"ranks disagree on the case counts: {results}"
+    assert all(c["checked"] > 0 for c in results[0]), results[0]
+    ulysses = results[0][2]  # 8 | H_q for three of the four head configurations, and the scaled cases have 4 heads
+    assert ulysses["rejected"] > 0 and ulysses["checked"] > 0
+    assert sum(c["checked"] for c in results[0]) > 150
 
 
 def _float64_worker(rank: int, world_size: int, algorithm: str, spec: tuple, extra: dict) -> int:
