@@ -2,7 +2,7 @@
 
 Tiny GQA Llama (4 query heads, 2 KV heads), fp32 on CPU gloo, 5 AdamW steps: the logged
 per-step losses match the single-device run at rtol 1e-5 and the final weights at atol 1e-5,
-for every (dp_shard, sp, hp) layout of 2 and 4 ranks and each activation-checkpointing mode.
+for every (dp_shard, sp, hp) layout of 2 and 4 ranks (and three of 8) and each activation-checkpointing mode.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ LAYOUTS = [
     (4, 2, 2, 1, "ring"),
     (4, 1, 4, 2, "2d"),
     (4, 2, 2, 2, "2d"),
+    (8, 1, 8, 1, "ring"),  # one 8-GPU node's layouts (issue #9)
+    (8, 2, 4, 2, "2d"),
+    (8, 1, 8, 4, "2d"),
 ]
 TIMEOUT = 300
 
