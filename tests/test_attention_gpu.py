@@ -145,9 +145,12 @@ def _forbidden(algorithm: str, mesh, h_q: int) -> bool:
 
 
 def _specs(algorithm: str, world: int) -> list[tuple]:
+    """The meshes each algorithm runs on: 1-D, or for 2D every hp x cp with 1 < hp < W in both
+    dimension orders (W = 4: 2x2; W = 8: 2x4 and 4x2)."""
     if algorithm != "2d":
         return [("1d", world)]
-    return [("2d", ("hp", "cp"), (2, 2)), ("2d", ("cp", "hp"), (2, 2))]
+    return [("2d", order, (hp, world // hp) if order == ("hp", "cp") else (world // hp, hp))
+            for hp in range(2, world) if world % hp == 0 for order in (("hp", "cp"), ("cp", "hp"))]
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "fa4"])
@@ -158,8 +161,8 @@ def test_bf16_matches_fp32_reference(nccl_world, algorithm, backend):
     world = nccl_world
     if backend not in available_backends("cuda", torch.bfloat16, HEAD_DIM):
         pytest.skip(f"backend {backend} is not available here (fa4: pip install flash-attn-4)")
-    if algorithm == "2d" and world != 4:
-        pytest.skip("2d runs at W == 4 (hp=2 x cp=2)")
+    if algorithm == "2d" and not _specs(algorithm, world):
+        pytest.skip(f"2d needs a split hp x cp with 1 < hp < W; W = {world} has none")
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     atol, rtol = 8e-3 * world, 1e-3 * world
