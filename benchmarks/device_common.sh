@@ -11,6 +11,7 @@
 #   longest SYSTEM SEQS [-- TRAIN ARGS]  benchmarks/longest.py (descending S, see its docstring) for MODEL (llama3-8b)
 #                      on NPROC (4) GPUs, every attempt ended by the call's deadline; $OUT/longest[_LABEL].{json,log}
 #                      (a LABEL per run when runs on disjoint CUDA_VISIBLE_DEVICES go side by side)
+#   longest_summary    what the longest runs of this call gave (end of the longest-context scripts)
 #   train LIMIT ARGS   one benchmarks/train.py process (llama3-8b, SEQ tokens, NPROC GPUs; or its --models / --seqs)
 #                      under min(LIMIT, left); skipped below TRAIN_MIN_S seconds left; every [train] line and the
 #                      last error lines to $OUT/train.log
@@ -65,6 +66,12 @@ train() {  # train LIMIT ARGS...
   echo "== rc=$rc ($(( $(date +%s) - START ))s elapsed)" | tee -a "$OUT/train.log"
   [ "$rc" = 0 ] || grep -v -i warn "$OUT/run.tmp" | tail -30 > "$OUT/failed_$(date +%s).log"
   rm -f "$OUT/run.tmp"
+}
+
+longest_summary() {  # the attempts' outcome lines, the records, the call's time
+  grep -h -E "^\[train\] (OOM|[a-z_]+ +llama)" "$OUT"/longest*.log 2>/dev/null | cut -c1-200 | tail -12
+  python benchmarks/collect.py --summary "$OUT"/*.json 2>/dev/null | tail -12
+  echo "== done in $(( $(date +%s) - START ))s"
 }
 
 peak_tflops() {  # peak_tflops FILE: the last bf16 matmul peak recorded in FILE (benchmarks/matmul_peak.py), or ''

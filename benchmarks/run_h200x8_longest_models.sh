@@ -17,33 +17,28 @@ set -u
 BUDGET_S=${BUDGET_S:-575}
 source "$(dirname "$0")/device_common.sh"
 echo "== STAGE=$STAGE commit=${SEQPAR_COMMIT:-unknown} $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) x$(nvidia-smi -L | wc -l) fa4=$(fa4)"
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-ONE="--warmup 0 --steps 1"
-OURS_1M="--ac selective++ --offload --mlp-chunk 32768 $ONE --backend fa4"
-OURS_2GPU="--ac full $ONE --backend cudnn"
+source "$(dirname "$0")/longest_models.env"
 G4a=0,1,2,3; G4b=4,5,6,7
 
 if [ "$STAGE" = 1 ]; then
   copy_fa4_part1
-  CUDA_VISIBLE_DEVICES=$G4a LABEL=a MODEL=llama-7b longest torch_cp 589824:290,524288:250,458752:210 -- $ONE &
-  CUDA_VISIBLE_DEVICES=$G4b LABEL=b MODEL=llama-33h longest torch_cp 557056:300,491520:250,425984:200 -- $ONE &
+  CUDA_VISIBLE_DEVICES=$G4a LABEL=a MODEL=llama-7b longest torch_cp $L7_4GPU -- $ONE &
+  CUDA_VISIBLE_DEVICES=$G4b LABEL=b MODEL=llama-33h longest torch_cp $L33_CP_4GPU -- $ONE &
   wait
 elif [ "$STAGE" = 2 ]; then
   install_fa4_part2
-  CUDA_VISIBLE_DEVICES=$G4a LABEL=a MODEL=llama-7b longest tp_sp 589824:290,524288:250,458752:210 -- $ONE &
-  CUDA_VISIBLE_DEVICES=$G4b LABEL=b MODEL=llama-33h longest tp_sp 524288:270,458752:220,393216:180 -- $ONE &
+  CUDA_VISIBLE_DEVICES=$G4a LABEL=a MODEL=llama-7b longest tp_sp $L7_4GPU -- $ONE &
+  CUDA_VISIBLE_DEVICES=$G4b LABEL=b MODEL=llama-33h longest tp_sp $L33_TPSP_4GPU -- $ONE &
   wait
 elif [ "$STAGE" = 3 ]; then
   CUDA_VISIBLE_DEVICES=$G4a LABEL=a MODEL=llama-7b longest seqpar 1048576:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 4 &
-  CUDA_VISIBLE_DEVICES=4,5 NPROC=2 LABEL=b MODEL=llama-33h longest torch_cp 262144:170,245760:160,229376:150,196608:130 -- $ONE &
-  CUDA_VISIBLE_DEVICES=6,7 NPROC=2 LABEL=c MODEL=llama-33h longest tp_sp 245760:160,229376:150,212992:140,196608:130 -- $ONE &
+  CUDA_VISIBLE_DEVICES=4,5 NPROC=2 LABEL=b MODEL=llama-33h longest torch_cp $L33_CP_2GPU -- $ONE &
+  CUDA_VISIBLE_DEVICES=6,7 NPROC=2 LABEL=c MODEL=llama-33h longest tp_sp $L33_TPSP_2GPU -- $ONE &
   wait
 elif [ "$STAGE" = 4 ]; then
   CUDA_VISIBLE_DEVICES=$G4a LABEL=a MODEL=llama-33h longest seqpar 1048576:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 3 &
-  CUDA_VISIBLE_DEVICES=4,5 NPROC=2 LABEL=b MODEL=llama-33h longest seqpar 393216:300,360448:260 -- $OURS_2GPU --head-chunks 3 &
+  CUDA_VISIBLE_DEVICES=4,5 NPROC=2 LABEL=b MODEL=llama-33h longest seqpar $L33_OURS_2GPU -- $OURS_2GPU --head-chunks 3 &
   CUDA_VISIBLE_DEVICES=6,7 NPROC=2 LABEL=c MODEL=llama-7b longest seqpar 458752:$(( $(left) - 10 )) -- $OURS_2GPU --head-chunks 4 &
   wait
 fi
-grep -h -E "^\[train\] (OOM|[a-z_]+ +llama)" "$OUT"/longest*.log 2>/dev/null | cut -c1-200 | tail -12
-python benchmarks/collect.py --summary "$OUT"/*.json 2>/dev/null | tail -12
-echo "== done in $(( $(date +%s) - START ))s"
+longest_summary
