@@ -106,7 +106,6 @@ class DistPool:
         for t in self._tasks:
             t.put((module, name, args, kwargs))
         out: dict[int, Any] = {}
-        errors: list[str] = []
         deadline = time.monotonic() + timeout
         for _ in range(self.world_size):
             while True:
