@@ -433,7 +433,8 @@ def summarize(paths: list[str], tolerance: float = 0.05) -> list[dict]:
 
 
 COLUMNS = (("seqpar", "ring", "ring"), ("seqpar", "allgather", "all-gather"), ("seqpar", "ulysses", "Ulysses"),
-           ("seqpar", "2d:2x2", "2D 2x2"), ("seqpar", "ring:inner2", "double ring (2)"),
+           *(("seqpar", f"2d:{hp}x{cp}", f"2D {hp}x{cp}") for hp, cp in ((2, 2), (8, 1), (4, 2), (2, 4), (1, 8))),
+           ("seqpar", "ring:inner2", "double ring (2)"), ("seqpar", "ring:inner4", "double ring (4)"),
            ("torch_cp", "allgather", "torch CP allgather"), ("torch_cp", "alltoall", "torch CP alltoall"))
 
 
@@ -457,7 +458,11 @@ def grid_tables(paths: list[str], seqs: list[int] | None = None) -> str:
             r = max(good, key=lambda r: r["tflops_per_gpu"])
             return r, f"{r['tflops_per_gpu']:.1f} / {r['peak_mem_gb']:.1f}" + (f" c{r['head_chunks']}" if r.get("head_chunks", 1) > 1 else "")
         errs = [r["error"] for r in cands if r.get("error")]
-        hp = {"ulysses": gpus, "2d:2x2": 2}.get(algorithm, 1) if system == "seqpar" else 1
+        hp = 1  # the head-parallel degree: a head count it does not divide reads "(H heads)"
+        if system == "seqpar" and algorithm == "ulysses":
+            hp = gpus
+        elif system == "seqpar" and algorithm.startswith("2d:"):
+            hp = int(algorithm[3:].split("x")[0])
         if int(heads.split("/")[0]) % hp or any("divide" in e and "head-parallel" in e for e in errs):
             return None, f"({heads.split('/')[0]} heads)"
         return None, "OOM" if any("OutOfMemory" in e for e in errs) else "-"

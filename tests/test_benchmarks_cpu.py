@@ -233,3 +233,12 @@ def test_attention_grid_table(tmp_path):
     # a head-parallel system that cannot split the heads reads "(33 heads)", measured or not
     new.write_text(json.dumps([_attn("seqpar", "ulysses", 500.0, 5.0), _attn("seqpar", "ring", 490.0, 30.0, heads="33/33")]))
     assert "| 33/33 | - | **490.0 / 30.0** | (33 heads) |" in attention.grid_tables([str(new)])
+    # eight GPUs: the 2D splits and the double ring of 4 get columns, in hp order; 2D 4x2 cannot split 33 heads
+    new.write_text(json.dumps([_attn("seqpar", "ring", 450.0, 9.0, gpus=8), _attn("seqpar", "2d:4x2", 470.0, 8.0, gpus=8),
+                               _attn("seqpar", "2d:8x1", 480.0, 7.0, gpus=8), _attn("seqpar", "ring:inner4", 440.0, 9.5, gpus=8),
+                               _attn("seqpar", "ring", 430.0, 9.0, gpus=8, heads="33/33")]))
+    lines = attention.grid_tables([str(new)]).splitlines()
+    assert lines[0] == "8 GPUs, S = 1024K (TFLOP/s/GPU / peak GB):"
+    assert lines[2] == "| heads | one GPU | ring | 2D 8x1 | 2D 4x2 | double ring (4) | ours / torch CP | ours / one GPU |"
+    assert lines[4] == "| 32/8 | - | 450.0 / 9.0 | **480.0 / 7.0** | 470.0 / 8.0 | 440.0 / 9.5 | - | - |"
+    assert lines[5] == "| 33/33 | - | **430.0 / 9.0** | (33 heads) | (33 heads) | - | - | - |"
