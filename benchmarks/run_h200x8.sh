@@ -22,6 +22,10 @@
 #                          with 33 heads (the systems that run them) and at 512K (GQA).
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x8.sh   (results under $OUT)
+# Then here: python benchmarks/collect.py --kind nvidia-h200-x8 --date <yyyymmdd> <the JSON files>;
+#   python benchmarks/lightseq_table.py benchmarks/results/*-nvidia-h200-x8.json       (LightSeq's Table 1)
+#   python benchmarks/attention.py --table benchmarks/results/*-nvidia-h200-x8.json    (the attention grid)
+#   python benchmarks/cost_model_check.py                                             (auto against the best)
 set -u
 BUDGET_S=${BUDGET_S:-575}
 source "$(dirname "$0")/device_common.sh"

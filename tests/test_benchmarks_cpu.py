@@ -242,3 +242,30 @@ def test_attention_grid_table(tmp_path):
     assert lines[2] == "| heads | one GPU | ring | 2D 8x1 | 2D 4x2 | double ring (4) | ours / torch CP | ours / one GPU |"
     assert lines[4] == "| 32/8 | - | 450.0 / 9.0 | **480.0 / 7.0** | 470.0 / 8.0 | 440.0 / 9.5 | - | - |"
     assert lines[5] == "| 33/33 | - | **430.0 / 9.0** | (33 heads) | (33 heads) | - | - | - |"
+
+
+def test_lightseq_table(tmp_path):
+    import lightseq_table
+
+    def rec(system, model, seq, step, peak, gpus=8):
+        return dict(bench="train", system=system, model=model, seq=seq, gpus=gpus, step_time_s=step, peak_mem_gb=peak)
+
+    old, new = tmp_path / "a.json", tmp_path / "b.json"
+    old.write_text(json.dumps([rec("seqpar", "llama-7b", 32768, 9.0, 1.0)]))
+    new.write_text(json.dumps([
+        rec("seqpar", "llama-7b", 32768, 1.0, 30.0),  # the later record wins
+        rec("tp_sp", "llama-7b", 32768, 1.5, 40.0), rec("torch_cp", "llama-7b", 32768, 1.25, 35.0),
+        rec("seqpar", "llama-7b", 262144, 10.0, 90.0), rec("tp_sp", "llama-7b", 262144, 14.0, 60.0),
+        rec("seqpar", "llama-7b", 131072, 5.0, 50.0, gpus=4),  # another GPU count: not in the 8-GPU table
+        rec("tp_sp", "llama-33h", 65536, 3.0, 20.0),
+    ]))
+    lines = lightseq_table.main([str(old), str(new)]).splitlines()
+    assert lines[0] == "Llama-7B (MHA, 32 heads), 8 GPUs (seconds per step / peak GB):"
+    assert lines[2] == ("| tokens per GPU | S | Megatron TP+SP | torch CP | ours | ours / TP+SP | ours / torch CP "
+                        "| LightSeq / Megatron (paper, 8 x A100) |")
+    assert lines[4] == "| 4K | 32K | 1.50 / 40.0 | 1.25 / 35.0 | 1.00 / 30.0 | **1.50x** | **1.25x** | 1.02x |"
+    assert lines[5] == "| 32K | 256K | 14.00 / 60.0 | - | 10.00 / 90.0 | **1.40x** | - | 1.24x |"
+    assert "128K |" not in "\n".join(lines[:7])
+    assert lines[7] == "Llama-33H, 8 GPUs (seconds per step / peak GB):"
+    assert lines[11] == "| 8K | 64K | 3.00 / 20.0 | - | - | - | - | 1.38x |"
+    assert "Llama-GQA" not in "\n".join(lines)
