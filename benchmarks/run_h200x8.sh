@@ -14,10 +14,9 @@
 #
 #   STAGE=1 (carry .whl):  copy the first fa4 wheels; tests/test_attention_gpu.py at W = 8 (cuDNN: every
 #                          algorithm, 2D at 2x4 and 4x2 in both orders, against the fp32 reference); torch CP
-#                          (cuDNN SDPA): llama-7b, llama-7b-gqa; then the attention grid at 128K (cuDNN; MHA
-#                          and GQA, every system).
+#                          (cuDNN SDPA) for the three models.
 #   STAGE=2 (carry .whl2): install fa4; ours (fa4 ring, Selective Checkpoint++, last 8 blocks uncheckpointed)
-#                          for the three models; then torch CP llama-33h.
+#                          for the three models; then the attention grid at 128K (cuDNN; MHA and GQA, every system).
 #   STAGE=3:               TP+SP for the three models; then, with what is left, the attention grid at 128K
 #                          with 33 heads (the systems that run them) and at 512K (GQA).
 #
@@ -42,18 +41,17 @@ A512="seqs=524288;heads=32/8;systems=seqpar:ring,seqpar:ulysses,seqpar:2d:4x2,se
 if [ "$STAGE" = 1 ]; then
   copy_fa4_part1
   echo "== tests/test_attention_gpu.py on 8 GPUs, cuDNN"
-  timeout -k 10 120 torchrun --nproc_per_node=8 -m pytest -s -q -p no:cacheprovider tests/test_attention_gpu.py -k cudnn \
+  timeout -k 10 90 torchrun --nproc_per_node=8 -m pytest -s -q -p no:cacheprovider tests/test_attention_gpu.py -k cudnn \
     > "$OUT/gpu_tests_w8.log" 2>&1; echo "== rc=$? ($(( $(date +%s) - START ))s)"
   grep -E "passed|failed|FAIL" "$OUT/gpu_tests_w8.log" | tail -5
-  train 330 --system torch_cp --models llama-7b,llama-7b-gqa $ONE_PROCESS
-  attention w8-128k $(( $(left) - 5 )) "$A128"
+  train $(( $(left) - 5 )) --system torch_cp --models $MODELS $ONE_PROCESS
 elif [ "$STAGE" = 2 ]; then
   install_fa4_part2
-  train 330 $OURS --models $MODELS $ONE_PROCESS
-  train $(( $(left) - 5 )) --system torch_cp --models llama-33h $ONE_PROCESS
+  train 420 $OURS --models $MODELS $ONE_PROCESS
+  [ "$(left)" -gt 40 ] && attention w8-128k $(( $(left) - 5 )) "$A128"
 elif [ "$STAGE" = 3 ]; then
   train 450 --system tp_sp --models $MODELS $ONE_PROCESS
-  [ "$(left)" -gt 60 ] && attention w8-33h-512k $(( $(left) - 5 )) "$A128_33" "$A512"
+  [ "$(left)" -gt 40 ] && attention w8-33h-512k $(( $(left) - 5 )) "$A128_33" "$A512"
 fi
 python benchmarks/collect.py --summary "$OUT"/*.json 2>/dev/null | tail -40
 echo "== done in $(( $(date +%s) - START ))s"
