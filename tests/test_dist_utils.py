@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_utils import WorkerCrashed, get_pool, run_distributed
+from dist_utils import WorkerCrashed, run_distributed
 
 
 def _abort_on_rank_1(rank: int, world_size: int) -> None:
@@ -24,7 +24,6 @@ def _ranks(rank: int, world_size: int) -> int:
 def test_a_native_crash_is_reported_as_one():
     with pytest.raises(WorkerCrashed, match="worker rank 1 died from SIGABRT"):
         run_distributed(_abort_on_rank_1, 2, timeout=60, pool="crash")
-    assert not get_pool(2, "crash").alive or run_distributed(_ranks, 2, pool="crash") == [0, 1]
     assert run_distributed(_ranks, 2, pool="crash") == [0, 1]  # a fresh pool after the crash
 
 
