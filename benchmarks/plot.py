@@ -57,6 +57,23 @@ def latest(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
     return list(out.values())
 
 
+def longest_per_config(rows: list[dict], keys: tuple[str, ...] = ("system", "model", "gpus", "device")) -> list[dict]:
+    """One longest-context record per value of ``keys``: the one with the longest S that trained
+    (a later out-of-memory at a longer S does not hide it); a configuration where nothing trained
+    keeps its last record ("none fit"). Records whose every attempt was skipped tried nothing and
+    are left out."""
+    out: dict[tuple, dict] = {}
+    for row in rows:
+        attempts = row.get("attempts") or []
+        if attempts and all(a.get("status") == "skipped" for a in attempts):
+            continue
+        key = tuple(str(row.get(k)) for k in keys)
+        best = out.get(key)
+        if best is None or (_num(row, "seq") or 0) >= (_num(best, "seq") or 0):
+            out[key] = row
+    return list(out.values())
+
+
 def seq_label(s: float) -> str:
     s = int(s)
     if s >= 1 << 20 and s % (1 << 20) == 0:
@@ -151,7 +168,7 @@ def plot_longest(plt: Any, rows: list[dict], out_dir: str) -> str | None:
             for r in rows if r.get("bench") in ("longest", "train_max_seq") and r.get("model")]
     if not rows:
         return None
-    rows = latest(rows, ("system", "model", "gpus", "device"))
+    rows = longest_per_config(rows)
     configs = sorted({(str(r["model"]), int(r.get("gpus") or 0)) for r in rows})
     systems = sorted({str(r.get("system")) for r in rows}, key=lambda s: (s != "seqpar", s))
     width = 0.8 / len(systems)

@@ -269,3 +269,19 @@ def test_lightseq_table(tmp_path):
     assert lines[7] == "Llama-33H, 8 GPUs (seconds per step / peak GB):"
     assert lines[11] == "| 8K | 64K | 3.00 / 20.0 | - | - | - | - | 1.38x |"
     assert "Llama-GQA" not in "\n".join(lines)
+
+
+def test_longest_per_config_keeps_the_longest_that_trained():
+    import plot
+
+    def rec(system, seq, *statuses, gpus=4):
+        return dict(bench="longest", system=system, model="llama-7b", gpus=gpus, device="H200", seq=seq,
+                    attempts=[dict(seq=1, status=s) for s in statuses])
+
+    rows = [
+        rec("seqpar", 393216, "ok", gpus=2), rec("seqpar", None, "skipped", gpus=2),  # tried nothing: ignored
+        rec("seqpar", None, "oom"), rec("seqpar", 786432, "ok"), rec("seqpar", None, "oom"),  # a later OOM at 1M
+        rec("torch_cp", None, "oom", "oom"),  # nothing trained: kept as "none fit"
+    ]
+    got = {(r["system"], r["gpus"]): r["seq"] for r in plot.longest_per_config(rows)}
+    assert got == {("seqpar", 2): 393216, ("seqpar", 4): 786432, ("torch_cp", 4): None}
