@@ -5,22 +5,27 @@
 # Each attempt is a benchmarks/longest.py process (AdamW state allocated first, then ONE step here,
 # --warmup 0 --steps 1); descending S, the first that trains is the record. Ours runs the settings of
 # the llama3-8b 1M record (fa4 ring, Selective Checkpoint++, offloaded block inputs, 32K MLP slices,
-# head chunks; 1M is the first and only attempt, so a success is a lower bound). Six calls on
-# nvidia-h200-x4, each <= 10 min, three per session of ~28 device minutes (1-3, then 4-6); fa4's
-# wheels come in two parts (.whl, .whl2) and stages 2-3 / 5-6 need the machine still warm. The
-# 2-GPU runs go side by side (GPUs 0,1 | 2,3) in what a 4-GPU search leaves of its call; an attempt
-# whose limit no longer fits is skipped (benchmarks/longest.py), and stages 7-8 run them alone.
+# head chunks; 1M is the first and only attempt, so a success is a lower bound), plus
+# --offload-params (FSDP2 keeps the fp32 parameter shards, gradients and AdamW state on the host:
+# ~27 GB per GPU for 7B on 4 GPUs), which llama-7b at 1M needed (its attempt without it stopped in
+# cuBLAS's handle creation; the strategy now also creates the backward's handles at set-up). Calls
+# of <= 10 min on nvidia-h200-x4, three per session of ~28 device minutes; fa4's wheels come in two
+# parts (.whl, .whl2), so a call that runs ours with fa4 needs both previous calls on the same warm
+# machine. A 2-GPU pair goes side by side (GPUs 0,1 | 2,3); an attempt whose limit no longer fits
+# in its call is skipped (benchmarks/longest.py).
 #
-#   STAGE=1 (carry .whl):  copy the first fa4 wheels; llama-7b torch CP on 4 GPUs (576K, 512K, 448K);
-#                          then 2 GPUs side by side, cuDNN: llama-33h torch CP | TP+SP (34 heads).
-#   STAGE=2 (carry .whl2): install fa4; ours llama-7b at 1M on 4 GPUs (~500 s).
-#   STAGE=3:               llama-7b TP+SP on 4 GPUs (576K, 512K, 448K); then 2 GPUs side by side:
-#                          ours llama-33h at 384K | ours llama-7b at 448K (full AC, cuDNN, the 2-GPU
-#                          settings of run_h200x2_longest.sh; llama-7b's 393,216 there was its only attempt).
+# Ran 2026-11-22 (commit cda1d4e, docs/benchmarks.md "Latest"):
+#   STAGE=1 (carry .whl):  copy the first fa4 wheels; llama-7b torch CP on 4 GPUs; then 2 GPUs side
+#                          by side, cuDNN: llama-33h torch CP | TP+SP (34 heads).
+#   STAGE=2 (carry .whl2): install fa4; ours llama-7b at 1M on 4 GPUs (OOM; OURS_1M had no --offload-params then).
+#   STAGE=3:               llama-7b TP+SP on 4 GPUs; then 2 GPUs side by side: ours llama-33h | llama-7b.
+# Next:
 #   STAGE=4 (carry .whl):  copy; llama-33h torch CP on 4 GPUs (544K, 480K, 416K).
-#   STAGE=5 (carry .whl2): install fa4; ours llama-33h at 1M on 4 GPUs (head chunks 3).
-#   STAGE=6:               llama-33h TP+SP (36 heads) on 4 GPUs (512K, 448K, 384K).
-#   STAGE=7 / 8:           the 2-GPU pairs of stage 1 / stage 3 alone (those not run yet).
+#   STAGE=5 (carry .whl2): install fa4; llama-33h TP+SP (36 heads) on 4 GPUs (512K, 448K, 384K).
+#   STAGE=6:               ours llama-33h at 1M on 4 GPUs (head chunks 3), the whole call.
+#   STAGE=7:               ours llama-7b at 1M on 4 GPUs (fa4 installed: after 5 or 6 on a warm machine).
+#   STAGE=8:               2 GPUs side by side, cuDNN: ours llama-33h at 384K | llama-7b at 448K (the 2-GPU
+#                          settings of run_h200x2_longest.sh; stage 3 had no time left for them).
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_longest_models.sh   (results under $OUT)
 set -u
@@ -55,11 +60,11 @@ elif [ "$STAGE" = 4 ]; then
   MODEL=llama-33h longest torch_cp $L33_CP_4GPU -- $ONE
 elif [ "$STAGE" = 5 ]; then
   install_fa4_part2
-  MODEL=llama-33h longest seqpar 1048576:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 3
-elif [ "$STAGE" = 6 ]; then
   MODEL=llama-33h longest tp_sp $L33_TPSP_4GPU -- $ONE
+elif [ "$STAGE" = 6 ]; then
+  MODEL=llama-33h longest seqpar 1048576:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 3
 elif [ "$STAGE" = 7 ]; then
-  baselines_2gpu
+  MODEL=llama-7b longest seqpar 1048576:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 4
 elif [ "$STAGE" = 8 ]; then
   ours_2gpu
 fi

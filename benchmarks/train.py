@@ -265,7 +265,8 @@ def run_seqpar(args):
                                         activation_checkpointing=None if args.ac == "none" else args.ac,
                                         attention_backend=args.backend, head_chunks=args.head_chunks,
                                         uncheckpointed_blocks=args.uncheckpointed_blocks, compile=args.compile,
-                                        offload_checkpoints=args.offload, mlp_chunk_size=args.mlp_chunk)
+                                        offload_checkpoints=args.offload, offload_params=args.offload_params,
+                                        mlp_chunk_size=args.mlp_chunk)
     trainer = _trainer(args, strategy, [_step_timer(args, times, losses)], "bf16-mixed" if args.device == "cuda" else "32-true")
     module = CausalLMModule(model=args.model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size=args.loss_chunk)
     trainer.fit(module, datamodule=_datamodule(args, cfg))
@@ -278,8 +279,15 @@ def run_seqpar(args):
     return _row(args, cfg, times, _peak_gb(args), losses, dist.get_world_size(), backend=be, head_chunks=args.head_chunks,
                 algorithm=algorithm, **({"auto": True} if args.algorithm == "auto" else {}),
                 uncheckpointed_blocks=args.uncheckpointed_blocks, compiled=args.compile,
-                **({"offload_checkpoints": True, "host_peak_gb": _host_peak_gb(args)} if args.offload else {}),
+                **({"offload_checkpoints": True} if args.offload else {}),
+                **_offload_params_record(args),
+                **({"host_peak_gb": _host_peak_gb(args)} if args.offload or args.offload_params else {}),
                 **({"mlp_chunk_size": args.mlp_chunk} if args.mlp_chunk else {}))
+
+
+def _offload_params_record(args) -> dict:
+    """``offload_params: true`` in the record of a run with --offload-params (absent otherwise)."""
+    return {"offload_params": True} if args.offload_params else {}
 
 
 def run_tp_sp(args):
@@ -314,7 +322,7 @@ def run_torch_cp(args):
     from torch import nn
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor.experimental import context_parallel
 
     from lightning_seqpar.attention import Attention
@@ -338,14 +346,18 @@ def run_torch_cp(args):
             if isinstance(child, Attention):
                 setattr(mod, child_name, SDPA())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # --offload-params: torchtitan's way (the shards materialised on the host; Llama has no buffers that would need the GPU)
+    offload = CPUOffloadPolicy() if args.offload_params else OffloadPolicy()
     for i, block in enumerate(model.layers):
-        model.layers[i] = fully_shard(checkpoint_wrapper(block), mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    model.to_empty(device="cuda")
+        model.layers[i] = fully_shard(checkpoint_wrapper(block), mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    model.to_empty(device="cpu" if args.offload_params else "cuda")
     with torch.no_grad():
         torch.manual_seed(0)
         model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=True)
+    # fused AdamW for GPU parameters; with --offload-params the step runs on the CPU with torch's default
+    # implementation, as CausalLMModule picks
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=True if not args.offload_params else None)
     if args.prealloc_optimizer:
         _prealloc_optimizer(opt)
     data = LongRangeDataModule(vocab_size=cfg.vocab_size, seq_len=args.seq, batch_size=args.batch, num_samples=64, val_samples=1, seed=0)
@@ -375,7 +387,7 @@ def run_torch_cp(args):
         rep = loss.detach().clone()
         dist.all_reduce(rep, op=dist.ReduceOp.AVG)
         losses.append(rep.item())
-    return _row(args, cfg, times, _peak_gb(args), losses, world)
+    return _row(args, cfg, times, _peak_gb(args), losses, world, **_offload_params_record(args))
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -410,6 +422,9 @@ def main() -> None:
     ap.add_argument("--head-chunks", type=int, default=1, help="seqpar: attention over this many K/V head groups in turn")
     ap.add_argument("--offload", action="store_true", help="seqpar: checkpointed block inputs in pinned host memory (offload_checkpoints)")
     ap.add_argument("--mlp-chunk", type=int, default=None, help="seqpar: the MLP over slices of this many tokens (mlp_chunk_size)")
+    ap.add_argument("--offload-params", action="store_true",
+                    help="seqpar, torch_cp: FSDP2 keeps parameter shards, gradients and AdamW state in host memory, the "
+                         "optimizer step on the CPU (offload_params; CPUOffloadPolicy)")
     ap.add_argument("--no-loss-parallel", action="store_true", help="tp_sp: gather the logits instead of the vocab-parallel loss")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
@@ -435,6 +450,8 @@ def main() -> None:
     runs = [(m, r[0], r[1] if len(r) == 2 else args.steps) for r in runs for m in models]
     if args.device == "cpu" and args.system == "torch_cp":
         ap.error("--system torch_cp runs on CUDA only")
+    if args.offload_params and args.system == "tp_sp":
+        ap.error("--offload-params is for --system seqpar and torch_cp (FSDP2); tp_sp's FSDP2 runs inside its own module")
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)

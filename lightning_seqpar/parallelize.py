@@ -17,7 +17,9 @@ Note [Order of the apply_* calls]
 4. :func:`apply_compile` — ``torch.compile`` each (wrapped) block in place. Per block, not the
    whole model: one small graph reused for every layer, and FSDP's hooks stay between graphs.
 5. :func:`apply_fsdp` — ``fully_shard`` each block, then the root. Last, because it replaces
-   parameters by DTensor shards: everything above must see the module structure first.
+   parameters by DTensor shards: everything above must see the module structure first. With
+   ``offload_params`` the shards then live in host memory (Note [Offloading parameters to host
+   memory]).
 
 "Blocks" are the transformer layers: the elements of an ``nn.ModuleList`` attribute named one
 of :data:`BLOCK_CONTAINERS` (``model.layers`` for Llama and Hugging Face Llama/Mistral/Qwen,
@@ -32,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS, Attention, LinearAttention
 from lightning_seqpar.attention.api import check_head_chunks
@@ -274,6 +276,45 @@ def apply_compile(
     return len(blocks)
 
 
+# Note [Offloading parameters to host memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``apply_fsdp(offload_params=True)`` gives every ``fully_shard`` call FSDP2's ``CPUOffloadPolicy``:
+# ZeRO-Offload's idea (Ren et al., USENIX ATC 2021; LoongTrain §5.2 pairs it with Selective
+# Checkpoint++), the model states on the host and the optimizer step on the CPU. The GPU keeps
+# the activations and each block's gathered parameters while the block runs; the host the rest:
+#
+#     host (pinned on CUDA)                       GPU
+#     fp32 parameter shard ---- H2D, per block --> shard --all-gather--> block's full parameters
+#                                                                          (bf16 with bf16-mixed), freed after use
+#     fp32 gradient shard  <--- D2H, per block --- reduce-scattered gradient shard
+#     AdamW exp_avg, exp_avg_sq; the optimizer step runs here, on the CPU
+#
+# * What lives on the host: per rank, its shard of the fp32 parameters (4 bytes per parameter),
+#   their gradients (4) and AdamW's two moments (8): 16 bytes per parameter / the ranks FSDP
+#   shards over (dp_shard x sp). That is what leaves the GPU: llama-7b (6.7e9 parameters) on 4
+#   GPUs 16 x 6.7e9 / 4 = ~27 GB per GPU, on 2 GPUs ~54 GB.
+# * What moves each step: before each block's all-gather its shard is copied host -> device (on
+#   FSDP's all-gather copy-in stream, so it overlaps the previous block's compute), in forward
+#   and again in backward, where the block is gathered again for the recompute and its
+#   gradients (4 bytes per parameter / ranks, twice); after each block's reduce-scatter the
+#   gradient shard is copied device -> host (4 bytes per parameter / ranks), and FSDP waits for
+#   those copies at the end of backward.
+# * The optimizer step runs on the CPU over the host shards, not with the fused CUDA kernels:
+#   ``CausalLMModule`` asks for those only when every parameter is on a CUDA device, so AdamW
+#   runs torch's default implementation (for DTensor parameters its per-parameter loop;
+#   ``fused_optimizer=True`` would run torch's fused CPU kernel instead). The optimizer is
+#   built after ``fully_shard`` (Lightning calls ``configure_optimizers`` in the strategy's
+#   ``setup`` after ``parallelize``), so it sees the CPU shards.
+# * The cost: host memory, 16 bytes per parameter / ranks per process (parameters and
+#   gradients pinned on CUDA: pinned memory cannot be swapped out); and step time: the CPU
+#   optimizer step (memory-bound: AdamW reads 16 and writes 12 bytes per local parameter) and
+#   the PCIe copies, 12 bytes per parameter / ranks per step. Worth it where the step is long
+#   (the longest contexts), not for short sequences.
+# * Gradient clipping (``torch.nn.utils.clip_grad_norm_``) reduces per-rank norms of CPU
+#   gradients over the mesh: the process group needs a CPU backend beside NCCL
+#   (``SequenceParallelStrategy`` initialises "cpu:gloo,cuda:nccl" with ``offload_params``).
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -283,10 +324,13 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     gradient_reduction: GradientReduction = "sum",
     block_classes: Sequence[type[nn.Module]] | None = None,
+    offload_params: bool = False,
 ) -> nn.Module:
     """FSDP2: ``fully_shard`` every block, then ``model`` itself (the root), over ``mesh``.
 
     ``mesh`` is 1-D (shard) or 2-D (replicate, shard) for HSDP (``lightning_seqpar.mesh.fsdp_mesh``).
+    ``offload_params``: the sharded parameters, their gradients and the optimizer state live in
+    host memory, the optimizer step runs on the CPU (Note [Offloading parameters to host memory]).
 
     Note [Gradient reduction]
     ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -301,12 +345,16 @@ def apply_fsdp(
     """
     if gradient_reduction not in ("sum", "mean"):
         raise ValueError(f"gradient_reduction={gradient_reduction!r} is not supported; expected 'sum' or 'mean'")
+    if not isinstance(offload_params, bool):
+        raise ValueError(f"offload_params must be True or False, got {offload_params!r}")
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Pinned host memory only where there is a GPU to copy to and from (pinning needs CUDA).
+    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload_params else OffloadPolicy()
     for block in _blocks(model, block_classes):
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy)
     # The root keeps its parameters (embedding, final norm, head) gathered after forward: backward
     # needs them at once.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload_policy)
     if gradient_reduction == "sum":
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -332,6 +380,7 @@ def parallelize(
     activation_checkpointing: ActivationCheckpointing | None = "selective++",
     uncheckpointed_blocks: int = 0,
     offload_checkpoints: bool = False,
+    offload_params: bool = False,
     mlp_chunk_size: int | None = None,
     compile_kwargs: dict[str, Any] | None = None,
     param_dtype: torch.dtype | None = None,
@@ -341,7 +390,11 @@ def parallelize(
     """Apply attention -> MLP tiles -> AC -> compile -> FSDP to ``model`` (Note [Order of the apply_* calls]).
 
     ``compile_kwargs=None`` skips compile; ``fsdp_mesh=None`` skips FSDP (one process).
+    ``offload_params``: FSDP2 keeps the parameter shards, gradients and optimizer state in host
+    memory (Note [Offloading parameters to host memory]); needs ``fsdp_mesh``.
     """
+    if offload_params and fsdp_mesh is None:
+        raise ValueError("offload_params=True offloads FSDP2's parameter shards; it needs an fsdp_mesh, got None")
     if offload_checkpoints and compile_kwargs is not None:
         raise ValueError("offload_checkpoints=True runs the blocks eagerly (saved-tensor hooks around the checkpoint); "
                          "pass compile_kwargs=None")
@@ -353,5 +406,6 @@ def parallelize(
     if compile_kwargs is not None:
         apply_compile(model, compile_kwargs, block_classes=block_classes)
     if fsdp_mesh is not None:
-        apply_fsdp(model, fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, block_classes=block_classes)
+        apply_fsdp(model, fsdp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, block_classes=block_classes,
+                   offload_params=offload_params)
     return model

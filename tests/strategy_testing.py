@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ def _dataloader(batch_size: int, *, reference: bool = False) -> DataLoader:
     return DataLoader(data, batch_size=batch_size, shuffle=False)
 
 
-def _trainer(strategy: Any, devices: int, recorder: Any, steps: int, **kwargs: Any):
+def _trainer(strategy: Any, devices: int, recorder: Any, steps: int, callbacks: Sequence[Any] = (), **kwargs: Any):
     import lightning as L
 
     return L.Trainer(**kwargs,
@@ -59,7 +60,7 @@ def _trainer(strategy: Any, devices: int, recorder: Any, steps: int, **kwargs: A
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
     )
 
 
@@ -80,9 +81,10 @@ def train_reference(model: str = "tiny", steps: int = STEPS, trainer_kwargs: dic
 
 
 def train_strategy(rank: int, world_size: int, strategy_kwargs: dict[str, Any], model: str = "tiny",
-                   steps: int = STEPS, trainer_kwargs: dict[str, Any] | None = None,
+                   steps: int = STEPS, trainer_kwargs: dict[str, Any] | None = None, callbacks: Sequence[Any] = (),
                    **module_kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor] | None]:
-    """Run on every pooled rank: ``steps`` steps under SequenceParallelStrategy(**strategy_kwargs)."""
+    """Run on every pooled rank: ``steps`` steps under SequenceParallelStrategy(**strategy_kwargs)
+    (``callbacks``: more Lightning callbacks for the Trainer)."""
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))  # Lightning: processes were created externally
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -94,7 +96,7 @@ def train_strategy(rank: int, world_size: int, strategy_kwargs: dict[str, Any], 
     module = _module(model, **module_kwargs)
     sp = strategy_kwargs.get("sequence_parallel_size", world_size)
     dp = world_size // sp
-    _trainer(strategy, world_size, recorder, steps, **(trainer_kwargs or {})).fit(
+    _trainer(strategy, world_size, recorder, steps, callbacks, **(trainer_kwargs or {})).fit(
         module, train_dataloaders=_dataloader(GLOBAL_BATCH // dp))
     state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return recorder.losses, (state if rank == 0 else None)

@@ -113,6 +113,31 @@ def test_train_several_lengths_in_one_process(tmp_path):
     assert rows[0]["losses"] != rows[2]["losses"][:2]
 
 
+@pytest.mark.timeout(300)
+def test_longest_passes_offload_params_through(tmp_path, monkeypatch):
+    """benchmarks/longest.py ... -- --offload-params: train.py runs seqpar with offload_params=True (and
+    longest's --prealloc-optimizer step over the host shards), and both records say so; tp_sp refuses it."""
+    import shutil
+    import subprocess
+
+    import longest
+
+    if shutil.which("torchrun") is None:
+        pytest.skip("no torchrun on PATH")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    refused = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "train.py"), "--system", "tp_sp", "--device", "cpu",
+                              "--offload-params"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--offload-params is for --system seqpar and torch_cp" in refused.stderr
+    log = tmp_path / "longest.log"
+    row = longest.main(["--system", "seqpar", "--model", "tiny", "--nproc", "2", "--seqs", "64:240", "--device", "cpu",
+                        "--log", str(log), "--", "--offload-params", "--loss-chunk", "16"])
+    assert row["seq"] == 64, log.read_text()[-3000:]
+    assert row["offload_params"] is True and row["train_args"] == "--offload-params --loss-chunk 16"
+    assert "host_peak_gb" in row
+
+
 def _record(**kw):
     row = dict(bench="train", system="seqpar", algorithm="ring", model="llama3-8b", seq=131072, gpus=4, device="NVIDIA H200",
                tokens_per_s_per_gpu=2799.0, mfu=0.419, peak_mem_gb=65.6, commit="abc1234")

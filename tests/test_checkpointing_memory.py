@@ -156,6 +156,14 @@ def test_offload_and_compile_are_refused_together():
         parallelize(_model(), sp_mesh=None, fsdp_mesh=None, offload_checkpoints=True, compile_kwargs={})
 
 
+def test_offload_params_needs_fsdp():
+    """offload_params is FSDP2's CPUOffloadPolicy: without an FSDP mesh there is nothing to offload."""
+    from lightning_seqpar.parallelize import parallelize
+
+    with pytest.raises(ValueError, match="offload_params=True offloads FSDP2's parameter shards; it needs an fsdp_mesh"):
+        parallelize(_model(), sp_mesh=None, fsdp_mesh=None, offload_params=True)
+
+
 def test_tiled_mlp_needs_one_tensor_per_token():
     class RouterMLP(nn.Module):  # returns (hidden, router logits), as some mixture-of-experts blocks do
         def __init__(self) -> None:

@@ -73,6 +73,14 @@ def test_quickstart_is_cpu_two_processes():
     assert config.model.model.n_kv_head < config.model.model.n_head  # GQA
 
 
+def test_offload_params_is_a_recipe_key():
+    """The strategy's offload_params (a bool) reaches the CLI like every other argument of its __init__."""
+    recipe = str(RECIPES[0].parent / "llama3_8b_1m.yaml")
+    assert parse(["fit", "--config", recipe]).fit.trainer.strategy.init_args.offload_params is False
+    config = parse(["fit", "--config", recipe, "--trainer.strategy.init_args.offload_params=true"]).fit
+    assert config.trainer.strategy.init_args.offload_params is True
+
+
 @pytest.mark.parametrize(
     "override,named",
     [

@@ -42,6 +42,9 @@ TIMEOUT = 180
         (dict(offload_checkpoints=1), "offload_checkpoints must be True or False"),
         (dict(offload_checkpoints=True, activation_checkpointing=None), "offload_checkpoints=True offloads what checkpointed"),
         (dict(offload_checkpoints=True, compile=True), "offload_checkpoints=True runs the blocks eagerly"),
+        (dict(offload_params="yes"), "offload_params must be True or False, got 'yes'"),
+        (dict(offload_params=True, process_group_backend="nccl"), "offload_params=True keeps the parameters and gradients on the CPU"),
+        (dict(offload_params=True, process_group_backend="cuda:nccl"), "use 'cpu:gloo,cuda:nccl'"),
         (dict(mlp_chunk_size=0), "mlp_chunk_size must be a positive int"),
         (dict(mlp_chunk_size=True), "mlp_chunk_size must be a positive int"),
     ],
@@ -59,6 +62,32 @@ def test_constructor_resolves_choices():
     assert SequenceParallelStrategy(load_balance="zigzag", compile=False).compile_kwargs is None
     assert SequenceParallelStrategy(compile=True).compile_kwargs == {}
     assert SequenceParallelStrategy(timeout=30)._timeout == timedelta(seconds=30)
+
+
+@pytest.mark.parametrize(
+    "device,offload,given,expected",
+    [
+        ("cuda", True, None, "cpu:gloo,cuda:nccl"),  # CPU gradients: clip_grad_norm_ reduces CPU tensors
+        ("cuda", True, "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),
+        ("cuda", False, None, None),  # Lightning's default (nccl) stays
+        ("cpu", True, None, None),  # Lightning's default (gloo) stays
+        ("cuda", True, "gloo", "gloo"),
+    ],
+)
+def test_offload_params_picks_a_process_group_with_a_cpu_backend(device, offload, given, expected):
+    """setup_environment chooses the backend before the process group exists (here stopped right there)."""
+    strategy = SequenceParallelStrategy(sequence_parallel_size=1, offload_params=offload, process_group_backend=given)
+    strategy.parallel_devices = [torch.device(device, 0) if device == "cuda" else torch.device("cpu")]
+    chosen = []
+
+    def stop():
+        chosen.append(strategy.process_group_backend)
+        raise RuntimeError("stopped before init_process_group")
+
+    strategy._setup_distributed = stop  # this instance only
+    with pytest.raises(RuntimeError, match="stopped before init_process_group"):
+        strategy.setup_environment()
+    assert chosen == [expected]
 
 
 @pytest.mark.parametrize(

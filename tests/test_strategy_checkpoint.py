@@ -16,7 +16,7 @@ STEPS_PER_EPOCH = 1  # every epoch is the same global batch: the result does not
 # Lightning orders the data after a resume (only on the restored model, optimizer and schedule)
 
 
-def _fit(rank: int, world_size: int, dirpath: str, distributed: bool, resume_from: str | None) -> dict:
+def _fit(rank: int, world_size: int, dirpath: str, distributed: bool, resume_from: str | None, offload_params: bool = False) -> dict:
     """Fit to step 4, checkpointing at the end of each epoch."""
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -34,7 +34,8 @@ def _fit(rank: int, world_size: int, dirpath: str, distributed: bool, resume_fro
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
-    strategy = SequenceParallelStrategy(sequence_parallel_size=2, attention="ring", save_distributed_checkpoint=distributed)
+    strategy = SequenceParallelStrategy(sequence_parallel_size=2, attention="ring", save_distributed_checkpoint=distributed,
+                                        offload_params=offload_params)
     checkpoint = ModelCheckpoint(dirpath=dirpath, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=4,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -48,10 +49,19 @@ def _fit(rank: int, world_size: int, dirpath: str, distributed: bool, resume_fro
             "files": sorted(os.listdir(dirpath))}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# (world size, offload_params when saving, offload_params when resuming)
+RUNS = [
+    pytest.param(2, False, False, id="2"),
+    pytest.param(4, False, False, id="4"),
+    pytest.param(2, True, True, id="2-offload_params"),  # the shards saved from and loaded into host memory
+    pytest.param(2, False, True, id="2-offload_params-on-resume"),  # switched on for a resumed run
+]
+
+
+@pytest.mark.parametrize("world_size,offload_first,offload_resumed", RUNS)
 @pytest.mark.parametrize("distributed", [True, False], ids=["sharded", "full"])
-def test_resume_gives_the_same_training(tmp_path, distributed, world_size):
-    first = run_distributed(_fit, world_size, str(tmp_path / "a"), distributed, None, timeout=TIMEOUT)[0]
+def test_resume_gives_the_same_training(tmp_path, distributed, world_size, offload_first, offload_resumed):
+    first = run_distributed(_fit, world_size, str(tmp_path / "a"), distributed, None, offload_first, timeout=TIMEOUT)[0]
     assert first["step"] == 4 and len(first["losses"]) == 4
     assert first["files"] == [f"epoch={e}.ckpt" for e in range(4)]
     saved = tmp_path / "a" / "epoch=1.ckpt"  # after step 2
@@ -60,7 +70,7 @@ def test_resume_gives_the_same_training(tmp_path, distributed, world_size):
         assert (saved / "meta.pt").is_file()
 
     # A different init seed: everything after the resume must come from the checkpoint.
-    resumed = run_distributed(_fit, world_size, str(tmp_path / "b"), distributed, str(saved), timeout=TIMEOUT)[0]
+    resumed = run_distributed(_fit, world_size, str(tmp_path / "b"), distributed, str(saved), offload_resumed, timeout=TIMEOUT)[0]
     assert resumed["step"] == 4
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(first["losses"][2:]), rtol=1e-5, atol=0)
     for name, value in first["weights"].items():
