@@ -20,7 +20,8 @@
 #   STAGE=2 (carry .whl2): install fa4; ours llama-7b at 1M on 4 GPUs (OOM; OURS_1M had no --offload-params then).
 #   STAGE=3:               llama-7b TP+SP on 4 GPUs; then 2 GPUs side by side: ours llama-33h | llama-7b.
 # Next:
-#   STAGE=4 (carry .whl):  copy; llama-33h torch CP on 4 GPUs (544K, 480K, 416K).
+#   STAGE=4 (carry .whl):  copy; GPU tests of offload_params / the handle warm-up, a 4-GPU offload_params
+#                          run at 64K; llama-33h torch CP on 4 GPUs (544K, 480K, 416K).
 #   STAGE=5 (carry .whl2): install fa4; llama-33h TP+SP (36 heads) on 4 GPUs (512K, 448K, 384K).
 #   STAGE=6:               ours llama-33h at 1M on 4 GPUs (head chunks 3), the whole call.
 #   STAGE=7:               ours llama-7b at 1M on 4 GPUs (fa4 installed: after 5 or 6 on a warm machine).
@@ -57,6 +58,12 @@ elif [ "$STAGE" = 3 ]; then
   ours_2gpu
 elif [ "$STAGE" = 4 ]; then
   copy_fa4_part1
+  # offload_params and the handle warm-up have not run on a GPU before: their GPU tests (one GPU), and a
+  # 4-GPU run of the 1M settings at 64K (cuDNN), before any long attempt relies on them
+  timeout -k 10 120 python -m pytest -q -p no:cacheprovider tests/test_warmup.py \
+    tests/test_checkpointing_gpu.py -k "offload_params or keeps_no_memory" 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
+  SEQ=65536 train 150 --system seqpar --model llama-7b --ac selective++ --offload --offload-params --mlp-chunk 32768 \
+    --head-chunks 4 --backend cudnn --warmup 1 --steps 1 --tag offload-params-smoke
   MODEL=llama-33h longest torch_cp $L33_CP_4GPU -- $ONE
 elif [ "$STAGE" = 5 ]; then
   install_fa4_part2
