@@ -28,6 +28,9 @@
 #   STAGE=8:               2 GPUs side by side, cuDNN: ours llama-33h at 384K | llama-7b at 448K (the 2-GPU
 #                          settings of run_h200x2_longest.sh; stage 3 had no time left for them).
 #
+# Stages 6-7: give them BUDGET_S=590 (and the call timeout_s 600): a 1M step of these MHA models is
+# estimated at 480-540 s (llama-7b at 768K: 298.9 s; llama3-8b at 1M: 475 s), start-up ~50 s.
+#
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_longest_models.sh   (results under $OUT)
 set -u
 BUDGET_S=${BUDGET_S:-575}
