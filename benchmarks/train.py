@@ -193,8 +193,31 @@ def _oom_exit():
 
 def _exit_oom(rank, exc: BaseException) -> None:
     print(f"[train] OOM rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}", flush=True)
+    print(f"[train] oom-state rank {rank}: {_oom_state(exc)}", flush=True)
     sys.stderr.flush()
     os._exit(OOM_EXIT)
+
+
+def _oom_state(exc: BaseException) -> str:
+    """Where an out-of-memory error happened (the innermost frames of ours, of torch if none) and the
+    memory then: what PyTorch's allocator held, had reserved and peaked at, and what the driver had free
+    (a library's own allocation, e.g. cuBLAS's handle, fails when the allocator has reserved the card)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    ours = [f for f in frames if "lightning_seqpar" in f.filename or "benchmarks" in f.filename] or frames
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(ours[-3:])) or "?"
+    memory = "no CUDA"
+    if torch.cuda.is_available():
+        gb = 1e9
+        try:
+            free, total = torch.cuda.mem_get_info()
+            driver = f", driver free {free / gb:.1f} of {total / gb:.1f} GB"
+        except RuntimeError:
+            driver = ""
+        memory = (f"allocated {torch.cuda.memory_allocated() / gb:.1f} GB, reserved {torch.cuda.memory_reserved() / gb:.1f} GB, "
+                  f"peak {torch.cuda.max_memory_allocated() / gb:.1f} GB{driver}")
+    return f"{memory}; at {where}"
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -310,3 +311,19 @@ def test_longest_per_config_keeps_the_longest_that_trained():
     ]
     got = {(r["system"], r["gpus"]): r["seq"] for r in plot.longest_per_config(rows)}
     assert got == {("seqpar", 2): 393216, ("seqpar", 4): 786432, ("torch_cp", 4): None}
+
+
+def test_oom_state_names_where_and_memory():
+    import train
+
+    def kernel_call():
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    try:
+        kernel_call()
+    except RuntimeError as exc:
+        assert train._is_oom(exc)
+        state = train._oom_state(exc)
+    where = state.split("; at ", 1)[1]
+    assert where.startswith("test_benchmarks_cpu.py:") and " kernel_call <- " in where, state
+    assert state.startswith("no CUDA" if not torch.cuda.is_available() else "allocated "), state

@@ -24,3 +24,23 @@ def test_keeps_no_memory_on_gpu():
     assert 0 <= kept <= 256 * 2**20, kept
     assert warm_up_backward_handles(device) is True  # again: the same handles, nothing more kept
     assert torch.cuda.memory_allocated(device) == before + kept
+
+
+def _fit_counting_warm_ups(rank: int, world_size: int):
+    import lightning_seqpar.strategy as strategy_module
+    from strategy_testing import train_strategy
+
+    calls = []
+    original = strategy_module.warm_up_backward_handles
+    strategy_module.warm_up_backward_handles = lambda device: calls.append(str(device)) or original(device)
+    try:
+        train_strategy(rank, world_size, dict(sequence_parallel_size=2, attention="ring"), steps=1)
+    finally:
+        strategy_module.warm_up_backward_handles = original
+    return calls
+
+
+def test_the_strategy_warms_up_once_before_fitting():
+    from dist_utils import run_distributed
+
+    assert run_distributed(_fit_counting_warm_ups, 2, timeout=120) == [["cpu"], ["cpu"]]
