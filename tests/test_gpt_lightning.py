@@ -30,3 +30,14 @@ def test_gpt_training_parity(world, sp, ac, layout, reference):
     assert weights.keys() == ref_weights.keys()
     for name, ref in ref_weights.items():
         torch.testing.assert_close(weights[name], ref, rtol=0, atol=1e-5, msg=name)
+
+
+def test_gpt_training_parity_offloaded_parameters(reference):
+    """offload_params: the sequence-distributed positional embedding's gradient (summed over the ranks)
+    reaches the offloaded shards like every other parameter's."""
+    kwargs = dict(sequence_parallel_size=2, attention="allgather", offload_params=True)
+    results = run_distributed(train_strategy, 2, kwargs, "gpt-tiny", timeout=TIMEOUT)
+    ref_losses, ref_weights = reference
+    torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(results[0][1][name], ref, rtol=0, atol=1e-5, msg=name)

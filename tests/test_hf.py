@@ -77,6 +77,15 @@ def test_offloaded_checkpoints_and_mlp_slices(models):
         _check(result, refs[kind])
 
 
+def test_offloaded_parameters(models):
+    """offload_params (FSDP2's CPUOffloadPolicy) on Hugging Face models, Qwen2's tied embedding and head included."""
+    refs, data = models
+    results = run_distributed(train_each, 2, [refs[k][0] for k in KINDS], data, timeout=TIMEOUT,
+                              strategy_kwargs={"attention": "ring", "offload_params": True})[0]
+    for kind, result in zip(KINDS, results):
+        _check(result, refs[kind])
+
+
 def test_save_pretrained_round_trip(models, tmp_path):
     """hf_save_dir: the folder written after 2 steps under the strategy is a plain transformers model with the trained weights."""
     refs, data = models

@@ -347,13 +347,13 @@ def _strategy_takes_lasp() -> bool:
 @pytest.mark.parametrize(("world", "sp", "attention", "memory"), [(2, 2, "lasp", False), (4, 2, "auto", False), (2, 2, "lasp", True)])
 def test_strategy_training_parity(world, sp, attention, memory):
     """5 Lightning steps (FSDP2, Selective Checkpoint++) of tnl-tiny under the strategy == devices=1;
-    ``memory``: block inputs offloaded and the channel mixer over 5-token slices as well."""
+    ``memory``: block inputs and parameters offloaded and the channel mixer over 5-token slices as well."""
     from strategy_testing import train_reference, train_strategy
 
     ref_losses, ref_weights = train_reference("tnl-tiny")
     kwargs = dict(sequence_parallel_size=sp, attention=attention)
     if memory:
-        kwargs.update(offload_checkpoints=True, mlp_chunk_size=5)
+        kwargs.update(offload_checkpoints=True, mlp_chunk_size=5, offload_params=True)
     results = run_distributed(train_strategy, world, kwargs, "tnl-tiny", timeout=300)
     for losses, _ in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
