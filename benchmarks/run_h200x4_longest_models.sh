@@ -29,7 +29,8 @@
 #                          settings of run_h200x2_longest.sh; stage 3 had no time left for them).
 #
 # Stages 6-7: give them BUDGET_S=590 (and the call timeout_s 600): a 1M step of these MHA models is
-# estimated at 480-540 s (llama-7b at 768K: 298.9 s; llama3-8b at 1M: 475 s), start-up ~50 s.
+# estimated at 480-540 s (llama-7b at 768K: 298.9 s; llama3-8b at 1M: 475 s), start-up ~50 s, which
+# may not fit one call: LONG_S=<S> sets the attempt's length (default 1048576).
 #
 # Usage there: SEQPAR_COMMIT=<sha> STAGE=<n> bash benchmarks/run_h200x4_longest_models.sh   (results under $OUT)
 set -u
@@ -72,9 +73,9 @@ elif [ "$STAGE" = 5 ]; then
   install_fa4_part2
   MODEL=llama-33h longest tp_sp $L33_TPSP_4GPU -- $ONE
 elif [ "$STAGE" = 6 ]; then
-  MODEL=llama-33h longest seqpar 1048576:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 3
+  MODEL=llama-33h longest seqpar ${LONG_S:-1048576}:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 3
 elif [ "$STAGE" = 7 ]; then
-  MODEL=llama-7b longest seqpar 1048576:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 4
+  MODEL=llama-7b longest seqpar ${LONG_S:-1048576}:$(( $(left) - 5 )) -- $OURS_1M --head-chunks 4
 elif [ "$STAGE" = 8 ]; then
   ours_2gpu
 fi
