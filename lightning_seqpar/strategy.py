@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
@@ -57,6 +57,7 @@ from lightning_seqpar.documents import PackedDocuments, batch_documents, current
 from lightning_seqpar.loss import global_mean_loss_calls
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
 from lightning_seqpar.parallelize import find_blocks, parallelize, uses_linear_attention
+from lightning_seqpar.precision import scaler_free
 from lightning_seqpar.rng import get_rng_state, set_rng_state
 from lightning_seqpar.sharding import LAYOUTS, gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
 from lightning_seqpar.validation import check_batch, check_same_batch
@@ -299,6 +300,16 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._rng_state_to_restore: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------- mesh
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return super().precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # Note [Clipping with fused optimizers under bf16-mixed] in lightning_seqpar.precision
+        self._precision_plugin = scaler_free(precision_plugin)
 
     @property
     def parallel_dims(self) -> ParallelDims:
