@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
                tokens_per_s_per_gpu=(found or {}).get("tokens_per_s_per_gpu"), peak_mem_gb=(found or {}).get("peak_mem_gb"),
                mfu=(found or {}).get("mfu"), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     row["train_args"] = " ".join(extra)  # the settings of every attempt
-    for key in ("step_time_s", "ac", "backend", "head_chunks", "offload_checkpoints", "offload_params", "host_peak_gb", "mlp_chunk_size"):
+    for key in ("step_time_s", "ac", "backend", "head_chunks", "offload_checkpoints", "offload_params", "optimizer", "host_peak_gb", "mlp_chunk_size"):
         if found and key in found:
             row[key] = found[key]
     if found is None:

@@ -69,6 +69,8 @@ def _row(args, cfg, times, peak_gb, losses, world, **extra):
                tokens_per_s_per_gpu=tps, mfu=flops_per_s / PEAK_BF16, peak_mem_gb=peak_gb,
                losses=losses, ac=args.ac if args.system == "seqpar" else ("none" if args.ac == "none" else "full"),
                commit=args.commit)
+    if args.optimizer != "auto":
+        row["optimizer"] = args.optimizer
     if args.matmul_peak:
         row["mfu_measured_peak"] = flops_per_s / (args.matmul_peak * 1e12)
         row["matmul_peak_tflops"] = args.matmul_peak
@@ -291,7 +293,9 @@ def run_seqpar(args):
                                         offload_checkpoints=args.offload, offload_params=args.offload_params,
                                         mlp_chunk_size=args.mlp_chunk)
     trainer = _trainer(args, strategy, [_step_timer(args, times, losses)], "bf16-mixed" if args.device == "cuda" else "32-true")
-    module = CausalLMModule(model=args.model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size=args.loss_chunk)
+    fused = {"auto": None, "fused": True, "default": False}[args.optimizer]
+    module = CausalLMModule(model=args.model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size=args.loss_chunk,
+                            fused_optimizer=fused)
     trainer.fit(module, datamodule=_datamodule(args, cfg))
     from lightning_seqpar.attention.local import resolve_backend
 
@@ -378,9 +382,8 @@ def run_torch_cp(args):
     with torch.no_grad():
         torch.manual_seed(0)
         model.init_weights()
-    # fused AdamW for GPU parameters; with --offload-params the step runs on the CPU with torch's default
-    # implementation, as CausalLMModule picks
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=True if not args.offload_params else None)
+    # fused AdamW (torchtitan's default), also for --offload-params' host shards (torch's fused CPU kernel)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=args.optimizer != "default" or None)
     if args.prealloc_optimizer:
         _prealloc_optimizer(opt)
     data = LongRangeDataModule(vocab_size=cfg.vocab_size, seq_len=args.seq, batch_size=args.batch, num_samples=64, val_samples=1, seed=0)
@@ -448,6 +451,9 @@ def main() -> None:
     ap.add_argument("--offload-params", action="store_true",
                     help="seqpar, torch_cp: FSDP2 keeps parameter shards, gradients and AdamW state in host memory, the "
                          "optimizer step on the CPU (offload_params; CPUOffloadPolicy)")
+    ap.add_argument("--optimizer", choices=("auto", "fused", "default"), default="auto",
+                    help="AdamW's implementation: auto = CausalLMModule's choice (fused on CUDA and for --offload-params), "
+                         "default = torch's default (foreach; a per-parameter loop for DTensors on the CPU)")
     ap.add_argument("--no-loss-parallel", action="store_true", help="tp_sp: gather the logits instead of the vocab-parallel loss")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)

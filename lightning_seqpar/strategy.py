@@ -56,7 +56,7 @@ from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
-from lightning_seqpar.parallelize import find_blocks, parallelize, uses_linear_attention
+from lightning_seqpar.parallelize import find_blocks, host_optimizer_threads, parallelize, uses_linear_attention, with_cpu_threads
 from lightning_seqpar.precision import scaler_free
 from lightning_seqpar.rng import get_rng_state, set_rng_state
 from lightning_seqpar.sharding import LAYOUTS, gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
@@ -389,6 +389,10 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             # configure_optimizers sees the sharded parameters (on the host with offload_params). Unlike
             # ModelParallelStrategy.setup, nothing moves the optimizer state to root_device afterwards.
             self.setup_optimizers(trainer)
+            if self.offload_params and self.root_device.type == "cuda":
+                threads = host_optimizer_threads(self.num_processes)
+                for optimizer in self.optimizers:
+                    with_cpu_threads(optimizer, threads)  # Note [Offloading parameters to host memory]
         self.setup_precision_plugin()
 
     def _parallelize(self, module: nn.Module) -> None:

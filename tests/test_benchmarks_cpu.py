@@ -133,10 +133,32 @@ def test_longest_passes_offload_params_through(tmp_path, monkeypatch):
     assert refused.returncode == 2 and "--offload-params is for --system seqpar and torch_cp" in refused.stderr
     log = tmp_path / "longest.log"
     row = longest.main(["--system", "seqpar", "--model", "tiny", "--nproc", "2", "--seqs", "64:240", "--device", "cpu",
-                        "--log", str(log), "--", "--offload-params", "--loss-chunk", "16"])
+                        "--log", str(log), "--", "--offload-params", "--loss-chunk", "16", "--optimizer", "default"])
     assert row["seq"] == 64, log.read_text()[-3000:]
-    assert row["offload_params"] is True and row["train_args"] == "--offload-params --loss-chunk 16"
+    assert row["offload_params"] is True and row["train_args"] == "--offload-params --loss-chunk 16 --optimizer default"
+    assert row["optimizer"] == "default"
     assert "host_peak_gb" in row
+
+
+@pytest.mark.timeout(300)
+def test_offload_optimizer_times_each_implementation(tmp_path):
+    """benchmarks/offload_optimizer.py: one record per implementation and thread count, step time scaled
+    from the materialised blocks to the model's per-rank parameter count."""
+    import subprocess
+
+    out = tmp_path / "opt.json"
+    run = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "offload_optimizer.py"), "--model", "tiny", "--ranks", "2",
+                          "--layers", "1", "--threads", "2", "--steps", "1", "--out", str(out), "--commit", "abc"],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "MASTER_PORT": "29613"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["algorithm"], r["threads"]) for r in rows] == [(i, t) for t in (1, 2) for i in ("forloop", "foreach", "fused")]
+    from lightning_seqpar.models import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        full = Llama(LlamaConfig.from_name("tiny"))
+    assert all(r["params_per_rank"] == sum((p.shape[0] + 1) // 2 * p[0].numel() for p in full.parameters()) for r in rows)
+    assert all(r["step_s"] > 0 and r["gb_per_s"] > 0 and r["bench"] == "offload_optimizer" and r["commit"] == "abc" for r in rows)
 
 
 def _record(**kw):

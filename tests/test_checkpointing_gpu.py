@@ -13,8 +13,8 @@
 * Parameters (``offload_params``, FSDP2's CPUOffloadPolicy) under ``SequenceParallelStrategy`` on
   one GPU (FSDP2 over a 1-rank mesh, bf16-mixed, gradient clipping, the chunked cross entropy):
   the same losses and weights as without, the parameters, gradients and AdamW state on the host
-  (pinned, AdamW not fused), and a peak of GPU memory lower by at least half of the fp32 model
-  states (16 bytes/parameter).
+  (pinned; torch's fused CPU AdamW, stepped with the host's cores), and a peak of GPU memory lower
+  by at least half of the fp32 model states (16 bytes/parameter).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _fit_offload_params(offload_params: bool) -> dict:
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
 
-    seen: dict = {"losses": [], "peaks": []}
+    seen: dict = {"losses": [], "peaks": [], "step_threads": []}
 
     class Watch(L.Callback):
         def on_train_start(self, trainer, pl_module):  # after setup: sharded, optimizer built
@@ -98,6 +98,8 @@ def _fit_offload_params(offload_params: bool) -> dict:
             seen["pinned"] = all(p.to_local().is_pinned() for p in params)
             seen["fused"] = [o.defaults.get("fused") for o in trainer.optimizers]
             seen["backend"] = dist.get_backend()
+            for o in trainer.optimizers:  # registered after the strategy's: sees the step's thread count
+                o.register_step_pre_hook(lambda *_: seen["step_threads"].append(torch.get_num_threads()))
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
 
@@ -126,6 +128,7 @@ def _fit_offload_params(offload_params: bool) -> dict:
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     seen["state_devices"] = {t.device.type for o in trainer.optimizers for state in o.state.values()
                              for t in state.values() if torch.is_tensor(t) and t.dim() > 0}
+    seen["threads_after"] = torch.get_num_threads()
     seen["parameters"] = sum(p.numel() for p in module.parameters())
     seen["weights"] = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     seen["peak"] = seen["peaks"][-1] - base
@@ -145,7 +148,10 @@ def test_offload_params_on_gpu_matches_and_frees_the_model_states():
             dist.destroy_process_group()
     assert off["backend"] == "cpu:gloo,cuda:nccl"
     assert off["devices"] == off["grad_devices"] == off["state_devices"] == {"cpu"} and off["pinned"], off
-    assert off["fused"] == [None]  # CausalLMModule: torch's default AdamW (not fused) off CUDA
+    assert off["fused"] == [True]  # CausalLMModule: torch's fused CPU AdamW for offloaded parameters
+    threads = torch.get_num_threads()
+    assert off["step_threads"] == [max(threads, len(os.sched_getaffinity(0)))] * OFFLOAD_STEPS  # one process
+    assert off["threads_after"] == threads and plain["step_threads"] == [threads] * OFFLOAD_STEPS
     assert plain["devices"] == plain["grad_devices"] == plain["state_devices"] == {"cuda"}
     assert plain["fused"] == [True]
     # bf16 on GPU, W = 1: rtol 1e-3, atol 8e-3 (the same computation; only the optimizer's
