@@ -124,8 +124,9 @@ def plot_lines(plt: Any, rows: list[dict], *, y: str, series: tuple[str, ...], l
 
 
 def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
+    # offload_params runs measure the host-offload path at short S (docs/benchmarks.md), not a throughput setting
     rows = [r for r in rows if r.get("bench") == "train" and r.get("tag") not in ("longest", "scaling")
-            and _num(r, "tokens_per_s_per_gpu") is not None and _num(r, "seq")]
+            and not r.get("offload_params") and _num(r, "tokens_per_s_per_gpu") is not None and _num(r, "seq")]
     if not rows:
         return None
     # the latest record of each setting (tag: e.g. compile / uncheckpointed blocks), then each system's best

@@ -19,11 +19,12 @@
 #                          by side, cuDNN: llama-33h torch CP | TP+SP (34 heads).
 #   STAGE=2 (carry .whl2): install fa4; ours llama-7b at 1M on 4 GPUs (OOM; OURS_1M had no --offload-params then).
 #   STAGE=3:               llama-7b TP+SP on 4 GPUs; then 2 GPUs side by side: ours llama-33h | llama-7b.
-# Next:
+# Ran 2026-11-22 (commit 8c2ff05, docs/benchmarks.md "Latest"):
 #   STAGE=4 (carry .whl):  copy; GPU tests of offload_params / the handle warm-up, a 4-GPU offload_params
-#                          run at 64K; llama-33h torch CP on 4 GPUs (544K, 480K, 416K).
-#   STAGE=5 (carry .whl2): install fa4; llama-33h TP+SP (36 heads) on 4 GPUs (512K, 448K, 384K).
-#   STAGE=6:               ours llama-33h at 1M on 4 GPUs (head chunks 3), the whole call.
+#                          run at 64K; llama-33h torch CP on 4 GPUs (544K, 480K, 416K): 544K trained.
+#   STAGE=5 (carry .whl2): install fa4; llama-33h TP+SP (36 heads) on 4 GPUs (512K, 448K, 384K): 512K trained.
+#   STAGE=6 LONG_S=917504: ours llama-33h on 4 GPUs (head chunks 3), the whole call: trained (549 s of 588).
+# Not run (a 1M step of these MHA models, ~555-570 s, plus ~100 s of start-up, does not fit a 10-minute call):
 #   STAGE=7:               ours llama-7b at 1M on 4 GPUs (fa4 installed: after 5 or 6 on a warm machine).
 #   STAGE=8:               2 GPUs side by side, cuDNN: ours llama-33h at 384K | llama-7b at 448K (the 2-GPU
 #                          settings of run_h200x2_longest.sh; stage 3 had no time left for them).

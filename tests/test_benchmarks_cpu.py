@@ -349,3 +349,15 @@ def test_oom_state_names_where_and_memory():
     where = state.split("; at ", 1)[1]
     assert where.startswith("test_benchmarks_cpu.py:") and " kernel_call <- " in where, state
     assert state.startswith("no CUDA" if not torch.cuda.is_available() else "allocated "), state
+
+
+def test_train_plot_leaves_out_offload_params_runs(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import plot
+
+    offloaded = _record(seq=65536, offload_params=True, tag="offload-params-auto")
+    assert plot.plot_train(plt, [offloaded], str(tmp_path)) is None
+    assert plot.plot_train(plt, [offloaded, _record()], str(tmp_path)).endswith("train.png")
