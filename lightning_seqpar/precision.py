@@ -7,7 +7,7 @@ inside its ``step`` (``_step_supports_amp_scaling``: fused AdamW), because under
 ``GradScaler`` would leave the gradients scaled when clipping runs, and the clip would use the
 wrong norm. bf16-mixed has no scaler: the gradients are never scaled, so clipping before a fused
 step is exactly clipping before an unfused one. ``CausalLMModule`` picks fused AdamW whenever its
-parameters are on CUDA, and ``gradient_clip_val`` is part of most recipes, so the strategy swaps
+parameters are on CUDA, and clipping is standard in LLM training, so the strategy swaps
 Lightning's plugin for ``ScalerFreeMixedPrecision``: the same plugin, which skips that refusal
 only while it has no scaler (fp16-mixed keeps Lightning's check).
 """
