@@ -234,3 +234,41 @@ def fsdp_mesh(mesh: DeviceMesh, *, timeout: timedelta | None = None) -> DeviceMe
     if dims.dp_replicate == 1:
         return _init_mesh(mesh.device_type, (dims.fsdp_shard,), (FSDP_SHARD_AXIS,), timeout)
     return _init_mesh(mesh.device_type, (dims.dp_replicate, dims.fsdp_shard), ("dp_replicate", FSDP_SHARD_AXIS), timeout)
+
+
+# Note [Releasing the groups of a mesh]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every ``init_device_mesh`` call creates one process group per axis (``new_group`` for each set
+# of ranks along it; this rank keeps the one it belongs to), also for axes of size 1. A group is
+# a communicator with threads of its own (gloo: 2 ``pt_gloo_runloop`` + 1 ``gloo_tcp_loop``
+# each; NCCL: a communicator, its proxy thread and GPU memory), and torch keeps it until
+# ``destroy_process_group(group)``: dropping the mesh does not free it. A fit builds two meshes
+# (the 4-D one and FSDP's), five groups at every world size; without this a process that runs
+# ten fits holds fifty. Sub-meshes (``mesh["cp"]``, ``mesh["hp", "cp"]``) reuse their parent's
+# groups, so releasing the meshes ``build_mesh`` and ``fsdp_mesh`` returned releases everything.
+# The default group is never destroyed here (a 1-D mesh over the whole world without a timeout
+# may *be* the default group): it belongs to whoever called ``init_process_group``.
+
+
+def release_mesh_groups(*meshes: DeviceMesh | None) -> int:
+    """Destroy the process groups of ``meshes`` (Note [Releasing the groups of a mesh]); return how many.
+
+    Local (no collective): every rank of the meshes should call it, as every rank built them. The
+    default group and groups already destroyed are left alone; None entries are skipped. The meshes
+    (and any sub-mesh or module that holds their groups) must not be used afterwards.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    default = dist.group.WORLD
+    default_name = default.group_name if default is not None else None
+    released: set[str] = set()
+    for mesh in meshes:
+        if mesh is None:
+            continue
+        for group in mesh.get_all_groups():
+            name = group.group_name
+            if name == default_name or name in released:
+                continue
+            dist.destroy_process_group(group)
+            released.add(name)
+    return len(released)

@@ -26,6 +26,7 @@ parallelization:
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -55,7 +56,7 @@ from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
-from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
+from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
 from lightning_seqpar.parallelize import find_blocks, host_optimizer_threads, parallelize, uses_linear_attention, with_cpu_threads
 from lightning_seqpar.precision import scaler_free
 from lightning_seqpar.rng import get_rng_state, set_rng_state
@@ -297,6 +298,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.validate_batches = validate_batches
         self._parallel_dims: ParallelDims | None = None
         self._sp_mesh: DeviceMesh | None = None
+        self._fsdp_mesh: DeviceMesh | None = None
+        self._owns_default_group = False  # Note [What a run releases]
         self._rng_state_to_restore: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------- mesh
@@ -350,6 +353,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             # Note [Offloading parameters to host memory]: the CPU-resident gradients (clip_grad_norm_'s
             # per-rank norms) are reduced over the mesh's groups, so they need a CPU backend beside NCCL.
             self._process_group_backend = "cpu:gloo,cuda:nccl"
+        self._owns_default_group = not (dist.is_available() and dist.is_initialized())
         self._setup_distributed()  # ModelParallelStrategy: ranks, seed, init_process_group
         self._parallel_dims = dims
         self._device_mesh = dims.build_mesh(self.root_device.type, timeout=self.timeout)
@@ -379,10 +383,10 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not _is_parallelized(self.model):
-            self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: bf16 parameters
-            self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
-            self._parallelize(self.model)
+        self._refuse_parallelized_model(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: bf16 parameters
+        self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
+        self._parallelize(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             warm_up_backward_handles(self.root_device)  # Note [Library handles of the backward thread]
@@ -424,7 +428,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "bf16-mixed":
             param_dtype, reduce_dtype = torch.bfloat16, torch.float32
         # FSDP2 also on one rank: one code path, and the same checkpoint format at every size.
-        mesh_for_fsdp = fsdp_mesh(self.device_mesh, timeout=self.timeout)
+        mesh_for_fsdp = self._fsdp_mesh = fsdp_mesh(self.device_mesh, timeout=self.timeout)
         self._resolve_auto_attention(roots)
         self._check_inner_ring_size()
         self._check_head_chunks(roots)
@@ -820,10 +824,72 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         set_current_documents(documents)
         return documents
 
+    # Note [What a run releases]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Each Trainer run (fit / validate / test / predict) ends in ``teardown``, also a run whose
+    # set-up or step failed (Lightning tears down on every exception). It leaves the process as
+    # the run found it, so that a second run starts from the same state as the first:
+    #
+    # * the process groups of the meshes the run built (Note [Releasing the groups of a mesh] in
+    #   ``lightning_seqpar.mesh``): five per run at any world size, each with its own threads
+    #   (gloo) or communicator, proxy thread and GPU memory (NCCL);
+    # * the default process group, if this strategy created it (``init_process_group`` was
+    #   called by the run, not by the user or a launcher before it);
+    # * the packed documents of the last batch (``set_current_documents(None)``), which hold
+    #   device tensors, and the strategy's references to the meshes;
+    # * on CUDA, the pinned host memory that ``offload_checkpoints`` / ``offload_params`` took
+    #   (torch's pinned-memory cache keeps freed blocks until emptied) and the cached device
+    #   memory of the run's tensors (``torch.cuda.empty_cache``).
+    #
+    # A destroyed group's threads end when the last reference to it goes: the meshes, and the
+    # FSDP2 state of the module parallelized over them. The strategy drops its own; the module of
+    # a finished run usually sits in reference cycles (Trainer <-> LightningModule) that Python
+    # frees only when its cycle collector runs, at no set time, so ``teardown`` runs it
+    # (``gc.collect()``, ~0.1 s): what is left afterwards are the groups of modules the program
+    # still holds. The model keeps its FSDP2 shards, but the groups it was parallelized over are gone: a later
+    # run with the same module object is refused in ``setup`` with a ValueError (validate inside
+    # ``fit``, or build a new module and load a checkpoint), instead of a collective on a
+    # destroyed group. ``tests/test_resources.py`` counts threads, file descriptors, RSS and CUDA
+    # memory over ten fits in one process.
+
     @override
     def teardown(self) -> None:
         set_current_documents(None)
-        super().teardown()
+        try:
+            super().teardown()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Release what the run created (Note [What a run releases]); local, except one barrier when
+        the default group is destroyed. Idempotent."""
+        try:
+            release_mesh_groups(self._fsdp_mesh, self._device_mesh)
+        finally:
+            self._device_mesh = self._sp_mesh = self._fsdp_mesh = None
+            module = self.lightning_module
+            if module is not None and getattr(module, "_device_mesh", None) is not None:
+                module._device_mesh = None
+            if self._owns_default_group and dist.is_available() and dist.is_initialized():
+                self._owns_default_group = False
+                dist.destroy_process_group()
+            gc.collect()  # frees the groups of earlier runs' modules that nothing references any more
+            if self.root_device.type == "cuda" and torch.cuda.is_initialized():
+                torch.cuda.synchronize(self.root_device)
+                torch.cuda.empty_cache()
+                if hasattr(torch._C, "_host_emptyCache"):  # pinned host memory (torch has no public API for it)
+                    torch._C._host_emptyCache()
+
+    def _refuse_parallelized_model(self, model: nn.Module) -> None:
+        """A module parallelized in an earlier run holds that run's (now destroyed) groups: refuse it before any collective."""
+        if not _is_parallelized(model):
+            return
+        raise ValueError(
+            f"{type(self).__name__}: {type(model).__name__} was parallelized (sharded over process groups) in an earlier "
+            "Trainer run, and that run released its process groups when it ended (Note [What a run releases]). Validate "
+            "inside fit (val_dataloaders), or pass a new module and load the checkpoint: "
+            "trainer.validate(CausalLMModule(...), ckpt_path=...)"
+        )
 
     # ----------------------------------------------------------------------------------------- registry
 
@@ -905,7 +971,7 @@ def _is_linear_attention_model(module: nn.Module) -> bool:
 
 
 def _is_parallelized(module: nn.Module) -> bool:
-    """Whether ``parallelize`` already ran on ``module`` (a second fit/validate call on the same module)."""
+    """Whether ``parallelize`` already ran on ``module`` (a module of an earlier Trainer run: Note [What a run releases])."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
 

@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dist_utils import close_pools  # noqa: E402
+from dist_utils import close_pools, pool_threads  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,7 +42,24 @@ def nccl_world() -> int:
     dist.destroy_process_group()
 
 
+_POOL_THREADS = pytest.StashKey[object]()
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _close_worker_pools():
+def _close_worker_pools(request):
     yield
+    try:  # counted before the pools close; printed by pytest_terminal_summary
+        request.config.stash[_POOL_THREADS] = pool_threads()
+    except Exception as error:  # noqa: BLE001 - a broken pool must not hide the test results
+        request.config.stash[_POOL_THREADS] = f"could not count threads ({error})"
     close_pools()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line with the thread count of every live pool worker (a leak of process groups shows here)."""
+    counts = config.stash.get(_POOL_THREADS, None)
+    if isinstance(counts, str):
+        terminalreporter.write_line(f"gloo pool workers: {counts}")
+    elif counts:
+        terminalreporter.write_line("gloo pool worker threads at the end (pool-world: per rank): "
+                                    + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))

@@ -14,6 +14,12 @@ the test's captured stderr. conftest.py lets pytest-rerunfailures (a dev depende
 test once more on a fresh pool, and only such a test: an assertion or a Python exception in a
 worker is never rerun, and a second crash fails. Tests that load torch.compile's generated code
 run in pools of their own (``pool="compile"``), so that code never shares a process with the rest.
+
+Workers stay clean between tasks: after each one a worker destroys every process group except
+its default group (tests that build meshes themselves create groups, each with threads of its
+own: without this a worker of a full run grew to over 1,100 threads) and runs the garbage
+collector, so that the threads of the destroyed groups end. ``pool_threads()`` reports the
+thread count of each live worker (conftest.py prints it at the end of the session).
 """
 
 from __future__ import annotations
@@ -40,6 +46,43 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def thread_names() -> dict[str, int]:
+    """{thread name: count} of this process, from /proc (Linux)."""
+    names: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended while we listed
+            continue
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
+def _thread_names_task(rank: int, world_size: int) -> dict[str, int]:
+    return thread_names()
+
+
+def release_task_groups() -> int:
+    """Destroy every process group of this process except the default one (the worker's); return how many.
+
+    Reads torch's group registry (``distributed_c10d._world.pg_names``, private: torch has no public
+    list of groups), which this test helper may do and the package does not.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0
+    default = dist.group.WORLD
+    groups = [pg for pg in list(dist.distributed_c10d._world.pg_names) if pg is not default and pg != default]
+    for pg in groups:
+        dist.destroy_process_group(pg)
+    gc.collect()  # a group's threads end when its last reference goes (meshes, FSDP state in cycles)
+    return len(groups)
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
@@ -72,6 +115,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
         try:
             fn = getattr(importlib.import_module(module), name)
             out = fn(rank, world_size, *args, **kwargs)
+            release_task_groups()
             results.put((rank, True, out))
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             results.put((rank, False, traceback.format_exc()))
@@ -169,6 +213,16 @@ def get_pool(world_size: int, pool: str = "default") -> DistPool:
     if found is None or not found.alive:
         found = _POOLS[key] = DistPool(world_size)
     return found
+
+
+def pool_threads() -> dict[str, list[int]]:
+    """{pool: thread count of each rank} for every live pool (one task on each)."""
+    out: dict[str, list[int]] = {}
+    for (world_size, name), pool in list(_POOLS.items()):
+        if pool.alive:
+            counts = pool.run(_thread_names_task, timeout=60)
+            out[f"{name}-{world_size}"] = [sum(c.values()) for c in counts]
+    return out
 
 
 def close_pools() -> None:

@@ -1,0 +1,213 @@
+"""Every Trainer run releases what the strategy created (Note [What a run releases] in strategy.py).
+
+Ten consecutive fits in one process, each with a new strategy, Trainer and module (as a user's
+script or notebook runs them), keep the process's threads, open file descriptors and resident
+memory within a small bound:
+
+* world 1, in a fresh Python process (the strategy creates the default process group, and
+  destroys it again);
+* world 2, on the pooled gloo ranks (the default group belongs to the worker and stays).
+
+Before the fix every fit left its five mesh groups behind: +15 threads and +20 file descriptors
+per fit on gloo (2 ``pt_gloo_runloop`` + 1 ``gloo_tcp_loop`` threads per group).
+
+The bounds, measured from the state after the second fit (the first one loads code, creates
+torch's intra-op pool and Lightning's lazily built objects once per process):
+
+* threads: at most ``THREAD_SLACK`` more, and no ``pt_gloo_runloop`` beyond those of the groups
+  the last fit's module still holds (the program keeps that module; its groups' threads end
+  when it goes);
+* file descriptors: at most ``FD_SLACK`` more;
+* RSS: at most ``RSS_SLACK_MB`` MiB more over eight fits (the allocator keeps some freed pages;
+  a leak of a tiny model's state per fit would still be far below it, so the thread and
+  descriptor bounds are the sharp ones).
+
+On one GPU (``@pytest.mark.gpu``): ``torch.cuda.memory_allocated`` returns to its value before
+the fit once the run's objects are gone, and pinned host memory taken by ``offload_checkpoints``
+and ``offload_params`` is given back (torch's pinned-memory cache is emptied in teardown).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_utils import run_distributed, thread_names
+
+TESTS = Path(__file__).parent
+FITS = 10
+THREAD_SLACK = 2
+FD_SLACK = 4
+RSS_SLACK_MB = 64
+
+
+def _usage() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    names = thread_names()
+    return {"threads": sum(names.values()), "names": names, "fds": len(os.listdir("/proc/self/fd")),
+            "rss_mb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20,
+            "initialized": dist.is_available() and dist.is_initialized()}
+
+
+def _one_fit(world_size: int, *, module: Any = None, strategy: Any = None, trainer_fn: str = "fit") -> Any:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+    from lightning_seqpar.data import CopyTaskDataset
+
+    strategy = strategy or SequenceParallelStrategy(sequence_parallel_size=world_size, attention="ring", timeout=60)
+    module = module or CausalLMModule("tiny", warmup_steps=0, max_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    data = DataLoader(CopyTaskDataset(vocab_size=256, seq_len=32, num_samples=4 * world_size, supervise="all"), batch_size=2)
+    if trainer_fn == "fit":
+        trainer.fit(module, train_dataloaders=data)
+    else:
+        getattr(trainer, trainer_fn)(module, dataloaders=data)
+    return module
+
+
+def _fits(rank: int, world_size: int, n: int) -> list[dict[str, Any]]:
+    """``n`` fits, each with a new strategy, Trainer and module; the usage after each."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    usage = [_usage()]
+    for _ in range(n):
+        _one_fit(world_size)
+        usage.append(_usage())
+    return usage
+
+
+def _check_bounded(usage: list[dict[str, Any]], *, default_group_after: bool) -> None:
+    start = usage[2]  # after the second fit
+    for i, after in enumerate(usage[3:], start=3):
+        where = f"after fit {i} (fit 2: {start['threads']} threads {start['names']}, fit {i}: {after['names']})"
+        assert after["threads"] <= start["threads"] + THREAD_SLACK, where
+        assert after["names"].get("pt_gloo_runloop", 0) <= start["names"].get("pt_gloo_runloop", 0), where
+        assert after["fds"] <= start["fds"] + FD_SLACK, f"{where}: {start['fds']} -> {after['fds']} file descriptors"
+        assert after["initialized"] is default_group_after
+    growth = usage[-1]["rss_mb"] - start["rss_mb"]
+    assert growth <= RSS_SLACK_MB, f"RSS grew by {growth:.1f} MiB from fit 2 to fit {len(usage) - 1}"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(key, None)
+    return env
+
+
+@pytest.mark.timeout(600)
+def test_ten_fits_in_one_process_release_threads_descriptors_and_the_default_group():
+    code = (f"import json, test_resources as t; import torch; torch.set_num_threads(1); "
+            f"print('USAGE=' + json.dumps(t._fits(0, 1, {FITS})))")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    usage = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("USAGE="))[6:])
+    assert len(usage) == FITS + 1
+    assert not usage[0]["initialized"]
+    _check_bounded(usage, default_group_after=False)  # the strategy created the default group, and destroyed it
+    # the module the program still holds keeps the one group it was sharded over (FSDP): 3 gloo threads
+    assert usage[-1]["names"].get("pt_gloo_runloop", 0) <= 4, usage[-1]["names"]
+
+
+@pytest.mark.timeout(600)
+def test_ten_fits_on_two_pooled_ranks_stay_bounded():
+    for usage in run_distributed(_fits, 2, FITS, timeout=540):
+        assert usage[0]["initialized"]
+        _check_bounded(usage, default_group_after=True)  # the worker's default group is not the strategy's
+
+
+def _failed_setup_and_reuse(rank: int, world_size: int) -> dict[str, Any]:
+    """A fit whose set-up fails after the mesh exists, then a module reused after its run released its groups."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    import lightning as L
+
+    from lightning_seqpar import SequenceParallelStrategy
+
+    class NoBlocks(L.LightningModule):  # setup() refuses it (no transformer blocks) after the mesh was built
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(4, 4)
+
+    out: dict[str, Any] = {}
+    _one_fit(world_size)  # warm-up: per-process state that the first fit creates
+    out["before"] = _usage()
+    strategy = SequenceParallelStrategy(sequence_parallel_size=world_size, attention="ring", timeout=60)
+    try:
+        _one_fit(world_size, module=NoBlocks(), strategy=strategy)
+    except ValueError as error:
+        out["error"] = str(error)
+    out["after_failure"] = _usage()
+    module = _one_fit(world_size, strategy=strategy)  # the same strategy object runs again, on a new module
+    out["after_second_fit"] = _usage()
+    try:
+        _one_fit(world_size, module=module, trainer_fn="validate")
+    except ValueError as error:
+        out["reuse_error"] = str(error)
+    out["after_refusal"] = _usage()
+    return out
+
+
+def test_a_failed_setup_releases_and_a_released_module_is_refused_by_name():
+    for out in run_distributed(_failed_setup_and_reuse, 2, timeout=300):
+        assert "found no transformer blocks in NoBlocks" in out["error"]
+        for key in ("after_failure", "after_second_fit", "after_refusal"):
+            assert out[key]["names"].get("pt_gloo_runloop", 0) <= out["before"]["names"].get("pt_gloo_runloop", 0), (key, out)
+            assert out[key]["fds"] <= out["before"]["fds"] + FD_SLACK, (key, out)
+        assert out["reuse_error"].startswith("SequenceParallelStrategy: CausalLMModule was parallelized"), out["reuse_error"]
+        assert "pass a new module and load the checkpoint" in out["reuse_error"]
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_fit(**strategy_kwargs: Any) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+    from lightning_seqpar.data import CopyTaskDataset
+
+    strategy = SequenceParallelStrategy(sequence_parallel_size=1, timeout=60, **strategy_kwargs)
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=3, precision="bf16-mixed",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    data = DataLoader(CopyTaskDataset(vocab_size=256, seq_len=256, num_samples=8, supervise="all"), batch_size=2)
+    trainer.fit(CausalLMModule("tiny", warmup_steps=0, max_steps=3), train_dataloaders=data)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", ["offload_checkpoints", "offload_params"])
+def test_gpu_memory_and_pinned_host_memory_return_to_baseline(offload):
+    import gc
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        pytest.skip("one process (run without torchrun)")
+    warnings.filterwarnings("ignore")
+    torch.cuda.init()
+    _gpu_fit()  # warm-up: CUDA context, cuBLAS workspaces, kernels loaded once per process
+    gc.collect()
+    allocated = torch.cuda.memory_allocated()
+    pinned = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    for _ in range(3):
+        _gpu_fit(**{offload: True})
+        gc.collect()  # the Trainer and module of the fit (reference cycles) are gone
+        assert torch.cuda.memory_allocated() == allocated
+        assert torch.cuda.host_memory_stats()["allocated_bytes.current"] <= pinned, torch.cuda.host_memory_stats()
+        assert not torch.distributed.is_initialized()
