@@ -248,6 +248,11 @@ def fsdp_mesh(mesh: DeviceMesh, *, timeout: timedelta | None = None) -> DeviceMe
 # groups, so releasing the meshes ``build_mesh`` and ``fsdp_mesh`` returned releases everything.
 # The default group is never destroyed here (a 1-D mesh over the whole world without a timeout
 # may *be* the default group): it belongs to whoever called ``init_process_group``.
+#
+# DTensor caches plans by mesh *equality* (same ranks, layout, axis names), and the cached plans
+# hold the mesh they were made for: the next run's equal mesh would get the old one back, whose
+# groups are destroyed ("Could not resolve the process group registered under the name 8"). So
+# releasing also clears those caches (:func:`forget_cached_meshes`).
 
 
 def release_mesh_groups(*meshes: DeviceMesh | None) -> int:
@@ -271,4 +276,22 @@ def release_mesh_groups(*meshes: DeviceMesh | None) -> int:
                 continue
             dist.destroy_process_group(group)
             released.add(name)
+    if released:
+        forget_cached_meshes()
     return len(released)
+
+
+def forget_cached_meshes() -> None:
+    """Clear DTensor's caches that hold meshes (Note [Releasing the groups of a mesh]): the sharding
+    propagation caches and the redistribution planner caches. They refill on use."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    clear_sharding = getattr(debug, "_clear_sharding_prop_cache", None)  # torch's own "clear all" for debugging
+    if clear_sharding is not None:
+        clear_sharding()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)  # torch >= 2.10
+    if clear_planners is not None:
+        clear_planners()
+    transform_infos = getattr(_redistribute, "_gen_transform_infos", None)
+    if hasattr(transform_infos, "cache_clear"):
+        transform_infos.cache_clear()

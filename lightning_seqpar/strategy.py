@@ -30,6 +30,7 @@ import gc
 import os
 import re
 import shutil
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -614,14 +615,58 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         try:
             yield
         except RuntimeError as error:  # torch.distributed.DistBackendError is a RuntimeError
-            if not _TIMEOUT_PATTERN.search(str(error)):
+            timed_out, lost = _TIMEOUT_PATTERN.search(str(error)), _PEER_LOST_PATTERN.search(str(error))
+            if not (timed_out or lost):
                 raise
-            raise TimeoutError(
-                f"{type(self).__name__}: rank {self.global_rank} waited longer than timeout={self.timeout} in a "
-                f"collective during {where}: another rank is stalled, has died, or runs a different sequence of "
-                "collectives (e.g. a different number of batches). Raise the strategy's `timeout` if steps legitimately "
-                f"take that long; otherwise see the other ranks' logs. ({error})"
+            silent = self._silent_ranks()
+            if timed_out:
+                raise TimeoutError(
+                    f"{type(self).__name__}: rank {self.global_rank} waited longer than timeout={self.timeout} in a "
+                    f"collective during {where}: another rank is stalled, has died, or runs a different sequence of "
+                    "collectives (e.g. a different number of batches). Raise the strategy's `timeout` if steps legitimately "
+                    f"take that long; otherwise see the other ranks' logs.{silent} ({error})"
+                ) from error
+            raise ConnectionError(
+                f"{type(self).__name__}: rank {self.global_rank} lost the connection to another rank in a collective during "
+                f"{where}: a rank died (killed, out of memory, a crash) or its host went away.{silent} The run cannot "
+                f"continue; resume from the last complete checkpoint (fit(ckpt_path='last')). ({error})"
             ) from error
+
+    # Note [Naming the rank that failed]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # When a collective fails, the backend says how (gloo: "Connection closed by peer [addr]:port",
+    # a timeout; NCCL: the watchdog), not which rank is gone. Each rank that sees the failure
+    # writes ``seqpar/alive/<step>/<rank>`` into the default group's store (the rendezvous
+    # TCPStore: hosted by rank 0, or by torchrun's agent) and waits up to ``_SILENCE_WAIT``
+    # seconds (at most a quarter of the timeout) for the others' keys: the ranks whose key does
+    # not come are named as dead or stalled. A store that cannot be reached any more means its
+    # host is gone: rank 0 under Lightning's launcher or a plain ``init_process_group``. The
+    # store is torch's private ``_get_default_store``: torch has no public handle to it.
+
+    def _silent_ranks(self) -> str:
+        """' Ranks [..] did not answer ...' for the message of a failed collective (Note [Naming the rank that failed]), or ''."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return ""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        step = trainer.global_step if trainer is not None else 0
+        wait = min(_SILENCE_WAIT, self.timeout.total_seconds() / 4) if self.timeout is not None else _SILENCE_WAIT
+        keys = [f"seqpar/alive/{step}/{r}" for r in range(world)]
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(keys[rank], "1")
+            deadline = time.monotonic() + wait
+            silent = [r for r in range(world) if r != rank]
+            while silent and time.monotonic() < deadline:
+                time.sleep(0.05)
+                silent = [r for r in silent if not store.check([keys[r]])]
+        except Exception as error:  # noqa: BLE001 - the store's host is gone: that is the answer
+            return (f" The rendezvous store (hosted by rank 0 unless torchrun's agent hosts it) cannot be reached "
+                    f"either ({type(error).__name__}): rank 0 has died.")
+        if not silent:
+            return " Every rank answered afterwards (none of them died)."
+        return (f" Rank(s) {silent} did not answer within {wait:.0f}s of the failure: they died or are stalled; see "
+                "their logs (or the launcher's exit codes).")
 
     # ----------------------------------------------------------------------------------------- checkpoints
     # Note [Checkpoint formats]
@@ -647,18 +692,28 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
         # Collective: Trainer.save_checkpoint calls this on every rank.
+        with self._explain_timeouts(f"saving the checkpoint {str(filepath)!r}"):
+            self._save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None) -> None:
         checkpoint["rng_states"] = self._gather_rng_states()
-        if not self._save_distributed_checkpoint:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        # Note [Complete checkpoints only]: a folder of shards appears under its name only once
-        # every rank has written its shards and rank 0 meta.pt, so a run killed while saving
-        # leaves the previous checkpoint of that name (or none), never a half-written one.
+        # Note [Complete checkpoints only]: a checkpoint (a folder of shards, or one file) appears
+        # under its name only once it is complete (every rank has written its shards and rank 0
+        # meta.pt), so a run killed while saving leaves the previous checkpoint of that name (or
+        # none), never a half-written one; what was being written stays as NAME.partial, which
+        # Lightning's ckpt_path="last" never takes (it looks for last*.ckpt) and the next save
+        # of that name removes.
         path = Path(self.broadcast(str(filepath)))
         partial = path.with_name(path.name + ".partial")
         if self.global_rank == 0 and partial.exists():
             shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
         self.barrier("seqpar_save_checkpoint_start")
+        if not self._save_distributed_checkpoint:  # one file, written by rank 0 (the full state dicts are gathered first)
+            super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
+            if self.global_rank == 0:
+                _replace(partial, path)
+            self.barrier("seqpar_save_checkpoint_renamed")
+            return
         super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
         self.barrier("seqpar_save_checkpoint_written")
         if self.global_rank == 0:
@@ -914,10 +969,21 @@ class SequenceParallelStrategy(ModelParallelStrategy):
 
 
 _TIMEOUT_PATTERN = re.compile(r"timed? ?out|watchdog", re.IGNORECASE)
+_PEER_LOST_PATTERN = re.compile(
+    r"closed by peer|reset by peer|broken pipe|connection refused|connection closed|socket closed|remote process exited|"
+    r"network error|ECONNRESET|EPIPE", re.IGNORECASE)
+_SILENCE_WAIT = 5.0  # seconds a rank waits for the others to answer after a failed collective (Note [Naming the rank that failed])
 
 
 def _replace(source: Path, target: Path) -> None:
-    """Put the folder ``source`` at ``target``, replacing what is there; ``target`` never holds a mix of both."""
+    """Put the folder or file ``source`` at ``target``, replacing what is there; ``target`` never holds a mix of both.
+
+    A file replaces a file in one ``os.replace``. A folder cannot replace a folder atomically: the old one is
+    renamed to ``TARGET.old`` first, so a kill between the two renames leaves the previous complete checkpoint
+    as ``TARGET.old`` (pass it as ckpt_path) and no ``TARGET``."""
+    if target.is_file() and source.is_file():
+        os.replace(source, target)
+        return
     if target.exists():
         old = target.with_name(target.name + ".old")
         if old.exists():

@@ -81,6 +81,10 @@ def release_task_groups() -> int:
     groups = [pg for pg in list(dist.distributed_c10d._world.pg_names) if pg is not default and pg != default]
     for pg in groups:
         dist.destroy_process_group(pg)
+    if groups:
+        from lightning_seqpar.mesh import forget_cached_meshes
+
+        forget_cached_meshes()  # DTensor's caches would hand an equal mesh of a later task these groups
     gc.collect()  # a group's threads end when its last reference goes (meshes, FSDP state in cycles)
     return len(groups)
 
