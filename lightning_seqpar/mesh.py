@@ -272,13 +272,22 @@ def release_mesh_groups(*meshes: DeviceMesh | None) -> int:
             continue
         for group in mesh.get_all_groups():
             name = group.group_name
-            if name == default_name or name in released:
+            if name == default_name or name in released or not _registered(group):
                 continue
             dist.destroy_process_group(group)
             released.add(name)
     if released:
         forget_cached_meshes()
     return len(released)
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether torch still knows ``group`` (``destroy_process_group()`` without a group destroys them all)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def forget_cached_meshes() -> None:

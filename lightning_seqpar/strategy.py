@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import time
+import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -301,6 +302,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._sp_mesh: DeviceMesh | None = None
         self._fsdp_mesh: DeviceMesh | None = None
         self._owns_default_group = False  # Note [What a run releases]
+        self._meshes_finalizer: weakref.finalize | None = None
+        self._failed = False
         self._rng_state_to_restore: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------- mesh
@@ -354,10 +357,14 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             # Note [Offloading parameters to host memory]: the CPU-resident gradients (clip_grad_norm_'s
             # per-rank norms) are reduced over the mesh's groups, so they need a CPU backend beside NCCL.
             self._process_group_backend = "cpu:gloo,cuda:nccl"
-        self._owns_default_group = not (dist.is_available() and dist.is_initialized())
+        created = not (dist.is_available() and dist.is_initialized())
         self._setup_distributed()  # ModelParallelStrategy: ranks, seed, init_process_group
+        self._owns_default_group = self._owns_default_group or created
+        reuse = self._device_mesh is not None and self._parallel_dims == dims and self.model is not None and _is_parallelized(self.model)
         self._parallel_dims = dims
-        self._device_mesh = dims.build_mesh(self.root_device.type, timeout=self.timeout)
+        if not reuse:  # a later run of the same parallelized module keeps its meshes (Note [What a run releases])
+            self._device_mesh = dims.build_mesh(self.root_device.type, timeout=self.timeout)
+            self._fsdp_mesh, self._meshes_finalizer = None, None
         self._sp_mesh = sp_mesh(self._device_mesh)
         # LightningModule.device_mesh is read-only and ModelParallelStrategy sets it this same way.
         assert self.lightning_module is not None
@@ -384,10 +391,10 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._refuse_parallelized_model(self.model)
-        self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: bf16 parameters
-        self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
-        self._parallelize(self.model)
+        if not _is_parallelized(self.model):
+            self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: bf16 parameters
+            self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
+            self._parallelize(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             warm_up_backward_handles(self.root_device)  # Note [Library handles of the backward thread]
@@ -430,6 +437,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             param_dtype, reduce_dtype = torch.bfloat16, torch.float32
         # FSDP2 also on one rank: one code path, and the same checkpoint format at every size.
         mesh_for_fsdp = self._fsdp_mesh = fsdp_mesh(self.device_mesh, timeout=self.timeout)
+        # the groups live as long as the module sharded over them (Note [What a run releases])
+        self._meshes_finalizer = weakref.finalize(module, _release_groups, [self._device_mesh, mesh_for_fsdp],
+                                                  owns_default_group=self._owns_default_group)
         self._resolve_auto_attention(roots)
         self._check_inner_ring_size()
         self._check_head_chunks(roots)
@@ -881,31 +891,36 @@ class SequenceParallelStrategy(ModelParallelStrategy):
 
     # Note [What a run releases]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # Each Trainer run (fit / validate / test / predict) ends in ``teardown``, also a run whose
-    # set-up or step failed (Lightning tears down on every exception). It leaves the process as
-    # the run found it, so that a second run starts from the same state as the first:
+    # The process groups of a run's meshes (Note [Releasing the groups of a mesh] in
+    # ``lightning_seqpar.mesh``: five per run at any world size, each with its own threads on gloo,
+    # a communicator, proxy thread and GPU memory on NCCL) are what the parallelized module runs
+    # on: FSDP2 gathers over them, and so does ``get_model_state_dict(full_state_dict=True)`` or a
+    # ``trainer.validate`` after ``fit``. So they live exactly as long as that module:
     #
-    # * the process groups of the meshes the run built (Note [Releasing the groups of a mesh] in
-    #   ``lightning_seqpar.mesh``): five per run at any world size, each with its own threads
-    #   (gloo) or communicator, proxy thread and GPU memory (NCCL);
-    # * the default process group, if this strategy created it (``init_process_group`` was
-    #   called by the run, not by the user or a launcher before it);
-    # * the packed documents of the last batch (``set_current_documents(None)``), which hold
-    #   device tensors, and the strategy's references to the meshes;
-    # * on CUDA, the pinned host memory that ``offload_checkpoints`` / ``offload_params`` took
-    #   (torch's pinned-memory cache keeps freed blocks until emptied) and the cached device
-    #   memory of the run's tensors (``torch.cuda.empty_cache``).
+    # * ``weakref.finalize`` on the module destroys them when the module is freed, and with them
+    #   the default process group if this strategy created it (``init_process_group`` ran in the
+    #   run, not before it) and no other groups are left (another run may be using it);
+    # * ``teardown`` (the end of every run) runs Python's cycle collector: a finished run's module
+    #   sits in reference cycles (Trainer <-> LightningModule) that Python frees at no set time, so
+    #   the module of an earlier run that the program dropped is freed, and its groups released,
+    #   by the next run's end at the latest (``gc.collect()``, ~0.1 s); what remains are the groups
+    #   of modules the program still holds;
+    # * a later run of the same strategy on the same (already parallelized) module reuses the
+    #   meshes: no new groups;
+    # * a run that failed (set-up or a step: Lightning calls ``on_exception`` and then
+    #   ``teardown``) releases its groups and the default group it created at once: after a
+    #   failure they may be unusable (a dead peer), and the module is not trained further;
+    # * every run also drops the packed documents of its last batch (device tensors) and, on
+    #   CUDA, empties the pinned host memory cache (``offload_checkpoints`` / ``offload_params``)
+    #   and the device memory cache.
     #
-    # A destroyed group's threads end when the last reference to it goes: the meshes, and the
-    # FSDP2 state of the module parallelized over them. The strategy drops its own; the module of
-    # a finished run usually sits in reference cycles (Trainer <-> LightningModule) that Python
-    # frees only when its cycle collector runs, at no set time, so ``teardown`` runs it
-    # (``gc.collect()``, ~0.1 s): what is left afterwards are the groups of modules the program
-    # still holds. The model keeps its FSDP2 shards, but the groups it was parallelized over are gone: a later
-    # run with the same module object is refused in ``setup`` with a ValueError (validate inside
-    # ``fit``, or build a new module and load a checkpoint), instead of a collective on a
-    # destroyed group. ``tests/test_resources.py`` counts threads, file descriptors, RSS and CUDA
-    # memory over ten fits in one process.
+    # ``tests/test_resources.py`` counts threads, file descriptors, RSS and CUDA memory over ten
+    # fits in one process.
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
@@ -916,35 +931,28 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             self._release()
 
     def _release(self) -> None:
-        """Release what the run created (Note [What a run releases]); local, except one barrier when
-        the default group is destroyed. Idempotent."""
-        try:
-            release_mesh_groups(self._fsdp_mesh, self._device_mesh)
-        finally:
+        """What a run releases at its end (Note [What a run releases]); local, no collective."""
+        failed, self._failed = self._failed, False
+        if failed or (self._meshes_finalizer is None and self._device_mesh is not None):  # failed, or set-up stopped early
+            finalizer, meshes = self._meshes_finalizer, [self._fsdp_mesh, self._device_mesh]
             self._device_mesh = self._sp_mesh = self._fsdp_mesh = None
+            self._meshes_finalizer = None
             module = self.lightning_module
             if module is not None and getattr(module, "_device_mesh", None) is not None:
                 module._device_mesh = None
+            if finalizer is not None:
+                finalizer()  # runs _release_groups once
+            else:
+                _release_groups(meshes, owns_default_group=self._owns_default_group)
             if self._owns_default_group and dist.is_available() and dist.is_initialized():
-                self._owns_default_group = False
                 dist.destroy_process_group()
-            gc.collect()  # frees the groups of earlier runs' modules that nothing references any more
-            if self.root_device.type == "cuda" and torch.cuda.is_initialized():
-                torch.cuda.synchronize(self.root_device)
-                torch.cuda.empty_cache()
-                if hasattr(torch._C, "_host_emptyCache"):  # pinned host memory (torch has no public API for it)
-                    torch._C._host_emptyCache()
-
-    def _refuse_parallelized_model(self, model: nn.Module) -> None:
-        """A module parallelized in an earlier run holds that run's (now destroyed) groups: refuse it before any collective."""
-        if not _is_parallelized(model):
-            return
-        raise ValueError(
-            f"{type(self).__name__}: {type(model).__name__} was parallelized (sharded over process groups) in an earlier "
-            "Trainer run, and that run released its process groups when it ended (Note [What a run releases]). Validate "
-            "inside fit (val_dataloaders), or pass a new module and load the checkpoint: "
-            "trainer.validate(CausalLMModule(...), ckpt_path=...)"
-        )
+            self._owns_default_group = False
+        gc.collect()  # frees the modules of earlier runs that nothing references any more (and so their groups)
+        if self.root_device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.root_device)
+            torch.cuda.empty_cache()
+            if hasattr(torch._C, "_host_emptyCache"):  # pinned host memory (torch has no public API for it)
+                torch._C._host_emptyCache()
 
     # ----------------------------------------------------------------------------------------- registry
 
@@ -995,6 +1003,17 @@ def _replace(source: Path, target: Path) -> None:
         os.replace(source, target)
 
 
+def _release_groups(meshes: list[DeviceMesh | None], *, owns_default_group: bool) -> None:
+    """The groups of a run's meshes, and the default group when the run created it and nothing else uses
+    groups any more (Note [What a run releases]). No reference to the module: a ``weakref.finalize`` callback."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    release_mesh_groups(*meshes)
+    registry = getattr(dist.distributed_c10d, "_world", None)  # torch's group registry (private; no public list)
+    if owns_default_group and registry is not None and len(registry.pg_map) == 1:
+        dist.destroy_process_group()
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -1037,7 +1056,7 @@ def _is_linear_attention_model(module: nn.Module) -> bool:
 
 
 def _is_parallelized(module: nn.Module) -> bool:
-    """Whether ``parallelize`` already ran on ``module`` (a module of an earlier Trainer run: Note [What a run releases])."""
+    """Whether ``parallelize`` already ran on ``module`` (a second fit/validate call on the same module)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
 

@@ -36,7 +36,9 @@ SAVE_EVERY = 3
 PROCESS_TIMEOUT = 150
 
 
-def _config(root: Path, name: str, *, ckpt_dir: Path, pause_at: int | None = None, timeout: float = 30) -> Path:
+def _config(root: Path, name: str, *, ckpt_dir: Path, pause_at: int | None = None, timeout: float = 30,
+            pause_hook: str = "on_train_batch_end", pause_ranks: list[int] | None = None,
+            pause_in_save_at: int | None = None) -> Path:
     """A `seqpar fit` config: tiny GQA Llama, sp=2 ring, periodic + preemption checkpoints, CSV losses."""
     callbacks: list[dict[str, Any]] = [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -46,7 +48,11 @@ def _config(root: Path, name: str, *, ckpt_dir: Path, pause_at: int | None = Non
     ]
     if pause_at is not None:
         callbacks.append({"class_path": "fault_injection.PauseAtStep",
-                          "init_args": {"step": pause_at, "marker_dir": str(root / name / "markers")}})
+                          "init_args": {"step": pause_at, "marker_dir": str(root / name / "markers"), "hook": pause_hook,
+                                        "ranks": pause_ranks}})
+    if pause_in_save_at is not None:
+        callbacks.append({"class_path": "fault_injection.PauseInCheckpointSave",
+                          "init_args": {"step": pause_in_save_at, "marker_dir": str(root / name / "markers")}})
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -95,6 +101,9 @@ class _Run:
         self._out = log.open("w")
         self.proc = subprocess.Popen(args, env=_env(), stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
     def wait(self, timeout: float = PROCESS_TIMEOUT) -> int:
         try:
             return self.proc.wait(timeout=timeout)
@@ -124,15 +133,15 @@ def _torchrun(config: Path, *extra: str) -> list[str]:
             "--monitor-interval", "0.2", "-m", "lightning_seqpar.cli", "fit", "--config", str(config), *extra]
 
 
-def _wait_for_pause(run: _Run, markers: Path, timeout: float = PROCESS_TIMEOUT) -> dict[int, int]:
-    """{rank: pid} once both ranks paused."""
+def _wait_for_pause(run: Any, markers: Path, timeout: float = PROCESS_TIMEOUT, ranks: int = 2) -> dict[int, int]:
+    """{rank: pid} once ``ranks`` ranks paused."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = {int(p.name.split("-")[1]): int(p.read_text()) for p in markers.glob("paused-*")} if markers.is_dir() else {}
-        if len(found) == 2:
+        if len(found) == ranks:
             return found
-        if run.proc.poll() is not None:
-            pytest.fail(f"the run exited ({run.proc.returncode}) before pausing:\n{run.tail()}")
+        if run.poll() is not None:
+            pytest.fail(f"the run exited ({run.poll()}) before pausing:\n{run.tail()}")
         time.sleep(0.1)
     pytest.fail(f"the run did not pause within {timeout}s:\n{run.tail()}")
 
@@ -208,6 +217,129 @@ def test_sigkill_of_one_rank_fails_and_resume_is_exact(tmp_path, reference):
     with _Run(_torchrun(resume, "--ckpt_path", "last"), tmp_path / "b.log") as run:
         assert run.wait() == 0, run.tail()
     assert _losses(tmp_path / "b") == {s: reference[s] for s in range(6, STEPS)}  # bit-identical
+
+
+# ---------------------------------------------------------------------------------------------- kill -9, ranks on their own
+# torchrun ends the other ranks as soon as one dies, so its runs never show what a survivor does. Here
+# each rank is a process of its own (RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* in its environment, as
+# a cluster scheduler starts them; Lightning then launches nothing): after a kill -9 of one, the other
+# must fail by itself, within the strategy's timeout, naming the dead rank.
+
+KILL_TIMEOUT = 30.0  # the strategy's timeout in these runs (seconds)
+
+
+class _Ranks:
+    """``world`` ranks started as separate processes, each with its own log; all killed on exit."""
+
+    def __init__(self, args: list[str], logs: Path, world: int = 2) -> None:
+        from dist_utils import _free_port
+
+        port = str(_free_port())
+        self.logs = [logs.with_name(f"{logs.name}.rank{r}.log") for r in range(world)]
+        self._outs = [log.open("w") for log in self.logs]
+        self.procs = []
+        for rank in range(world):
+            env = dict(_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                       NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            self.procs.append(subprocess.Popen(args, env=env, stdout=self._outs[rank], stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+
+    def poll(self) -> int | None:
+        """None while every rank runs, else the exit code of one that ended."""
+        codes = [p.poll() for p in self.procs]
+        return next((c for c in codes if c is not None), None)
+
+    def wait(self, rank: int, timeout: float = PROCESS_TIMEOUT) -> int:
+        try:
+            return self.procs[rank].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank {rank} did not exit within {timeout}s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        for out in self._outs:
+            out.flush()
+        return "\n".join(f"--- rank {r}:\n{log.read_text()[-3000:]}" for r, log in enumerate(self.logs))
+
+    def __enter__(self) -> _Ranks:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        for out in self._outs:
+            out.close()
+
+
+def _cli(config: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lightning_seqpar.cli", "fit", "--config", str(config), *extra]
+
+
+def _kill_and_time_the_survivor(ranks: _Ranks, victim: int, survivor: int) -> tuple[float, str]:
+    """kill -9 ``victim``; (seconds until ``survivor`` exited, its log)."""
+    os.kill(ranks.procs[victim].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    code = ranks.wait(survivor, timeout=KILL_TIMEOUT + 60)
+    after = time.monotonic() - killed
+    assert code != 0, ranks.tail()
+    assert ranks.wait(victim) == -signal.SIGKILL
+    return after, ranks.logs[survivor].read_text()
+
+
+@pytest.mark.timeout(2 * PROCESS_TIMEOUT + 60)
+def test_kill_9_during_a_training_step_names_the_dead_rank_and_resume_is_exact(tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    # rank 1 pauses inside the step after optimizer step 7 (forward done, backward's collectives ahead)
+    config = _config(tmp_path, "a", ckpt_dir=ckpt, pause_at=7, pause_hook="on_before_backward", pause_ranks=[1],
+                     timeout=KILL_TIMEOUT)
+    with _Ranks(_cli(config), tmp_path / "a") as ranks:
+        _wait_for_pause(ranks, tmp_path / "a" / "markers", ranks=1)
+        after, log = _kill_and_time_the_survivor(ranks, victim=1, survivor=0)
+    assert after < KILL_TIMEOUT, f"rank 0 took {after:.1f}s to fail:\n{log[-3000:]}"
+    assert "ConnectionError: SequenceParallelStrategy: rank 0 lost the connection to another rank in a collective" in log, log[-3000:]
+    assert "Rank(s) [1] did not answer" in log, log[-3000:]
+    assert _meta_step(ckpt / "last.ckpt") == 6
+    assert not list(ckpt.glob("*.partial"))
+
+    resume = _config(tmp_path, "b", ckpt_dir=ckpt, timeout=KILL_TIMEOUT)
+    with _Ranks(_cli(resume, "--ckpt_path", "last"), tmp_path / "b") as ranks:
+        assert [ranks.wait(r) for r in (0, 1)] == [0, 0], ranks.tail()
+    assert _losses(tmp_path / "b") == {s: reference[s] for s in range(6, STEPS)}  # bit-identical
+
+
+@pytest.mark.timeout(2 * PROCESS_TIMEOUT + 60)
+def test_kill_9_during_a_checkpoint_save_leaves_the_last_complete_checkpoint(tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    # rank 0 pauses while writing meta.pt of step=6.ckpt: every rank's shards are written, the checkpoint is not complete
+    config = _config(tmp_path, "a", ckpt_dir=ckpt, pause_in_save_at=SAVE_EVERY * 2, timeout=KILL_TIMEOUT)
+    with _Ranks(_cli(config), tmp_path / "a") as ranks:
+        _wait_for_pause(ranks, tmp_path / "a" / "markers", ranks=1)
+        half = ckpt / f"step={SAVE_EVERY * 2}.ckpt.partial"
+        assert (half / ".metadata").is_file() and not (half / "meta.pt").is_file()
+        after, log = _kill_and_time_the_survivor(ranks, victim=0, survivor=1)
+    assert after < KILL_TIMEOUT, f"rank 1 took {after:.1f}s to fail:\n{log[-3000:]}"
+    assert "rank 1 lost the connection to another rank in a collective during saving the checkpoint" in log, log[-3000:]
+    assert "rank 0 has died" in log, log[-3000:]
+    # the half-written checkpoint is never the latest: last.ckpt is the complete one of step 3
+    assert not (ckpt / f"step={SAVE_EVERY * 2}.ckpt").exists()
+    assert _meta_step(ckpt / "last.ckpt") == SAVE_EVERY
+    with pytest.raises(ValueError, match="is not a complete distributed checkpoint"):
+        _load_through_the_strategy(half)
+
+    resume = _config(tmp_path, "b", ckpt_dir=ckpt, timeout=KILL_TIMEOUT)
+    with _Ranks(_cli(resume, "--ckpt_path", "last"), tmp_path / "b") as ranks:
+        assert [ranks.wait(r) for r in (0, 1)] == [0, 0], ranks.tail()
+    assert _losses(tmp_path / "b") == {s: reference[s] for s in range(SAVE_EVERY, STEPS)}  # bit-identical
+    assert not list(ckpt.glob("*.partial"))  # the save of step 6 in the resumed run replaced the half-written one
+    assert _meta_step(ckpt / f"step={SAVE_EVERY * 2}.ckpt") == SAVE_EVERY * 2
+
+
+def _load_through_the_strategy(path: Path) -> None:
+    from lightning_seqpar import SequenceParallelStrategy
+
+    strategy = SequenceParallelStrategy(sequence_parallel_size=1)
+    strategy.load_checkpoint(path)
 
 
 # ---------------------------------------------------------------------------------------------- stalled rank
