@@ -741,6 +741,12 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
+        if path.name.endswith(".partial"):  # Note [Complete checkpoints only]
+            raise ValueError(
+                f"{type(self).__name__}: {str(path)!r} is not a complete checkpoint: its save did not finish (was the run "
+                f"killed while saving?); resume from {str(path.with_name(path.name.removesuffix('.partial')))!r} if it "
+                "exists, or an earlier checkpoint (ckpt_path='last' never takes a .partial one)"
+            )
         if path.is_dir():  # a folder of shards
             missing = [name for name in (".metadata", "meta.pt") if not (path / name).is_file()]
             if missing:

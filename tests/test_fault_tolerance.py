@@ -316,7 +316,7 @@ def test_kill_9_during_a_checkpoint_save_leaves_the_last_complete_checkpoint(tmp
     with _Ranks(_cli(config), tmp_path / "a") as ranks:
         _wait_for_pause(ranks, tmp_path / "a" / "markers", ranks=1)
         half = ckpt / f"step={SAVE_EVERY * 2}.ckpt.partial"
-        assert (half / ".metadata").is_file() and not (half / "meta.pt").is_file()
+        assert (half / ".metadata").is_file()  # every rank's shards are written; meta.pt is being written
         after, log = _kill_and_time_the_survivor(ranks, victim=0, survivor=1)
     assert after < KILL_TIMEOUT, f"rank 1 took {after:.1f}s to fail:\n{log[-3000:]}"
     assert "rank 1 lost the connection to another rank in a collective during saving the checkpoint" in log, log[-3000:]
@@ -324,7 +324,7 @@ def test_kill_9_during_a_checkpoint_save_leaves_the_last_complete_checkpoint(tmp
     # the half-written checkpoint is never the latest: last.ckpt is the complete one of step 3
     assert not (ckpt / f"step={SAVE_EVERY * 2}.ckpt").exists()
     assert _meta_step(ckpt / "last.ckpt") == SAVE_EVERY
-    with pytest.raises(ValueError, match="is not a complete distributed checkpoint"):
+    with pytest.raises(ValueError, match="is not a complete checkpoint"):
         _load_through_the_strategy(half)
 
     resume = _config(tmp_path, "b", ckpt_dir=ckpt, timeout=KILL_TIMEOUT)
