@@ -177,18 +177,20 @@ def _failed_setup_and_reuse(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_a_failed_setup_releases_and_a_module_keeps_its_groups_while_it_lives():
-    for out in run_distributed(_failed_setup_and_reuse, 2, timeout=300):
+    for rank, out in enumerate(run_distributed(_failed_setup_and_reuse, 2, timeout=300)):
         assert "found no transformer blocks in NoBlocks" in out["error"]
         runloops = {k: out[k]["names"].get("pt_gloo_runloop", 0) for k in ("before", "after_failure", "after_fit",
                                                                              "after_validate", "after_release")}
-        assert runloops["after_failure"] == runloops["before"], runloops  # the failed run's groups are gone
+        assert runloops["after_failure"] <= runloops["before"], runloops  # the failed run's groups are gone
         assert runloops["after_validate"] == runloops["after_fit"], runloops  # validate reused the module's meshes
         # the module freed: its five groups too (torch may hold on to one destroyed group's objects a
         # while longer: at most 2 runloop threads, not more with more fits, as the ten-fits tests show)
         assert runloops["after_release"] <= runloops["before"] + 2, runloops
         assert runloops["after_release"] < runloops["after_fit"], runloops
-        assert out["after_release"]["fds"] <= out["before"]["fds"] + FD_SLACK, out
-        assert out["full_shapes"] and all(shape[0] == 256 for shape in out["full_shapes"].values()), out["full_shapes"]
+        assert out["after_release"]["fds"] <= out["before"]["fds"] + 2 * FD_SLACK, out  # as above: one group's sockets
+        assert out["after_release"]["fds"] < out["after_fit"]["fds"], out
+        if rank == 0:  # the full state dict (cpu_offload=True) is gathered to rank 0
+            assert out["full_shapes"] == {"embed_tokens.weight": (256, 64)}, out["full_shapes"]
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -221,10 +223,15 @@ def test_gpu_memory_and_pinned_host_memory_return_to_baseline(offload):
     _gpu_fit()  # warm-up: CUDA context, cuBLAS workspaces, kernels loaded once per process
     gc.collect()
     allocated = torch.cuda.memory_allocated()
-    pinned = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)  # the pinned allocator's statistics (newer torch)
+    pinned = host_stats()["allocated_bytes.current"] if host_stats is not None else None
     for _ in range(3):
         _gpu_fit(**{offload: True})
         gc.collect()  # the Trainer and module of the fit (reference cycles) are gone
         assert torch.cuda.memory_allocated() == allocated
-        assert torch.cuda.host_memory_stats()["allocated_bytes.current"] <= pinned, torch.cuda.host_memory_stats()
+        if host_stats is not None:
+            assert host_stats()["allocated_bytes.current"] <= pinned, host_stats()
         assert not torch.distributed.is_initialized()
+    if host_stats is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.cuda.host_memory_stats: pinned memory not measured "
+                    "(device memory was)")

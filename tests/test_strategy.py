@@ -175,21 +175,15 @@ class _Recorder:
 
     def __new__(cls, *args, **kwargs):
         class Recording(CausalLMModule):
-            def __init__(self, during_fit=None) -> None:
+            def __init__(self) -> None:
                 super().__init__("tiny", warmup_steps=0, max_steps=2)
                 self.seen: list[dict[str, torch.Tensor]] = []
-                self.during_fit, self.captured = during_fit, None
-
-            def on_train_start(self) -> None:
-                # the mesh exists during the run only: teardown releases its groups (Note [What a run releases])
-                if self.during_fit is not None:
-                    self.captured = self.during_fit(self)
 
             def training_step(self, batch, batch_idx):
                 self.seen.append({k: v.clone() for k, v in batch.items()})
                 return super().training_step(batch, batch_idx)
 
-        return Recording(*args, **kwargs)
+        return Recording()
 
 
 class _Dataset(torch.utils.data.Dataset):
@@ -232,21 +226,15 @@ def _check_batches(rank: int, world_size: int, sp: int, hp: int, layout: str, wi
     seq_len = 16
     strategy = SequenceParallelStrategy(sequence_parallel_size=sp, head_parallel_size=hp, load_balance=layout,
                                         attention="2d" if hp > 1 else "ring", activation_checkpointing=None)
-
-    def during_fit(module) -> dict:
-        mesh = module.device_mesh
-        assert mesh is strategy.device_mesh
-        assert mesh.mesh_dim_names == MESH_AXES
-        return {"index": sequence_index(seq_len, sp_mesh(mesh), layout),  # global positions of this rank's tokens
-                "sampler": strategy.distributed_sampler_kwargs,
-                "coords": tuple(mesh.get_local_rank(axis) for axis in ("dp_replicate", "dp_shard", "hp", "cp"))}
-
-    module = _Recorder(during_fit)
+    module = _Recorder()
     data = torch.utils.data.DataLoader(_Dataset(seq_len, with_positions), batch_size=2)
     _trainer(world_size, strategy).fit(module, train_dataloaders=data)
 
+    mesh = module.device_mesh
+    assert mesh is strategy.device_mesh
+    assert mesh.mesh_dim_names == MESH_AXES
     assert strategy.parallel_dims.sp == sp
-    index = module.captured["index"]
+    index = sequence_index(seq_len, sp_mesh(mesh), layout)  # global positions of this rank's tokens
     for batch in module.seen:
         ids = batch["sample_id"]
         assert ids.shape == (2,)  # per-sample tensors are not sharded
@@ -256,8 +244,8 @@ def _check_batches(rank: int, world_size: int, sp: int, hp: int, layout: str, wi
         torch.testing.assert_close(batch["labels"], (ids[:, None] * 1000 + pos + 1) % 256)
         torch.testing.assert_close(batch["loss_mask"], (pos % 3 != 0).float())
         torch.testing.assert_close(batch["segment_ids"], pos // 5)
-    return {"samples": [b["sample_id"].tolist() for b in module.seen], "sampler": module.captured["sampler"],
-            "coords": module.captured["coords"]}
+    return {"samples": [b["sample_id"].tolist() for b in module.seen], "sampler": strategy.distributed_sampler_kwargs,
+            "coords": (mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard"), mesh.get_local_rank("hp"), mesh.get_local_rank("cp"))}
 
 
 @pytest.mark.parametrize(
