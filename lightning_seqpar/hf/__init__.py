@@ -1,0 +1,85 @@
+"""Hugging Face ``transformers`` causal LMs under the package's attention (and so under the strategy).
+
+Public names:
+
+* :data:`ATTN_IMPLEMENTATION` (``"seqpar"``), :func:`register_attention` — the name and the
+  registration of :func:`seqpar_attention_forward` / :func:`seqpar_attention_mask` with
+  transformers' own ``AttentionInterface`` / ``AttentionMaskInterface``.
+* :func:`apply_hf_attention` — switch a ``PreTrainedModel`` to ``"seqpar"`` and give each of its
+  attention layers a parameter-free :class:`lightning_seqpar.attention.Attention` child.
+* :class:`HFCausalLM` — a transformers causal LM behind the interface of the package's models
+  (``forward(input_ids, position_ids, output=...)``, ``lm_head``, ``flops_per_token``).
+* :func:`is_hf_source`, :func:`load_hf_config`, :func:`build_hf_causal_lm` — a model from a local
+  folder, a ``PretrainedConfig`` or a dict with ``"model_type"``.
+* :func:`save_hf_pretrained` — a consolidated ``save_pretrained`` folder of an FSDP2-sharded model.
+
+Note [Hugging Face models under the strategy]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every attention layer of a modern transformers model (Llama, Mistral, Qwen2/3, Gemma, ...) calls
+
+    ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, ...)(
+        self, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)
+
+with ``query`` ``[B, H_q, S, D]`` and ``key``/``value`` ``[B, H_kv, S, D]`` (after RoPE). Nothing
+of the model class is patched. :func:`apply_hf_attention`
+
+1. registers ``"seqpar"`` with ``AttentionInterface`` (-> :func:`seqpar_attention_forward`) and
+   with ``AttentionMaskInterface`` (-> :func:`seqpar_attention_mask`, which returns None: the
+   attention is causal by construction, so no 4-D mask is ever materialised, whatever the length);
+2. sets ``"seqpar"`` with the model's public ``set_attn_implementation``;
+3. gives every attention layer a child ``seqpar_attention = Attention(causal=True, scale=layer.scaling)``.
+
+The strategy's ``apply_attention`` finds those ``Attention`` children like the ones of the
+package's own models and configures them with the sequence-parallel mesh (no global state: the
+mesh lives on the module). :func:`seqpar_attention_forward` transposes to ``[B, S, H, D]`` and
+calls ``layer.seqpar_attention(q, k, v)``: K/V keep their H_kv heads (GQA/MQA are never repeated,
+neither in memory nor in communication).
+
+Positions: the strategy's batch hook shards ``position_ids`` (the GLOBAL positions) with the
+batch; :class:`HFCausalLM` passes them to the model, whose rotary embedding then sees each token's
+position in the whole sequence. Without them a shard would get positions ``0..S_local-1``, so
+:class:`HFCausalLM` refuses to run sequence-parallel without ``position_ids``.
+
+What is rejected, with a ``ValueError`` naming the layer and the config field, before any
+communication (every check reads only local metadata that is equal on all ranks):
+
+* sliding-window layers (``config.sliding_window`` for Mistral; ``config.layer_types[i] ==
+  "sliding_attention"`` for Qwen2/3 with ``use_sliding_window``, Gemma2/3 local layers) when the
+  window is shorter than the sequence: window w lets query i see keys j with ``i - j < w``, so for
+  a global length ``S <= w`` it IS full causal attention and runs exactly; for ``S > w`` it is
+  refused, never silently turned into full attention. Checked at every call against the global
+  length (local length x sequence-parallel size), and by :func:`apply_hf_attention` against
+  ``max_seq_len`` when that is given;
+* attention dropout > 0 in training (``config.attention_dropout``), logit soft-capping
+  (``config.attn_logit_softcapping``, Gemma2), attention sinks, non-causal layers, padding or
+  custom masks (a 2-D ``attention_mask`` with zeros, any 4-D mask), packed-sequence kwargs
+  (``cu_seq_lens_*``: document masking is not implemented yet), and a query length different from
+  the key length (KV-cache decoding: generate with ``model.set_attn_implementation("sdpa")``).
+
+Right padding is exact without a mask (a causal token never attends to later ones): pad on the
+right and set the labels of the padding to -100, as ``SequenceParallelStrategy`` checks.
+"""
+
+from lightning_seqpar.hf.attention import (
+    ATTN_IMPLEMENTATION,
+    MIN_TRANSFORMERS_VERSION,
+    apply_hf_attention,
+    register_attention,
+    seqpar_attention_forward,
+    seqpar_attention_mask,
+)
+from lightning_seqpar.hf.model import HFCausalLM, build_hf_causal_lm, is_hf_source, load_hf_config, save_hf_pretrained
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "HFCausalLM",
+    "MIN_TRANSFORMERS_VERSION",
+    "apply_hf_attention",
+    "build_hf_causal_lm",
+    "is_hf_source",
+    "load_hf_config",
+    "register_attention",
+    "save_hf_pretrained",
+    "seqpar_attention_forward",
+    "seqpar_attention_mask",
+]
