@@ -10,6 +10,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
+from lightning_seqpar.hf.features import attention_features, check_attention_features, layer_name
+from lightning_seqpar.hf.rope import install_global_length_rotary
+from lightning_seqpar.hf.support import check_sharded_layer, refuse_token_mixers
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -28,9 +31,6 @@ MIN_TRANSFORMERS_VERSION = "4.56"
 
 # kwargs of the attention interface that would change the result and that "seqpar" does not implement
 _UNSUPPORTED_KWARGS: dict[str, str] = {
-    "softcap": "attention logit soft-capping (config.attn_logit_softcapping)",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "cu_seq_lens_q": "packed sequences given as cu_seq_lens_q (put document_ids, or position_ids restarting at 0, in the batch: "
                      "SequenceParallelStrategy then masks documents itself)",
     "cu_seq_lens_k": "packed sequences given as cu_seq_lens_k (put document_ids, or position_ids restarting at 0, in the batch: "
@@ -92,30 +92,6 @@ def seqpar_attention_mask(*args: Any, attention_mask: Tensor | None = None, **kw
     return None
 
 
-def _layer_name(module: nn.Module) -> str:
-    layer_idx = getattr(module, "layer_idx", None)
-    return f"{type(module).__name__}" + (f" (layer {layer_idx})" if layer_idx is not None else "")
-
-
-def _window_field(module: nn.Module) -> str:
-    config = getattr(module, "config", None)
-    layer_idx = getattr(module, "layer_idx", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_idx is not None and layer_idx < len(layer_types):
-        return f"config.sliding_window with config.layer_types[{layer_idx}]={layer_types[layer_idx]!r}"
-    return "config.sliding_window"
-
-
-def _sliding_window_error(module: nn.Module, window: int, seq_len: int, what: str, where: str = "") -> ValueError:
-    return ValueError(
-        f"{_layer_name(module)}{where} uses sliding-window attention ({_window_field(module)}={window}) and the {what} is "
-        f"{seq_len} > {window}: attn_implementation={ATTN_IMPLEMENTATION!r} has no sliding window and would "
-        f"silently give full attention. Train with sequences of at most {window} tokens (then the window covers "
-        "everything and full causal attention is exact), or use a model / config without sliding-window layers "
-        "(e.g. Qwen2 with use_sliding_window=False)"
-    )
-
-
 def seqpar_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -143,7 +119,7 @@ def seqpar_attention_forward(
         strategy]), from local metadata before any communication.
     """
     attention = getattr(module, "seqpar_attention", None)
-    name = _layer_name(module)
+    name = layer_name(module)
     if not isinstance(attention, Attention):
         raise ValueError(
             f"{name} runs attn_implementation={ATTN_IMPLEMENTATION!r} but has no `seqpar_attention` child: call "
@@ -179,12 +155,12 @@ def seqpar_attention_forward(
             f"{ATTN_IMPLEMENTATION!r} is for training on whole sequences; generate with "
             "model.set_attn_implementation('sdpa') and use_cache as usual"
         )
-    window = kwargs.get("sliding_window")
-    if window is not None:
-        sp = 1 if attention.mesh is None else attention.mesh.size()
-        seq_len = query.shape[2] * sp
-        if seq_len > window:
-            raise _sliding_window_error(module, window, seq_len, "sequence length" + (f" (local {query.shape[2]} x {sp} ranks)" if sp > 1 else ""))
+    sp = 1 if attention.mesh is None else attention.mesh.size()
+    seq_len = query.shape[2] * sp  # the GLOBAL length: windows and chunks are measured on it
+    check_attention_features(module, attention_features(module, kwargs), seq_len=seq_len,
+                             what="sequence length" + (f" (local {query.shape[2]} x {sp} ranks)" if sp > 1 else ""))
+    if sp > 1:
+        check_sharded_layer(module)
     # [B, H, S, D] -> [B, S, H, D], the layout of the package's attention (and HF's expected output)
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
     return out, None
@@ -202,13 +178,6 @@ def _is_attention_layer(module: nn.Module) -> bool:
         and hasattr(module, "is_causal")
         and hasattr(module, "config")
     )
-
-
-def _sliding_window(module: nn.Module) -> int | None:
-    """The layer's sliding window: its own ``sliding_window`` (Qwen2/3, Gemma) or the config's (Mistral)."""
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    return getattr(module.config, "sliding_window", None)
 
 
 def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> int:
@@ -234,13 +203,13 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
         raise ValueError(f"model must be a transformers.PreTrainedModel, got {type(model).__name__}")
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1):
         raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
+    refuse_token_mixers(model)  # Note [Exact or refused: position-dependent layers of Hugging Face models]
     register_attention()
     layers = [(name, m) for name, m in model.named_modules() if _is_attention_layer(m)]
     if max_seq_len is not None:
         for name, layer in layers:
-            window = _sliding_window(layer)
-            if window is not None and window < max_seq_len:
-                raise _sliding_window_error(layer, window, max_seq_len, "max_seq_len", where=f" at {name!r}")
+            check_attention_features(layer, attention_features(layer), seq_len=max_seq_len, what="max_seq_len",
+                                     where=f" at {name!r}", lengths_only=True)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION or not layers:
@@ -256,4 +225,5 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
             child.scale = float(layer.scaling)
         else:
             layer.seqpar_attention = Attention(causal=True, scale=float(layer.scaling))  # a registered child module
+    install_global_length_rotary(model, [layer.seqpar_attention for _, layer in layers])  # Note [Length-dependent rotary embeddings]
     return len(layers)

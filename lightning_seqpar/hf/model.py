@@ -13,8 +13,12 @@ from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.hf.attention import _transformers, apply_hf_attention
+from lightning_seqpar.hf.features import attention_features, check_attention_features
+from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
+from lightning_seqpar.hf.support import check_sharded_layer
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["HFCausalLM", "build_hf_causal_lm", "is_hf_source", "load_hf_config", "save_hf_pretrained"]
@@ -99,9 +103,12 @@ class HFCausalLM(nn.Module):
     def __init__(self, model: PreTrainedModel, *, max_seq_len: int | None = None) -> None:
         super().__init__()
         apply_hf_attention(model, max_seq_len=max_seq_len)
+        self._router_aux = router_aux(model)  # refuses an auxiliary loss it cannot compute exactly
+        self._router_stats: RouterStats | None = None
         self.hf = model
-        # tuple, not a list of modules: not registered twice (they are children of the layers)
+        # tuples, not lists of modules: not registered twice (they are children of the model)
         self._attention_modules = tuple(m for m in model.modules() if isinstance(m, Attention))
+        self._attention_layers = tuple(m for m in model.modules() if isinstance(getattr(m, "seqpar_attention", None), Attention))
         config = model.config
         head = model.get_output_embeddings()
         embedding = model.get_input_embeddings()
@@ -119,6 +126,11 @@ class HFCausalLM(nn.Module):
         return self.hf.config
 
     @property
+    def router_aux_loss_config(self) -> RouterAux | None:
+        """The router auxiliary loss the model adds (``config.output_router_logits=True``), or None."""
+        return self._router_aux
+
+    @property
     def lm_head(self) -> nn.Module:
         """The output projection (``weight`` (V, d)), as the package's models have it."""
         return self.hf.get_output_embeddings()
@@ -134,15 +146,43 @@ class HFCausalLM(nn.Module):
                 "HFCausalLM: position_ids (global positions) are required under sequence parallelism: without them the "
                 "model would give each shard positions 0..S_local-1 (SequenceParallelStrategy adds them to the batch)"
             )
+        # Note [Exact or refused: position-dependent layers of Hugging Face models]: local metadata, before any communication
+        sp = max((m.mesh.size() for m in self._attention_modules if m.mesh is not None), default=1)
+        seq_len = input_ids.shape[1] * sp
+        what = "sequence length" + (f" (local {input_ids.shape[1]} x {sp} ranks)" if sp > 1 else "")
+        for layer in self._attention_layers:
+            check_attention_features(layer, attention_features(layer), seq_len=seq_len, what=what)
+            if sp > 1:
+                check_sharded_layer(layer)
+        if output not in ("logits", "hidden"):
+            raise ValueError(f"output={output!r} is not supported; expected 'logits' or 'hidden'")
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        if self._router_aux is not None:
+            kwargs["output_router_logits"] = True
+        self._router_stats = None
         if output == "hidden":
             self._check_plain_head()
             decoder = self.hf.get_decoder()  # the model without its head (LlamaModel in LlamaForCausalLM)
             if decoder is self.hf:
                 raise ValueError(f"{type(self.hf).__name__}: found no decoder without the head (get_decoder()); use loss_chunk_size=None")
-            return decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        if output != "logits":
-            raise ValueError(f"output={output!r} is not supported; expected 'logits' or 'hidden'")
-        return self.hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            out = decoder(**kwargs)
+        else:
+            out = self.hf(**kwargs)
+        if self._router_aux is not None:
+            self._router_stats = router_stats(out.router_logits, self._router_aux)
+        return out.last_hidden_state if output == "hidden" else out.logits
+
+    def router_aux_loss(self, mesh: DeviceMesh | None = None) -> Tensor | None:
+        """This rank's share of ``router_aux_loss_coef * load_balancing_loss`` of the last forward's global batch,
+        to add to the loss (Note [Router auxiliary loss under sequence parallelism] in ``lightning_seqpar.hf.moe``);
+        None when the model adds no router loss. ``mesh``: every SP x DP rank (one all-reduce of E + 1 numbers)
+        or None (this rank's batch is the whole batch). Consumes the statistics of the last forward."""
+        stats, self._router_stats = self._router_stats, None
+        if self._router_aux is None:
+            return None
+        if stats is None:
+            raise ValueError("HFCausalLM.router_aux_loss: no forward since the last call (the router statistics are per forward)")
+        return router_aux_loss_share(stats, self._router_aux, mesh)
 
     def _check_plain_head(self) -> None:
         """``output="hidden"`` serves the chunked loss ``hidden @ lm_head.weight^T``: refuse models whose logits are more."""
