@@ -13,6 +13,13 @@ Public names:
   folder, a ``PretrainedConfig`` or a dict with ``"model_type"``.
 * :func:`save_hf_pretrained` — a consolidated ``save_pretrained`` folder of an FSDP2-sharded model.
 
+Submodules, one concern each: ``attention`` (the ``AttentionInterface`` entry, :func:`apply_hf_attention`),
+``features`` (a layer's window / soft-capping / sinks / chunk size, read from the call, the layer
+and the config: ``attention_features``, ``check_attention_features``), ``rope`` (length-dependent
+rotary embeddings made global), ``moe`` (the router auxiliary loss across ranks), ``support`` (what
+is exact and what is refused: ``refuse_token_mixers``, ``check_sharded_layer``), ``model``
+(:class:`HFCausalLM`, building, saving).
+
 Note [Hugging Face models under the strategy]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every attention layer of a modern transformers model (Llama, Mistral, Qwen2/3, Gemma, ...) calls
@@ -40,21 +47,19 @@ batch; :class:`HFCausalLM` passes them to the model, whose rotary embedding then
 position in the whole sequence. Without them a shard would get positions ``0..S_local-1``, so
 :class:`HFCausalLM` refuses to run sequence-parallel without ``position_ids``.
 
-What is rejected, with a ``ValueError`` naming the layer and the config field, before any
-communication (every check reads only local metadata that is equal on all ranks):
-
-* sliding-window layers (``config.sliding_window`` for Mistral; ``config.layer_types[i] ==
-  "sliding_attention"`` for Qwen2/3 with ``use_sliding_window``, Gemma2/3 local layers) when the
-  window is shorter than the sequence: window w lets query i see keys j with ``i - j < w``, so for
-  a global length ``S <= w`` it IS full causal attention and runs exactly; for ``S > w`` it is
-  refused, never silently turned into full attention. Checked at every call against the global
-  length (local length x sequence-parallel size), and by :func:`apply_hf_attention` against
-  ``max_seq_len`` when that is given;
-* attention dropout > 0 in training (``config.attention_dropout``), logit soft-capping
-  (``config.attn_logit_softcapping``, Gemma2), attention sinks, non-causal layers, padding or
-  custom masks (a 2-D ``attention_mask`` with zeros, any 4-D mask), packed-sequence kwargs
-  (``cu_seq_lens_*``: document masking is not implemented yet), and a query length different from
-  the key length (KV-cache decoding: generate with ``model.set_attn_implementation("sdpa")``).
+Everything a layer does that depends on where its tokens sit is made exact under sharding
+(length-dependent rotary embeddings get the global length; the MoE router loss is reduced over
+every rank) or refused with a ``ValueError`` naming the layer and the config field, before any
+communication (Note [Exact or refused: position-dependent layers of Hugging Face models] in
+``lightning_seqpar.hf.support``): windows and chunks shorter than the global sequence, wherever
+the model keeps them (Note [Reading a layer's attention features] in
+``lightning_seqpar.hf.features``), soft-capping, sinks, Llama 4 temperature tuning when sharded,
+token mixers other than attention (convolutions, SSMs, linear attention, recurrences). Also
+refused: attention dropout > 0 in training (``config.attention_dropout``), non-causal layers,
+padding or custom masks (a 2-D ``attention_mask`` with zeros, any 4-D mask), packed-sequence
+kwargs (``cu_seq_lens_*``: put ``document_ids`` in the batch instead), and a query length
+different from the key length (KV-cache decoding: generate with
+``model.set_attn_implementation("sdpa")``).
 
 Right padding is exact without a mask (a causal token never attends to later ones): pad on the
 right and set the labels of the padding to -100, as ``SequenceParallelStrategy`` checks.

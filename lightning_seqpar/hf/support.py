@@ -51,8 +51,8 @@ def find_token_mixers(model: nn.Module) -> list[str]:
     the module path, its class and the config field that makes it one. Local metadata only.
 
     Found structurally: ``config.layer_types`` entries outside :data:`ATTENTION_LAYER_TYPES`,
-    ``torch.nn.Conv1d`` modules (a causal depthwise convolution over the sequence, as in LFM2's
-    short convolutions and every Mamba / DeltaNet block), and modules whose class name says Mamba,
+    ``torch.nn.Conv1d`` modules of kernel size > 1 (a causal depthwise convolution over the
+    sequence, as in LFM2's short convolutions and every Mamba / DeltaNet block), and modules whose class name says Mamba,
     SSM, mixer, DeltaNet, linear / lightning attention, recurrent, RG-LRU, RWKV, xLSTM, Hyena,
     retention or short / causal convolution.
     """
@@ -69,8 +69,8 @@ def find_token_mixers(model: nn.Module) -> list[str]:
         if any(name.startswith(prefix + ".") for prefix in seen_inside):
             continue  # one entry per mixer, not one per submodule of it
         cls = type(module).__name__
-        if isinstance(module, nn.Conv1d):
-            found.append(f"{name!r} ({cls}: a convolution over the sequence)")
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
+            found.append(f"{name!r} ({cls}: a convolution over the sequence, kernel {module.kernel_size[0]})")
             seen_inside.append(name)
         elif _MIXER_CLASS_NAMES.search(cls):
             found.append(f"{name!r} ({cls})")
