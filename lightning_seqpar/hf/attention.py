@@ -187,16 +187,20 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
     layer a child ``seqpar_attention = Attention(causal=True, scale=layer.scaling)`` (kept, with
     its mesh configuration, if already there). In place; returns the number of attention layers. Without a strategy the
     ``Attention`` children run local attention; the strategy's ``apply_attention`` configures them.
+    Rotary embeddings whose frequencies read the sequence length get the hooks of Note
+    [Length-dependent rotary embeddings] (``lightning_seqpar.hf.rope``).
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention layers call ``AttentionInterface``.
-        max_seq_len: the longest (global) sequence to be trained on. When given, sliding-window
-            layers whose window is shorter raise here; in any case every call checks the window
-            against the actual length.
+        max_seq_len: the longest (global) sequence to be trained on. When given, layers whose
+            sliding window or attention chunk is shorter raise here; in any case every forward
+            checks them against the actual global length.
 
     Raises:
-        ValueError: not a ``PreTrainedModel``, a model whose attention does not go through
-            ``AttentionInterface``, no attention layer found, or a sliding window < ``max_seq_len``.
+        ValueError: not a ``PreTrainedModel``, a token mixer other than attention
+            (``lightning_seqpar.hf.support.refuse_token_mixers``; nothing is changed then), a
+            model whose attention does not go through ``AttentionInterface``, no attention layer
+            found, or a sliding window / attention chunk < ``max_seq_len``.
     """
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
