@@ -9,6 +9,12 @@ add up to the single-device loss, and FSDP2 sums the gradients (Note [Gradient r
 ``lightning_seqpar.parallelize``). The logged ``train/loss`` is that sum, so it equals the
 single-device loss of the same batch. Without the strategy (one device, or DDP) the loss is the
 plain per-rank token mean.
+
+A Hugging Face MoE model with ``config.output_router_logits=True`` adds, as transformers does,
+``router_aux_loss_coef`` x the router load-balancing loss of the whole (global) batch: each rank
+adds its share, which sum to it (Note [Router auxiliary loss under sequence parallelism] in
+``lightning_seqpar.hf.moe``), so ``train/loss`` is transformers' own loss of the batch.
+Validation logs the cross entropy only.
 """
 
 from __future__ import annotations
@@ -252,9 +258,16 @@ class CausalLMModule(L.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        model = self._require_model()
+        if isinstance(model, hf.HFCausalLM):
+            self._check_router_padding(model)
         loss_sum, n_valid = self.loss_sum(batch)
         mesh = self._mesh()
         loss = global_mean_loss(loss_sum, n_valid, mesh)  # this rank's share (Note [Loss under sequence parallelism])
+        if isinstance(model, hf.HFCausalLM):
+            aux = model.router_aux_loss(mesh)  # MoE: this rank's share (Note [Router auxiliary loss under sequence parallelism])
+            if aux is not None:
+                loss = loss + aux.to(loss.dtype)
         reported = loss.detach().clone()
         if mesh is not None:
             dist.all_reduce(reported, op=dist.ReduceOp.SUM)  # the mesh spans all ranks
@@ -262,6 +275,17 @@ class CausalLMModule(L.LightningModule):
         self.log("train/ppl", reported.exp())
         self._count_flops(batch, mesh)
         return loss
+
+    def _check_router_padding(self, model: hf.HFCausalLM) -> None:
+        """Padding added by ``pad_to_multiple`` would be routed and counted in a MoE router's auxiliary loss."""
+        if self._trainer is None or model.router_aux_loss_config is None:
+            return
+        if getattr(self.trainer.strategy, "pad_to_multiple", False):
+            raise ValueError(
+                f"{type(self).__name__}: {type(model.hf).__name__} adds its router auxiliary loss (config.output_router_logits=True), "
+                "which counts every token, padding included: pad_to_multiple=True would change it. Choose seq_len as a multiple "
+                "of the layout's chunk count and pad_to_multiple=False, or set config.output_router_logits=False"
+            )
 
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

@@ -35,6 +35,48 @@ def tiny_config(kind: str, **overrides: Any):
         return transformers.Gemma3TextConfig(**{**COMMON, "head_dim": 8, **overrides})
     if kind == "gemma2":  # attention logit soft-capping: rejected
         return transformers.Gemma2Config(**{**COMMON, "head_dim": 8, **overrides})
+    # Note [Exact or refused: position-dependent layers of Hugging Face models] (tests/test_hf_exact.py).
+    # Lengths are chosen so that the zigzag / contiguous shards of SEQ_LEN over 2 and 4 ranks disagree
+    # on which side of the threshold their own max(position_ids) + 1 falls.
+    if kind == "llama-dynamic":  # dynamic NTK: inv_freq recomputed once seq_len > max_position_embeddings = 24
+        return transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 24,
+                                           "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                                           **overrides})
+    if kind == "phi3-longrope":  # LongRoPE: the long factors once seq_len > original_max_position_embeddings = 24
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
+                "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.5, 3.0, 3.5]}
+        return transformers.Phi3Config(**{**COMMON, "original_max_position_embeddings": 24, "rope_parameters": rope,
+                                          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides})
+    moe = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**{**COMMON, **moe, "num_local_experts": 4, **overrides})
+    if kind == "qwen2_moe":  # shared expert; sliding window only with use_sliding_window=True
+        return transformers.Qwen2MoeConfig(**{**COMMON, **moe, "num_experts": 4, "moe_intermediate_size": 16,
+                                              "shared_expert_intermediate_size": 32, **overrides})
+    if kind == "olmoe":
+        return transformers.OlmoeConfig(**{**COMMON, **moe, "num_experts": 4, "pad_token_id": 0, "bos_token_id": 1,
+                                           "eos_token_id": 2, **overrides})
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**{**COMMON, **moe, "num_experts": 4, "moe_intermediate_size": 16, "head_dim": 8,
+                                              **overrides})
+    if kind == "llama4":  # layer 0: RoPE + chunked attention, layer 1: NoPE (temperature tuning when enabled), MoE
+        return transformers.Llama4TextConfig(**{**COMMON, "num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8,
+                                                "intermediate_size_mlp": 64, "interleave_moe_layer_step": 1,
+                                                "no_rope_layers": [1, 0], "attention_chunk_size": SEQ_LEN,
+                                                "attn_temperature_tuning": False, "pad_token_id": 0, "bos_token_id": 1,
+                                                "eos_token_id": 2, **overrides})
+    # token mixers other than attention: refused
+    if kind == "lfm2":  # short causal convolutions
+        return transformers.Lfm2Config(**{**COMMON, "layer_types": ["conv", "full_attention"], **overrides})
+    if kind == "bamba":  # Mamba2 mixers
+        return transformers.BambaConfig(**{**COMMON, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1,
+                                           "mamba_d_state": 8, "attn_layer_indices": [1], **overrides})
+    if kind == "qwen3_next":  # gated DeltaNet (with its convolution)
+        return transformers.Qwen3NextConfig(**{**COMMON, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                                               "layer_types": ["linear_attention", "full_attention"], "linear_num_value_heads": 2,
+                                               "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                               **overrides})
     raise ValueError(kind)
 
 
@@ -58,13 +100,17 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def reference(path: str, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """The unmodified transformers model (eager attention, one device, fp32): logits, mean loss, gradients."""
+    """The unmodified transformers model (eager attention, one device, fp32): logits, mean loss (plus
+    ``router_aux_loss_coef * aux_loss`` with ``output_router_logits``, as transformers adds it), gradients."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     model.train()
-    logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=False).logits
+    out = model(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=False)
+    logits = out.logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    if getattr(model.config, "output_router_logits", False):  # MoE: transformers' own auxiliary loss of the whole batch
+        loss = loss + model.router_aux_loss_coef * out.aux_loss
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     return logits.detach(), loss.detach(), grads

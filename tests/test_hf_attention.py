@@ -109,7 +109,7 @@ def test_qwen2_sliding_layers_are_named():
 def test_gemma2_soft_capping_is_rejected():
     model = HFCausalLM(_model("gemma2"))
     data = batch()
-    with pytest.raises(ValueError, match=r"Gemma2Attention \(layer 0\): attention logit soft-capping \(config.attn_logit_softcapping\)"):
+    with pytest.raises(ValueError, match=r"Gemma2Attention \(layer 0\): attention logit soft-capping \(config.attn_logit_softcapping=50.0\)"):
         model(data["input_ids"], data["position_ids"])
 
 

@@ -1,0 +1,233 @@
+"""The ``"seqpar"`` attention implementation of transformers models: registration, the
+``AttentionInterface`` entry and :func:`apply_hf_attention` (Note [Hugging Face models under the
+strategy] in ``lightning_seqpar.hf``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_seqpar.attention import Attention
+from lightning_seqpar.hf.features import attention_features, check_attention_features, layer_name
+from lightning_seqpar.hf.rope import install_global_length_rotary
+from lightning_seqpar.hf.support import check_sharded_layer, refuse_token_mixers
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "MIN_TRANSFORMERS_VERSION",
+    "apply_hf_attention",
+    "register_attention",
+    "seqpar_attention_forward",
+    "seqpar_attention_mask",
+]
+
+ATTN_IMPLEMENTATION = "seqpar"
+"""The name under which the package's attention is registered with transformers."""
+
+MIN_TRANSFORMERS_VERSION = "4.56"
+"""Oldest transformers release supported (``AttentionInterface``, ``masking_utils``, ``set_attn_implementation``)."""
+
+# kwargs of the attention interface that would change the result and that "seqpar" does not implement
+_UNSUPPORTED_KWARGS: dict[str, str] = {
+    "cu_seq_lens_q": "packed sequences given as cu_seq_lens_q (put document_ids, or position_ids restarting at 0, in the batch: "
+                     "SequenceParallelStrategy then masks documents itself)",
+    "cu_seq_lens_k": "packed sequences given as cu_seq_lens_k (put document_ids, or position_ids restarting at 0, in the batch: "
+                     "SequenceParallelStrategy then masks documents itself)",
+    "head_mask": "a head mask",
+}
+
+# config fields that change the logits after ``lm_head`` (the chunked loss computes hidden @ W^T only)
+
+def _transformers() -> Any:
+    """The transformers module, or an ImportError saying how to install a supported version."""
+    try:
+        import transformers
+    except ImportError as error:  # pragma: no cover - exercised only without transformers
+        raise ImportError(
+            "Hugging Face models need `transformers>=4.56`: pip install 'lightning-seqpar[hf]' "
+            "(or pip install 'transformers>=4.56')"
+        ) from error
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release[:2] < Version(MIN_TRANSFORMERS_VERSION).release[:2]:
+        raise ImportError(
+            f"Hugging Face models need transformers>={MIN_TRANSFORMERS_VERSION} (AttentionInterface and masking_utils); "
+            f"found {transformers.__version__}"
+        )
+    return transformers
+
+
+# --------------------------------------------------------------------------------------------- registration
+
+
+def register_attention() -> None:
+    """Register ``"seqpar"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``.
+
+    Idempotent. This is the only global state the package touches, and it lives in transformers'
+    own registries, which exist for exactly this purpose.
+    """
+    transformers = _transformers()
+    transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, seqpar_attention_forward)
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, seqpar_attention_mask)
+
+
+def seqpar_attention_mask(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> None:
+    """``AttentionMaskInterface`` function of ``"seqpar"``: no mask (the attention is causal by construction).
+
+    transformers calls it from ``create_causal_mask`` / ``create_sliding_window_causal_mask`` with
+    the 2-D padding mask (if any) as a bool tensor. Never materialises a 4-D mask. Raises a
+    ValueError for a mask with padding, which "seqpar" cannot apply (Note [Hugging Face models
+    under the strategy]); sliding windows are checked by :func:`seqpar_attention_forward`.
+    """
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} is causal over the whole sequence and cannot apply an "
+            "attention_mask with padding: pad on the right, drop the attention_mask and set labels=-100 on the "
+            "padding (exact under a causal mask); left padding and document masks are not supported"
+        )
+    return None
+
+
+def seqpar_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """``AttentionInterface`` function of ``"seqpar"``: the layer's ``seqpar_attention`` child on ``[B, S, H, D]``.
+
+    Args:
+        module: the transformers attention layer (its ``seqpar_attention`` is set by :func:`apply_hf_attention`).
+        query: ``[B, H_q, S_local, D]``; key, value: ``[B, H_kv, S_local, D]`` (GQA: not repeated).
+        attention_mask: must be None (see :func:`seqpar_attention_mask`).
+        scaling: the softmax scale; must equal the one the ``Attention`` child was built with.
+        dropout: must be 0.
+
+    Returns:
+        ``(attn_output [B, S_local, H_q, D], None)``: no attention weights.
+
+    Raises:
+        ValueError: anything "seqpar" cannot compute exactly (Note [Hugging Face models under the
+        strategy]), from local metadata before any communication.
+    """
+    attention = getattr(module, "seqpar_attention", None)
+    name = layer_name(module)
+    if not isinstance(attention, Attention):
+        raise ValueError(
+            f"{name} runs attn_implementation={ATTN_IMPLEMENTATION!r} but has no `seqpar_attention` child: call "
+            "lightning_seqpar.hf.apply_hf_attention(model) (or wrap it in lightning_seqpar.hf.HFCausalLM)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"{name}: attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention mask (got shape "
+            f"{tuple(attention_mask.shape)}): it is causal over the whole sequence; pad on the right with labels=-100 "
+            "instead of masking"
+        )
+    if dropout:
+        raise ValueError(
+            f"{name}: attention dropout {dropout} (config.attention_dropout) is not supported by "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}; set config.attention_dropout=0.0 for training"
+        )
+    for key_name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(key_name) is not None:
+            raise ValueError(f"{name}: {what} is not supported by attn_implementation={ATTN_IMPLEMENTATION!r}")
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise ValueError(
+            f"{name} is not causal (bidirectional attention, e.g. config.use_bidirectional_attention); "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} is causal only"
+        )
+    if scaling is not None and attention.scale is not None and not math.isclose(scaling, attention.scale, rel_tol=1e-6):
+        raise ValueError(
+            f"{name} calls attention with scaling={scaling}, but its seqpar_attention was built with "
+            f"scale={attention.scale}; call apply_hf_attention(model) again after changing the layer's scaling"
+        )
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"{name}: query length {query.shape[2]} != key length {key.shape[2]} (a KV cache?): attn_implementation="
+            f"{ATTN_IMPLEMENTATION!r} is for training on whole sequences; generate with "
+            "model.set_attn_implementation('sdpa') and use_cache as usual"
+        )
+    sp = 1 if attention.mesh is None else attention.mesh.size()
+    seq_len = query.shape[2] * sp  # the GLOBAL length: windows and chunks are measured on it
+    check_attention_features(module, attention_features(module, kwargs), seq_len=seq_len,
+                             what="sequence length" + (f" (local {query.shape[2]} x {sp} ranks)" if sp > 1 else ""))
+    if sp > 1:
+        check_sharded_layer(module)
+    # [B, H, S, D] -> [B, S, H, D], the layout of the package's attention (and HF's expected output)
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+    return out, None
+
+
+# --------------------------------------------------------------------------------------------- applying it
+
+
+def _is_attention_layer(module: nn.Module) -> bool:
+    """A transformers attention layer: it has a softmax ``scaling``, an ``is_causal`` flag and the model config."""
+    scaling = getattr(module, "scaling", None)
+    return (
+        isinstance(scaling, (int, float))
+        and not isinstance(scaling, bool)
+        and hasattr(module, "is_causal")
+        and hasattr(module, "config")
+    )
+
+
+def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> int:
+    """Make a transformers ``PreTrainedModel`` run the package's attention (Note [Hugging Face models under the strategy]).
+
+    Registers ``"seqpar"``, sets it with ``model.set_attn_implementation`` and gives every attention
+    layer a child ``seqpar_attention = Attention(causal=True, scale=layer.scaling)`` (kept, with
+    its mesh configuration, if already there). In place; returns the number of attention layers. Without a strategy the
+    ``Attention`` children run local attention; the strategy's ``apply_attention`` configures them.
+    Rotary embeddings whose frequencies read the sequence length get the hooks of Note
+    [Length-dependent rotary embeddings] (``lightning_seqpar.hf.rope``).
+
+    Args:
+        model: a transformers ``PreTrainedModel`` whose attention layers call ``AttentionInterface``.
+        max_seq_len: the longest (global) sequence to be trained on. When given, layers whose
+            sliding window or attention chunk is shorter raise here; in any case every forward
+            checks them against the actual global length.
+
+    Raises:
+        ValueError: not a ``PreTrainedModel``, a token mixer other than attention
+            (``lightning_seqpar.hf.support.refuse_token_mixers``; nothing is changed then), a
+            model whose attention does not go through ``AttentionInterface``, no attention layer
+            found, or a sliding window / attention chunk < ``max_seq_len``.
+    """
+    transformers = _transformers()
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise ValueError(f"model must be a transformers.PreTrainedModel, got {type(model).__name__}")
+    if max_seq_len is not None and (not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1):
+        raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
+    refuse_token_mixers(model)  # Note [Exact or refused: position-dependent layers of Hugging Face models]
+    register_attention()
+    layers = [(name, m) for name, m in model.named_modules() if _is_attention_layer(m)]
+    if max_seq_len is not None:
+        for name, layer in layers:
+            check_attention_features(layer, attention_features(layer), seq_len=max_seq_len, what="max_seq_len",
+                                     where=f" at {name!r}", lengths_only=True)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION or not layers:
+        raise ValueError(
+            f"{type(model).__name__} does not route its attention through transformers.AttentionInterface "
+            f"(attn_implementation is {model.config._attn_implementation!r}, {len(layers)} attention layers found), "
+            "so the sequence-parallel attention cannot be installed without patching it; supported: models whose "
+            "attention layers call ALL_ATTENTION_FUNCTIONS.get_interface (Llama, Mistral, Qwen2/3, Gemma, ...)"
+        )
+    for _, layer in layers:
+        child = getattr(layer, "seqpar_attention", None)
+        if isinstance(child, Attention):  # applied before: keep its mesh configuration, follow the layer's scale
+            child.scale = float(layer.scaling)
+        else:
+            layer.seqpar_attention = Attention(causal=True, scale=float(layer.scaling))  # a registered child module
+    install_global_length_rotary(model, [layer.seqpar_attention for _, layer in layers])  # Note [Length-dependent rotary embeddings]
+    return len(layers)

@@ -1,0 +1,193 @@
+"""What a transformers attention layer asks of its attention beyond causal softmax attention.
+
+Note [Reading a layer's attention features]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+transformers applies a layer's sliding window, chunking, soft-capping or sinks in three different
+places, depending on the model:
+
+* as a kwarg of the attention interface (Mistral, Qwen2/3, Gemma pass ``sliding_window=``;
+  Gemma2 passes ``softcap=``; GPT-OSS passes ``s_aux=`` (its sinks));
+* only through the mask: Qwen2-MoE keeps the window in the layer's ``sliding_window`` attribute
+  and lets ``create_sliding_window_causal_mask`` apply it; Llama 4's chunked layers
+  (``config.layer_types[i] == "chunked_attention"``, ``config.attention_chunk_size``) are applied by
+  ``create_chunked_causal_mask`` only;
+* only the config says so (``config.layer_types``, ``use_sliding_window``).
+
+``"seqpar"``'s mask function returns None (the attention is causal by construction), so a window
+read only from the kwargs is silently lost for the second kind. :func:`attention_features` reads
+all three, in that order of precedence, into one :class:`AttentionFeatures`; the attention entry
+(``seqpar_attention_forward``) and the set-up checks use nothing else. Semantics, as transformers'
+masks (``masking_utils.sliding_window_overlay`` / ``chunked_overlay``):
+
+* window ``w``: query ``i`` sees key ``j`` iff ``0 <= i - j < w``; over a sequence of ``S <= w``
+  tokens it IS full causal attention;
+* chunk ``c``: query ``i`` sees key ``j <= i`` iff ``i // c == j // c``; over ``S <= c`` tokens it
+  is full causal attention;
+* softcap ``s``: scores ``s * tanh(scores / s)`` before the softmax;
+* sinks: one learned logit per head added to the softmax denominator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["AttentionFeatures", "attention_features", "check_attention_features", "layer_name"]
+
+_WINDOWED_LAYER_TYPES = ("sliding_attention",)
+_CHUNKED_LAYER_TYPES = ("chunked_attention",)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFeatures:
+    """What a layer's attention does beyond plain causal softmax (None: not used).
+
+    ``*_field``: the config field and value behind each feature (``"config.sliding_window=8 with
+    config.layer_types[1]='sliding_attention'"``), for error messages.
+    """
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: Tensor | None = dataclasses.field(default=None, compare=False)
+    chunk_size: int | None = None
+    window_field: str = ""
+    softcap_field: str = ""
+    sinks_field: str = ""
+    chunk_field: str = ""
+
+    @property
+    def plain(self) -> bool:
+        """Plain causal attention: no window, chunk, soft-capping or sinks."""
+        return self.window is None and self.softcap is None and self.sinks is None and self.chunk_size is None
+
+    def covers(self, seq_len: int) -> bool:
+        """Whether over ``seq_len`` tokens the window and the chunks make no difference (full causal attention)."""
+        return (self.window is None or seq_len <= self.window) and (self.chunk_size is None or seq_len <= self.chunk_size)
+
+
+def layer_name(module: nn.Module) -> str:
+    """``"LlamaAttention (layer 3)"``."""
+    layer_idx = getattr(module, "layer_idx", None)
+    return f"{type(module).__name__}" + (f" (layer {layer_idx})" if layer_idx is not None else "")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _layer_type(module: nn.Module) -> tuple[str | None, str]:
+    """(config.layer_types[layer_idx], its field name) or (None, "")."""
+    config = getattr(module, "config", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(layer_types):
+        return None, ""
+    return layer_types[layer_idx], f"config.layer_types[{layer_idx}]={layer_types[layer_idx]!r}"
+
+
+def attention_features(module: nn.Module, kwargs: Mapping[str, Any] | None = None) -> AttentionFeatures:
+    """The window, soft-capping, sinks and chunk size of a transformers attention layer
+    (Note [Reading a layer's attention features]).
+
+    Args:
+        module: the transformers attention layer (``self`` of the attention interface call).
+        kwargs: the kwargs of the attention interface call (None or {} at set-up: then the
+            layer and its config only).
+
+    Returns:
+        An :class:`AttentionFeatures`; reads local metadata only (no communication).
+    """
+    kwargs = kwargs or {}
+    config = getattr(module, "config", None)
+    layer_type, type_field = _layer_type(module)
+
+    window, window_field = None, ""
+    if _positive(kwargs.get("sliding_window")):  # the field is named after the config, which is what users set
+        window = int(kwargs["sliding_window"])
+    elif _positive(getattr(module, "sliding_window", None)):
+        window = int(module.sliding_window)
+    elif layer_type is not None:
+        if layer_type in _WINDOWED_LAYER_TYPES and _positive(getattr(config, "sliding_window", None)):
+            window = int(config.sliding_window)
+    elif getattr(config, "use_sliding_window", True) and _positive(getattr(config, "sliding_window", None)):
+        window = int(config.sliding_window)
+    if window is not None:
+        window_field = f"config.sliding_window={window}" + (f" with {type_field}" if type_field else "")
+
+    softcap, softcap_field = None, ""
+    if _positive(kwargs.get("softcap")):
+        softcap = float(kwargs["softcap"])
+    elif _positive(getattr(config, "attn_logit_softcapping", None)):
+        softcap = float(config.attn_logit_softcapping)
+    if softcap is not None:
+        softcap_field = f"config.attn_logit_softcapping={softcap}"
+
+    sinks, sinks_field = None, ""
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            sinks, sinks_field = kwargs[name], f"the {name} kwarg of the attention call"
+            break
+    else:
+        if isinstance(getattr(module, "sinks", None), Tensor):
+            sinks, sinks_field = module.sinks, f"{type(module).__name__}.sinks"
+
+    chunk, chunk_field = None, ""
+    if _positive(kwargs.get("attention_chunk_size")):
+        chunk = int(kwargs["attention_chunk_size"])
+    elif layer_type in _CHUNKED_LAYER_TYPES and _positive(getattr(config, "attention_chunk_size", None)):
+        chunk = int(config.attention_chunk_size)
+    if chunk is not None:
+        chunk_field = f"config.attention_chunk_size={chunk}" + (f" with {type_field}" if type_field else "")
+
+    return AttentionFeatures(window=window, softcap=softcap, sinks=sinks, chunk_size=chunk, window_field=window_field,
+                             softcap_field=softcap_field, sinks_field=sinks_field, chunk_field=chunk_field)
+
+
+def check_attention_features(module: nn.Module, features: AttentionFeatures, *, seq_len: int, what: str = "sequence length",
+                             where: str = "", lengths_only: bool = False) -> None:
+    """Refuse, with a ValueError naming the layer and the config field, what ``"seqpar"`` cannot compute exactly.
+
+    A window or chunk size of at least ``seq_len`` (the GLOBAL length) is full causal attention
+    and passes; a shorter one, soft-capping and sinks raise (the package's ``Attention`` has none
+    of them yet). Local metadata only: call it before any communication, identically on every rank.
+
+    Args:
+        module: the attention layer (named in the message).
+        features: :func:`attention_features` of that layer.
+        seq_len: the global sequence length (local length x sequence-parallel size).
+        what: how ``seq_len`` is described in the message ("sequence length", "max_seq_len").
+        where: appended to the layer's name (e.g. its module path).
+        lengths_only: check the window and chunk size only (set-up, where soft-capping and sinks
+            are left to the first call).
+    """
+    from lightning_seqpar.hf.attention import ATTN_IMPLEMENTATION
+
+    name = layer_name(module) + where
+    if features.window is not None and seq_len > features.window:
+        window = features.window
+        raise ValueError(
+            f"{name} uses sliding-window attention ({features.window_field}) and the {what} is {seq_len} > {window}: "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} has no sliding window and would silently give full attention. "
+            f"Train with sequences of at most {window} tokens (then the window covers everything and full causal attention "
+            "is exact), or use a model / config without sliding-window layers (e.g. Qwen2 with use_sliding_window=False)"
+        )
+    if features.chunk_size is not None and seq_len > features.chunk_size:
+        chunk = features.chunk_size
+        raise ValueError(
+            f"{name} uses chunked attention ({features.chunk_field}) and the {what} is {seq_len} > {chunk}: "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} has no chunked attention and would silently give full causal "
+            f"attention. Train with sequences of at most {chunk} tokens (then one chunk covers everything and full causal "
+            "attention is exact)"
+        )
+    if lengths_only:
+        return
+    if features.softcap is not None:
+        raise ValueError(
+            f"{name}: attention logit soft-capping ({features.softcap_field}) is not supported by "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}"
+        )
+    if features.sinks is not None:
+        raise ValueError(f"{name}: attention sinks ({features.sinks_field}) are not supported by attn_implementation={ATTN_IMPLEMENTATION!r}")

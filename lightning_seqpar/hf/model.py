@@ -1,0 +1,238 @@
+"""A transformers causal LM behind the interface of the package's models: building, :class:`HFCausalLM`, saving."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_seqpar.attention import Attention
+from lightning_seqpar.hf.attention import _transformers, apply_hf_attention
+from lightning_seqpar.hf.features import attention_features, check_attention_features
+from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
+from lightning_seqpar.hf.support import check_sharded_layer
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = ["HFCausalLM", "build_hf_causal_lm", "is_hf_source", "load_hf_config", "save_hf_pretrained"]
+
+# config fields that change the logits after ``lm_head`` (the chunked loss computes hidden @ W^T only)
+_LOGIT_TRANSFORMS: tuple[tuple[str, object], ...] = (
+    ("final_logit_softcapping", None),
+    ("logit_scale", 1.0),
+    ("logits_scaling", 1.0),
+)
+
+
+# --------------------------------------------------------------------------------------------- building
+
+
+def is_hf_source(model: object) -> bool:
+    """Whether ``model`` designates a transformers causal LM: a local folder with ``config.json``, a
+    ``PretrainedConfig``, a ``PreTrainedModel`` or a mapping with a ``"model_type"`` key."""
+    if isinstance(model, (str, os.PathLike)):
+        return os.path.isfile(os.path.join(os.fspath(model), "config.json"))
+    if isinstance(model, Mapping):
+        return "model_type" in model
+    transformers = sys.modules.get("transformers")  # an object of transformers exists only once it is imported
+    return transformers is not None and isinstance(model, (transformers.PretrainedConfig, transformers.PreTrainedModel))
+
+
+def load_hf_config(source: Any) -> PretrainedConfig:
+    """The ``PretrainedConfig`` of an :func:`is_hf_source` ``source`` (a folder is read, nothing is downloaded)."""
+    transformers = _transformers()
+    if isinstance(source, transformers.PreTrainedModel):
+        return source.config
+    if isinstance(source, transformers.PretrainedConfig):
+        return source
+    if isinstance(source, Mapping):
+        fields = dict(source)
+        return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model={path!r} is not a local Hugging Face model folder (no config.json)")
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    raise ValueError(
+        f"model must be a local Hugging Face model folder, a transformers.PretrainedConfig, a PreTrainedModel or a dict "
+        f"with 'model_type'; got {type(source).__name__}"
+    )
+
+
+def build_hf_causal_lm(source: Any, *, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """A transformers causal LM: ``from_pretrained`` of a local folder (weights included), or ``from_config``
+    (random init, from the current torch random state) of a config or a dict with ``"model_type"``.
+
+    Built on the current default device (the strategy's ``tensor_init_context`` sets it) in ``dtype``
+    (default: ``torch.get_default_dtype()``, which Lightning's precision plugin sets).
+    """
+    transformers = _transformers()
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if isinstance(source, transformers.PreTrainedModel):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        load_hf_config(source)  # the folder check, with its error message
+        return transformers.AutoModelForCausalLM.from_pretrained(os.fspath(source), dtype=dtype, local_files_only=True)
+    config = copy.deepcopy(load_hf_config(source))  # the model owns its config: set_attn_implementation changes it
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM with the interface of the package's models (what ``CausalLMModule`` calls).
+
+    ``forward(input_ids, position_ids)`` -> logits ``(B, S, V)``; ``output="hidden"`` -> the final
+    hidden states ``(B, S, d)`` for the chunked loss over ``lm_head.weight``. The transformers model
+    is the child ``hf`` (parameter names ``hf.<transformers name>``); its decoder layers
+    (``hf.model.layers``) are the blocks that the strategy checkpoints and shards.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` for causal LM (:func:`apply_hf_attention` is applied).
+        max_seq_len: see :func:`apply_hf_attention`.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, max_seq_len: int | None = None) -> None:
+        super().__init__()
+        apply_hf_attention(model, max_seq_len=max_seq_len)
+        self._router_aux = router_aux(model)  # refuses an auxiliary loss it cannot compute exactly
+        self._router_stats: RouterStats | None = None
+        self.hf = model
+        # tuples, not lists of modules: not registered twice (they are children of the model)
+        self._attention_modules = tuple(m for m in model.modules() if isinstance(m, Attention))
+        self._attention_layers = tuple(m for m in model.modules() if isinstance(getattr(m, "seqpar_attention", None), Attention))
+        config = model.config
+        head = model.get_output_embeddings()
+        embedding = model.get_input_embeddings()
+        tied = head is not None and embedding is not None and head.weight is embedding.weight
+        n = sum(p.numel() for p in model.parameters()) - (0 if embedding is None or tied else embedding.weight.numel())
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self._matmul_params = n
+        self._attn_width = heads * head_dim
+        self._n_layers = config.num_hidden_layers
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The transformers config."""
+        return self.hf.config
+
+    @property
+    def router_aux_loss_config(self) -> RouterAux | None:
+        """The router auxiliary loss the model adds (``config.output_router_logits=True``), or None."""
+        return self._router_aux
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The output projection (``weight`` (V, d)), as the package's models have it."""
+        return self.hf.get_output_embeddings()
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, output: Literal["logits", "hidden"] = "logits") -> Tensor:
+        """Logits ``(B, S, V)`` or, with ``output="hidden"``, the final (normed) hidden states ``(B, S, d)``.
+
+        ``position_ids``: the GLOBAL positions ``(B or 1, S)`` (the strategy's batch hook shards
+        them); required under sequence parallelism.
+        """
+        if position_ids is None and any(m.mesh is not None for m in self._attention_modules):
+            raise ValueError(
+                "HFCausalLM: position_ids (global positions) are required under sequence parallelism: without them the "
+                "model would give each shard positions 0..S_local-1 (SequenceParallelStrategy adds them to the batch)"
+            )
+        # Note [Exact or refused: position-dependent layers of Hugging Face models]: local metadata, before any communication
+        sp = max((m.mesh.size() for m in self._attention_modules if m.mesh is not None), default=1)
+        seq_len = input_ids.shape[1] * sp
+        what = "sequence length" + (f" (local {input_ids.shape[1]} x {sp} ranks)" if sp > 1 else "")
+        for layer in self._attention_layers:
+            check_attention_features(layer, attention_features(layer), seq_len=seq_len, what=what)
+            if sp > 1:
+                check_sharded_layer(layer)
+        if output not in ("logits", "hidden"):
+            raise ValueError(f"output={output!r} is not supported; expected 'logits' or 'hidden'")
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        if self._router_aux is not None:
+            kwargs["output_router_logits"] = True
+        self._router_stats = None
+        if output == "hidden":
+            self._check_plain_head()
+            decoder = self.hf.get_decoder()  # the model without its head (LlamaModel in LlamaForCausalLM)
+            if decoder is self.hf:
+                raise ValueError(f"{type(self.hf).__name__}: found no decoder without the head (get_decoder()); use loss_chunk_size=None")
+            out = decoder(**kwargs)
+        else:
+            out = self.hf(**kwargs)
+        if self._router_aux is not None:
+            self._router_stats = router_stats(out.router_logits, self._router_aux)
+        return out.last_hidden_state if output == "hidden" else out.logits
+
+    def router_aux_loss(self, mesh: DeviceMesh | None = None) -> Tensor | None:
+        """This rank's share of ``router_aux_loss_coef * load_balancing_loss`` of the last forward's global batch,
+        to add to the loss (Note [Router auxiliary loss under sequence parallelism] in ``lightning_seqpar.hf.moe``);
+        None when the model adds no router loss. ``mesh``: every SP x DP rank (one all-reduce of E + 1 numbers)
+        or None (this rank's batch is the whole batch). Consumes the statistics of the last forward."""
+        stats, self._router_stats = self._router_stats, None
+        if self._router_aux is None:
+            return None
+        if stats is None:
+            raise ValueError("HFCausalLM.router_aux_loss: no forward since the last call (the router statistics are per forward)")
+        return router_aux_loss_share(stats, self._router_aux, mesh)
+
+    def _check_plain_head(self) -> None:
+        """``output="hidden"`` serves the chunked loss ``hidden @ lm_head.weight^T``: refuse models whose logits are more."""
+        config = self.hf.config
+        for field, neutral in _LOGIT_TRANSFORMS:
+            value = getattr(config, field, neutral)
+            if value is not None and value != neutral:
+                raise ValueError(
+                    f"{type(self.hf).__name__} transforms its logits after lm_head (config.{field}={value}), which the "
+                    "chunked cross entropy does not: use loss_chunk_size=None"
+                )
+        head = self.lm_head
+        if getattr(head, "bias", None) is not None:
+            raise ValueError(f"{type(self.hf).__name__}'s lm_head has a bias, which the chunked cross entropy ignores: use loss_chunk_size=None")
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token at sequence length ``seq_len`` (Note [FLOPs per token] in
+        ``lightning_seqpar.models.llama``): ``6 * N + 6 * n_layers * seq_len * (H * D)``, N the matmul
+        weights (all parameters but the input embedding, the output head counted even when tied)."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        return 6 * self._matmul_params + 6 * self._n_layers * seq_len * self._attn_width
+
+
+# --------------------------------------------------------------------------------------------- saving
+
+
+def save_hf_pretrained(model: HFCausalLM, save_directory: str | os.PathLike) -> None:
+    """Write ``model.hf`` as one consolidated Hugging Face folder (``save_pretrained``: config + safetensors).
+
+    Collective when ``torch.distributed`` is initialised: EVERY rank must call it. The FSDP2 shards
+    are gathered with ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (full tensors
+    on rank 0's CPU only) and rank 0 writes; a barrier follows. The folder loads with
+    ``AutoModelForCausalLM.from_pretrained(save_directory)`` with no trace of this package (the
+    attention implementation is not saved in the config).
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not isinstance(model, HFCausalLM):
+        raise ValueError(f"save_hf_pretrained needs an HFCausalLM (a CausalLMModule built from a Hugging Face model), got {type(model).__name__}")
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if not distributed or dist.get_rank() == 0:
+        prefix = "hf."
+        hf_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        assert len(hf_state) == len(state), f"unexpected keys outside 'hf.': {sorted(set(state) - {prefix + k for k in hf_state})[:5]}"
+        model.hf.save_pretrained(os.fspath(save_directory), state_dict=hf_state)
+    if distributed:
+        dist.barrier()

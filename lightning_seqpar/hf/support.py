@@ -1,0 +1,114 @@
+"""What of a transformers model is exact under sequence sharding, and the refusals of what is not.
+
+Note [Exact or refused: position-dependent layers of Hugging Face models]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under the strategy each rank runs the unmodified model on ITS shard of every sequence: every
+layer that mixes tokens, or reads where its tokens sit, sees only the shard. Each such thing is
+made exact, or refused by name (ValueError naming the layer class and the config field) before
+any communication, from local metadata that is equal on every rank:
+
+* attention: the package's ``Attention`` (exact); windows, chunks, soft-capping and sinks are
+  read by ``lightning_seqpar.hf.features.attention_features`` and refused by
+  ``check_attention_features`` when they change the result at the GLOBAL length;
+* rotary embeddings: the positions are the global ones (the strategy shards ``position_ids``);
+  rotary variants whose frequencies depend on the sequence length (dynamic NTK, LongRoPE) get the
+  global length (Note [Length-dependent rotary embeddings] in ``lightning_seqpar.hf.rope``);
+* scalings computed from the LOCAL token index (Llama 4's attention temperature tuning of its
+  NoPE layers: ``arange(local length)``) are refused when sharded (:func:`check_sharded_layer`);
+  exact on one rank;
+* token mixers other than attention (causal depthwise convolutions, Mamba / SSM mixers, gated
+  DeltaNet and other linear attention, recurrent blocks: LFM2, Bamba, Jamba, Qwen3-Next,
+  RecurrentGemma, ...) would each run on their shard alone: :func:`refuse_token_mixers` refuses
+  them at set-up (``apply_hf_attention``) by layer class and config field. A later change makes
+  them exact (their state passed between ranks); until then, refused;
+* MoE router auxiliary losses: ``lightning_seqpar.hf.moe``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from lightning_seqpar.hf.features import layer_name
+
+__all__ = ["ATTENTION_LAYER_TYPES", "check_sharded_layer", "find_token_mixers", "refuse_token_mixers"]
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+"""``config.layer_types`` values that are softmax attention through the AttentionInterface (windows and
+chunks are then checked against the length); any other value is a token mixer :func:`refuse_token_mixers` refuses."""
+
+# class names of token mixers that are not attention (matched case-insensitively against every submodule's class)
+_MIXER_CLASS_NAMES = re.compile(
+    r"mamba|ssm|mixer|deltanet|linearattention|linearattn|lightningattention|recurrent|rglru|rwkv|xlstm|mlstm|slstm|"
+    r"hyena|retention|shortconv|causalconv",
+    re.IGNORECASE,
+)
+
+
+def find_token_mixers(model: nn.Module) -> list[str]:
+    """Descriptions of the token mixers of ``model`` that are not attention (empty: none), each naming
+    the module path, its class and the config field that makes it one. Local metadata only.
+
+    Found structurally: ``config.layer_types`` entries outside :data:`ATTENTION_LAYER_TYPES`,
+    ``torch.nn.Conv1d`` modules of kernel size > 1 (a causal depthwise convolution over the
+    sequence, as in LFM2's short convolutions and every Mamba / DeltaNet block), and modules whose class name says Mamba,
+    SSM, mixer, DeltaNet, linear / lightning attention, recurrent, RG-LRU, RWKV, xLSTM, Hyena,
+    retention or short / causal convolution.
+    """
+    found: list[str] = []
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config  # multimodal models keep the decoder's config there
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)):
+        for i, kind in enumerate(layer_types):
+            if kind not in ATTENTION_LAYER_TYPES:
+                found.append(f"decoder layer {i}: config.layer_types[{i}]={kind!r}")
+    seen_inside: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in seen_inside):
+            continue  # one entry per mixer, not one per submodule of it
+        cls = type(module).__name__
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
+            found.append(f"{name!r} ({cls}: a convolution over the sequence, kernel {module.kernel_size[0]})")
+            seen_inside.append(name)
+        elif _MIXER_CLASS_NAMES.search(cls):
+            found.append(f"{name!r} ({cls})")
+            seen_inside.append(name)
+    return found
+
+
+def refuse_token_mixers(model: nn.Module) -> None:
+    """Raise a ValueError naming every token mixer of ``model`` that is not attention (:func:`find_token_mixers`).
+
+    Such a layer (convolution, SSM, linear attention, recurrence) would run on each rank's shard
+    alone under sequence parallelism: a silent wrong answer. Local metadata only; called by
+    ``apply_hf_attention``, before any communication.
+    """
+    found = find_token_mixers(model)
+    if found:
+        shown = "; ".join(found[:6]) + (f"; ... ({len(found)} in all)" if len(found) > 6 else "")
+        raise ValueError(
+            f"{type(model).__name__} mixes tokens with layers other than attention ({shown}): under sequence parallelism "
+            "each would run on its rank's shard of the sequence alone (convolution / SSM / linear-attention / recurrent "
+            "state is not passed between ranks yet), so lightning_seqpar refuses it rather than train it wrongly. Use a "
+            "model whose every token mixer is attention (config.layer_types all 'full_attention' / 'sliding_attention')"
+        )
+
+
+def check_sharded_layer(module: nn.Module) -> None:
+    """Raise a ValueError for an attention layer that computes values from its LOCAL token indices,
+    which are not the global ones once the sequence is sharded. Local metadata only.
+
+    Llama 4's NoPE layers with ``config.attn_temperature_tuning`` scale the queries by
+    ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`` with ``i = arange(local length)``.
+    """
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        layer_idx = getattr(module, "layer_idx", None)
+        field = f"config.no_rope_layers[{layer_idx}]=0" if layer_idx is not None else "config.no_rope_layers"
+        raise ValueError(
+            f"{layer_name(module)} scales its queries with attention temperature tuning (config.attn_temperature_tuning="
+            f"True on a NoPE layer, {field}), computed from the token index inside the rank's shard rather than in the "
+            "whole sequence: not exact under sequence parallelism. Set config.attn_temperature_tuning=False, or train "
+            "with sequence_parallel_size=1"
+        )
