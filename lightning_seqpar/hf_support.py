@@ -64,6 +64,7 @@ SEQ_LEN = 32
 """The sweep's global sequence length (divisible by 2 x 4: zigzag over 4 ranks)."""
 
 VOCAB = 128
+MAX_PARAMS = 3_000_000  # a tiny model is far smaller; more means a size field was missed
 WINDOW = 8  # a window / chunk shorter than SEQ_LEN: the feature bites
 LONG = 64  # a window longer than SEQ_LEN: base configs
 ORIGINAL = 24  # dynamic / LongRoPE original length: between the longest local (zigzag) extent and SEQ_LEN
@@ -116,6 +117,7 @@ _SIZES: dict[str, Any] = {
     "mamba_dt_rank": 4, "mamba_d_ssm": 32,
     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
     "linear_head_dim": 8, "linear_num_heads": 4, "lru_width": 32, "attention_window_size": LONG,
+    "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8,
     "initializer_range": 0.1, "router_jitter_noise": 0.0, "router_z_loss_coef": 0.0,
 }
 _LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
@@ -313,15 +315,17 @@ def build_tiny_model(model_type: str, feature: str | None = None, *, seed: int =
     import transformers
 
     config = tiny_config(model_type, feature)
-    torch.manual_seed(seed)
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.device("meta"):  # count first: a field the shrinking misses must not allocate gigabytes
+            n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).parameters())
+        if n > MAX_PARAMS:
+            raise NotBuilt(f"the tiny model still has {n / 1e6:.0f}M parameters (a component the generic shrinking misses)")
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except NotBuilt:
+        raise
     except Exception as error:  # noqa: BLE001
         raise NotBuilt(f"the tiny model does not build ({type(error).__name__}: {_first_line(error)})") from None
-    n = sum(p.numel() for p in model.parameters())
-    if n > 5_000_000:
-        raise NotBuilt(f"the tiny model still has {n / 1e6:.0f}M parameters (a component the generic shrinking misses)")
-    return model
 
 
 # ---------------------------------------------------------------------------------------- refusals
