@@ -191,7 +191,7 @@ def _run_one(model, mesh, algorithm, data, ref) -> dict[str, str]:
     return {"status": "exact"} if diff is None else {"status": "MISMATCH", "detail": diff}
 
 
-def sweep_worker(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict | None:
+def sweep_worker(rank: int, world_size: int, cases: list[tuple[str, str]], algorithms: tuple[str, ...] | None = None) -> dict | None:
     """Run on every pooled rank: each (architecture, feature) case for every algorithm at sp = world size."""
     warnings.filterwarnings("ignore")
     import logging
@@ -219,7 +219,7 @@ def sweep_worker(rank: int, world_size: int, cases: list[tuple[str, str]]) -> di
             out[key] = {"status": "not built", "detail": "the unmodified model does not run: " + _error_text(error)}
             continue
         runs = {}
-        for algorithm in ALGORITHMS[world_size]:
+        for algorithm in algorithms or ALGORITHMS[world_size]:
             mesh = meshes["2d" if algorithm == "2d" else "ring"]
             runs[f"sp{world_size}/{algorithm}"] = _run_one(model, mesh, algorithm, data, ref)
         out[key] = {"status": "ran", "runs": runs}
@@ -231,8 +231,8 @@ def sweep_worker(rank: int, world_size: int, cases: list[tuple[str, str]]) -> di
 # --------------------------------------------------------------------------------------------- running it
 
 
-def _sweep(cases: list[tuple[str, str]], world_size: int, timeout: float = 900) -> dict:
-    return run_distributed(sweep_worker, world_size, cases, timeout=timeout)[0]
+def _sweep(cases: list[tuple[str, str]], world_size: int, timeout: float = 900, algorithms: tuple[str, ...] | None = None) -> dict:
+    return run_distributed(sweep_worker, world_size, cases, algorithms, timeout=timeout)[0]
 
 
 def _failures(results: dict) -> list[str]:
@@ -287,19 +287,23 @@ def test_full_sweep():
     only = os.environ.get("SEQPAR_HF_SWEEP_ARCHS")
     if only:
         archs = [a for a in archs if a in only.split(",")]
-    sp4_all = os.environ.get("SEQPAR_HF_SWEEP_SP4") == "all"
+    sp4 = os.environ.get("SEQPAR_HF_SWEEP_SP4", "base")  # "all", "base" or "none"
+    sizes = [int(w) for w in os.environ.get("SEQPAR_HF_SWEEP_SIZES", "2,4").split(",")]
+    skip = set(filter(None, os.environ.get("SEQPAR_HF_SWEEP_SKIP_FEATURES", "").split(",")))
     path = os.environ.get("SEQPAR_HF_SWEEP_RECORD")
     results: dict[str, dict] = {}
     for arch in archs:
         try:
-            features = ["base", *hf_support.features_of(arch)]
+            features = ["base", *(f for f in hf_support.features_of(arch) if f not in skip)]
         except hf_support.NotBuilt as error:
             results[f"{arch}/base"] = {"status": "not built", "detail": str(error)}
             continue
-        for w, chosen in ((2, features), (4, features if sp4_all else ["base"])):
+        plan = {2: features, 4: {"all": features, "base": ["base"], "none": []}[sp4]}
+        for w, chosen in ((w, plan[w]) for w in sizes if plan[w]):
             cases = [(arch, f) for f in chosen]
             try:
-                part = _sweep(cases, w, timeout=600)
+                algos = os.environ.get(f"SEQPAR_HF_SWEEP_ALGOS_{w}")
+                part = _sweep(cases, w, timeout=600, algorithms=tuple(algos.split(",")) if algos else None)
             except (AssertionError, TimeoutError, RuntimeError) as error:  # a crash or hang of one architecture
                 part = {f"{arch}/{f}": {"status": "ran", "runs": {f"sp{w}/*": {
                     "status": "error", "detail": f"worker failed: {str(error).strip().splitlines()[-1][:300]}"}}}
