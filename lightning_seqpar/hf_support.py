@@ -354,6 +354,47 @@ def _token_mixers(model: nn.Module) -> list[tuple[str, str]]:
     return found
 
 
+def _attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers attention layers: a softmax ``scaling``, an ``is_causal`` flag and the config."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(getattr(m, "scaling", None), (int, float)) and hasattr(m, "is_causal") and hasattr(m, "config")]
+
+
+def _check_windows(model: nn.Module, arch: str, max_seq_len: int) -> None:
+    """Every layer's sliding window / attention chunk against ``max_seq_len``, all layers at once.
+
+    The attention function checks the window of each layer when it runs; a window on layer > 0
+    is then found only after layer 0 communicated (the sweep's ``cwm``, ``gemma3_text``-like
+    layouts with a full layer first). Checking every layer here refuses before anything runs.
+    """
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    for name, layer in _attention_layers(model):
+        idx = getattr(layer, "layer_idx", None)
+        kind = layer_types[idx] if isinstance(layer_types, list) and isinstance(idx, int) and idx < len(layer_types) else None
+        if kind is not None and kind not in ("sliding_attention", "chunked_attention"):
+            continue
+        if kind == "chunked_attention" or (kind is None and getattr(config, "attention_chunk_size", None)):
+            chunk = getattr(config, "attention_chunk_size", None)
+            if isinstance(chunk, int) and chunk < max_seq_len:
+                raise ValueError(
+                    f"{type(model).__name__} (model_type={arch!r}) layer {name!r} uses chunked attention "
+                    f"(config.attention_chunk_size={chunk}) shorter than max_seq_len={max_seq_len}: the sequence-parallel "
+                    "attention has no chunk mask; train with sequences of at most that many tokens"
+                )
+            continue
+        window = getattr(layer, "sliding_window", None)
+        if window is None and (kind == "sliding_attention" or getattr(config, "use_sliding_window", True)):
+            window = getattr(config, "sliding_window", None)
+        if isinstance(window, int) and window < max_seq_len:
+            field = f"config.sliding_window with config.layer_types[{idx}]={kind!r}" if kind else "config.sliding_window"
+            raise ValueError(
+                f"{type(model).__name__} (model_type={arch!r}) layer {name!r} uses sliding-window attention ({field}={window}) "
+                f"shorter than max_seq_len={max_seq_len}: the sequence-parallel attention has no sliding window; train with "
+                f"sequences of at most {window} tokens or a config without sliding-window layers"
+            )
+
+
 def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -> None:
     """Refuse a transformers model whose sequence-parallel run would silently differ (Note [Silent mismatches the sweep found]).
 
@@ -369,6 +410,8 @@ def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -
     """
     config = getattr(model, "config", None)
     arch = getattr(config, "model_type", type(model).__name__)
+    if max_seq_len is not None:
+        _check_windows(model, arch, max_seq_len)
     mixers = _token_mixers(model)
     if mixers:
         name, cls = mixers[0]

@@ -114,7 +114,7 @@ def _sp_step(model, mesh, algorithm, data):
     from lightning_seqpar.parallelize import apply_attention
     from lightning_seqpar.sharding import shard_sequence
 
-    hf_support.check_model_supported(model)
+    hf_support.check_model_supported(model, max_seq_len=hf_support.SEQ_LEN)
     wrapped = HFCausalLM(model)
     apply_attention(wrapped, mesh, algorithm=algorithm, layout="zigzag")
     wrapped.train()
@@ -330,3 +330,32 @@ def test_the_table_is_generated_from_the_record():
         "docs/hf_support.md is not the rendering of docs/hf_support.json: run "
         "python -m lightning_seqpar.hf_support --record docs/hf_support.json --write docs/hf_support.md")
     assert record["archs_walked"] == len(hf_support.causal_lm_architectures()) or record["transformers"] != transformers.__version__
+
+
+# --------------------------------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("arch", ["jamba", "falcon_mamba", "lfm2"])
+def test_token_mixing_layers_are_refused_by_name(arch):
+    model = hf_support.build_tiny_model(arch)
+    with pytest.raises(ValueError, match=rf"model_type='{arch}'.*token-mixing layers that are not attention \(\w+ at '"):
+        hf_support.check_model_supported(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text", "mixtral"])
+def test_attention_only_models_pass_the_check(arch):
+    hf_support.check_model_supported(hf_support.build_tiny_model(arch), max_seq_len=hf_support.SEQ_LEN)
+
+
+def test_tiny_configs_switch_the_feature_on():
+    assert hf_support.tiny_config("mistral").sliding_window > hf_support.SEQ_LEN
+    assert hf_support.tiny_config("mistral", "sliding_window").sliding_window < hf_support.SEQ_LEN
+    assert hf_support.tiny_config("gemma2", "softcap").attn_logit_softcapping == 0.5
+    assert hf_support.tiny_config("llama", "rope_yarn").rope_parameters["rope_type"] == "yarn"
+    assert hf_support.tiny_config("mixtral", "moe_aux").output_router_logits is True
+    jamba = hf_support.tiny_config("jamba")
+    assert {"attention", "mamba"} <= set(jamba.layers_block_type)  # every layer kind kept
+    with pytest.raises(ValueError, match="no config field for feature 'softcap'"):
+        hf_support.tiny_config("llama", "softcap")
+    with pytest.raises(hf_support.NotBuilt, match="encoder-decoder"):
+        hf_support.tiny_config("bart")
