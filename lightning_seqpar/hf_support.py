@@ -335,8 +335,14 @@ def build_tiny_model(model_type: str, feature: str | None = None, *, seed: int =
 # Beyond the attention itself (which "seqpar" computes over the whole sequence), a layer that
 # mixes tokens runs on each rank's shard alone and so silently sees a different sequence:
 # recurrent / state-space / convolutional token mixers (Mamba, RWKV, xLSTM, short convolutions,
-# linear-attention and DeltaNet layers, RG-LRU). :func:`check_model_supported` refuses them by
-# their module class, before any communication.
+# linear-attention and DeltaNet layers, RG-LRU, Lightning attention). :func:`check_model_supported`
+# refuses them by their module class, before any communication. Also refused here, all layers at
+# once (the attention function refuses them too, but only when the layer runs, so a layer > 0 is
+# found after layer 0 communicated: the sweep's mimo_v2_flash, cwm, modernbert-decoder):
+# attention sinks (a ``sinks`` parameter on any attention layer), attention logit soft-capping,
+# sliding windows / attention chunks shorter than ``max_seq_len``; and DeepSeek Sparse Attention
+# (an ``*Indexer`` module: top-k key selection over the whole sequence, which otherwise fails with
+# a TypeError deep in the model).
 
 _TOKEN_MIXER_MARKERS: tuple[str, ...] = (
     "Mamba", "Mixer", "ShortConv", "GatedDeltaNet", "DeltaNet", "LinearAttention", "LightningAttention",
@@ -348,6 +354,8 @@ def _token_mixers(model: nn.Module) -> list[tuple[str, str]]:
     found = []
     for name, module in model.named_modules():
         cls = type(module).__name__
+        if cls.endswith(("ForCausalLM", "Model", "LMHeadModel")):  # the model itself (MambaForCausalLM)
+            continue
         if any(m in cls for m in _TOKEN_MIXER_MARKERS) and not name.endswith("seqpar_attention"):
             if not any(name.startswith(prev + ".") for prev, _ in found):
                 found.append((name, cls))
@@ -412,6 +420,28 @@ def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -
     arch = getattr(config, "model_type", type(model).__name__)
     if max_seq_len is not None:
         _check_windows(model, arch, max_seq_len)
+    indexers = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__.endswith("Indexer")]
+    if indexers:
+        name, cls = indexers[0]
+        raise ValueError(
+            f"{type(model).__name__} (model_type={arch!r}) uses sparse attention with a lightning indexer ({cls} at "
+            f"{name!r}: DeepSeek Sparse Attention, config.index_topk={getattr(config, 'index_topk', None)}), which picks "
+            "each query's keys by a top-k over the whole sequence and passes them as a mask: the sequence-parallel "
+            "attention is dense causal; train it without sequence parallelism"
+        )
+    for name, layer in _attention_layers(model):
+        if isinstance(getattr(layer, "sinks", None), nn.Parameter):  # every layer at once, before layer 0 communicates
+            raise ValueError(
+                f"{type(model).__name__} (model_type={arch!r}) has attention sinks ({type(layer).__name__}.sinks at "
+                f"{name!r}), which the sequence-parallel attention does not implement"
+            )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"{type(model).__name__} (model_type={arch!r}) soft-caps its attention logits (config.attn_logit_softcapping="
+            f"{softcap}), which the sequence-parallel attention does not implement; set it to None only if the "
+            "checkpoint was trained without it"
+        )
     mixers = _token_mixers(model)
     if mixers:
         name, cls = mixers[0]

@@ -335,7 +335,7 @@ def test_the_table_is_generated_from_the_record():
 # --------------------------------------------------------------------------------------------- one process
 
 
-@pytest.mark.parametrize("arch", ["jamba", "falcon_mamba", "lfm2"])
+@pytest.mark.parametrize("arch", ["jamba", "falcon_mamba", "lfm2", "minimax", "olmo_hybrid"])
 def test_token_mixing_layers_are_refused_by_name(arch):
     model = hf_support.build_tiny_model(arch)
     with pytest.raises(ValueError, match=rf"model_type='{arch}'.*token-mixing layers that are not attention \(\w+ at '"):
@@ -345,6 +345,21 @@ def test_token_mixing_layers_are_refused_by_name(arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text", "mixtral"])
 def test_attention_only_models_pass_the_check(arch):
     hf_support.check_model_supported(hf_support.build_tiny_model(arch), max_seq_len=hf_support.SEQ_LEN)
+
+
+@pytest.mark.parametrize("arch, feature, match", [
+    ("deepseek_v32", None, r"model_type='deepseek_v32'.*lightning indexer \(DeepseekV32Indexer at 'model.layers.0.self_attn.indexer'"),
+    ("mimo_v2_flash", None, r"model_type='mimo_v2_flash'.*attention sinks \(MiMoV2FlashAttention.sinks at 'model.layers.1.self_attn'"),
+    ("gpt_oss", None, r"attention sinks \(GptOssAttention.sinks"),
+    ("gemma2", None, r"config.attn_logit_softcapping=50.0"),
+    ("cwm", "sliding_window", r"layer 'model.layers.1.self_attn' uses sliding-window attention \(config.sliding_window with "
+                              r"config.layer_types\[1\]='sliding_attention'=8\) shorter than max_seq_len=32"),
+    ("llama4_text", "chunked", r"config.attention_chunk_size=8\) shorter than max_seq_len=32"),
+])
+def test_refusals_name_the_layer_and_field(arch, feature, match):
+    model = hf_support.build_tiny_model(arch, feature)
+    with pytest.raises(ValueError, match=match):
+        hf_support.check_model_supported(model, max_seq_len=hf_support.SEQ_LEN)
 
 
 def test_tiny_configs_switch_the_feature_on():
