@@ -403,6 +403,35 @@ def _check_windows(model: nn.Module, arch: str, max_seq_len: int) -> None:
             )
 
 
+def _check_mask_only_window(model: nn.Module, arch: str, max_seq_len: int | None) -> None:
+    """A sliding window that only the model's mask applies (``create_sliding_window_causal_mask``; the
+    attention layers neither keep it nor pass ``sliding_window=``: PhiMoE): "seqpar" builds no mask,
+    so no per-call check sees the window. Refused unless ``max_seq_len`` shows the window covers it."""
+    import inspect
+
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or getattr(config, "use_sliding_window", True) is False:
+        return
+    if max_seq_len is not None and max_seq_len <= window:
+        return
+    layers = _attention_layers(model)
+    if not layers or any(hasattr(layer, "sliding_window") for _, layer in layers):
+        return
+    try:
+        source = inspect.getsource(type(layers[0][1]).forward)
+    except (OSError, TypeError):
+        return
+    if "sliding_window" in source:
+        return
+    raise ValueError(
+        f"{type(model).__name__} (model_type={arch!r}) applies its sliding window (config.sliding_window={window}) only "
+        f"through the attention mask, which attn_implementation='seqpar' does not build, so no per-call check sees it: "
+        + ("pass max_seq_len (sequences of at most the window are exact)" if max_seq_len is None else
+           f"max_seq_len={max_seq_len} > {window}; train with sequences of at most {window} tokens")
+    )
+
+
 def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -> None:
     """Refuse a transformers model whose sequence-parallel run would silently differ (Note [Silent mismatches the sweep found]).
 
@@ -420,6 +449,7 @@ def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -
     arch = getattr(config, "model_type", type(model).__name__)
     if max_seq_len is not None:
         _check_windows(model, arch, max_seq_len)
+    _check_mask_only_window(model, arch, max_seq_len)
     indexers = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__.endswith("Indexer")]
     if indexers:
         name, cls = indexers[0]

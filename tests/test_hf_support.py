@@ -362,6 +362,14 @@ def test_refusals_name_the_layer_and_field(arch, feature, match):
         hf_support.check_model_supported(model, max_seq_len=hf_support.SEQ_LEN)
 
 
+def test_a_mask_only_window_is_refused_without_max_seq_len():
+    model = hf_support.build_tiny_model("phimoe", "sliding_window")
+    with pytest.raises(ValueError, match="only through the attention mask.*pass max_seq_len"):
+        hf_support.check_model_supported(model)
+    hf_support.check_model_supported(model, max_seq_len=8)  # the window covers the sequence: exact
+    hf_support.check_model_supported(hf_support.build_tiny_model("mistral", "sliding_window"))  # passed per call: checked there
+
+
 def test_tiny_configs_switch_the_feature_on():
     assert hf_support.tiny_config("mistral").sliding_window > hf_support.SEQ_LEN
     assert hf_support.tiny_config("mistral", "sliding_window").sliding_window < hf_support.SEQ_LEN
