@@ -533,8 +533,14 @@ def _cell(case: Mapping[str, Any] | None, known: str | None) -> tuple[str, str |
         label = "/".join(statuses)
     where = ", ".join(sorted(bad))
     first = bad[sorted(bad)[0]]
-    note = f"{where}: {first.get('detail', first['status'])}" + (f" [{known}]" if known else "")
+    note = f"{where}: " + (f"known defect: {known}" if known and label.startswith("MISMATCH") else first.get("detail", first["status"]))
     return label, note
+
+
+def _plan(cases: Mapping[str, Any], base: bool) -> str:
+    """The runs (``sp2/ring``, ...) that the record holds for base configs or for features."""
+    keys = sorted({w for k, c in cases.items() if k.endswith("/base") == base for w in c.get("runs", {})})
+    return ", ".join(keys) if keys else "none"
 
 
 def render_markdown(record: Mapping[str, Any]) -> str:
@@ -544,8 +550,7 @@ def render_markdown(record: Mapping[str, Any]) -> str:
     archs = sorted({k.split("/")[0] for k in cases})
     features = ["base", *record["features"]]
     counts: dict[str, int] = {}
-    reasons: dict[str, int] = {}
-    lines_notes: list[str] = []
+    notes: dict[tuple[str, str], list[str]] = {}
     rows = []
     for arch in archs:
         cells = []
@@ -555,10 +560,7 @@ def render_markdown(record: Mapping[str, Any]) -> str:
             if cell:
                 counts[cell] = counts.get(cell, 0) + 1
                 if note:
-                    lines_notes.append(f"- `{key}` {cell}: {_short(note, 300)}")
-                    if cell == "refused":
-                        reason = note.split(":")[0] if ":" in note else note
-                        reasons[_short(reason, 60)] = reasons.get(_short(reason, 60), 0) + 1
+                    notes.setdefault((cell, _short(note, 400)), []).append(key)
             cells.append(cell or "·")
         rows.append(f"| {arch} | " + " | ".join(cells) + " |")
     built = sum(1 for a in archs if cases.get(f"{a}/base", {}).get("status") == "ran")
@@ -570,9 +572,9 @@ def render_markdown(record: Mapping[str, Any]) -> str:
         "",
         f"Every causal-LM architecture registered in transformers {record['transformers']} "
         f"(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, torch {record['torch']}), as a tiny random fp32 model, its base config "
-        "and each long-context feature its config has, compared on a gloo mesh at sp 2 (ring, all-gather, Ulysses) "
-        f"and sp 4 (ring, all-gather, Ulysses, 2D 2x2), zigzag layout, S={record['seq_len']}, with the unmodified "
-        f"model on the full sequence: logits, loss and every gradient at atol {record['atol']:g}. "
+        f"and each long-context feature its config has, run on a gloo mesh (zigzag layout, S={record['seq_len']}; "
+        f"base configs: {_plan(cases, True)}; features: {_plan(cases, False)}; `2d` is 2 x 2) and compared with the "
+        f"unmodified model on the full sequence: logits, loss and every gradient at atol {record['atol']:g}. "
         "A cell is `exact` (every run matches), `refused` (a ValueError before any collective, every run), "
         "`MISMATCH` (a silent wrong answer; `(known)`: a defect being fixed), `error` (another exception) or "
         "`not built` (no generic tiny model); `·`: the config has no such feature. Notes below the table give the "
@@ -586,7 +588,10 @@ def render_markdown(record: Mapping[str, Any]) -> str:
         "| architecture | " + " | ".join(features) + " |",
         "|---|" + "---|" * len(features),
     ]
-    tail = ["", "## Notes", "", *lines_notes, ""]
+    order = {"MISMATCH": 0, "MISMATCH (known)": 1, "error": 2, "refused": 3, "not built": 4}
+    lines_notes = [f"- **{cell}** {', '.join(f'`{k}`' for k in keys)}: {note}"
+                   for (cell, note), keys in sorted(notes.items(), key=lambda item: (order.get(item[0][0], 9), item[1][0]))]
+    tail = ["", "## Notes (one line per distinct reason)", "", *lines_notes, ""]
     return "\n".join(header + rows + tail)
 
 
