@@ -285,6 +285,7 @@ def test_ci_subset_is_exact_or_refused():
             assert recorded["runs"][where]["status"] == run["status"], (name, where, recorded["runs"][where], run)
 
 
+@pytest.mark.timeout(3600)
 @pytest.mark.skipif(not FULL, reason="the full sweep runs with SEQPAR_HF_SWEEP=full")
 def test_full_sweep():
     """Every architecture: base and each feature at sp 2; at sp 4 the base config (every feature with
