@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from lightning_seqpar.attention.documents import DocSegments, gathered_doc_plan
 from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward
+from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import merge_, new_accumulators
+from lightning_seqpar.attention.variants import Variant, VariantPlan
 from lightning_seqpar.sharding import chunk_ids, num_chunks
 
 
@@ -154,8 +156,50 @@ def _reduce_scatter_kv(dkv_rank_order: torch.Tensor, world: int, s_local: int, g
     return mine
 
 
-def allgather_forward(q, k, v, *, group, causal: bool, layout: str, scale: float, backend: str, docs: torch.Tensor | None = None):
+def _shift(cols: slice, offset: int, s_local: int) -> slice:
+    return slice(offset + (cols.start or 0), offset + (s_local if cols.stop is None else cols.stop))
+
+
+def _variant_blocks(plan: VariantPlan, rank: int, world: int, s_local: int):
+    """(query rows, key rows of the rank-ordered gathered K/V, Mask) of every non-skipped block."""
+    return [(rows, _shift(cols, src * s_local, s_local), mask) for src in range(world) for rows, cols, mask in plan.blocks(rank, src)]
+
+
+def variant_gathered_forward(q, kv, *, rank: int, world: int, layout: str, scale: float, backend: str, docs, variant: Variant):
+    """Window / chunk / softcap (Note [Attention variants]): local queries over ``kv`` = (2, B, W*S, H, D) in RANK order,
+    one block per (local half, source half) pair that the variant does not mask wholly."""
+    s_local = q.shape[1]
+    plan = VariantPlan(world, layout, s_local, docs, variant, q.device)
+    out, lse = new_accumulators(q, kv.shape[-1])
+    for rows, cols, mask in _variant_blocks(plan, rank, world, s_local):
+        o, l = variant_block_forward(q[:, rows], kv[0][:, cols], kv[1][:, cols], mask, scale=scale, backend=backend)
+        merge_(out, lse, o, l, rows)
+    return out.to(q.dtype), lse
+
+
+def variant_gathered_backward(dout, q, kv, out, lse, *, rank: int, world: int, layout: str, scale: float, backend: str, docs,
+                              variant: Variant):
+    """``(dq, dkv)`` of :func:`variant_gathered_forward`; dkv (fp32) in rank order like ``kv``."""
+    s_local = q.shape[1]
+    plan = VariantPlan(world, layout, s_local, docs, variant, q.device)
+    acc = acc_dtype(q.dtype, q.device)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+    for rows, cols, mask in _variant_blocks(plan, rank, world, s_local):
+        dq_b, dk_b, dv_b = variant_block_backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows], lse[:, :, rows],
+                                                  mask, scale=scale, backend=backend)
+        dq[:, rows] += dq_b
+        dkv[0][:, cols] += dk_b
+        dkv[1][:, cols] += dv_b
+    return dq, dkv
+
+
+def allgather_forward(q, k, v, *, group, causal: bool, layout: str, scale: float, backend: str, docs: torch.Tensor | None = None,
+                      variant: Variant | None = None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if variant is not None:
+        kv = _rank_ordered(_gather_kv(k, v, group))
+        return variant_gathered_forward(q, kv, rank=rank, world=world, layout=layout, scale=scale, backend=backend, docs=docs, variant=variant)
     if docs is not None:
         kv = _rank_ordered(_gather_kv(k, v, group))
         return doc_gathered_forward(q, kv, rank=rank, world=world, causal=causal, scale=scale, backend=backend, docs=docs)
@@ -164,10 +208,14 @@ def allgather_forward(q, k, v, *, group, causal: bool, layout: str, scale: float
 
 
 def allgather_backward(dout, q, k, v, out, lse, *, group, causal: bool, layout: str, scale: float, backend: str,
-                       docs: torch.Tensor | None = None):
+                       docs: torch.Tensor | None = None, variant: Variant | None = None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     s_local = q.shape[1]
-    if docs is not None:
+    if variant is not None:
+        kv = _rank_ordered(_gather_kv(k, v, group))
+        dq, ranked = variant_gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, layout=layout, scale=scale, backend=backend,
+                                               docs=docs, variant=variant)
+    elif docs is not None:
         kv = _rank_ordered(_gather_kv(k, v, group))
         dq, ranked = doc_gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, scale=scale, backend=backend, docs=docs)
     else:

@@ -39,9 +39,12 @@ from lightning_seqpar.attention.allgather import (
 )
 from lightning_seqpar.attention.documents import DocSegments, reorder, sample_order
 from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward, default_scale, resolve_backend
+from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
+from lightning_seqpar.attention.merge import new_accumulators
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
 from lightning_seqpar.attention.two_d import two_d_attention
 from lightning_seqpar.attention.ulysses import kv_repeat
+from lightning_seqpar.attention.variants import Variant, check_variant_args, fold_sinks, local_mask, sinks_grad
 from lightning_seqpar.documents import PackedDocuments, current_documents
 from lightning_seqpar.sharding import LAYOUTS
 
@@ -77,49 +80,96 @@ def _local_docs_backward(dout, q, k, v, out, lse, causal, scale, backend, docs):
     return grads
 
 
-@torch.library.custom_op("seqpar::attn_fwd", mutates_args=())
-def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, algorithm: str, group: str, causal: bool, layout: str,
-              scale: float, backend: str, inner: int, docs: Tensor | None = None, head_chunks: int = 1) -> tuple[Tensor, Tensor]:
+def _local_variant_forward(q, k, v, scale, backend, docs, variant: Variant):
+    """The whole sequence (in rank order for Ulysses with documents) under a window / chunk / softcap: one masked block."""
+    order = sample_order(docs, q.device) if docs is not None else None
+    if order is not None:
+        q, k, v = (reorder(x, order[0], 1) for x in (q, k, v))
+    mask, kind = local_mask(q, docs, variant)
+    if mask is None:
+        out, lse = new_accumulators(q, v.shape[-1])
+        out = out.to(q.dtype)
+    else:
+        out, lse = variant_block_forward(q, k, v, mask, scale=scale, backend=backend)
+    if order is not None:
+        out, lse = reorder(out, order[1], 1), reorder(lse, order[1], 2)
+    return out, lse
+
+
+def _local_variant_backward(dout, q, k, v, out, lse, scale, backend, docs, variant: Variant):
+    order = sample_order(docs, q.device) if docs is not None else None
+    if order is not None:
+        dout, q, k, v, out = (reorder(x, order[0], 1) for x in (dout, q, k, v, out))
+        lse = reorder(lse, order[0], 2)
+    mask, _ = local_mask(q, docs, variant)
+    if mask is None:
+        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+    else:
+        grads = variant_block_backward(dout, q, k, v, out, lse, mask, scale=scale, backend=backend)
+    if order is not None:
+        grads = tuple(reorder(g, order[1], 1) for g in grads)
+    return grads
+
+
+def _variant(causal: bool, window: int, chunk: int, softcap: float) -> Variant | None:
+    """The Variant of an op call, or None for plain attention (the original paths)."""
+    return Variant(causal, window, chunk, softcap) if (window or chunk or softcap) else None
+
+
+def _forward(q, k, v, algorithm, group, causal, layout, scale, backend, inner, docs, head_chunks, var: Variant | None):
     if head_chunks > 1:
-        return _fwd_by_heads(q, k, v, head_chunks, lambda qc, kc, vc: _attn_fwd(qc, kc, vc, algorithm, group, causal, layout, scale,
-                                                                                backend, inner, docs))
+        return _fwd_by_heads(q, k, v, head_chunks, lambda qc, kc, vc: _forward(qc, kc, vc, algorithm, group, causal, layout, scale,
+                                                                               backend, inner, docs, 1, var))
     if algorithm == "local":
+        if var is not None:
+            return _local_variant_forward(q, k, v, scale, backend, docs, var)
         if docs is not None:
-            out, lse = _local_docs_forward(q, k, v, causal, scale, backend, docs)
-            return out.contiguous(), lse.contiguous()
+            return _local_docs_forward(q, k, v, causal, scale, backend, docs)
         return block_forward(q, k, v, causal=causal, scale=scale, backend=backend)
     pg = _group(group)
     if algorithm == "gathered":
+        if var is not None:
+            raise ValueError("gathered_kv_attention takes no window, chunk_size or softcap")
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
         if docs is not None:
             return doc_gathered_forward(q, torch.stack([k, v]), rank=rank, world=world, causal=causal, scale=scale, backend=backend, docs=docs)
         kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
         return gathered_forward(q, kv, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
     if algorithm == "ring":
-        return ring_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, inner=inner or None, docs=docs)
-    return allgather_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, docs=docs)
+        return ring_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, inner=inner or None, docs=docs,
+                            variant=var)
+    return allgather_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, docs=docs, variant=var)
+
+
+@torch.library.custom_op("seqpar::attn_fwd", mutates_args=())
+def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, algorithm: str, group: str, causal: bool, layout: str,
+              scale: float, backend: str, inner: int, docs: Tensor | None = None, head_chunks: int = 1,
+              window: int = 0, chunk: int = 0, softcap: float = 0.0, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    out, lse = _forward(q, k, v, algorithm, group, causal, layout, scale, backend, inner, docs, head_chunks,
+                        _variant(causal, window, chunk, softcap))
+    if sinks is not None:  # Note [Attention variants]: one more key of score s_h and value 0, after the last merge
+        out, lse = fold_sinks(out, lse, sinks)
+    return out.contiguous(), lse.contiguous()
 
 
 @_attn_fwd.register_fake
-def _(q, k, v, algorithm, group, causal, layout, scale, backend, inner, docs=None, head_chunks=1):
+def _(q, k, v, algorithm, group, causal, layout, scale, backend, inner, docs=None, head_chunks=1, window=0, chunk=0, softcap=0.0,
+      sinks=None):
     B, S, H, _ = q.shape
     return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=acc_dtype(q.dtype, q.device))
 
 
-@torch.library.custom_op("seqpar::attn_bwd", mutates_args=())
-def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, algorithm: str, group: str,
-              causal: bool, layout: str, scale: float, backend: str, inner: int, docs: Tensor | None = None,
-              head_chunks: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_impl(dout, q, k, v, out, lse, algorithm, group, causal, layout, scale, backend, inner, docs, head_chunks, var):
     if head_chunks > 1:
         return _bwd_by_heads(dout, q, k, v, out, lse, head_chunks,
-                             lambda *t: _attn_bwd(*t, algorithm, group, causal, layout, scale, backend, inner, docs))
-    dout = dout.contiguous()
+                             lambda *t: _backward_impl(*t, algorithm, group, causal, layout, scale, backend, inner, docs, 1, var))
     if algorithm == "local":
+        if var is not None:
+            return _local_variant_backward(dout, q, k, v, out, lse, scale, backend, docs, var)
         if docs is not None:
-            dq, dk, dv = _local_docs_backward(dout, q, k, v, out, lse, causal, scale, backend, docs)
-        else:
-            dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
-    elif algorithm == "gathered":
+            return _local_docs_backward(dout, q, k, v, out, lse, causal, scale, backend, docs)
+        return block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+    if algorithm == "gathered":
         pg = _group(group)
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
         if docs is not None:
@@ -129,13 +179,23 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
             dq, dkv = gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
             dkv = to_rank_order(dkv, world, layout, q.shape[1], dim=2)
-        dk, dv = dkv[0], dkv[1]
-    elif algorithm == "ring":
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout, scale=scale,
-                                   backend=backend, inner=inner or None, docs=docs)
-    else:
-        dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout,
-                                        scale=scale, backend=backend, docs=docs)
+        return dq, dkv[0], dkv[1]
+    if algorithm == "ring":
+        return ring_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout, scale=scale,
+                             backend=backend, inner=inner or None, docs=docs, variant=var)
+    return allgather_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout,
+                              scale=scale, backend=backend, docs=docs, variant=var)
+
+
+@torch.library.custom_op("seqpar::attn_bwd", mutates_args=())
+def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, algorithm: str, group: str,
+              causal: bool, layout: str, scale: float, backend: str, inner: int, docs: Tensor | None = None,
+              head_chunks: int = 1, window: int = 0, chunk: int = 0, softcap: float = 0.0,
+              sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``sinks`` only keeps the schema that of the forward: its gradient is taken in the autograd formula."""
+    dout = dout.contiguous()
+    dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, algorithm, group, causal, layout, scale, backend, inner, docs, head_chunks,
+                                _variant(causal, window, chunk, softcap))
     return _fresh((dq, dk, dv), (q, k, v), (dout, q, k, v, out, lse))
 
 
@@ -192,7 +252,8 @@ def _bwd_by_heads(dout, q, k, v, out, lse, chunks: int, fn) -> tuple[Tensor, Ten
 
 
 @_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, algorithm, group, causal, layout, scale, backend, inner, docs=None, head_chunks=1):
+def _(dout, q, k, v, out, lse, algorithm, group, causal, layout, scale, backend, inner, docs=None, head_chunks=1, window=0, chunk=0,
+      softcap=0.0, sinks=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -207,7 +268,14 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.seqpar.attn_bwd(dout, q, k, v, out, lse, *ctx.args)
-    return (dq, dk, dv) + (None,) * len(ctx.args)
+    grads = [None] * len(ctx.args)
+    sinks = ctx.args[_SINKS] if len(ctx.args) > _SINKS else None
+    if sinks is not None and ctx.needs_input_grad[3 + _SINKS]:
+        grads[_SINKS] = sinks_grad(dout, out, lse, sinks)  # Note [Attention variants]
+    return (dq, dk, dv, *grads)
+
+
+_SINKS = 12  # position of ``sinks`` among the op's arguments after (q, k, v)
 
 
 torch.library.register_autograd("seqpar::attn_fwd", _backward, setup_context=_setup_context)
@@ -321,15 +389,28 @@ def _check_documents(documents, q, layout: str, algorithm: str, hp: int, cp: int
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, scale: float | None = None,
-                    backend: str = "auto", documents: PackedDocuments | None = None) -> Tensor:
+                    backend: str = "auto", documents: PackedDocuments | None = None, window: int | None = None,
+                    softcap: float | None = None, sinks: Tensor | None = None, chunk_size: int | None = None) -> Tensor:
     """Exact attention on one device with the package's kernels. Shapes as
     :func:`sequence_parallel_attention`; GQA/MQA without repeating K/V in memory (math backend).
-    ``documents``: packed documents (built with ``world=1``): attention stays inside each document."""
+    ``documents``: packed documents (built with ``world=1``): attention stays inside each document.
+    ``window``, ``softcap``, ``sinks``, ``chunk_size``: as :func:`sequence_parallel_attention`."""
     _check_qkv(q, k, v)
     _check_options(causal, "zigzag", "ring")
+    var = check_variant_args(causal=causal, window=window, softcap=softcap, chunk_size=chunk_size, sinks=sinks, h_q=q.shape[2])
     docs = _check_documents(documents, q, "zigzag", "ring", 1, 1)
     be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
-    return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, "zigzag", default_scale(q.shape[-1], scale), be, 0, docs)[0]
+    return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, "zigzag", default_scale(q.shape[-1], scale), be, 0, docs, 1,
+                                     var.window, var.chunk, var.softcap, _sinks_on(sinks, q))[0]
+
+
+def _sinks_on(sinks: Tensor | None, q: Tensor, heads: slice = slice(None)) -> Tensor | None:
+    """The sink logits of the query heads ``heads`` on q's device (differentiable: a slice, no copy when already there)."""
+    if sinks is None:
+        return None
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on the device of q ({q.device}), got {sinks.device}")
+    return sinks[heads]
 
 
 def sequence_parallel_attention(
@@ -346,6 +427,10 @@ def sequence_parallel_attention(
     inner_ring_size: int | None = None,
     documents: PackedDocuments | None = None,
     head_chunks: int = 1,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> Tensor:
     """Exact attention of sequence-sharded ``q, k, v`` — the same result as attention on the
     full sequence, sharded the same way.
@@ -370,6 +455,16 @@ def sequence_parallel_attention(
         head_chunks: "ring" / "allgather": run over this many groups of K/V heads one after
             another (Note [Head chunks]): the same result with 1/head_chunks of the working memory.
             Must divide ``H_kv``.
+        window: sliding window (causal only): query i sees keys j with i - window < j <= i, i and j
+            global token positions (transformers' ``sliding_window``). None: no window. The ring
+            skips the block pairs wholly outside the window (Note [Windows, zigzag and the ring]).
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's
+            ``attn_logit_softcapping``). None: none.
+        sinks: ``[H_q]`` logits that join each query head's softmax denominator only (gpt-oss);
+            differentiable. None: none.
+        chunk_size: chunked attention (Llama 4): query i sees keys j with i // chunk_size ==
+            j // chunk_size (and j <= i when causal), global positions. With ``documents`` both
+            masks hold. None: none. Note [Attention variants] in ``lightning_seqpar/attention/variants.py``.
 
     Returns:
         ``[B, S_local, H_q, D]`` in the dtype of ``q``. Differentiable in ``q, k, v``.
@@ -384,31 +479,40 @@ def sequence_parallel_attention(
     hp, cp = _mesh_dims(mesh, algorithm)
     _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size)
     check_head_chunks(head_chunks, k.shape[2], algorithm)
+    var = check_variant_args(causal=causal, window=window, softcap=softcap, chunk_size=chunk_size, sinks=sinks, h_q=q.shape[2])
     docs = _check_documents(documents, q, layout, algorithm, hp, cp)
     be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
     inner = inner_ring_size or 0
+    _sinks_on(sinks, q)
     check_ranks_agree(mesh, lambda: dict(  # Note [Inputs that differ across ranks]
         batch=q.shape[0], seq_local=q.shape[1], heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], head_dim_v=v.shape[3],
         dtype=_DTYPE_CODES.get(q.dtype, 0), algorithm=ALGORITHMS.index(algorithm), causal=int(causal), layout=LAYOUTS.index(layout),
-        scale=sc, inner_ring_size=inner, head_chunks=head_chunks, documents=int(docs is not None)), q.device, "sequence_parallel_attention")
+        scale=sc, inner_ring_size=inner, head_chunks=head_chunks, documents=int(docs is not None), window=var.window,
+        chunk_size=var.chunk, softcap=var.softcap, sinks=int(sinks is not None),
+        sinks_sum=0.0 if sinks is None else float(sinks.detach().double().sum())), q.device, "sequence_parallel_attention")
+    opts = (var.window, var.chunk, var.softcap)
 
     if algorithm in ("ring", "allgather"):
         if cp == 1:
-            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs, head_chunks)[0]
-        return torch.ops.seqpar.attn_fwd(q, k, v, algorithm, _group_name(mesh), causal, layout, sc, be, inner, docs, head_chunks)[0]
+            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs, head_chunks, *opts, sinks)[0]
+        return torch.ops.seqpar.attn_fwd(q, k, v, algorithm, _group_name(mesh), causal, layout, sc, be, inner, docs, head_chunks, *opts,
+                                         sinks)[0]
 
+    hp_rank = mesh.get_local_rank() if algorithm == "ulysses" else mesh.get_local_rank("hp")
+    heads = slice(hp_rank * (q.shape[2] // hp), (hp_rank + 1) * (q.shape[2] // hp))  # the query heads this rank attends for
+    local_sinks = _sinks_on(sinks, q, heads)
     if algorithm == "ulysses":
         if hp == 1:
-            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs)[0]
+            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs, 1, *opts, sinks)[0]
         return two_d_attention(q, k, v, hp=hp, hp_group=_group_name(mesh),
-                               inner_attention=_gathered_local(hp, q.shape[1], causal, layout, sc, be, docs))
+                               inner_attention=_gathered_local(hp, q.shape[1], causal, layout, sc, be, docs, var, local_sinks))
 
     cp_group = _group_name(mesh, "cp") if cp > 1 else ""
 
     def ring_over_cp(qh, kh, vh):
         alg = "ring" if cp > 1 else "local"
-        return torch.ops.seqpar.attn_fwd(qh, kh, vh, alg, cp_group, causal, layout, sc, be, inner, docs)[0]
+        return torch.ops.seqpar.attn_fwd(qh, kh, vh, alg, cp_group, causal, layout, sc, be, inner, docs, 1, *opts, local_sinks)[0]
 
     if hp == 1:
         return ring_over_cp(q, k, v)
@@ -452,17 +556,19 @@ def gathered_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, 
     return torch.ops.seqpar.attn_fwd(q, k, v, "gathered", _group_name(mesh), causal, layout, sc, be, 0, docs)[0]
 
 
-def _gathered_local(world: int, s_local: int, causal: bool, layout: str, scale: float, backend: str, docs: Tensor | None = None):
-    """Local attention over the whole sequence gathered in rank order (Ulysses)."""
+def _gathered_local(world: int, s_local: int, causal: bool, layout: str, scale: float, backend: str, docs: Tensor | None = None,
+                    var: Variant | None = None, sinks: Tensor | None = None):
+    """Local attention over the whole sequence gathered in rank order (Ulysses); ``var``, ``sinks``: of this rank's heads."""
+    opts = (0, 0, 0.0) if var is None else (var.window, var.chunk, var.softcap)
 
     def attend(qh, kh, vh):
         if docs is not None:  # the op puts the rank-ordered documents in order itself
-            return torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, docs)[0]
-        reorder = causal and layout == "zigzag"
-        if reorder:  # rank order -> global order, so the causal mask is the plain one
+            return torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, docs, 1, *opts, sinks)[0]
+        reorder = layout == "zigzag" and (causal or any(opts))
+        if reorder:  # rank order -> global order, so the masks over positions are the plain ones
             order = _global_order(world, layout, s_local, qh.device)
             qh, kh, vh = (x.index_select(1, order) for x in (qh, kh, vh))
-        out = torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0)[0]
+        out = torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, None, 1, *opts, sinks)[0]
         if reorder:
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -502,15 +608,19 @@ class Attention(nn.Module):
         self.mesh, self.algorithm, self.layout, self.backend, self.inner_ring_size = mesh, algorithm, layout, backend, inner_ring_size
         self.head_chunks = head_chunks
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None) -> Tensor:
-        """``documents``: packed documents to mask by; default the batch's (``lightning_seqpar.documents.current_documents``)."""
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None, *, window: int | None = None,
+                softcap: float | None = None, sinks: Tensor | None = None, chunk_size: int | None = None) -> Tensor:
+        """``documents``: packed documents to mask by; default the batch's (``lightning_seqpar.documents.current_documents``).
+        ``window``, ``softcap``, ``sinks``, ``chunk_size``: per call (a model alternates them by layer), as
+        :func:`sequence_parallel_attention`."""
         documents = documents if documents is not None else current_documents()
+        variant = dict(window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
         if self.mesh is None:
-            return local_attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend, documents=documents)
+            return local_attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend, documents=documents, **variant)
         return sequence_parallel_attention(q, k, v, mesh=self.mesh, algorithm=self.algorithm, causal=self.causal,  # type: ignore[arg-type]
                                            layout=self.layout, scale=self.scale, backend=self.backend,  # type: ignore[arg-type]
                                            inner_ring_size=self.inner_ring_size, documents=documents,
-                                           head_chunks=self.head_chunks)
+                                           head_chunks=self.head_chunks, **variant)
 
     def extra_repr(self) -> str:
         where = "local" if self.mesh is None else f"{self.algorithm}, layout={self.layout}, mesh={tuple(self.mesh.shape)}"

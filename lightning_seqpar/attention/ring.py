@@ -48,7 +48,9 @@ import torch.distributed as dist
 
 from lightning_seqpar.attention.documents import Block, DocSegments, ring_doc_plan
 from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward
+from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import merge_, new_accumulators
+from lightning_seqpar.attention.variants import Variant, VariantPlan
 
 
 def block_plan(rank: int, src: int, causal: bool, layout: str, s_local: int, docs: DocSegments | None = None) -> list[Block]:
@@ -69,6 +71,30 @@ def block_plan(rank: int, src: int, causal: bool, layout: str, s_local: int, doc
     if src < rank:
         return [(every, slice(0, half), False, None)]
     return [(slice(half, None), every, False, None)]
+
+
+def _plan(plan: VariantPlan | None, rank: int, src: int, causal: bool, layout: str, s_local: int, seg: DocSegments | None):
+    """(query rows, key rows, causal, segments, Mask) of every block: the variant plan's when there is one."""
+    if plan is not None:
+        return [(rows, cols, False, None, mask) for rows, cols, mask in plan.blocks(rank, src)]
+    return [(rows, cols, c, vl, None) for rows, cols, c, vl in block_plan(rank, src, causal, layout, s_local, seg)]
+
+
+def block_fwd(q, k, v, is_causal, vl, mask, scale, backend):
+    if mask is not None:
+        return variant_block_forward(q, k, v, mask, scale=scale, backend=backend)
+    return block_forward(q, k, v, causal=is_causal, scale=scale, backend=backend, varlen=vl)
+
+
+def block_bwd(dout, q, k, v, out, lse, is_causal, vl, mask, scale, backend):
+    if mask is not None:
+        return variant_block_backward(dout, q, k, v, out, lse, mask, scale=scale, backend=backend)
+    return block_backward(dout, q, k, v, out, lse, causal=is_causal, scale=scale, backend=backend, varlen=vl)
+
+
+def _steps(plan: VariantPlan | None, G: int, w: int) -> int:
+    """Ring steps to run: all w, or (one ring with a variant plan) only as far as any rank needs."""
+    return plan.steps if plan is not None and G == 1 else w
 
 
 class _P2P:
@@ -95,11 +121,15 @@ def _geometry(rank: int, world: int, inner: int | None) -> tuple[int, int, int, 
 
 
 def ring_forward(q, k, v, *, group: dist.ProcessGroup, causal: bool, layout: str, scale: float,
-                 backend: str, inner: int | None = None, docs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring attention forward: ``(out [B,S,Hq,D] in q.dtype, lse [B,Hq,S] fp32)``; ``docs``: piece lengths of packed documents."""
+                 backend: str, inner: int | None = None, docs: torch.Tensor | None = None,
+                 variant: Variant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention forward: ``(out [B,S,Hq,D] in q.dtype, lse [B,Hq,S] fp32)``; ``docs``: piece lengths of packed documents;
+    ``variant``: window / chunk / softcap (Note [Attention variants])."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    seg = DocSegments(docs, q.device) if docs is not None else None
+    seg = DocSegments(docs, q.device) if docs is not None and variant is None else None
+    plan = VariantPlan(world, layout, q.shape[1], docs, variant, q.device) if variant is not None else None
     G, w, g, j = _geometry(rank, world, inner)
+    T = _steps(plan, G, w)
     comm = _P2P(group)
     s_local = q.shape[1]
     out, lse = new_accumulators(q, v.shape[-1])
@@ -110,15 +140,14 @@ def ring_forward(q, k, v, *, group: dist.ProcessGroup, causal: bool, layout: str
             outer_next = torch.empty_like(home)
             outer_works = comm.post([(home, ((g + 1) % G) * w + j)], [(outer_next, ((g - 1) % G) * w + j)])
         cur = home
-        for t in range(w):
+        for t in range(T):
             works, nxt = [], None
-            if t < w - 1:
+            if t < T - 1:
                 nxt = torch.empty_like(cur)
                 works = comm.post([(cur, g * w + (j + 1) % w)], [(nxt, g * w + (j - 1) % w)])
             src = ((g - o) % G) * w + (j - t) % w
-            for rows, cols, is_causal, vl in block_plan(rank, src, causal, layout, s_local, seg):
-                blk_out, blk_lse = block_forward(q[:, rows], cur[0][:, cols], cur[1][:, cols], causal=is_causal, scale=scale,
-                                                 backend=backend, varlen=vl)
+            for rows, cols, is_causal, vl, mask in _plan(plan, rank, src, causal, layout, s_local, seg):
+                blk_out, blk_lse = block_fwd(q[:, rows], cur[0][:, cols], cur[1][:, cols], is_causal, vl, mask, scale, backend)
                 merge_(out, lse, blk_out, blk_lse, rows)
             comm.wait(works)
             cur = nxt if nxt is not None else cur
@@ -129,11 +158,14 @@ def ring_forward(q, k, v, *, group: dist.ProcessGroup, causal: bool, layout: str
 
 
 def ring_backward(dout, q, k, v, out, lse, *, group: dist.ProcessGroup, causal: bool, layout: str,
-                  scale: float, backend: str, inner: int | None = None, docs: torch.Tensor | None = None):
+                  scale: float, backend: str, inner: int | None = None, docs: torch.Tensor | None = None,
+                  variant: Variant | None = None):
     """Ring attention backward: ``(dq, dk, dv)`` of this rank's shard (see Note [Ring attention])."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    seg = DocSegments(docs, q.device) if docs is not None else None
+    seg = DocSegments(docs, q.device) if docs is not None and variant is None else None
+    plan = VariantPlan(world, layout, q.shape[1], docs, variant, q.device) if variant is not None else None
     G, w, g, j = _geometry(rank, world, inner)
+    T = _steps(plan, G, w)
     comm = _P2P(group)
     s_local = q.shape[1]
     inner_next, inner_prev = g * w + (j + 1) % w, g * w + (j - 1) % w
@@ -148,16 +180,16 @@ def ring_backward(dout, q, k, v, out, lse, *, group: dist.ProcessGroup, causal: 
             kv_outer_next = torch.empty_like(home)
             kv_outer_works = comm.post([(home, outer_next)], [(kv_outer_next, outer_prev)])
         cur, dkv_works, dkv_in = home, [], None
-        for t in range(w):
+        for t in range(T):
             kv_works, nxt = [], None
-            if t < w - 1:
+            if t < T - 1:
                 nxt = torch.empty_like(cur)
                 kv_works = comm.post([(cur, inner_next)], [(nxt, inner_prev)])
             src = ((g - o) % G) * w + (j - t) % w
             grads = []  # this block's (cols, dk, dv), in the kernel's dtype, until the accumulator arrives
-            for rows, cols, is_causal, vl in block_plan(rank, src, causal, layout, s_local, seg):
-                dq_b, dk_b, dv_b = block_backward(dout[:, rows], q[:, rows], cur[0][:, cols], cur[1][:, cols], out[:, rows], lse[:, :, rows],
-                                                  causal=is_causal, scale=scale, backend=backend, varlen=vl)
+            for rows, cols, is_causal, vl, mask in _plan(plan, rank, src, causal, layout, s_local, seg):
+                dq_b, dk_b, dv_b = block_bwd(dout[:, rows], q[:, rows], cur[0][:, cols], cur[1][:, cols], out[:, rows], lse[:, :, rows],
+                                             is_causal, vl, mask, scale, backend)
                 dq[:, rows] += dq_b
                 grads.append((cols, dk_b, dv_b))
             # Note [Two dK/dV buffers]: the accumulator of this block is dkv_home (t == 0) or the one that
@@ -172,10 +204,12 @@ def ring_backward(dout, q, k, v, out, lse, *, group: dist.ProcessGroup, causal: 
                 acc[0][:, cols] += dk_b
                 acc[1][:, cols] += dv_b
             del grads
-            # pass the accumulator on with (t < w-1) or after (t == w-1: back to the step's starter) its block
-            if w > 1:
+            # pass the accumulator on with (t < T-1) or after (t == T-1: back to the step's starter) its block;
+            # a ring cut short (T < w, Note [Windows, zigzag and the ring]) sends it home in one direct hop
+            if T > 1:
                 dkv_in = torch.empty_like(acc)
-                dkv_works = comm.post([(acc, inner_next)], [(dkv_in, inner_prev)])
+                to, frm = (inner_next, inner_prev) if t < T - 1 else (g * w + (j - t) % w, g * w + (j + t) % w)
+                dkv_works = comm.post([(acc, to)], [(dkv_in, frm)])
             else:
                 dkv_in = acc
             comm.wait(kv_works)
