@@ -653,7 +653,7 @@ def choose_attention(
     cf = "context-first"
     fixed_hp = head_parallel_size
     if W == 1:
-        tries.append(("ring", None, None))
+        tries.append(("ring", None, None, cf))
     else:
         if fixed_hp in (None, 1):
             if "ring" in allowed:
