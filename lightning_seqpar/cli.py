@@ -4,6 +4,7 @@
     seqpar fit --config recipes/llama_gqa.yaml --trainer.max_steps 100
     seqpar validate --config recipes/quickstart.yaml --ckpt_path ...
     seqpar export CHECKPOINT OUTPUT --format hf           (lightning_seqpar.export; not a Trainer command)
+    seqpar plan --model llama3-8b --seq 128K,1M --gpus 8,64,1024   (lightning_seqpar.planning; no GPU needed)
 
 Any LightningDataModule can be given as ``data.class_path`` (subclass mode), e.g.
 ``lightning_seqpar.data.LongRangeDataModule`` or ``lightning_seqpar.data.TokenFileDataModule``;
@@ -108,6 +109,11 @@ def main(args: Sequence[str] | None = None) -> None:
         from lightning_seqpar.export import main as export_main
 
         export_main(argv[1:])
+        return
+    if argv[:1] == ["plan"]:
+        from lightning_seqpar.planning import main as plan_main
+
+        plan_main(argv[1:])
         return
     make_cli(args)
 

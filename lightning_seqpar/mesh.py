@@ -12,9 +12,10 @@ Every run has one 4-D :class:`~torch.distributed.device_mesh.DeviceMesh` with na
   sample, each its own piece of the sequence. ``hp`` is head parallel (Ulysses all-to-all, or the
   head axis of LoongTrain 2D attention); ``cp`` is context parallel (ring / all-gather).
 
-The last axis varies fastest, so the ranks of one ``cp`` ring are neighbours (same node first),
-then ``hp``, then the data-parallel axes: sequence-parallel traffic, the heaviest, stays inside a
-node whenever sp <= devices per node. Example, 8 ranks, dp_shard=2, hp=2, cp=2::
+With the default placement the last axis varies fastest, so the ranks of one ``cp`` ring are
+neighbours (same node first), then ``hp``, then the data-parallel axes: sequence-parallel
+traffic, the heaviest, stays inside a node whenever sp <= devices per node (Note [Node-aware
+placement] for the other order and for groups larger than a node). Example, 8 ranks, dp_shard=2, hp=2, cp=2::
 
     dp_shard 0:   hp 0: [0 1]   hp 1: [2 3]        cp rings:  {0,1} {2,3} {4,5} {6,7}
     dp_shard 1:   hp 0: [4 5]   hp 1: [6 7]        hp groups: {0,2} {1,3} {4,6} {5,7}
@@ -22,12 +23,44 @@ node whenever sp <= devices per node. Example, 8 ranks, dp_shard=2, hp=2, cp=2::
 Model states are sharded by FSDP2 over dp_shard x hp x cp (LoongTrain §4.3: ZeRO over DP x SP,
 so sequence parallelism also divides the memory of parameters, gradients and optimizer states)
 and replicated over dp_replicate.
+
+Note [Node-aware placement]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Launchers number the ranks node by node: global rank = node rank x ranks per node + local rank
+(torchrun, and SLURM's default block distribution). Which mesh coordinates land on one node is
+therefore decided by the order of the ranks in the mesh tensor; DeviceMesh takes any tensor of
+global ranks (``DeviceMesh(device_type, mesh=tensor, ...)``; ``init_device_mesh`` only takes
+shapes). LoongTrain (papers/loongtrain.txt §4.4) names the two orders for 2D attention:
+
+* ``"context-first"`` (the default): cp varies fastest, so the ranks of a cp ring are
+  neighbours and fill a node before the ring leaves it; the hp groups have stride cp. The inner
+  rings of a double ring (§4.3, ``inner_ring_size`` = w) are w consecutive cp ranks: inside one
+  node when w divides the node size, and the outer hops, one per inner-ring rank, use every NIC.
+* ``"head-first"``: hp varies fastest, so the all-to-alls of an hp group stay on NVLink; the cp
+  ranks have stride hp, and an inner ring of w spans w x hp consecutive ranks.
+
+The data-parallel axes stay outermost in both (a sequence-parallel group is a block of sp
+consecutive ranks), so only the order inside a block changes: 8 ranks, hp = 2, cp = 4::
+
+    context-first:  hp 0: [0 1 2 3]  hp 1: [4 5 6 7]     cp rings {0,1,2,3} {4,5,6,7}, hp {0,4} ...
+    head-first:     hp 0: [0 2 4 6]  hp 1: [1 3 5 7]     cp rings {0,2,4,6} {1,3,5,7}, hp {0,1} ...
+
+With hp = 1 or cp = 1 both orders are the same. Along every axis the ranks increase, so the
+rank of a process inside a group (``dist.get_rank(group)``, which follows the sorted global ranks
+that ``new_group`` keeps) is its mesh coordinate: the ring's neighbours and the all-to-all's
+chunk order are the mesh's. Given the node size (``node_size``: the launcher's
+LOCAL_WORLD_SIZE, Lightning's devices per node), ParallelDims refuses a placement whose group
+would straddle nodes without need: the group it places (hp head-first, cp context-first) must
+divide the node size or be a multiple of it, and :meth:`ParallelDims.check_inner_ring` refuses
+inner rings that leave a node.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -35,6 +68,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "hp", "cp")
 """Names of the axes of the device mesh, outermost first."""
+
+Placement = Literal["context-first", "head-first"]
+PLACEMENTS: tuple[str, ...] = ("context-first", "head-first")
+"""Orders of the ranks of a sequence-parallel group (Note [Node-aware placement])."""
 
 FSDP_SHARD_AXIS = "dp_shard_sp"
 """Name of the axis FSDP2 shards over (dp_shard x hp x cp, flattened)."""
@@ -51,6 +88,10 @@ class ParallelDims:
         hp: head-parallel ranks inside one sequence-parallel group.
         cp: context-parallel ranks inside one sequence-parallel group.
         world_size: total number of ranks.
+        placement: which group of a sequence-parallel block gets adjacent ranks (the same node):
+            "context-first" (cp) or "head-first" (hp); Note [Node-aware placement].
+        node_size: ranks per node (the launcher's LOCAL_WORLD_SIZE); must divide world_size.
+            None: unknown (one node); placements are then not checked against nodes.
     """
 
     dp_replicate: int = 1
@@ -58,6 +99,8 @@ class ParallelDims:
     hp: int = 1
     cp: int = 1
     world_size: int
+    placement: Placement = "context-first"
+    node_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "hp", "cp", "world_size"):
@@ -70,6 +113,21 @@ class ParallelDims:
                 f"ParallelDims: dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x hp ({self.hp}) "
                 f"x cp ({self.cp}) = {product} must equal world_size ({self.world_size})"
             )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"ParallelDims: placement={self.placement!r} is not supported; expected one of {PLACEMENTS}")
+        if self.node_size is not None:
+            n = self.node_size
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1 or self.world_size % n:
+                raise ValueError(f"ParallelDims: node_size={n!r} (ranks per node) must be a positive int dividing "
+                                 f"world_size={self.world_size}")
+            axis, size = ("hp", self.hp) if self.placement == "head-first" else ("cp", self.cp)
+            if size > 1 and size % n and n % size:
+                fits = [d for d in range(2, n + 1) if n % d == 0]
+                raise ValueError(
+                    f"ParallelDims: placement={self.placement!r} puts the {size} ranks of each {axis} group next to "
+                    f"each other, but with {n} ranks per node {size} is neither a divisor nor a multiple of {n}: its "
+                    f"groups would straddle nodes. Choose {axis} from {fits} or a multiple of {n}, or the other placement"
+                )
 
     @classmethod
     def from_sizes(
@@ -79,12 +137,18 @@ class ParallelDims:
         sequence_parallel_size: int,
         head_parallel_size: int = 1,
         data_parallel_replicate_size: int = 1,
+        placement: Placement = "context-first",
+        node_size: int | None = None,
         owner: str = "SequenceParallelStrategy",
     ) -> ParallelDims:
         """Resolve the sizes the way the strategy's arguments state them (dp_shard is what remains).
 
         Errors name the argument of ``owner`` that is wrong.
         """
+        if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int)
+                                      or node_size < 1 or world_size % node_size):
+            raise ValueError(f"{owner}: the node size ({node_size!r} ranks per node) must be a positive int "
+                             f"dividing the world size {world_size}")
         for name, value in (
             ("sequence_parallel_size", sequence_parallel_size),
             ("head_parallel_size", head_parallel_size),
@@ -114,6 +178,8 @@ class ParallelDims:
             hp=head_parallel_size,
             cp=sequence_parallel_size // head_parallel_size,
             world_size=world_size,
+            placement=placement,
+            node_size=node_size,
         )
 
     @property
@@ -136,19 +202,93 @@ class ParallelDims:
         """Axis sizes in the order of :data:`MESH_AXES`."""
         return (self.dp_replicate, self.dp_shard, self.hp, self.cp)
 
+    def rank_layout(self) -> torch.Tensor:
+        """The global rank at every mesh coordinate: an int tensor of shape :attr:`sizes`
+        (Note [Node-aware placement]). No communication."""
+        if self.placement == "head-first":  # hp fastest inside each sequence-parallel block
+            return torch.arange(self.world_size).view(self.dp_replicate, self.dp_shard, self.cp, self.hp).transpose(2, 3).contiguous()
+        return torch.arange(self.world_size).view(self.sizes)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group along mesh axis ``axis`` (one of :data:`MESH_AXES`, or
+        "sp" for hp x cp), each in the order of its coordinate (= its rank inside the group)."""
+        layout = self.rank_layout()
+        if axis == "sp":
+            return layout.reshape(-1, self.sp).tolist()
+        if axis not in MESH_AXES:
+            raise ValueError(f"ParallelDims.groups: axis={axis!r} must be one of {MESH_AXES} or 'sp'")
+        dim = MESH_AXES.index(axis)
+        return layout.movedim(dim, -1).reshape(-1, self.sizes[dim]).tolist()
+
+    def inner_rings(self, inner_ring_size: int) -> list[list[int]]:
+        """The global ranks of every inner ring of a double ring (``inner_ring_size`` consecutive ranks of a cp group)."""
+        if self.cp % inner_ring_size:
+            raise ValueError(f"ParallelDims.inner_rings: inner_ring_size={inner_ring_size} must divide cp={self.cp}")
+        return [ring[i:i + inner_ring_size] for ring in self.groups("cp") for i in range(0, self.cp, inner_ring_size)]
+
+    def nodes_of(self, ranks: list[int]) -> list[int]:
+        """The nodes (``rank // node_size``) that ``ranks`` live on, in order of first appearance."""
+        if self.node_size is None:
+            return [0]
+        return list(dict.fromkeys(r // self.node_size for r in ranks))
+
+    def check_inner_ring(self, inner_ring_size: int | None, *, owner: str = "SequenceParallelStrategy") -> None:
+        """Refuse an inner ring that would leave a node (Note [Node-aware placement]); before any collective.
+
+        An inner ring exists to keep its hops on NVLink while the outer hops cross nodes
+        (LoongTrain §4.3), so each one must lie inside one node.
+        """
+        if inner_ring_size is None:
+            return
+        if self.cp % inner_ring_size:
+            raise ValueError(f"{owner}: inner_ring_size={inner_ring_size} must divide the context-parallel size "
+                             f"(sequence_parallel_size / head_parallel_size = {self.cp})")
+        if self.node_size is None or inner_ring_size in (1, self.cp):
+            return
+        stride = self.hp if self.placement == "head-first" else 1
+        span, n = inner_ring_size * stride, self.node_size
+        if span > n or n % span:
+            fits = [w for w in range(2, self.cp) if self.cp % w == 0 and n % (w * stride) == 0]
+            raise ValueError(
+                f"{owner}: inner_ring_size={inner_ring_size} with placement={self.placement!r} spreads each inner ring "
+                f"over {span} consecutive ranks{f' (stride hp={self.hp})' if stride > 1 else ''}, which does not fit "
+                f"inside a node of {n} ranks: its hops would cross nodes. Use an inner_ring_size from {fits or 'none'}"
+                f"{', or placement=' + repr('context-first') if self.placement == 'head-first' else ''}"
+            )
+
     def build_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> DeviceMesh:
-        """The 4-D mesh with axes :data:`MESH_AXES` (collective: every rank must call it).
+        """The 4-D mesh with axes :data:`MESH_AXES` and this placement's rank order (collective:
+        every rank must call it).
 
         ``timeout``: the timeout of every process group of the mesh (Note [Timeouts of the mesh
         groups]); None keeps torch's defaults.
         """
-        return _init_mesh(device_type, self.sizes, MESH_AXES, timeout)
+        layout = self.rank_layout()
+        if torch.equal(layout, torch.arange(self.world_size).view(self.sizes)):
+            return _init_mesh(device_type, self.sizes, MESH_AXES, timeout)
+        return _init_mesh_from_ranks(device_type, layout, MESH_AXES, timeout)
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh) -> ParallelDims:
-        """Read the sizes back from a mesh built by :meth:`build_mesh`."""
+    def from_mesh(cls, mesh: DeviceMesh, *, node_size: int | None = None) -> ParallelDims:
+        """Read the sizes and placement back from a mesh built by :meth:`build_mesh`."""
         _check_axes(mesh)
-        return cls(**dict(zip(MESH_AXES, mesh.shape)), world_size=mesh.size())
+        ranks = mesh.mesh.cpu()
+        for placement in PLACEMENTS:
+            dims = cls(**dict(zip(MESH_AXES, mesh.shape)), world_size=mesh.size(), placement=placement)  # type: ignore[arg-type]
+            if torch.equal(ranks, dims.rank_layout().to(ranks.dtype)):
+                return dims if node_size is None else replace(dims, node_size=node_size)
+        raise ValueError(f"the mesh's rank order matches no placement of {PLACEMENTS}: build it with ParallelDims.build_mesh")
+
+    @staticmethod
+    def node_size_from_env(default: int | None = None) -> int | None:
+        """Ranks per node as the launcher states it: ``LOCAL_WORLD_SIZE`` (torchrun; Lightning's
+        launchers set it too), else ``default``."""
+        value = os.environ.get("LOCAL_WORLD_SIZE")
+        if value is None:
+            return default
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE={value!r} must be a positive int (ranks per node)")
+        return int(value)
 
 
 # Note [Timeouts of the mesh groups]
@@ -187,6 +327,14 @@ def _init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
     return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 
+def _init_mesh_from_ranks(device_type: str, ranks: torch.Tensor, names: tuple[str, ...], timeout: timedelta | None) -> DeviceMesh:
+    """A DeviceMesh over an explicit tensor of global ranks (a placement other than row-major)."""
+    if timeout is None or not dist.is_initialized() or dist.get_backend() not in ("gloo", "nccl"):
+        return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    override = tuple(_group_options(timeout) for _ in names)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=override)
+
+
 def _check_axes(mesh: DeviceMesh) -> None:
     if not isinstance(mesh, DeviceMesh) or tuple(mesh.mesh_dim_names or ()) != MESH_AXES:
         names = getattr(mesh, "mesh_dim_names", None)
@@ -220,17 +368,20 @@ def fsdp_mesh(mesh: DeviceMesh, *, timeout: timedelta | None = None) -> DeviceMe
     """The mesh FSDP2 shards over: 1-D ``(dp_shard_sp,)``, or 2-D ``("dp_replicate", "dp_shard_sp")`` for HSDP.
 
     ``dp_shard_sp`` is dp_shard x hp x cp flattened. PyTorch's way of flattening axes of a mesh,
-    ``DeviceMesh._flatten``, is private; we build the same layout as a separate mesh through the
-    public ``init_device_mesh`` instead. Its rank layout equals the 4-D mesh's (row-major
-    ``arange(world).view(...)`` in both), so shard ``i`` of ``dp_shard_sp`` is the same rank as
-    ``(dp_shard, hp, cp)`` index ``i``. Collective: every rank must call it (it creates groups).
+    ``DeviceMesh._flatten``, is private; we build the same groups as a separate mesh through the
+    public ``init_device_mesh`` instead: row-major ``arange(world).view(dp_replicate, -1)``. Every
+    placement keeps the data-parallel axes outermost (Note [Node-aware placement]), so each
+    replica is the same block of consecutive ranks in both meshes; with "context-first" shard
+    ``i`` of ``dp_shard_sp`` is also ``(dp_shard, hp, cp)`` index ``i``, with "head-first" the
+    order inside a block differs, which FSDP2 does not mind (nothing pairs a parameter shard
+    with a piece of the sequence). Collective: every rank must call it (it creates groups).
     ``timeout``: as :meth:`ParallelDims.build_mesh`.
     """
     _check_axes(mesh)
-    dims = ParallelDims.from_mesh(mesh)
-    expected = torch.arange(dims.world_size).view(dims.sizes)
-    if not torch.equal(mesh.mesh.cpu(), expected):
-        raise ValueError("fsdp_mesh needs a mesh built by ParallelDims.build_mesh (ranks in row-major order)")
+    try:
+        dims = ParallelDims.from_mesh(mesh)
+    except ValueError as error:
+        raise ValueError(f"fsdp_mesh needs a mesh built by ParallelDims.build_mesh: {error}") from error
     if dims.dp_replicate == 1:
         return _init_mesh(mesh.device_type, (dims.fsdp_shard,), (FSDP_SHARD_AXIS,), timeout)
     return _init_mesh(mesh.device_type, (dims.dp_replicate, dims.fsdp_shard), ("dp_replicate", FSDP_SHARD_AXIS), timeout)

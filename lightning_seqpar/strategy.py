@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -58,7 +59,7 @@ from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
-from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
+from lightning_seqpar.mesh import PLACEMENTS, ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
 from lightning_seqpar.parallelize import find_blocks, host_optimizer_threads, parallelize, uses_linear_attention, with_cpu_threads
 from lightning_seqpar.precision import scaler_free
 from lightning_seqpar.rng import get_rng_state, set_rng_state
@@ -104,7 +105,14 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             (one all-gather of the local states).
         inner_ring_size: LoongTrain's double ring (§4.3) for attention "ring" / "2d": the cp ranks
             form rings of this many consecutive ranks (set it to the GPUs of one node, so that
-            only the outer hops cross nodes); must divide the context-parallel size. None: one ring.
+            only the outer hops cross nodes); must divide the context-parallel size and, on several
+            nodes, fit inside one. None: one ring, or with ``attention="auto"`` on several nodes the
+            cost model's choice.
+        placement: which group of the 2D grid gets the GPUs of one node (LoongTrain §4.4, Note
+            [Node-aware placement] in ``lightning_seqpar.mesh``): "context-first" (the cp ring),
+            "head-first" (the hp all-to-all) or "auto": the cost model's choice with
+            ``attention="auto"`` and ``expected_seq_len``, else "context-first". The node size
+            is the devices per node (``Trainer(devices=...)``, torchrun's LOCAL_WORLD_SIZE).
         head_chunks: attention "ring" / "allgather" runs over this many groups of K/V heads one
             after another: the same result with 1/head_chunks of the attention's working memory
             (Note [Head chunks] in ``lightning_seqpar.attention.api``); must divide the K/V heads.
@@ -161,6 +169,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         load_balance: bool | Literal["zigzag", "contiguous", "auto"] = "auto",
         lasp_variant: Literal["p2p", "allgather"] = "p2p",
         inner_ring_size: int | None = None,
+        placement: Literal["auto", "context-first", "head-first"] = "auto",
         head_chunks: int = 1,
         attention_backend: str = "auto",
         data_parallel_replicate_size: int = 1,
@@ -287,6 +296,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.layout: str = layout
         self.lasp_variant: str = lasp_variant
         self.inner_ring_size: int | None = inner_ring_size
+        if placement not in ("auto", *PLACEMENTS):
+            raise ValueError(f"{type(self).__name__}: placement={placement!r} is not supported; expected 'auto' or one of {PLACEMENTS}")
+        self._placement = placement
         self.head_chunks: int = head_chunks
         self.attention_backend: str = attention_backend
         self.activation_checkpointing = activation_checkpointing
@@ -337,16 +349,26 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         world_size = self.num_nodes * self.num_processes
         sp = self.num_processes if self._sequence_parallel_size == "auto" else self._sequence_parallel_size
         hp = self._head_parallel_size
-        if hp == "auto":  # Note [Choosing attention automatically]: from the model's config, if it has one
+        placement = self._placement
+        if hp == "auto" or placement == "auto":  # Note [Choosing attention automatically]: from the model's config, if it has one
             module = self.lightning_module
             linear = module is not None and _is_linear_attention_model(module)
-            plan = None if linear or world_size % sp else self._plan_attention(_attention_shape(module), sp=sp, head_parallel_size=None)
-            hp = plan.head_parallel_size if plan is not None else 1
+            fixed_hp = None if hp == "auto" else hp
+            plan = None
+            if not (linear or world_size % sp or (fixed_hp is not None and sp % fixed_hp)):
+                plan = self._plan_attention(_attention_shape(module), sp=sp, head_parallel_size=fixed_hp,
+                                            placement=None if placement == "auto" else placement)
+            if hp == "auto":
+                hp = plan.head_parallel_size if plan is not None else 1
+            if placement == "auto":
+                placement = plan.placement if plan is not None else "context-first"
         return ParallelDims.from_sizes(
             world_size=world_size,
             sequence_parallel_size=sp,
             head_parallel_size=hp,
             data_parallel_replicate_size=self._data_parallel_replicate_size,
+            placement=placement,  # type: ignore[arg-type]
+            node_size=self.num_processes,
             owner=type(self).__name__,
         )
 
@@ -360,6 +382,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         created = not (dist.is_available() and dist.is_initialized())
         self._setup_distributed()  # ModelParallelStrategy: ranks, seed, init_process_group
         self._owns_default_group = self._owns_default_group or created
+        _warn_if_ranks_not_by_node(self.global_rank, self.node_rank, self.local_rank, self.num_processes)
         reuse = self._device_mesh is not None and self._parallel_dims == dims and self.model is not None and _is_parallelized(self.model)
         self._parallel_dims = dims
         if not reuse:  # a later run of the same parallelized module keeps its meshes (Note [What a run releases])
@@ -475,8 +498,10 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     # earlier, when the mesh is built (setup_environment, before configure_model): it is read
     # from the LightningModule's ``config`` (CausalLMModule has one) and is 1 when there is none.
     # The batches come later still, hence expected_seq_len; without it "auto" stays "2d" if
-    # hp > 1 else "ring". Double rings are not chosen here (set inner_ring_size yourself;
-    # they only pay off across nodes).
+    # hp > 1 else "ring". Across nodes (sp > devices per node) it also picks the rank order of the
+    # mesh (placement="auto": head-first or context-first, decided with hp when the mesh is built)
+    # and, unless inner_ring_size is set, the inner ring size; on one node no double ring is
+    # weighed (it only pays off when the outer hops cross nodes).
 
     def _compute_dtype(self) -> torch.dtype:
         """The dtype attention computes in under the Trainer's precision ("bf16-mixed" -> bf16, "32-true" -> fp32, ...)."""
@@ -506,10 +531,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         name = type(self).__name__
         if self.attention not in ("ring", "2d"):
             raise ValueError(f"{name}: inner_ring_size={inner} needs attention 'ring' or '2d', but attention resolved to {self.attention!r}")
-        cp = self.parallel_dims.cp
-        if cp % inner:
-            raise ValueError(f"{name}: inner_ring_size={inner} must divide the context-parallel size "
-                             f"(sequence_parallel_size / head_parallel_size = {cp})")
+        self.parallel_dims.check_inner_ring(inner, owner=name)
 
     def _check_head_chunks(self, roots: list[nn.Module]) -> None:
         """head_chunks against the model's key/value heads (before any collective)."""
@@ -530,9 +552,11 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         dims = self.parallel_dims
         if not all(uses_linear_attention(root) for root in roots):
             shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
-            plan = self._plan_attention(shape, sp=dims.sp, head_parallel_size=dims.hp)
+            plan = self._plan_attention(shape, sp=dims.sp, head_parallel_size=dims.hp, placement=dims.placement)
             if plan is not None:
                 self.attention, self.attention_plan = plan.algorithm, plan
+                if self.inner_ring_size is None and plan.inner_ring_size is not None:  # chosen across nodes
+                    self.inner_ring_size = plan.inner_ring_size
             return
         if dims.hp != 1:
             raise ValueError(f"{name}: the model uses linear attention (LASP), which needs head_parallel_size=1")
@@ -550,7 +574,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             allowed &= {"ring", "2d"}
         return tuple(a for a in COST_ALGORITHMS if a in allowed)
 
-    def _plan_attention(self, shape: tuple[int, int, int] | None, *, sp: int, head_parallel_size: int | None) -> AttentionPlan | None:
+    def _plan_attention(self, shape: tuple[int, int, int] | None, *, sp: int, head_parallel_size: int | None,
+                        placement: str | None = None) -> AttentionPlan | None:
         """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks; None when not asked for or unknown."""
         if not self._auto_attention or self._expected_seq_len is None or shape is None or sp == 1:
             return None
@@ -567,8 +592,10 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             return choose_attention(
                 seq_len=self._expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
                 layout=self.layout, dtype_bytes=4 if str(getattr(self.precision_plugin, "precision", "")).startswith("32") else 2, profile=profile,  # type: ignore[arg-type]
-                algorithms=self._auto_candidates(), head_parallel_size=head_parallel_size, double_ring=False,
-                head_chunks=self.head_chunks if h_kv % self.head_chunks == 0 else 1,
+                algorithms=self._auto_candidates(), head_parallel_size=head_parallel_size,
+                # inner rings pay off only across nodes (Note [Choosing attention automatically])
+                double_ring=self.inner_ring_size is None and sp > max(1, self.num_processes),
+                head_chunks=self.head_chunks if h_kv % self.head_chunks == 0 else 1, placement=placement,  # type: ignore[arg-type]
             )
         except ValueError as error:
             raise ValueError(
@@ -1075,3 +1102,16 @@ def _is_parallelized(module: nn.Module) -> bool:
 
 
 SequenceParallelStrategy.register_strategies(StrategyRegistry)
+
+
+def _warn_if_ranks_not_by_node(global_rank: int, node_rank: int, local_rank: int, per_node: int) -> None:
+    """Note [Node-aware placement] assumes global rank = node rank x devices per node + local rank
+    (torchrun; SLURM's block distribution). A launcher that numbers ranks otherwise keeps results
+    exact but puts the groups on other links than planned: say so on the rank that sees it."""
+    if global_rank != node_rank * per_node + local_rank:
+        warnings.warn(
+            f"SequenceParallelStrategy: global rank {global_rank} is not node_rank ({node_rank}) x devices per node "
+            f"({per_node}) + local_rank ({local_rank}); the mesh's node-aware placement assumes ranks numbered node by "
+            "node (torchrun, srun --distribution=block): its groups may cross nodes other than planned",
+            stacklevel=2,
+        )

@@ -394,3 +394,91 @@ def test_strategy_plans_with_the_kernels_profile(backend):
                                 head_parallel_size=1, double_ring=False,
                                 profile=DeviceProfile.for_device("", backend=backend, gpus_per_node=4))
     assert strategy.attention_plan.est_time_s == pytest.approx(expected.est_time_s)
+
+
+# ------------------------------------------------------------------ two link levels (issue #24 item 2)
+
+
+def test_one_node_is_unchanged_by_the_node_terms():
+    # every group inside a node: the inter-node parameters do not enter
+    kw = dict(seq_len=131072, world_size=8, **SHAPE)
+    base = choose_attention(profile=H200, **kw)
+    slow = choose_attention(profile=DeviceProfile.h200(inter_node_bandwidth=1e9, inter_node_latency_s=1e-3), **kw)
+    assert [(c.label, c.est_time_s) for c in base.candidates] == [(c.label, c.est_time_s) for c in slow.candidates]
+    assert all(c.placement == "context-first" for c in base.candidates)
+
+
+def test_crossing_nodes_costs_the_nic_rate_and_latency():
+    kw = dict(algorithm="ring", seq_len=131072, world_size=16, **SHAPE)
+    fast = estimate_attention(profile=DeviceProfile.h200(inter_node_bandwidth=350e9, inter_node_latency_s=0.0), **kw)
+    ib = estimate_attention(profile=H200, **kw)
+    slower = estimate_attention(profile=DeviceProfile.h200(inter_node_latency_s=200e-6), **kw)
+    # with NVLink-rate NICs the ring over two nodes costs what it does inside a big node
+    big_node = estimate_attention(profile=DeviceProfile.h200(gpus_per_node=16), **kw)
+    assert fast.est_time_s == pytest.approx(big_node.est_time_s)
+    assert fast.est_time_s < ib.est_time_s < slower.est_time_s
+
+
+def test_placement_moves_the_all_to_all_or_the_ring_onto_nvlink():
+    # 64 GPUs, hp=8 x cp=8, MHA at 128K (LoongTrain Table 4: head-first 72 ms < ring-heavy layouts):
+    # head-first keeps the large all-to-alls on NVLink, context-first the ring
+    kw = dict(algorithm="2d", hp=8, seq_len=131072, num_heads=32, num_kv_heads=32, head_dim=128, world_size=64, profile=H200)
+    hf = estimate_attention(placement="head-first", **kw)
+    cf = estimate_attention(placement="context-first", **kw)
+    assert hf.placement == "head-first" and hf.label == "2d:8x8:head-first"
+    # the all-to-alls: intra-node under head-first; the ring of 8 then crosses nodes (and vice versa)
+    p = H200
+    s_local_el = 131072 // 64 * 32 * 128
+    from lightning_seqpar.attention.cost import _collective
+    assert _collective(s_local_el * 2, 8, 1, p) < _collective(s_local_el * 2, 8, 8, p) / 5
+    assert hf.est_time_s != cf.est_time_s
+    # a large hp on head-first wins where the all-to-all dominates (many heads per rank, short S)
+    plan = choose_attention(seq_len=131072, num_heads=32, num_kv_heads=32, head_dim=128, world_size=64, profile=H200)
+    assert {"context-first", "head-first"} <= {c.placement for c in plan.candidates}
+    assert plan.placement == plan.candidates[0].placement
+
+
+def test_choose_across_nodes_weighs_inner_rings_and_skips_what_cannot_be_placed():
+    plan = choose_attention(seq_len=1048576, num_heads=32, num_kv_heads=8, head_dim=128, world_size=32, profile=H200)
+    labels = _labels(plan)
+    assert "ring:inner8" in labels and "2d:2x16:inner8" in labels and "2d:2x16:inner4:head-first" in labels
+    skipped = dict(plan.skipped)
+    assert "ring:inner16" in skipped and "not inside a node of 8" in skipped["ring:inner16"]
+    assert "2d:2x16:inner8:head-first" in skipped  # 8 x 2 = 16 ranks per inner ring
+    for c in plan.candidates:  # what is offered, ParallelDims accepts
+        dims = ParallelDims(hp=c.hp, cp=c.cp, world_size=32, node_size=8, placement=c.placement) if c.algorithm == "2d" else \
+            ParallelDims(cp=32, world_size=32, node_size=8)
+        dims.check_inner_ring(c.inner_ring_size)
+    with pytest.raises(ValueError, match="placement='diagonal' is not supported"):
+        choose_attention(seq_len=4096, world_size=16, placement="diagonal", **SHAPE)  # type: ignore[arg-type]
+    fixed = choose_attention(seq_len=1048576, world_size=32, placement="head-first", head_parallel_size=4, profile=H200, **SHAPE)
+    assert fixed.placement == "head-first" and fixed.hp == 4
+
+
+def test_double_ring_across_nodes_beats_the_plain_ring_at_short_sequences():
+    # 64 GPUs, GQA 32/8 at 128K: the plain ring waits on the NIC at every step
+    plan = choose_attention(seq_len=131072, world_size=64, algorithms=("ring",), profile=H200, **SHAPE)
+    assert plan.inner_ring_size == 8
+    plain = next(c for c in plan.candidates if c.label == "ring")
+    assert plan.est_time_s < 0.8 * plain.est_time_s
+
+
+def test_strategy_auto_across_nodes_sets_placement_and_inner_ring():
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.models import LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, n_embd=512, n_layer=1, n_head=32, n_kv_head=32, head_dim=128)
+    strategy = SequenceParallelStrategy(head_parallel_size="auto", sequence_parallel_size=64, expected_seq_len=131072)
+    strategy.parallel_devices = [torch.device("cpu")] * 8
+    strategy.num_nodes = 8
+    strategy.connect(CausalLMModule(config))
+    dims = strategy.resolve_parallel_dims()
+    plan = choose_attention(seq_len=131072, world_size=64, dtype_bytes=4, profile=DeviceProfile.h200(gpus_per_node=8),
+                            num_heads=32, num_kv_heads=32, head_dim=128)
+    assert (dims.node_size, dims.hp, dims.placement) == (8, plan.head_parallel_size, plan.placement)
+    strategy._parallel_dims = dims
+    strategy._resolve_auto_attention([_llama(32, 32)])
+    assert strategy.attention_plan.label == plan.label and strategy.inner_ring_size == plan.inner_ring_size
+    strategy._check_inner_ring_size()
+    with pytest.raises(ValueError, match="placement='sideways' is not supported"):
+        SequenceParallelStrategy(placement="sideways")  # type: ignore[arg-type]

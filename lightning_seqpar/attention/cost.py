@@ -39,9 +39,24 @@ ulysses.py, two_d.py):
   a fixed cost per elementwise kernel. On one node these, not the links, separate the
   algorithms.
 
-Placement is the strategy's (Note [The device mesh]): the cp ranks of a group are adjacent
-("context-first", §4.4), so a ring crosses nodes only when cp > gpus_per_node; an hp group has
-stride cp. A transfer that crosses nodes runs at ``inter_node_bandwidth`` (one NIC per GPU).
+Placement is the mesh's (Note [Node-aware placement] in lightning_seqpar.mesh, LoongTrain §4.4):
+"context-first" makes the cp ranks of a group adjacent (the hp group has stride cp),
+"head-first" the hp ranks (the cp ring has stride hp). Two link levels: a group of ``size``
+ranks ``stride`` apart stays inside a node when size x stride <= gpus_per_node; otherwise each
+node holds gpus_per_node / stride of its members (Note [Two link levels]).
+
+Note [Two link levels]
+~~~~~~~~~~~~~~~~~~~~~~
+Inside a node GPUs talk over NVLink (``intra_node_*``), across nodes over one NIC per GPU
+(``inter_node_bandwidth``, plus ``inter_node_latency_s`` per transfer). A ring hop is as slow as
+its slowest link: a ring that leaves a node runs every step at the NIC's rate (the double ring
+exists to keep w - 1 of every w hops on NVLink and to overlap the one outer hop with w blocks,
+§4.3-4.5.3). A collective over a group with m members per node moves (m - 1)/size of its bytes
+over NVLink and (size - m)/size over the NICs, at the same time (all-to-all), or all of
+(size - 1)/size at the NIC's rate (ring all-gather / reduce-scatter, which NCCL runs as a ring
+through every node); its latency grows by ``inter_node_latency_s`` per further node. With
+``gpus_per_node`` >= W every term is intra-node and the model is the one validated on one node
+(benchmarks/cost_model_check.py).
 
 The candidates: ring, double ring (every inner size 1 < w < W dividing W), all-gather, Ulysses
 (hp = W; needs W | H_q) and 2D (every 1 < hp < W with hp | W and hp | H_q, with and without inner
@@ -57,6 +72,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 CostAlgorithm = Literal["ring", "allgather", "ulysses", "2d"]
+Placement = Literal["context-first", "head-first"]
+PLACEMENTS: tuple[str, ...] = ("context-first", "head-first")
 COST_ALGORITHMS: tuple[str, ...] = ("ring", "allgather", "ulysses", "2d")
 
 
@@ -81,6 +98,8 @@ class DeviceProfile:
         overlap_slowdown: fraction of the time of a transfer hidden behind compute that still
             slows that compute (NCCL kernels use SMs and memory bandwidth).
         gpus_per_node: GPUs joined by the intra-node links.
+        inter_node_latency_s: added to a transfer that crosses nodes (per further node for a
+            collective).
         memory_bytes: device memory, for the feasibility of a candidate.
         full_block_speedup: the kernel's rate on a block without a causal mask, relative to
             ``attention_flops`` (its rate on causal calls). The ring (zigzag) spends (W-1)/W of
@@ -101,13 +120,15 @@ class DeviceProfile:
     gpus_per_node: int
     memory_bytes: float
     full_block_speedup: float = 1.0
+    inter_node_latency_s: float = 20e-6
 
     def __post_init__(self) -> None:
         for name in ("attention_flops", "memory_bandwidth", "intra_node_p2p_bandwidth",
                      "intra_node_collective_bandwidth", "inter_node_bandwidth", "memory_bytes", "full_block_speedup"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DeviceProfile.{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("attention_call_s", "elementwise_call_s", "p2p_latency_s", "collective_latency_s", "overlap_slowdown"):
+        for name in ("attention_call_s", "elementwise_call_s", "p2p_latency_s", "collective_latency_s", "overlap_slowdown",
+                     "inter_node_latency_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"DeviceProfile.{name} must be >= 0, got {getattr(self, name)!r}")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -124,9 +145,12 @@ class DeviceProfile:
         (``benchmarks/kernel_rates.py``, 2026-11-22: 1.04-1.07x); the rest was checked
         against 4xH200, H 32/8, D 128: ring 510.8 / 528.3 and all-gather 513.4 / 537.3 TFLOP/s per
         GPU at S = 128K / 512K (the model gives 515 / 533 and 516 / 535).
-        Assumed: the link rates (NVLink 4 is 450 GB/s per direction, NCCL reaches ~350), 45 GB/s
-        per NIC, the latencies and fixed call costs, 3 TB/s for elementwise kernels (of 4.8),
-        ``overlap_slowdown``.
+        Assumed: the link rates (NVLink 4 is 450 GB/s per direction, NCCL reaches ~350; checked
+        only through the 2- and 4-GPU attention times above), 45 GB/s per NIC (400 Gb/s InfiniBand
+        per GPU = 50 GB/s, ~90% of it in NCCL's send/recv and all-to-all), 20 us extra latency per
+        inter-node transfer, the other latencies and fixed call costs, 3 TB/s for elementwise
+        kernels (of 4.8), ``overlap_slowdown``. Override any of them, e.g. for 200 Gb/s NICs
+        ``DeviceProfile.h200(inter_node_bandwidth=22e9)``.
         """
         return replace(cls(
             name="H200", attention_flops=540e12, attention_call_s=20e-6, memory_bandwidth=3.0e12,
@@ -180,11 +204,16 @@ class Candidate:
     elementwise_s: float
     peak_memory_bytes: float
     kv_repeat: int = 1
+    placement: Placement = "context-first"
 
     @property
     def label(self) -> str:
-        base = {"2d": f"2d:{self.hp}x{self.cp}"}.get(self.algorithm, self.algorithm)
-        return base + (f":inner{self.inner_ring_size}" if self.inner_ring_size else "")
+        return _label(self.algorithm, self.hp, self.cp, self.inner_ring_size, self.placement)
+
+
+def _label(algorithm: str, hp: int | None, cp: int, inner: int | None, placement: str) -> str:
+    base = {"2d": f"2d:{hp}x{cp}"}.get(algorithm, algorithm)
+    return base + (f":inner{inner}" if inner else "") + (":head-first" if placement == "head-first" else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +225,8 @@ class AttentionPlan:
     1 x W; Ulysses: W x 1; 2D: hp x cp). The strategy runs Ulysses on a 1-D mesh, so its mesh
     needs ``head_parallel_size = hp if algorithm == "2d" else 1``.
     ``skipped``: (label, reason) of the combinations that cannot run.
+    ``placement``: the mesh's rank order for this plan (Note [Node-aware placement]); only 2D
+    with 1 < hp < W tells the two apart.
     """
 
     algorithm: CostAlgorithm
@@ -205,6 +236,7 @@ class AttentionPlan:
     est_time_s: float
     candidates: tuple[Candidate, ...]
     skipped: tuple[tuple[str, str], ...] = field(default=())
+    placement: Placement = "context-first"
 
     @property
     def label(self) -> str:
@@ -264,18 +296,26 @@ def _nodes(size: int, stride: int, gpn: int) -> tuple[int, int]:
     return max(1, min(size, gpn // stride)), True
 
 
-def _collective(bytes_per_rank: float, size: int, stride: int, p: DeviceProfile) -> float:
-    """All-to-all / all-gather / reduce-scatter in which each rank sends (size-1)/size of ``bytes_per_rank``."""
+def _collective(bytes_per_rank: float, size: int, stride: int, p: DeviceProfile, ring: bool = False) -> float:
+    """All-to-all (``ring=False``) or ring all-gather / reduce-scatter (``ring=True``) in which each
+    rank sends (size-1)/size of ``bytes_per_rank`` (Note [Two link levels])."""
     if size == 1:
         return 0.0
-    m, _ = _nodes(size, stride, p.gpus_per_node)
+    m, crosses = _nodes(size, stride, p.gpus_per_node)
+    if not crosses:
+        return p.collective_latency_s + bytes_per_rank * (size - 1) / size / p.intra_node_collective_bandwidth
+    latency = p.collective_latency_s + p.inter_node_latency_s * (size // m - 1)
+    if ring:
+        return latency + bytes_per_rank * (size - 1) / size / p.inter_node_bandwidth
     intra = bytes_per_rank * (m - 1) / size / p.intra_node_collective_bandwidth
     inter = bytes_per_rank * (size - m) / size / p.inter_node_bandwidth
-    return p.collective_latency_s + max(intra, inter)
+    return latency + max(intra, inter)
 
 
 def _hop(nbytes: float, crosses: bool, p: DeviceProfile) -> float:
-    return p.p2p_latency_s + nbytes / (p.inter_node_bandwidth if crosses else p.intra_node_p2p_bandwidth)
+    if crosses:
+        return p.p2p_latency_s + p.inter_node_latency_s + nbytes / p.inter_node_bandwidth
+    return p.p2p_latency_s + nbytes / p.intra_node_p2p_bandwidth
 
 
 def _attn_call(flops_fwd: float, p: DeviceProfile, backward: bool, causal_share: float = 1.0) -> float:
@@ -289,15 +329,15 @@ def _fwd_flops(B: int, H: int, n_q: int, n_k: int, D: int, causal_block: bool) -
     return 4.0 * B * H * n_q * n_k * D * (0.5 if causal_block else 1.0)
 
 
-def _ring(sh: _Shape, hq: int, hkv: int, cp: int, w: int, t: _Tally, p: DeviceProfile) -> None:
-    """Ring over ``cp`` adjacent ranks (inner rings of ``w``) for ``hq`` / ``hkv`` local heads, S / cp tokens each."""
+def _ring(sh: _Shape, hq: int, hkv: int, cp: int, w: int, t: _Tally, p: DeviceProfile, stride: int = 1) -> None:
+    """Ring over ``cp`` ranks ``stride`` apart (inner rings of ``w``) for ``hq`` / ``hkv`` local heads, S / cp tokens each."""
     B, D, e = sh.B, sh.D, sh.e
     s_local = sh.S // cp
     q_el = B * s_local * hq * D
     kv_el = 2 * B * s_local * hkv * D
     G = cp // w
-    _, inner_crosses = _nodes(w, 1, p.gpus_per_node)
-    _, outer_crosses = _nodes(cp, 1, p.gpus_per_node)
+    _, inner_crosses = _nodes(w, stride, p.gpus_per_node)
+    _, outer_crosses = _nodes(cp, stride, p.gpus_per_node)
     # work of the slowest rank: balanced (zigzag) = causal half of S_local x S; contiguous causal:
     # the last rank attends all earlier shards in full
     total = _fwd_flops(B, hq, s_local, sh.S, D, causal_block=sh.causal and sh.balanced)
@@ -365,8 +405,8 @@ def _allgather(sh: _Shape, t: _Tally, p: DeviceProfile) -> None:
     # masked calls: the two diagonal chunks (zigzag: 1/(2W) of the work), the own shard (contiguous)
     causal_share = 0.0 if not sh.causal else (_fwd_flops(B, sh.Hq, s_local, s_local, D, True) / total if not sh.balanced
                                               else 1.0 / (2 * W))
-    gather = _collective(full_el * e, W, 1, p)
-    scatter = _collective(full_el * 4, W, 1, p)
+    gather = _collective(full_el * e, W, 1, p, ring=True)
+    scatter = _collective(full_el * 4, W, 1, p, ring=True)
     t.compute += calls * (_attn_call(total / calls, p, False, causal_share) + _attn_call(total / calls, p, True, causal_share))
     t.comm += 2 * gather + scatter
     merged = B * s_local * sh.Hq * D * (2 if sh.causal else 1)
@@ -376,14 +416,14 @@ def _allgather(sh: _Shape, t: _Tally, p: DeviceProfile) -> None:
     t.elementwise_calls += 6 + 12 * calls + 6 + 4 * calls + 6
 
 
-def _head_parallel(sh: _Shape, hp: int, cp: int, r: int, t: _Tally, p: DeviceProfile) -> None:
-    """The all-to-alls of Ulysses / 2D over ``hp`` ranks (stride ``cp``) and their copies."""
+def _head_parallel(sh: _Shape, hp: int, stride: int, r: int, t: _Tally, p: DeviceProfile) -> None:
+    """The all-to-alls of Ulysses / 2D over ``hp`` ranks ``stride`` apart and their copies."""
     B, D, e = sh.B, sh.D, sh.e
     s_local = sh.S // sh.W
     q_el = B * s_local * sh.Hq * D
     kv_el = 2 * B * s_local * sh.Hkv * D
     kvr_el = r * kv_el
-    a2a = lambda el: _collective(el * e, hp, cp, p)  # noqa: E731
+    a2a = lambda el: _collective(el * e, hp, stride, p)  # noqa: E731
     # forward q, k, v, out; backward dout, dq, dk, dv (k and v as separate all-to-alls)
     t.comm += 2 * (a2a(q_el) + 2 * a2a(kvr_el / 2) + a2a(q_el))
     copies = 2 * (2 * e) * (2 * q_el + kvr_el)  # a permute copy before and after each all-to-all
@@ -452,6 +492,7 @@ def estimate_attention(
     dtype_bytes: int = 2,
     profile: DeviceProfile | None = None,
     head_chunks: int = 1,
+    placement: Placement = "context-first",
 ) -> Candidate:
     """The cost model's estimate for one algorithm (Note [Choosing the attention algorithm]).
 
@@ -459,13 +500,17 @@ def estimate_attention(
     hp = world_size head parallelism alone, as the attention runs them); ignored otherwise.
     ``inner_ring_size``: double ring for "ring" / "2d". ``head_chunks``: "ring" / "all-gather" over
     this many groups of K/V heads one after another (Note [Head chunks]): the same time, less
-    working memory. Raises ValueError, naming the argument, for a combination that cannot run.
+    working memory. ``placement``: the mesh's rank order for "2d" (Note [Node-aware placement]);
+    the other algorithms run over one axis and ignore it. Raises ValueError, naming the argument,
+    for a combination that cannot run.
     """
     profile = profile or DeviceProfile.h200()
     sh = _shape(seq_len, num_heads, num_kv_heads, head_dim, world_size, batch, causal, layout, dtype_bytes)
     if algorithm not in COST_ALGORITHMS:
         raise ValueError(f"estimate_attention: algorithm={algorithm!r} is not supported; expected one of {COST_ALGORITHMS}")
     W = world_size
+    if placement not in PLACEMENTS:
+        raise ValueError(f"estimate_attention: placement={placement!r} is not supported; expected one of {PLACEMENTS}")
     if algorithm == "2d":
         if hp is None or isinstance(hp, bool) or not isinstance(hp, int) or not 1 <= hp <= W or W % hp:
             raise ValueError(f"estimate_attention: algorithm='2d' needs hp, a divisor of world_size ({W}) from 1 to {W}, got hp={hp!r}")
@@ -497,19 +542,21 @@ def estimate_attention(
     elif algorithm == "ring":
         _ring(sh, num_heads, num_kv_heads, W, inner_ring_size or W, t, profile)
     else:  # Ulysses, or 2D at any hp x cp (hp = 1 runs the ring alone: no all-to-all, no copies)
+        hp_stride, cp_stride = (1, hp) if placement == "head-first" else (cp, 1)
         if hp > 1:
-            _head_parallel(sh, hp, cp, r, t, profile)
+            _head_parallel(sh, hp, hp_stride, r, t, profile)
         if cp == 1:  # Ulysses reorders the zigzag shards to sequence order; 2D's cp = 1 shards are contiguous
             s_local = seq_len // W
             reorder = batch * s_local * (2 * num_heads + 2 * num_kv_heads * r) * head_dim if algorithm == "ulysses" else 0
             _local(sh, num_heads // hp, t, profile, reorder)
         else:
-            _ring(sh, num_heads // hp, num_kv_heads * r // hp, cp, inner_ring_size or cp, t, profile)
+            _ring(sh, num_heads // hp, num_kv_heads * r // hp, cp, inner_ring_size or cp, t, profile, cp_stride)
     compute, comm, ew = t.time(profile)
     return Candidate(
         algorithm=algorithm, hp=hp, cp=cp, inner_ring_size=inner_ring_size, est_time_s=compute + comm + ew,
         compute_s=compute, communication_s=comm, elementwise_s=ew,
         peak_memory_bytes=_memory(sh, algorithm, hp, cp, r, inner_ring_size, head_chunks), kv_repeat=r,
+        placement=placement if algorithm == "2d" and 1 < hp < W else "context-first",
     )
 
 
@@ -546,6 +593,7 @@ def choose_attention(
     double_ring: bool = True,
     tie_tolerance: float = 0.01,
     head_chunks: int = 1,
+    placement: Placement | None = None,
 ) -> AttentionPlan:
     """Pick the attention algorithm and hp x cp split with the least estimated time.
 
@@ -568,6 +616,10 @@ def choose_attention(
         head_chunks: the ring and all-gather candidates run over this many groups of K/V heads
             (Note [Head chunks]; must divide num_kv_heads), which lowers their estimated memory;
             the other candidates are estimated without.
+        placement: restrict 2D to this rank order (the mesh's, once built); None weighs both
+            where they differ (W > ``profile.gpus_per_node``). Orders and inner rings the mesh
+            would refuse (a group straddling nodes, an inner ring leaving its node; Note
+            [Node-aware placement]) are skipped when W > gpus_per_node.
 
     Returns:
         :class:`AttentionPlan`; ``candidates`` fastest first, ``skipped`` says what cannot run.
@@ -590,38 +642,50 @@ def choose_attention(
     _check("head_chunks", head_chunks)
     if num_kv_heads % head_chunks:
         raise ValueError(f"choose_attention: head_chunks={head_chunks} must divide num_kv_heads={num_kv_heads}")
+    if placement is not None and placement not in PLACEMENTS:
+        raise ValueError(f"choose_attention: placement={placement!r} is not supported; expected one of {PLACEMENTS} or None")
     W = world_size
+    gpn = profile.gpus_per_node
     kw = dict(seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, world_size=W,
               batch=batch, causal=causal, layout=layout, dtype_bytes=dtype_bytes, profile=profile)
-    # (algorithm, hp, inner) to try
-    tries: list[tuple[str, int | None, int | None]] = []
+    # (algorithm, hp, inner, placement) to try
+    tries: list[tuple[str, int | None, int | None, str]] = []
+    cf = "context-first"
     fixed_hp = head_parallel_size
     if W == 1:
-        tries.append(("ring", None, None))
+        tries.append(("ring", None, None, cf))
     else:
         if fixed_hp in (None, 1):
             if "ring" in allowed:
-                tries.append(("ring", None, None))
-                tries += [("ring", None, w) for w in _divisors(W) if 1 < w < W and double_ring]
+                tries.append(("ring", None, None, cf))
+                tries += [("ring", None, w, cf) for w in _divisors(W) if 1 < w < W and double_ring]
             if "allgather" in allowed:
-                tries.append(("allgather", None, None))
+                tries.append(("allgather", None, None, cf))
             if "ulysses" in allowed:
-                tries.append(("ulysses", None, None))
+                tries.append(("ulysses", None, None, cf))
         if "2d" in allowed:
-            for hp in _divisors(W):
-                if 1 < hp < W and fixed_hp in (None, hp):
-                    cp = W // hp
-                    tries.append(("2d", hp, None))
-                    tries += [("2d", hp, w) for w in _divisors(cp) if 1 < w < cp and double_ring]
+            # on one node both orders give the same estimate: weigh head-first only across nodes
+            orders = [placement] if placement is not None else ([cf, "head-first"] if W > gpn else [cf])
+            for order in orders:
+                for hp in _divisors(W):
+                    if 1 < hp < W and fixed_hp in (None, hp):
+                        cp = W // hp
+                        tries.append(("2d", hp, None, order))
+                        tries += [("2d", hp, w, order) for w in _divisors(cp) if 1 < w < cp and double_ring]
     candidates, skipped = [], []
-    for algorithm, hp, inner in tries:
+    for algorithm, hp, inner, order in tries:
         degree = W if algorithm == "ulysses" else (hp or 1)
-        label = {"2d": f"2d:{hp}x{W // (hp or 1)}"}.get(algorithm, algorithm) + (f":inner{inner}" if inner else "")
+        label = _label(algorithm, hp, W // (hp or 1), inner, order)
         if degree > 1 and num_heads % degree:
             skipped.append((label, f"{degree} head-parallel ranks do not divide num_heads={num_heads}"))
             continue
+        unplaceable = _unplaceable(W, hp or 1, inner, order, gpn)
+        if unplaceable:
+            skipped.append((label, unplaceable))
+            continue
         chunks = head_chunks if algorithm in ("ring", "allgather") else 1
-        c = estimate_attention(algorithm=algorithm, hp=hp, inner_ring_size=inner, head_chunks=chunks, **kw)  # type: ignore[arg-type]
+        c = estimate_attention(algorithm=algorithm, hp=hp, inner_ring_size=inner, head_chunks=chunks,  # type: ignore[arg-type]
+                               placement=order, **kw)  # type: ignore[arg-type]
         if c.peak_memory_bytes > profile.memory_bytes:
             skipped.append((label, f"needs ~{c.peak_memory_bytes / 1e9:.0f} GB of {profile.memory_bytes / 1e9:.0f} GB"))
             continue
@@ -636,7 +700,23 @@ def choose_attention(
     pick = min(near, key=lambda c: (c.peak_memory_bytes, c.est_time_s))
     ordered = (pick, *[c for c in candidates if c is not pick])
     return AttentionPlan(algorithm=pick.algorithm, hp=pick.hp, cp=pick.cp, inner_ring_size=pick.inner_ring_size,
-                         est_time_s=pick.est_time_s, candidates=ordered, skipped=tuple(skipped))
+                         est_time_s=pick.est_time_s, candidates=ordered, skipped=tuple(skipped), placement=pick.placement)
+
+
+def _unplaceable(W: int, hp: int, inner: int | None, placement: str, gpn: int) -> str | None:
+    """Why the mesh would refuse this layout across nodes (the rules of ParallelDims and
+    ParallelDims.check_inner_ring, Note [Node-aware placement]); None when it can be placed."""
+    if W <= gpn:
+        return None
+    cp = W // hp
+    group, axis, stride = (hp, "hp", hp) if placement == "head-first" else (cp, "cp", 1)
+    if group > 1 and group % gpn and gpn % group:
+        return f"{placement}: the {axis} groups of {group} would straddle nodes of {gpn}"
+    if inner is not None and 1 < inner < cp:
+        span = inner * (hp if placement == "head-first" else 1)
+        if span > gpn or gpn % span:
+            return f"{placement}: an inner ring of {inner} spans {span} ranks, not inside a node of {gpn}"
+    return None
 
 
 def causal_flops(*, batch: int, seq_len: int, num_heads: int, head_dim: int) -> float:
@@ -646,9 +726,11 @@ def causal_flops(*, batch: int, seq_len: int, num_heads: int, head_dim: int) -> 
 
 __all__ = [
     "COST_ALGORITHMS",
+    "PLACEMENTS",
     "AttentionPlan",
     "Candidate",
     "DeviceProfile",
+    "Placement",
     "causal_flops",
     "choose_attention",
     "estimate_attention",
