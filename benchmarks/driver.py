@@ -9,7 +9,7 @@
 
 Everything a device call needs that the per-run scripts do not do lives here, once: the environment
 (NCCL without NVLink multicast, caches on /tmp, PYTHONPATH with the carried wheels), torchrun's start
-(a free rendezvous port per run), the time budget (every run under ``timeout`` with
+(``--standalone``: a free rendezvous port per run), the time budget (every run under ``timeout`` with
 min(its limit, what is left); a run whose limit does not fit is skipped and says so; longest-context
 searches get the call's deadline), flash-attention 4 from carried wheels, and the records: each run
 writes its own JSON file; the driver stamps every record with ``suite``, ``run``, ``commit`` (from
@@ -37,7 +37,6 @@ import datetime
 import glob
 import json
 import os
-import random
 import shlex
 import shutil
 import subprocess
@@ -77,7 +76,8 @@ def commit_of(explicit: str | None) -> str:
 
 
 def _torchrun(nproc: int) -> list[str]:
-    return ["torchrun", f"--nproc_per_node={nproc}", f"--master_port={29500 + random.randrange(2000)}"]
+    # --standalone: a rendezvous on a free local port (a fixed or random port can meet another job's store)
+    return ["torchrun", "--standalone", f"--nproc_per_node={nproc}"]
 
 
 def _script(name: str) -> str:
@@ -107,7 +107,7 @@ def command(run: Run, *, out: str, commit: str, deadline: float, peak: float | N
         return _torchrun(run.gpus) + [_script("attention.py"), *grids, "--iters", "3", "--warmup", "1", *run.args,
                                       "--out", out, *c]
     if run.kind == "scaling":
-        return (["torchrun", "--standalone", f"--nproc_per_node={run.gpus}", _script("train_scaling.py"), "--model", str(run.model),
+        return (_torchrun(run.gpus) + [_script("train_scaling.py"), "--model", str(run.model),
                  "--seq", str(run.seq), "--warmup", "1", "--steps", "3", *run.args, "--out", out, *c])
     if run.kind == "max_seq":
         seqs = ",".join(str(s) for s, _ in run.seqs)
@@ -116,7 +116,7 @@ def command(run: Run, *, out: str, commit: str, deadline: float, peak: float | N
                 str(run.model), *run.args, "--attempt-timeout", str(per), "--deadline-s", f"{max(deadline - time.time() - 10, 0):.0f}",
                 "--out", out, *c]
     if run.kind == "lasp_op":
-        return ["torchrun", "--standalone", f"--nproc_per_node={run.gpus}", _script("lasp.py"), *run.args, "--out", out, *c]
+        return _torchrun(run.gpus) + [_script("lasp.py"), *run.args, "--out", out, *c]
     if run.kind == "hf_finetune":
         return _torchrun(run.gpus) + [_script("hf_finetune.py"), "--seq", str(run.seq), *run.args, "--out", out, *c]
     if run.kind == "matmul":
@@ -128,7 +128,7 @@ def command(run: Run, *, out: str, commit: str, deadline: float, peak: float | N
     if run.kind == "offload_optimizer":
         return [PY, _script("offload_optimizer.py"), "--model", str(run.model), *run.args, "--out", out, *c]
     if run.kind == "pytest":
-        base = ["torchrun", "--standalone", f"--nproc_per_node={run.gpus}", "-m"] if run.gpus > 1 else [PY, "-m"]
+        base = _torchrun(run.gpus) + ["-m"] if run.gpus > 1 else [PY, "-m"]
         return base + ["pytest", "-s", "-q", "-p", "no:cacheprovider", *run.args]
     raise ValueError(f"run {run.name!r}: unknown kind {run.kind!r}")
 
@@ -257,7 +257,7 @@ def run_suite(suite: Suite, *, gpus: int, only: tuple[str, ...] = (), budget_s: 
             from collect import append_records
 
             append_records(os.path.join(out_dir, f"{suite.name}.json"), rows)
-        say(f"== {run.name}: rc={rc}{' TIMEOUT' if rc in (124, 137) else ''}, {time.time() - t0:.0f}s, {len(rows)} records "
+        say(f"== {run.name}: rc={rc}{' TIMEOUT' if rc in (124, 137, -9) else ''}, {time.time() - t0:.0f}s, {len(rows)} records "
             f"({time.time() - start:.0f}s of {budget_s:.0f}s used)")
     say(f"== done in {time.time() - start:.0f}s; merge here with: python -m benchmarks collect --kind <machine kind> "
         f"<files_at>/{suite.name}.json")

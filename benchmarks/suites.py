@@ -173,8 +173,19 @@ TRAIN = Suite(
                       limits=(190, 180, 200), extra=_a("--steps 1")),
             *_compare("llama-33h", 262144, 4, _a("--backend fa4 --ac selective++ --head-chunks 3"), prefix="llama-33h-256k",
                       limits=(190, 180, 200), extra=_a("--steps 1")),
+            Run(name="llama3-8b-128k-ours-ring", kind="train", gpus=4, limit_s=200, system="seqpar", model="llama3-8b", seq=131072,
+                args=_a("--backend fa4 --compile --uncheckpointed-blocks 14 --algorithm ring"), peers=("llama3-8b-128k-torch_cp",),
+                fa4=True),
             Run(name="llama3-8b-256k-ours", kind="train", gpus=4, limit_s=200, system="seqpar", model="llama3-8b", seq=262144,
                 args=_a("--backend cudnn --ac selective++ --head-chunks 4 --steps 1")),
+            # the 1M setting at 512K (no peer fits 512K); AdamW state allocated before the step
+            Run(name="llama3-8b-512k-ours", kind="train", gpus=4, limit_s=400, system="seqpar", model="llama3-8b", seq=524288,
+                args=_a("--ac selective++ --head-chunks 4 --offload --mlp-chunk 32768 --backend fa4 --prealloc-optimizer "
+                        "--tag offload-512k") + ONE_STEP, fa4=True, env=EXPANDABLE),
+            # offload_params at a short S: the host's optimizer step, not a throughput setting (left out of the tables)
+            Run(name="llama-7b-64k-offload-params", kind="train", gpus=4, limit_s=150, system="seqpar", model="llama-7b", seq=65536,
+                args=_a("--ac selective++ --offload --offload-params --mlp-chunk 32768 --backend cudnn --head-chunks 4 --steps 2 "
+                        "--tag offload-params-auto"), env=EXPANDABLE),
         ),
         8: (
             Run(name="matmul-peak", kind="matmul", gpus=1, limit_s=60, args=_a("--sizes 8192 --iters 20")),
