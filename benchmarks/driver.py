@@ -44,6 +44,7 @@ import sys
 import time
 from typing import Callable
 
+from collect import append_records
 from suites import SUITES, Run, Suite
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -254,11 +255,13 @@ def run_suite(suite: Suite, *, gpus: int, only: tuple[str, ...] = (), budget_s: 
             peak = float(rows[-1]["tflops"])
         records += rows
         if rows:
-            from collect import append_records
-
             append_records(os.path.join(out_dir, f"{suite.name}.json"), rows)
         say(f"== {run.name}: rc={rc}{' TIMEOUT' if rc in (124, 137, -9) else ''}, {time.time() - t0:.0f}s, {len(rows)} records "
             f"({time.time() - start:.0f}s of {budget_s:.0f}s used)")
+    if records:
+        from collect import summary
+
+        say(summary(records))
     say(f"== done in {time.time() - start:.0f}s; merge here with: python -m benchmarks collect --kind <machine kind> "
         f"<files_at>/{suite.name}.json")
     suite_log.close()

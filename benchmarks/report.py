@@ -18,7 +18,9 @@ docs/benchmarks.md says the same in prose):
   throughput tables.
 * A longest context is the longest S that trained in any record of that system, model and GPU
   count (plot.py's ``longest_per_config``).
-* Ratios are ours / the peer's, from the unrounded values, printed with 2 decimals.
+* Ratios are ours / the peer's, from the unrounded values, printed with 2 decimals; in the
+  throughput and attention tables a ratio of two records of different commits (different sessions)
+  is marked "*".
 """
 
 from __future__ import annotations
@@ -55,8 +57,13 @@ def f(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+def ratio(a: float | None, b: float | None, *, rows: tuple[dict | None, dict | None] = (None, None)) -> str:
+    """a / b; marked "*" when the two records come from different commits (different sessions)."""
+    if a is None or b is None or b == 0:
+        return "-"
+    x, y = rows
+    other = x is not None and y is not None and x.get("commit") != y.get("commit")
+    return f"{a / b:.2f}x" + ("*" if other else "")
 
 
 def seq_k(s: int | None) -> str:
@@ -159,8 +166,8 @@ def train_table(rows: list[dict]) -> str:
             t = _num(r, "tokens_per_s_per_gpu")
             out.append([cell, seq_k(seq), str(gpus), NAMES[r["system"]] if not mine else f"**ours** ({kernel(r)})", setting(r),
                         f"{t:,.0f}" if t else "-", f(_num(r, "mfu"), ".3f"), f(_num(r, "peak_mem_gb"), ".1f"),
-                        ratio(t, _num(peers["torch_cp"], "tokens_per_s_per_gpu")) if mine else "",
-                        ratio(t, _num(peers["tp_sp"], "tokens_per_s_per_gpu")) if mine else "", when(r)])
+                        ratio(t, _num(peers["torch_cp"], "tokens_per_s_per_gpu"), rows=(r, peers["torch_cp"])) if mine else "",
+                        ratio(t, _num(peers["tp_sp"], "tokens_per_s_per_gpu"), rows=(r, peers["tp_sp"])) if mine else "", when(r)])
     return table(["model", "S", "GPUs", "system", "setting", "tokens/s/GPU", "MFU", "peak GB", "vs torch CP", "vs TP+SP",
                   "commit, date"], out)
 
@@ -219,8 +226,9 @@ def attention_table(rows: list[dict]) -> str:
             out.append([f'<a id="{anchor("attention", heads, seq_k(seq), gpus, k)}"></a>{heads}', seq_k(seq), str(gpus), k,
                         f"{tf(fast):.1f} ({fast['algorithm']}{', chunks ' + str(fast['head_chunks']) if (fast.get('head_chunks') or 1) > 1 else ''})",
                         f"{tf(ring):.1f} (chunks {ring.get('head_chunks') or 1}), {mem(ring):.1f} GB" if ring else "-",
-                        cp_cell, f(tf(single[0]), ".1f") if single else "-", ratio(tf(fast), tf(cp)),
-                        ratio(tf(ring), tf(cp)) if ring else "-", ratio(mem(ring), mem(cp)) if ring else "-",
+                        cp_cell, f(tf(single[0]), ".1f") if single else "-", ratio(tf(fast), tf(cp), rows=(fast, cp)),
+                        ratio(tf(ring), tf(cp), rows=(ring, cp)) if ring else "-",
+                        ratio(mem(ring), mem(cp), rows=(ring, cp)) if ring else "-",
                         when(*[r for r in (fast, ring, cp) if r])])
     return table(["heads q/kv", "S", "GPUs", "our kernel", "ours: fastest TFLOP/s/GPU", "ours: ring", "torch CP (cuDNN)", "one GPU",
                   "fastest vs CP", "ring vs CP", "ring memory vs CP", "commit, date"], out)

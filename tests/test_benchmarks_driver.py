@@ -218,7 +218,9 @@ def test_table_selection_rules():
     ]
     t = report.train_table(rows)
     assert "| 600 |" in t and "900" not in t and "999" not in t and "998" not in t  # the fastest of the last commit
-    assert "| 1.25x |" in t and "new, 2026-01-02" in t and "cp, 2026-01-03" in t  # 600 / 480
+    assert "| 1.25x* |" in t and "new, 2026-01-02" in t and "cp, 2026-01-03" in t  # 600 / 480, of another commit: "*"
+    same = report.train_table(rows + [rec("20260103-k.json", system="tp_sp", tokens_per_s_per_gpu=300.0, commit="new")])
+    assert "| 1.25x* | 2.00x |" in same  # 600 / 300 in the same session: no mark
     longest = [
         {"bench": "longest", "system": "seqpar", "model": "m", "gpus": 2, "seq": 4096, "_file": "20260101-k.json",
          "attempts": [{"seq": 4096, "status": "ok"}]},
