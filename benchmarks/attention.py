@@ -398,7 +398,12 @@ def grid_tables(paths: list[str], seqs: list[int] | None = None) -> str:
     the best of ours bold, and the ratios of the best of ours to the best torch CP and to one GPU
     (the latest one-GPU record at that S and heads, from any run)."""
     data = [json.load(open(p)) for p in sorted(paths)]
-    rows = [r for d in data if isinstance(d, list) for r in d if isinstance(r, dict) and r.get("bench") == "attention" and r.get("heads")
+    return grid_tables_of([r for d in data if isinstance(d, list) for r in d], seqs)
+
+
+def grid_tables_of(records: list, seqs: list[int] | None = None) -> str:
+    """grid_tables of records already read (oldest first); docs/benchmarks.md's full grid (benchmarks/report.py)."""
+    rows = [r for r in records if isinstance(r, dict) and r.get("bench") == "attention" and r.get("heads")
             and (r["system"] == "torch_cp" or r.get("backend", "cudnn") == "cudnn") and (not seqs or r["seq"] in seqs)]
     latest: dict[tuple, dict] = {}
     for r in rows:  # later records win

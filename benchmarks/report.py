@@ -336,7 +336,15 @@ def suites_table(rows: list[dict]) -> str:
     return table(["suite", "what it measures", "command (one per machine size)", "table", "runs (`--only` names)"], out)
 
 
+def attention_grid(rows: list[dict]) -> str:
+    """Every algorithm of ours and both torch CP rotations, cuDNN, per GPUs and S (benchmarks/attention.py --table)."""
+    from attention import grid_tables_of  # imports torch and the package
+
+    return grid_tables_of(rows).rstrip("\n")
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "attention-grid": attention_grid,
     "suites": suites_table,
     "train": train_table, "longest": longest_table, "attention": attention_table, "scaling": scaling_table,
     "lasp-op": lasp_op_table, "hf": hf_table, "one-gpu": one_gpu_table, "offload-optimizer": optimizer_table,
