@@ -223,7 +223,8 @@ def attention_table(rows: list[dict]) -> str:
             ring = max(rings, key=lambda r: (r.get("head_chunks") or 1, str(r.get("_file")))) if rings else None
             tf = lambda r: _num(r, "tflops_per_gpu")  # noqa: E731
             mem = lambda r: _num(r, "peak_mem_gb")  # noqa: E731
-            out.append([f'<a id="{anchor("attention", heads, seq_k(seq), gpus, k)}"></a>{heads}', seq_k(seq), str(gpus), k,
+            first = not any(row[0].endswith(f"</a>{heads}") and row[1:3] == [seq_k(seq), str(gpus)] for row in out)
+            out.append([f'<a id="{anchor("attention", heads, seq_k(seq), gpus)}"></a>{heads}' if first else heads, seq_k(seq), str(gpus), k,
                         f"{tf(fast):.1f} ({fast['algorithm']}{', chunks ' + str(fast['head_chunks']) if (fast.get('head_chunks') or 1) > 1 else ''})",
                         f"{tf(ring):.1f} (chunks {ring.get('head_chunks') or 1}), {mem(ring):.1f} GB" if ring else "-",
                         cp_cell, f(tf(single[0]), ".1f") if single else "-", ratio(tf(fast), tf(cp), rows=(fast, cp)),
