@@ -219,6 +219,8 @@ def run_suite(suite: Suite, *, gpus: int, only: tuple[str, ...] = (), budget_s: 
         suite_log.write(line + "\n")
         suite_log.flush()
 
+    if commit == "unknown":
+        say("== WARNING: the commit is unknown (no --commit, $SEQPAR_COMMIT or git here): records will say 'unknown'")
     install_fa4(say)
     have_fa4 = any(r.fa4 for r in runs) and fa4_available(env)
     say(f"== suite {suite.name}, {gpus} GPUs, runs {', '.join(r.name for r in runs)}; budget {budget_s:.0f}s; commit {commit}; "
