@@ -4,8 +4,7 @@ with the cost model's prediction next to each measurement.
     torchrun --nproc_per_node=4 benchmarks/attention.py --out attention.json \
         --grid "seqs=32768,131072;heads=32/8,32/32,33/33;systems=all" \
         --grid "seqs=524288;heads=32/8;systems=seqpar:ring,seqpar:ulysses;iters=2"
-    python benchmarks/attention.py --summarize attention.json        # best vs auto, no GPU needed
-    python benchmarks/attention.py --table benchmarks/results/*.json --table-seqs 524288,1048576   # docs tables
+    python benchmarks/attention.py --table benchmarks/results/*.json --table-seqs 524288,1048576   # the full grid, every algorithm
 
 Systems (``--grid ... systems=`` or ``--systems``, comma separated):
 
@@ -50,7 +49,6 @@ import datetime
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -385,51 +383,7 @@ def run(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------------------------- summary
-
-
-def summarize(paths: list[str], tolerance: float = 0.05) -> list[dict]:
-    """Per (gpus, S, heads): the measured best of our algorithms, the auto choice and whether it is
-    within ``tolerance`` of the best; torch_cp's best and single for reference; and how far the
-    predictions are from the measurements. Prints a table and returns its rows."""
-    rows = [r for p in paths for r in json.load(open(p)) if r.get("bench") == "attention" and r.get("head_chunks", 1) == 1]
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:  # ours per local kernel (the cost model's choice is per kernel); torch_cp / single in every group
-        heads = r.get("heads") or r["model"]
-        if r["system"] == "seqpar":
-            groups.setdefault((r["gpus"], r["seq"], heads, r.get("backend", "cudnn")), []).append(r)
-    for r in rows:
-        if r["system"] != "seqpar":
-            for key in [k for k in groups if k[:3] == (r["gpus"], r["seq"], r.get("heads") or r["model"])]:
-                groups[key].append(r)
-    out, errors = [], []
-    print(f"{'gpus':>4} {'S':>8} {'heads':>6} {'kernel':>6}  {'best (ours)':>22}  {'auto':>22}  {'auto/best':>9}  ok  {'torch_cp':>8}  {'single':>7}")
-    for (gpus, S, heads, kernel), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]), kv[0][3])):
-        ok_rows = [r for r in rs if r.get("tflops_per_gpu") and not r.get("error")]
-        ours = [r for r in ok_rows if r["system"] == "seqpar"]
-        best = max(ours, key=lambda r: r["tflops_per_gpu"], default=None)
-        auto = next((r.get("auto_choice") for r in rs if r.get("auto_choice")), None)
-        auto_row = next((r for r in ours if r["algorithm"] == auto), None)
-        ratio = auto_row["tflops_per_gpu"] / best["tflops_per_gpu"] if auto_row and best else None
-        cp = max((r["tflops_per_gpu"] for r in ok_rows if r["system"] == "torch_cp"), default=None)
-        single = next((r["tflops_per_gpu"] for r in ok_rows if r["system"] == "single" and r.get("backend", "cudnn") == "cudnn"), None)
-        ok = None if ratio is None else ratio >= 1 - tolerance
-        for r in ours:
-            if r.get("predicted_ms"):
-                errors.append(r["predicted_ms"] / r["time_ms"] - 1)
-        b = f"{best['algorithm']} {best['tflops_per_gpu']:.1f}" if best else "-"
-        a = f"{auto} {auto_row['tflops_per_gpu']:.1f}" if auto_row else f"{auto} (not measured)"
-        fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-        print(f"{gpus:>4} {S:>8} {heads:>6} {kernel:>6}  {b:>22}  {a:>22}  {fmt(ratio, '.3f'):>9}  "
-              f"{'-' if ok is None else ('yes' if ok else 'NO'):>3}  {fmt(cp, '.1f'):>8}  {fmt(single, '.1f'):>7}")
-        out.append(dict(gpus=gpus, seq=S, heads=heads, kernel=kernel, best=best and best["algorithm"], auto=auto, auto_over_best=ratio,
-                        within=ok))
-    if errors:
-        print(f"cost model: predicted/measured time - 1 over {len(errors)} runs of ours: median {statistics.median(errors):+.3f}, "
-              f"min {min(errors):+.3f}, max {max(errors):+.3f}")
-    decided = [o for o in out if o["within"] is not None]
-    print(f"auto within {tolerance:.0%} of the measured best: {sum(o['within'] for o in decided)}/{len(decided)}")
-    return out
+# ------------------------------------------------------------------------------------------ grid tables
 
 
 COLUMNS = (("seqpar", "ring", "ring"), ("seqpar", "allgather", "all-gather"), ("seqpar", "ulysses", "Ulysses"),
@@ -444,7 +398,12 @@ def grid_tables(paths: list[str], seqs: list[int] | None = None) -> str:
     the best of ours bold, and the ratios of the best of ours to the best torch CP and to one GPU
     (the latest one-GPU record at that S and heads, from any run)."""
     data = [json.load(open(p)) for p in sorted(paths)]
-    rows = [r for d in data if isinstance(d, list) for r in d if isinstance(r, dict) and r.get("bench") == "attention" and r.get("heads")
+    return grid_tables_of([r for d in data if isinstance(d, list) for r in d], seqs)
+
+
+def grid_tables_of(records: list, seqs: list[int] | None = None) -> str:
+    """grid_tables of records already read (oldest first); docs/benchmarks.md's full grid (benchmarks/report.py)."""
+    rows = [r for r in records if isinstance(r, dict) and r.get("bench") == "attention" and r.get("heads")
             and (r["system"] == "torch_cp" or r.get("backend", "cudnn") == "cudnn") and (not seqs or r["seq"] in seqs)]
     latest: dict[tuple, dict] = {}
     for r in rows:  # later records win
@@ -507,15 +466,11 @@ def main() -> None:
     ap.add_argument("--backend", default="cudnn", help="local kernel of seqpar and single without a backend suffix (CUDA)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
-    ap.add_argument("--summarize", nargs="+", metavar="JSON", help="print best-vs-auto from result files and exit")
-    ap.add_argument("--table", nargs="+", metavar="JSON", help="print markdown tables of the cuDNN grid (docs/benchmarks.md) and exit")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print markdown tables of the cuDNN grid, every algorithm, and exit")
     ap.add_argument("--table-seqs", default="", help="with --table: only these S (comma list)")
     args = ap.parse_args()
     if args.table:
         print(grid_tables(args.table, [int(x) for x in args.table_seqs.split(",") if x]))
-        return
-    if args.summarize:
-        summarize(args.summarize)
         return
     t0 = time.time()
     with contextlib.suppress(KeyboardInterrupt):

@@ -1,4 +1,4 @@
-"""LightSeq's single-node table (papers/lightseq.txt Table 1: one node of 8 GPUs, 4K-32K tokens per
+"""LightSeq's single-node table (Li et al., "LightSeq", arXiv:2310.03294, Table 1: one node of 8 GPUs, 4K-32K tokens per
 GPU, Llama-7B, Llama-GQA, Llama-33H) from our training records, with the paper's speedup next to ours.
 
     python benchmarks/lightseq_table.py benchmarks/results/*-nvidia-h200-x8.json
@@ -16,7 +16,7 @@ import json
 
 MODELS = (("llama-7b", "Llama-7B (MHA, 32 heads)"), ("llama-7b-gqa", "Llama-GQA (32 / 8 heads)"), ("llama-33h", "Llama-33H"))
 SEQS = (32768, 65536, 131072, 262144)
-# papers/lightseq.txt Table 1, 1x8 A100 80 GB: LightSeq's speedup over Megatron-LM at 4K / 8K / 16K / 32K per GPU
+# LightSeq (arXiv:2310.03294) Table 1, 1x8 A100 80 GB: LightSeq's speedup over Megatron-LM at 4K / 8K / 16K / 32K per GPU
 PAPER_SPEEDUP = {
     "llama-7b": (1.02, 1.14, 1.21, 1.24),
     "llama-7b-gqa": (1.06, 1.18, 1.22, 1.26),

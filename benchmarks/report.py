@@ -1,0 +1,390 @@
+"""The tables of docs/benchmarks.md, generated from the records of benchmarks/results/*.json.
+
+    python -m benchmarks tables            # rewrite the generated blocks of docs/benchmarks.md
+    python -m benchmarks tables --check    # exit 1 if a block differs from what the records give
+
+Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` in the docs; the text
+around it is written by hand, the figures are not. How a table picks its figures (the "method" of
+docs/benchmarks.md says the same in prose):
+
+* Records are read in file-name order (files are named ``<yyyymmdd>-<machine kind>.json``, so by
+  date), and in each file in the order they were appended. The date and the machine of a figure
+  are those of its file.
+* One configuration (system, settings, model, S, GPUs) measured more than once shows its last
+  record. Where a table shows one row per system and several settings of ours were measured,
+  ours is the fastest setting of the last commit that measured that model, S and GPUs (the peers
+  have one setting). Runs with a profiler on (tag ``*prof*``) or smoke runs (``*smoke*``) and
+  runs with parameters on the host (``offload_params``, a memory setting) are left out of the
+  throughput tables.
+* A longest context is the longest S that trained in any record of that system, model and GPU
+  count (plot.py's ``longest_per_config``).
+* Ratios are ours / the peer's, from the unrounded values, printed with 2 decimals; in the
+  throughput and attention tables a ratio of two records of different commits (different sessions)
+  is marked "*".
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import re
+import sys
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from plot import load, longest_per_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "*.json")
+DOC = os.path.join(ROOT, "docs", "benchmarks.md")
+PEERS = {"torch_cp": "FSDP2 + torch CP", "tp_sp": "Megatron TP+SP"}
+NAMES = {"seqpar": "ours", **PEERS, "single": "one GPU"}
+
+
+# ---- formatting ------------------------------------------------------------------------------------
+
+def _num(row: dict | None, key: str) -> float | None:
+    v = None if row is None else row.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        return None
+    return float(v)
+
+
+def f(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def ratio(a: float | None, b: float | None, *, rows: tuple[dict | None, dict | None] = (None, None)) -> str:
+    """a / b; marked "*" when the two records come from different commits (different sessions)."""
+    if a is None or b is None or b == 0:
+        return "-"
+    x, y = rows
+    other = x is not None and y is not None and x.get("commit") != y.get("commit")
+    return f"{a / b:.2f}x" + ("*" if other else "")
+
+
+def seq_k(s: int | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s >> 20}M" if s % (1 << 20) == 0 else f"{s >> 10}K" if s % 1024 == 0 else str(s)
+
+
+def date_of(row: dict) -> str:
+    """The date of a record: that of its file, named <yyyymmdd>-<machine kind>.json."""
+    m = re.match(r"(\d{4})(\d{2})(\d{2})-", row.get("_file", ""))
+    return f"{m[1]}-{m[2]}-{m[3]}" if m else "?"
+
+
+def when(*rows: dict) -> str:
+    """The commit(s) and date(s) of records."""
+    commits = list(dict.fromkeys(str(r.get("commit") or "-") for r in rows))
+    dates = list(dict.fromkeys(date_of(r) for r in rows))
+    return f"{' / '.join(commits)}, {' / '.join(dates)}"
+
+
+def anchor(*parts: Any) -> str:
+    return "-".join(re.sub(r"[^a-z0-9]+", "-", str(p).lower()).strip("-") for p in parts)
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def kernel(row: dict) -> str:
+    b = row.get("backend")
+    return "cuDNN" if b in (None, "cudnn", "auto") else str(b)
+
+
+# ---- selection -------------------------------------------------------------------------------------
+
+def last_by(rows: list[dict], key: Callable[[dict], Any]) -> dict[Any, dict]:
+    out: dict[Any, dict] = {}
+    for r in rows:
+        out[key(r)] = r
+    return out
+
+
+def best_of_last_commit(rows: list[dict], metric: str) -> dict | None:
+    """Among ``rows`` (one configuration of model / S / GPUs, several settings): the fastest of the last commit."""
+    rows = [r for r in rows if _num(r, metric) is not None]
+    if not rows:
+        return None
+    commit = rows[-1].get("commit")
+    return max((r for r in rows if r.get("commit") == commit), key=lambda r: _num(r, metric) or 0.0)
+
+
+def _throughput_run(r: dict) -> bool:
+    tag = str(r.get("tag") or "")
+    return not (r.get("error") or r.get("offload_params") or "prof" in tag or "smoke" in tag)
+
+
+def setting(r: dict) -> str:
+    if r.get("train_args"):  # longest.py's records of the later sessions: train.py's flags as given
+        args = re.sub(r"--(warmup|steps) \d+ ?", "", str(r["train_args"])).strip()
+        return f"`{args}`"
+    if r.get("system") != "seqpar":
+        return {"torch_cp": "full AC", "tp_sp": "full AC" + (f", {r['heads']} heads" if r.get("padded_heads") else "")}.get(
+            str(r.get("system")), "")
+    parts = [str(r.get("algorithm", "")), kernel(r) if r.get("bench") != "longest" or r.get("backend") else "", str(r.get("ac") or "")]
+    if r.get("compiled"):
+        parts.append("compiled")
+    if r.get("uncheckpointed_blocks"):
+        parts.append(f"{r['uncheckpointed_blocks']} blocks unckpt")
+    if (r.get("head_chunks") or 1) > 1:
+        parts.append(f"head chunks {r['head_chunks']}")
+    if r.get("offload_checkpoints"):
+        parts.append("offloaded ckpts")
+    if r.get("mlp_chunk_size"):
+        parts.append(f"MLP slices {r['mlp_chunk_size'] >> 10}K")
+    if r.get("offload_params"):
+        parts.append("offload_params")
+    return ", ".join(p for p in parts if p and p != "None")
+
+
+# ---- the tables ------------------------------------------------------------------------------------
+
+def train_table(rows: list[dict]) -> str:
+    """Training throughput, ours (each kernel) against both peers, per model / S / GPUs."""
+    recs = [r for r in rows if r.get("bench") == "train" and str(r.get("model", "")).startswith("llama") and _throughput_run(r)]
+    groups: dict[tuple, list[dict]] = {}
+    for r in recs:
+        groups.setdefault((r["model"], r["seq"], r["gpus"]), []).append(r)
+    out = []
+    for (model, seq, gpus) in sorted(groups, key=lambda k: (k[0], k[1], k[2])):
+        g = groups[(model, seq, gpus)]
+        peers = {s: best_of_last_commit([r for r in g if r["system"] == s], "tokens_per_s_per_gpu") for s in PEERS}
+        ours = [best_of_last_commit([r for r in g if r["system"] == "seqpar" and kernel(r) == k], "tokens_per_s_per_gpu")
+                for k in ("fa4", "cuDNN")]
+        first = True
+        for r in [x for x in ours if x] + [x for x in peers.values() if x]:
+            cell = f'<a id="{anchor("train", model, seq_k(seq), gpus)}"></a>{model}' if first else model
+            first = False
+            mine = r["system"] == "seqpar"
+            t = _num(r, "tokens_per_s_per_gpu")
+            out.append([cell, seq_k(seq), str(gpus), NAMES[r["system"]] if not mine else f"**ours** ({kernel(r)})", setting(r),
+                        f"{t:,.0f}" if t else "-", f(_num(r, "mfu"), ".3f"), f(_num(r, "peak_mem_gb"), ".1f"),
+                        ratio(t, _num(peers["torch_cp"], "tokens_per_s_per_gpu"), rows=(r, peers["torch_cp"])) if mine else "",
+                        ratio(t, _num(peers["tp_sp"], "tokens_per_s_per_gpu"), rows=(r, peers["tp_sp"])) if mine else "", when(r)])
+    return table(["model", "S", "GPUs", "system", "setting", "tokens/s/GPU", "MFU", "peak GB", "vs torch CP", "vs TP+SP",
+                  "commit, date"], out)
+
+
+def longest_table(rows: list[dict]) -> str:
+    recs = [r for r in rows if r.get("bench") == "longest"]
+    best = {(r["model"], r["gpus"], r["system"]): r for r in longest_per_config(recs, ("system", "model", "gpus"))}
+    out = []
+    for model, gpus in sorted({(m, g) for m, g, _ in best}, key=lambda k: (k[0], -k[1])):
+        peer = {s: _num(best.get((model, gpus, s)), "seq") for s in PEERS}
+        first = True
+        for system in ("seqpar", *PEERS):
+            r = best.get((model, gpus, system))
+            if r is None:
+                continue
+            cell = f'<a id="{anchor("longest", model, gpus)}"></a>{model}' if first else model
+            first = False
+            s = _num(r, "seq")
+            attempts = ", ".join(f"{a.get('seq'):,}: {a.get('status')}" for a in r.get("attempts", []))
+            longest = ("none fit" if s is None else f"{int(s):,}") + (" (lower bound)" if r.get("lower_bound") else "")
+            mine = system == "seqpar"
+            out.append([cell, str(gpus), NAMES[system] if not mine else "**ours**", setting({**r, "system": system}) if mine else "full AC",
+                        f"**{longest}**" if mine else longest, attempts, f(_num(r, "step_time_s"), ".1f"),
+                        f(_num(r, "tokens_per_s_per_gpu"), ",.0f"), f(_num(r, "mfu"), ".3f"), f(_num(r, "peak_mem_gb"), ".1f"),
+                        ratio(s, peer["torch_cp"]) if mine else "", ratio(s, peer["tp_sp"]) if mine else "", when(r)])
+    return table(["model", "GPUs", "system", "setting", "longest S", "attempts", "step s", "tokens/s/GPU", "MFU", "peak GB",
+                  "vs torch CP", "vs TP+SP", "commit, date"], out)
+
+
+def attention_table(rows: list[dict]) -> str:
+    """Per heads / S / GPUs / kernel: ours fastest, ours ring with head chunks, torch CP (best rotation), one GPU."""
+    recs = [r for r in rows if r.get("bench") == "attention" and r.get("heads")]
+    latest = last_by(recs, lambda r: (r["system"], r.get("algorithm"), kernel(r), r.get("head_chunks") or 1, r["heads"], r["seq"], r["gpus"]))
+    groups: dict[tuple, list[dict]] = {}
+    for r in latest.values():
+        groups.setdefault((r["heads"], r["seq"], r["gpus"]), []).append(r)
+    heads_order = {"32/8": 0, "32/32": 1, "33/33": 2}
+    out = []
+    for heads, seq, gpus in sorted(groups, key=lambda k: (heads_order.get(k[0], 9), k[1], k[2])):
+        g = groups[(heads, seq, gpus)]
+        cp_ok = [r for r in g if r["system"] == "torch_cp" and _num(r, "tflops_per_gpu") is not None]
+        cp = max(cp_ok, key=lambda r: _num(r, "tflops_per_gpu") or 0.0) if cp_ok else None
+        cp_err = [r for r in g if r["system"] == "torch_cp" and r.get("error")]
+        cp_cell = (f"{_num(cp, 'tflops_per_gpu'):.1f} ({cp['algorithm']}), {_num(cp, 'peak_mem_gb'):.1f} GB" if cp else
+                   "OOM" if any("OutOfMemory" in str(r["error"]) for r in cp_err) else "-")
+        single = [r for r in g if r["system"] == "single" and kernel(r) == "cuDNN" and _num(r, "tflops_per_gpu")]
+        for k in ("cuDNN", "fa4"):
+            ours = [r for r in g if r["system"] == "seqpar" and kernel(r) == k and _num(r, "tflops_per_gpu") is not None]
+            if not ours:
+                continue
+            fast = max(ours, key=lambda r: _num(r, "tflops_per_gpu") or 0.0)
+            rings = [r for r in ours if r.get("algorithm") == "ring"]
+            ring = max(rings, key=lambda r: (r.get("head_chunks") or 1, str(r.get("_file")))) if rings else None
+            tf = lambda r: _num(r, "tflops_per_gpu")  # noqa: E731
+            mem = lambda r: _num(r, "peak_mem_gb")  # noqa: E731
+            first = not any(row[0].endswith(f"</a>{heads}") and row[1:3] == [seq_k(seq), str(gpus)] for row in out)
+            out.append([f'<a id="{anchor("attention", heads, seq_k(seq), gpus)}"></a>{heads}' if first else heads, seq_k(seq), str(gpus), k,
+                        f"{tf(fast):.1f} ({fast['algorithm']}{', chunks ' + str(fast['head_chunks']) if (fast.get('head_chunks') or 1) > 1 else ''})",
+                        f"{tf(ring):.1f} (chunks {ring.get('head_chunks') or 1}), {mem(ring):.1f} GB" if ring else "-",
+                        cp_cell, f(tf(single[0]), ".1f") if single else "-", ratio(tf(fast), tf(cp), rows=(fast, cp)),
+                        ratio(tf(ring), tf(cp), rows=(ring, cp)) if ring else "-",
+                        ratio(mem(ring), mem(cp), rows=(ring, cp)) if ring else "-",
+                        when(*[r for r in (fast, ring, cp) if r])])
+    return table(["heads q/kv", "S", "GPUs", "our kernel", "ours: fastest TFLOP/s/GPU", "ours: ring", "torch CP (cuDNN)", "one GPU",
+                  "fastest vs CP", "ring vs CP", "ring memory vs CP", "commit, date"], out)
+
+
+def scaling_table(rows: list[dict]) -> str:
+    recs = [r for r in rows if r.get("bench") == "train" and str(r.get("model", "")).startswith(("tnl", "lss-gpt"))
+            and r.get("tag") != "max-seq"]
+    out = []
+    for model, variant_key in (("tnl-1b", "lasp_variant"), ("lss-gpt-1.5b", "kv_comm")):
+        g = [r for r in recs if r["model"] == model]
+        if not g:
+            continue
+        commit = g[-1].get("commit")
+        last = last_by([r for r in g if r.get("commit") == commit], lambda r: (r["gpus"], r.get(variant_key)))
+        one = [r for r in last.values() if r["gpus"] == 1]
+        base = _num(one[0], "tokens_per_s_per_gpu") if one else None
+        for i, ((gpus, variant), r) in enumerate(sorted(last.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))):
+            t = _num(r, "tokens_per_s_per_gpu")
+            cell = f'<a id="{anchor("scaling", model)}"></a>{model}' if i == 0 else model
+            out.append([cell, str(gpus), f"{r.get('tokens_per_gpu', 0):,}", f"{r.get('algorithm')}, {variant_key} {variant}",
+                        f"{t:,.0f}" if t else "-", f(t / base if t and base else None, ".3f"), f(_num(r, "mfu"), ".3f"),
+                        f(_num(r, "peak_mem_gb"), ".1f"), when(r)])
+    for r in [r for r in rows if r.get("bench") == "train_max_seq"][-1:]:
+        at = [x for x in rows if x.get("bench") == "train" and x.get("tag") == "max-seq" and x.get("seq") == r.get("max_seq")]
+        x = at[-1] if at else {}
+        out.append([f'<a id="{anchor("scaling", "longest", r["model"])}"></a>{r["model"]} (longest)', str(r["gpus"]),
+                    f"{r.get('tokens_per_gpu', 0):,}", f"{r.get('algorithm')}, {r.get('ac')} AC; S = **{r['max_seq']:,}**",
+                    f(_num(x, "tokens_per_s_per_gpu"), ",.0f"), "", f(_num(x, "mfu"), ".3f"), f(_num(x, "peak_mem_gb"), ".1f"),
+                    when({**r, "_file": r.get("_file", "")})])
+    return table(["model", "GPUs", "tokens/GPU", "setting", "tokens/s/GPU", "vs 1 GPU", "MFU", "peak GB", "commit, date"], out)
+
+
+def lasp_op_table(rows: list[dict]) -> str:
+    recs = [r for r in rows if r.get("bench") == "lasp_op"]
+    if not recs:
+        return ""
+    commit = recs[-1].get("commit")
+    last = last_by([r for r in recs if r.get("commit") == commit], lambda r: (r["tokens_per_gpu"], r["algorithm"]))
+    out = []
+    for tok in sorted({t for t, _ in last}):
+        c = {a: last.get((tok, a)) for a in ("local", "lasp-p2p", "lasp-allgather")}
+        any_r = next(r for r in c.values() if r)
+        out.append([f"{tok:,}", str(any_r["gpus"]), str(any_r.get("kernel"))]
+                   + [f(_num(c[a], "time_ms"), ".2f") for a in c] + [when(any_r)])
+    return table(["tokens/GPU", "GPUs", "kernel", "one GPU's share alone, ms", "LASP p2p, ms", "LASP all-gather, ms", "commit, date"], out)
+
+
+def hf_table(rows: list[dict]) -> str:
+    """The HF model and the native runs of the same commit (same session)."""
+    hf = [r for r in rows if r.get("bench") == "train" and str(r.get("model", "")).startswith("hf-")]
+    out = []
+    for r in hf:
+        same = [x for x in rows if x.get("bench") == "train" and x.get("commit") == r.get("commit") and x is not r
+                and x.get("seq") == r.get("seq") and x.get("gpus") == r.get("gpus") and str(x.get("model", "")).startswith("llama")]
+        for i, x in enumerate([r, *same]):
+            doc = f"packed documents, mean {x['mean_doc']:,}" if x.get("documents") else "one sequence"
+            cell = f'<a id="{anchor("hf", r["model"], seq_k(r["seq"]))}"></a>{x["model"]}' if i == 0 else x["model"]
+            out.append([cell, seq_k(x["seq"]), str(x["gpus"]), NAMES.get(x["system"], x["system"]) if x["system"] != "seqpar" else "**ours**",
+                        f"{x.get('algorithm')}, {doc}", f(_num(x, "tokens_per_s_per_gpu"), ",.0f"), f(_num(x, "mfu"), ".3f"),
+                        f(_num(x, "peak_mem_gb"), ".1f"), when(x)])
+    return table(["model", "S", "GPUs", "system", "setting", "tokens/s/GPU", "MFU", "peak GB", "commit, date"], out)
+
+
+def one_gpu_table(rows: list[dict]) -> str:
+    local = last_by([r for r in rows if r.get("bench") == "local"], lambda r: (r["system"], r["backend"], r["seq"], r["hq"], r["hkv"]))
+    out = []
+    for seq, hq, hkv in sorted({(s, q, k) for _, _, s, q, k in local}):
+        for backend in ("cudnn", "flash", "efficient"):
+            ours, sdpa = local.get(("seqpar", backend, seq, hq, hkv)), local.get(("torch_sdpa", backend, seq, hq, hkv))
+            if ours is None:
+                continue
+            out.append([f"{hq}/{hkv}", seq_k(seq), backend, f(_num(ours, "tflops"), ".1f"), f(_num(sdpa, "tflops"), ".1f"),
+                        ratio(_num(ours, "tflops"), _num(sdpa, "tflops")), when({**ours, "commit": ours.get("commit", "-")})])
+    mm = [r for r in rows if r.get("bench") == "matmul"]
+    if mm:
+        r = mm[-1]
+        out.append(["bf16 matmul", f"n = {r.get('n')}", "torch.mm", f(_num(r, "tflops"), ".1f"), "", "", when(r)])
+    return table(["heads q/kv", "S", "kernel", "ours (block ops) TFLOP/s", "torch SDPA TFLOP/s", "ours vs SDPA", "commit, date"], out)
+
+
+def optimizer_table(rows: list[dict]) -> str:
+    recs = [r for r in rows if r.get("bench") == "offload_optimizer"]
+    if not recs:
+        return ""
+    commit = recs[-1].get("commit")
+    last = last_by([r for r in recs if r.get("commit") == commit], lambda r: (r["algorithm"], r["threads"]))
+    threads = sorted({t for _, t in last})
+    out = [[a, *[f(_num(last.get((a, t)), "step_s"), ".2f") for t in threads], when(next(r for k, r in last.items() if k[0] == a))]
+           for a in ("forloop", "foreach", "fused") if any(k[0] == a for k in last)]
+    model = f"{recs[-1]['model']} over {recs[-1]['gpus']} ranks, {recs[-1]['params_per_rank']:,} parameters per rank"
+    return (f"One rank's AdamW step over its host shards ({model}):\n\n"
+            + table(["AdamW implementation", *[f"{t} thread{'s' if t > 1 else ''}: s/step" for t in threads], "commit, date"], out))
+
+
+def suites_table(rows: list[dict]) -> str:
+    """The suites of benchmarks/suites.py and the command that runs each (records are not read)."""
+    from suites import SUITES
+
+    out = []
+    for s in SUITES.values():
+        cmds = "<br>".join(f"`python -m benchmarks run {s.name} --gpus {g}`" for g in sorted(s.runs))
+        runs = "; ".join(f"{g} GPUs: " + ", ".join(r.name for r in s.runs[g]) for g in sorted(s.runs))
+        out.append([f"`{s.name}`", s.question, cmds, f"[below](#{s.table})" if s.table else "logs only", runs])
+    return table(["suite", "what it measures", "command (one per machine size)", "table", "runs (`--only` names)"], out)
+
+
+def attention_grid(rows: list[dict]) -> str:
+    """Every algorithm of ours and both torch CP rotations, cuDNN, per GPUs and S (benchmarks/attention.py --table)."""
+    from attention import grid_tables_of  # imports torch and the package
+
+    return grid_tables_of(rows).rstrip("\n")
+
+
+TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "attention-grid": attention_grid,
+    "suites": suites_table,
+    "train": train_table, "longest": longest_table, "attention": attention_table, "scaling": scaling_table,
+    "lasp-op": lasp_op_table, "hf": hf_table, "one-gpu": one_gpu_table, "offload-optimizer": optimizer_table,
+}
+
+
+def records(pattern: str = RESULTS) -> list[dict]:
+    return load(glob.glob(pattern))
+
+
+def render(doc: str, rows: list[dict]) -> str:
+    """``doc`` with every generated block replaced by its table from ``rows``."""
+    def sub(m: re.Match) -> str:
+        name = m[1]
+        if name not in TABLES:
+            raise ValueError(f"docs/benchmarks.md names a generated table {name!r}; known: {', '.join(TABLES)}")
+        return f"<!-- generated: {name} -->\n{TABLES[name](rows)}\n<!-- end: {name} -->"
+    return re.sub(r"<!-- generated: ([\w-]+) -->.*?<!-- end: \1 -->", sub, doc, flags=re.S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks tables", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is not what the records give")
+    ap.add_argument("--doc", default=DOC)
+    ap.add_argument("--results", default=RESULTS, help="glob of the record files")
+    args = ap.parse_args(argv)
+    doc = open(args.doc).read()
+    new = render(doc, records(args.results))
+    if args.check:
+        if new != doc:
+            print(f"{args.doc}: generated tables differ from benchmarks/results; run `python -m benchmarks tables`")
+            return 1
+        print(f"{args.doc}: generated tables match the records")
+        return 0
+    if new != doc:
+        open(args.doc, "w").write(new)
+    print(f"{args.doc}: {len(re.findall('<!-- generated: ', new))} tables written")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The benchmark driver and the generated docs, on CPU: every suite parses and expands to runs whose
+arguments the per-run scripts accept; the driver runs a suite within its budget and stamps the
+records; docs/benchmarks.md's tables are what benchmarks/results/ gives, and every figure the
+README states is in them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import driver  # noqa: E402
+import report  # noqa: E402
+from suites import SUITES, Run, Suite, problems  # noqa: E402
+
+SCRIPT_MODULES = {"train.py": "train", "longest.py": "longest", "attention.py": "attention", "train_scaling.py": "train_scaling",
+                  "lasp.py": "lasp", "hf_finetune.py": "hf_finetune", "matmul_peak.py": "matmul_peak",
+                  "local_attention.py": "local_attention", "kernel_rates.py": "kernel_rates", "offload_optimizer.py": "offload_optimizer"}
+
+
+class _Parsed(Exception):
+    def __init__(self, ns: argparse.Namespace):
+        self.ns = ns
+
+
+def parse_with_script(module: str, argv: list[str], monkeypatch) -> argparse.Namespace:
+    """The namespace the script's own parser makes of ``argv`` (its main() stops right after parsing)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_args(self, args=None, namespace=None):
+        raise _Parsed(original(self, argv if args is None else args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    monkeypatch.setattr(sys, "argv", [module + ".py", *argv])
+    try:
+        mod.main() if module != "longest" else mod.main(argv)
+    except _Parsed as p:
+        return p.ns
+    finally:
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", original)
+    raise AssertionError(f"{module}.main() returned without parsing its arguments")
+
+
+def all_runs():
+    return [(s, g, r) for s in SUITES.values() for g, runs in s.runs.items() for r in runs]
+
+
+def test_suites_are_valid():
+    assert {"attention", "train", "longest", "scaling", "hf", "one-gpu"} <= set(SUITES)
+    for suite in SUITES.values():
+        assert problems(suite) == [], suite.name
+    bad = Suite(name="bad", question="", table="", runs={2: (
+        Run(name="a", kind="longest", gpus=4, limit_s=700, system="seqpar", model="tiny", seqs=((64, 10), (128, 10))),
+        Run(name="a", kind="train", gpus=1, limit_s=10, system="mine", peers=("nope",)))})
+    got = "\n".join(problems(bad))
+    for what in ("given twice", "needs 4 GPUs on a machine of 2", "limit_s 700", "descending", "unknown system 'mine'",
+                 "needs seq", "peer 'nope'"):
+        assert what in got
+
+
+@pytest.mark.timeout(600)
+def test_every_run_expands_to_arguments_its_script_accepts(monkeypatch):
+    from attention import parse_grid, parse_system
+
+    n = 0
+    for suite, gpus, run in all_runs():
+        cmd = driver.command(run, out="/tmp/x/r.json", commit="abc1234", deadline=2e9, peak=700.0)
+        where = f"{suite.name}/{gpus}/{run.name}"
+        if run.kind == "pytest":
+            for path in run.args:
+                assert os.path.exists(os.path.join(ROOT, path)), where
+            continue
+        i = next(i for i, x in enumerate(cmd) if x.endswith(".py"))
+        assert os.path.exists(os.path.join(ROOT, cmd[i])), where
+        argv = cmd[i + 1:]
+        rest: list[str] = []
+        if "--" in argv:
+            argv, rest = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+        ns = parse_with_script(SCRIPT_MODULES[os.path.basename(cmd[i])], argv, monkeypatch)
+        if rest:  # longest.py hands these to train.py
+            parse_with_script("train", ["--system", run.system, *rest], monkeypatch)
+        if run.kind == "attention":
+            for spec in ns.grid:
+                grid = parse_grid(spec, ns)
+                assert grid.seqs and grid.heads, where
+                for name in grid.systems:
+                    if name != "all":
+                        parse_system(name, run.gpus)
+        if hasattr(ns, "commit") and run.kind != "local_attention":
+            assert ns.commit == "abc1234", where
+        if run.kind == "train":
+            assert (ns.system, ns.matmul_peak, ns.out) == (run.system, 700.0, "/tmp/x/r.json"), where
+            if run.seq is not None:
+                assert ns.seq == run.seq and (ns.model == run.model or ns.models), where
+        n += 1
+    assert n > 40
+
+
+def test_dry_run_prints_each_selected_command(capsys):
+    assert driver.main(["run", "train", "--gpus", "4", "--only", "llama3-8b-128k-*", "--dry-run", "--commit", "c0ffee"]) == 0
+    out = capsys.readouterr().out
+    cmds = [shlex.split(x) for x in out.splitlines() if not x.startswith("#")]
+    assert len(cmds) == 5 and all(c[:3] == ["timeout", "-k", "20"] for c in cmds)
+    assert {c[c.index("--system") + 1] for c in cmds} == {"seqpar", "torch_cp", "tp_sp"}
+    assert all("--commit" in c and c[c.index("--commit") + 1] == "c0ffee" for c in cmds)
+    assert "peers llama3-8b-128k-torch_cp, llama3-8b-128k-tp_sp" in out
+    with pytest.raises(SystemExit):
+        driver.main(["run", "train", "--gpus", "3", "--dry-run"])  # no runs for 3 GPUs
+    with pytest.raises(SystemExit):
+        driver.main(["run", "train", "--gpus", "4", "--only", "nothing-*", "--dry-run"])
+    assert driver.main(["list"]) == 0
+    assert "longest: The longest context" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(600)
+def test_driver_runs_a_suite_within_its_budget(tmp_path):
+    """A real run on CPU (gloo): train.py on 2 processes; its record stamped with suite, run and commit;
+    a run needing flash-attention 4 skipped by name; runs that do not fit the budget skipped."""
+    import shutil
+
+    if shutil.which("torchrun") is None:
+        pytest.skip("no torchrun on PATH")
+    cpu = ("--device", "cpu", "--warmup", "0", "--steps", "1", "--loss-chunk", "16")
+    suite = Suite(name="cpu-smoke", question="", table="", runs={2: (
+        Run(name="tiny-ours", kind="train", gpus=2, limit_s=400, system="seqpar", model="tiny", seq=64, args=cpu),
+        Run(name="tiny-fa4", kind="train", gpus=2, limit_s=100, system="seqpar", model="tiny", seq=64, args=cpu, fa4=True))})
+    lines: list[str] = []
+    rows = driver.run_suite(suite, gpus=2, budget_s=500, out_dir=str(tmp_path), commit="feedbee", log=lines.append)
+    text = "\n".join(lines)
+    assert len(rows) == 1, text + open(tmp_path / "logs" / "cpu-smoke-tiny-ours.log").read()[-3000:]
+    row = rows[0]
+    assert (row["suite"], row["run"], row["commit"], row["model"], row["seq"], row["gpus"]) == ("cpu-smoke", "tiny-ours", "feedbee", "tiny", 64, 2)
+    assert json.loads((tmp_path / "cpu-smoke.json").read_text()) == rows
+    assert "tiny-fa4: SKIPPED (needs flash-attention 4" in text
+    assert "== tiny-ours: rc=0" in text and "[train]" in (tmp_path / "cpu-smoke.log").read_text()
+    lines.clear()
+    assert driver.run_suite(suite, gpus=2, only=("tiny-ours",), budget_s=5, out_dir=str(tmp_path), commit="x", log=lines.append) == []
+    assert any("tiny-ours: SKIPPED (5s of the budget left" in x for x in lines)
+
+
+def test_fa4_install_needs_both_carried_folders(tmp_path, monkeypatch):
+    """Note [Carrying flash-attention 4]: .whl2 without the first call's /tmp/whl says what to do."""
+    monkeypatch.setattr(driver, "ROOT", str(tmp_path))
+    monkeypatch.setattr(driver, "WHL", str(tmp_path / "whl"))
+    (tmp_path / ".whl2").mkdir()
+    (tmp_path / ".whl2" / "cu13part.ab").write_bytes(b"b")
+    lines: list[str] = []
+    driver.install_fa4(lines.append)
+    assert "went cold; carry .whl again" in lines[0]
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "cu13part.aa").write_bytes(b"a")
+    lines.clear()
+    monkeypatch.setattr(driver.subprocess, "run", lambda *a, **k: argparse.Namespace(returncode=0, stderr=""))
+    driver.install_fa4(lines.append)
+    assert "copied .whl" in lines[0] and "installed into" in lines[1]
+    assert (tmp_path / "whl" / driver.CU13).read_bytes() == b"ab"  # the split wheel joined in order
+
+
+# ---- the generated docs ----------------------------------------------------------------------------
+
+def _doc() -> str:
+    return open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+
+
+def _generated(doc: str) -> str:
+    return "\n".join(re.findall(r"<!-- generated: [\w-]+ -->(.*?)<!-- end: [\w-]+ -->", doc, flags=re.S))
+
+
+def test_docs_tables_match_the_records():
+    doc = _doc()
+    assert report.render(doc, report.records()) == doc, "run `python -m benchmarks tables`"
+    names = re.findall(r"<!-- generated: ([\w-]+) -->", doc)
+    assert set(names) == set(report.TABLES), names
+    # a hand-edited figure is caught
+    edited = doc.replace("3,324", "3,420", 1)
+    assert edited != doc and report.render(edited, report.records()) == doc
+
+
+def test_readme_figures_are_in_the_generated_tables():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    perf = readme.split("## Performance", 1)[1].split("\n## ", 1)[0]
+    doc = _doc()
+    tables = _generated(doc)
+    figures = re.findall(r"\d[\d,]*\.\d+x?|\d{1,3}(?:,\d{3})+|\d+\.\d+x|\b\d+x\b", perf)
+    assert len(figures) >= 15, figures
+    missing = [x for x in figures if not re.search(r"(?<![\d.,])" + re.escape(x) + r"(?![\d,]|\.\d)", tables)]
+    assert missing == [], f"README figures not in docs/benchmarks.md's generated tables: {missing}"
+    # each README row's figures are in the rows of the docs table its link points to
+    lines = doc.splitlines()
+    rows = [r for r in perf.splitlines() if r.startswith("| [")]
+    assert 3 <= len(rows) <= 5
+    for row in rows:
+        anchor = re.search(r"docs/benchmarks\.md#([\w-]+)", row)[1]
+        start = next(i for i, x in enumerate(lines) if f'<a id="{anchor}">' in x)
+        end = next((i for i in range(start + 1, len(lines)) if "<a id=" in lines[i] or not lines[i].startswith("|")), len(lines))
+        group = "\n".join(lines[start:end])
+        for x in re.findall(r"\d[\d,]*\.\d+x?|\d{1,3}(?:,\d{3})+|\b\d+x\b", row.split("](", 1)[1]):
+            assert re.search(r"(?<![\d.,])" + re.escape(x) + r"(?![\d,]|\.\d)", group), (anchor, x)
+
+
+def test_table_selection_rules():
+    def rec(file, **kw):
+        return {"bench": "train", "model": "llama-x", "seq": 1024, "gpus": 4, "_file": file, **kw}
+
+    rows = [
+        rec("20260101-k.json", system="seqpar", backend="fa4", tokens_per_s_per_gpu=900.0, commit="old"),
+        rec("20260102-k.json", system="seqpar", backend="fa4", tokens_per_s_per_gpu=500.0, commit="new"),
+        rec("20260102-k.json", system="seqpar", backend="fa4", tokens_per_s_per_gpu=600.0, commit="new"),
+        rec("20260102-k.json", system="seqpar", backend="fa4", tokens_per_s_per_gpu=999.0, commit="new", tag="x-prof"),
+        rec("20260102-k.json", system="seqpar", backend="fa4", tokens_per_s_per_gpu=998.0, commit="new", offload_params=True),
+        rec("20260101-k.json", system="torch_cp", tokens_per_s_per_gpu=400.0, commit="old"),
+        rec("20260103-k.json", system="torch_cp", tokens_per_s_per_gpu=480.0, commit="cp"),
+    ]
+    t = report.train_table(rows)
+    assert "| 600 |" in t and "900" not in t and "999" not in t and "998" not in t  # the fastest of the last commit
+    assert "| 1.25x* |" in t and "new, 2026-01-02" in t and "cp, 2026-01-03" in t  # 600 / 480, of another commit: "*"
+    same = report.train_table(rows + [rec("20260103-k.json", system="tp_sp", tokens_per_s_per_gpu=300.0, commit="new")])
+    assert "| 1.25x* | 2.00x |" in same  # 600 / 300 in the same session: no mark
+    longest = [
+        {"bench": "longest", "system": "seqpar", "model": "m", "gpus": 2, "seq": 4096, "_file": "20260101-k.json",
+         "attempts": [{"seq": 4096, "status": "ok"}]},
+        {"bench": "longest", "system": "seqpar", "model": "m", "gpus": 2, "seq": None, "_file": "20260102-k.json",
+         "attempts": [{"seq": 8192, "status": "oom"}]},
+        {"bench": "longest", "system": "torch_cp", "model": "m", "gpus": 2, "seq": 1024, "_file": "20260101-k.json",
+         "attempts": [{"seq": 1024, "status": "ok"}]},
+    ]
+    t = report.longest_table(longest)
+    assert "**4,096**" in t and "| 4.00x |" in t  # a later OOM at a longer S does not hide what trained
