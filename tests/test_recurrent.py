@@ -190,7 +190,7 @@ def _chain_worker(rank: int, world_size: int, layout: str) -> int:
     failures: list[str] = []
     d = delta_inputs(T=T)
     dout = torch.randn(2, T, 4, 6, generator=torch.Generator().manual_seed(5))
-    for chunk in (4, 64):
+    for chunk in (4,):
         _check(f"delta W={world_size} {layout} chunk={chunk}",
                lambda **a: gated_delta_rule(**a, mesh=mesh, layout=layout, chunk_size=chunk),
                lambda **a: gated_delta_rule(**a, chunk_size=chunk), d, set(d), dout, index, world_size, failures)
