@@ -1,0 +1,578 @@
+"""Sequence-parallel token mixers that are not softmax attention: the short causal convolution,
+the gated delta rule (gated DeltaNet, Qwen3-Next) and Mamba2's state-space duality (SSD) scan —
+exact under sequence sharding, with the contiguous and the zigzag layout.
+
+Public names:
+
+* :func:`causal_conv1d` — depthwise causal convolution over sequence shards (halo exchange).
+* :func:`gated_delta_rule` — the gated delta rule over sequence shards (state passing).
+* :func:`ssd_scan` — Mamba2's selective scan (scalar decay per head and token) over sequence shards.
+* :func:`gated_delta_rule_chunked`, :func:`ssd_scan_chunked` — the one-device kernels (pure torch,
+  chunked; ``fla-core`` on CUDA when installed), with an initial state in and the final state out.
+* :class:`Recurrence` — a parameter-free module that the model's token mixers call; ``configure``
+  gives it the sequence-parallel mesh and layout (as :class:`lightning_seqpar.attention.Attention`).
+
+Note [Linear recurrences under sequence sharding]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Both recurrences keep, per head, a matrix state S of shape [Dk, Dv] and read it with a query:
+
+    gated delta rule (Yang et al., Gated Delta Networks, Eq. 10; Qwen3-Next):
+        S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,     o_t = S_t^T q_t
+        a_t = exp(g_t) (g_t <= 0), b_t in (0, 1); q, k l2-normalised, q scaled by Dk^-1/2
+    Mamba2 SSD (Dao & Gu 2024, §3; B -> keys, C -> queries, dt x -> values):
+        S_t = exp(dt_t A) S_{t-1} + B_t (dt_t x_t)^T,               y_t = S_t^T C_t + D x_t
+
+Each step is affine in the previous state, so a piece of the sequence is a function
+(out, S_out) = f(piece, S_in): the only thing a piece needs from the tokens before it is S_in,
+a [B, H, Dk, Dv] tensor whose size does not depend on the sequence length (LASP §2.2-2.3, which
+passes the KV state of TNL's linear attention the same way, attention/lasp.py).
+
+Forward: the pieces run in sequence order; each receives S_in from the owner of the previous
+piece (the first piece: zero) and sends its S_out to the owner of the next one.
+Backward (LASP Alg. 3): in reverse order; each receives dS_out from the owner of the next piece
+(the last: zero), runs its local backward with it as the gradient of its final state and sends
+dS_in to the owner of the previous piece. The local forward is recomputed in backward from the
+saved inputs and the saved S_in (the kernels save O(T) tensors anyway); nothing else is stored.
+
+One autograd Function holds the whole chain of a layer (both directions), so every send and
+receive happens inside one node, in an order fixed by the layout and identical on every rank:
+no reliance on the order in which autograd runs nodes, no deadlock with other layers' traffic.
+
+Note [State chain under the zigzag layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With W ranks, zigzag cuts the sequence into 2W pieces and rank r holds pieces r and 2W-1-r
+(lightning_seqpar.sharding). Pieces must be visited in sequence order, so the chain is
+
+    piece:  0    1    2   ...  W-1 | W   W+1  ...  2W-1
+    rank:   0 -> 1 -> 2 ... -> W-1 -> W-1 -> W-2 -> ... -> 0       (W-1 -> W-1: no message)
+
+down the ranks with the first pieces, then back up with the second pieces: 2W-2 messages per
+direction instead of W-1 for contiguous, each one state. For these layers the work per token is
+the same everywhere (no causal triangle), so zigzag buys no balance here; it is the attention
+layers of the same model that need it. Re-laying the activations out contiguous for the
+recurrent layers would move O(S) activations per layer (two all-to-alls); the state chain moves
+O(d^2) per hop whatever S, so the recurrent layers take the model's layout as it is.
+
+The chain is sequential: a rank waits for its S_in before its local work (this first version
+trades speed for simplicity; the affine structure would let every rank compute its piece with
+S_in = 0 in parallel and add the S_in-dependent part after the d x d chain, as LASP does for TNL —
+measured work for a later version).
+
+Note [Halo exchange for the short convolution]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A causal depthwise convolution of kernel k reads the current and the k-1 previous inputs. Each
+piece needs the last k-1 inputs of the previous piece (zeros before the first piece): one
+message of [B, k-1, C] from the owner of the previous piece, all posted at once (no chain); the
+backward sends the gradient of the halo back to its owner, which adds it to the gradient of its
+last k-1 inputs. Pieces shorter than k-1 tokens would need several predecessors and are refused.
+
+Packed documents (a state reset at document starts) are not implemented: :class:`Recurrence`
+refuses them by name (``document_ids``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_seqpar.attention.ring import _P2P
+from lightning_seqpar.sharding import LAYOUTS, chunk_ids, num_chunks
+
+__all__ = [
+    "RECURRENT_KERNELS",
+    "Recurrence",
+    "causal_conv1d",
+    "gated_delta_rule",
+    "gated_delta_rule_chunked",
+    "ssd_scan",
+    "ssd_scan_chunked",
+]
+
+Kernel = Literal["auto", "torch", "fla"]
+RECURRENT_KERNELS: tuple[str, ...] = ("auto", "torch", "fla")
+_ACTIVATIONS: dict[str | None, Callable[[Tensor], Tensor]] = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
+
+
+# ---------------------------------------------------------------------------------------------
+# one-device chunked kernels (pure torch, fp32): Note [Chunked gated recurrences]
+#
+# Note [Chunked gated recurrences]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# In a chunk of c tokens with entering state S_0 and G_t = g_1 + ... + g_t (log decays):
+#   scalar gate (SSD):   o_t = e^{G_t} q_t^T S_0 + sum_{s<=t} e^{G_t-G_s} (q_t . k_s) v_s
+#                        S_c = e^{G_c} S_0 + sum_s e^{G_c-G_s} k_s v_s^T
+#   delta rule: the same with v_s replaced by the written values w_s, where
+#        w_t = b_t (v_t - e^{G_t} S_0^T k_t - sum_{s<t} e^{G_t-G_s} (k_t . k_s) w_s)
+#   i.e. (I + L) W = b V - (b e^{G} K) S_0 with L_ts = b_t e^{G_t-G_s} (k_t . k_s), s < t: one
+#   unit-lower-triangular solve per chunk (the UT transform of DeltaNet, Yang et al. 2024 §3).
+# The decays e^{G_t - G_s} are formed only for s <= t (masked before exp: no overflow).
+
+
+def _chunk(x: Tensor, c: int) -> Tensor:
+    """[B, T, H, *D] fp32 -> [B, H, N, c, *D], zero-padded at the end."""
+    B, T = x.shape[:2]
+    n = -(-T // c)
+    x = x.float().movedim(1, 2)  # (B, H, T, *D)
+    if n * c != T:
+        pad = [0, 0] * (x.dim() - 3) + [0, n * c - T]
+        x = F.pad(x, pad)
+    return x.reshape(*x.shape[:2], n, c, *x.shape[3:])
+
+
+def _chunked_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor | None,
+                  chunk_size: int) -> tuple[Tensor, Tensor]:
+    """(out [B, T, H, Dv] fp32, final state [B, H, Dk, Dv] fp32); differentiable by autograd.
+
+    q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; g: [B, T, H] log decay; beta: [B, T, H] or None (SSD).
+    """
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    c = chunk_size
+    qc, kc, vc = _chunk(q, c), _chunk(k, c), _chunk(v, c)  # (B, H, N, c, D)
+    gc = _chunk(g, c)  # (B, H, N, c); padding has g = 0 (no decay) and k = v = 0 (no update)
+    G = gc.cumsum(-1)
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~tri, float("-inf"))
+    decay = diff.exp()  # (B, H, N, c, c): e^{G_t - G_s}, s <= t
+    eG = G.exp()[..., None]  # (B, H, N, c, 1)
+    k_out = kc * (G[..., -1:] - G).exp()[..., None]  # e^{G_c - G_s} k_s
+    scores = (qc @ kc.transpose(-1, -2)) * decay  # (B, H, N, c, c)
+    n = qc.shape[2]
+    if beta is not None:
+        bc = _chunk(beta, c)[..., None]  # (B, H, N, c, 1)
+        strict = (kc @ kc.transpose(-1, -2)) * decay * bc
+        system = strict.tril(-1) + torch.eye(c, device=q.device)  # I + L (strictly lower L)
+        u = torch.linalg.solve_triangular(system, bc * vc, upper=False, unitriangular=True)  # (B, H, N, c, Dv)
+        wk = torch.linalg.solve_triangular(system, bc * eG * kc, upper=False, unitriangular=True)  # (B, H, N, c, Dk)
+    state = q.new_zeros(B, H, Dk, Dv, dtype=torch.float32) if initial is None else initial.float()
+    outs = []
+    for j in range(n):  # the recurrence over chunks
+        w = vc[:, :, j] if beta is None else u[:, :, j] - wk[:, :, j] @ state
+        outs.append(scores[:, :, j] @ w + (qc[:, :, j] * eG[:, :, j]) @ state)
+        state = eG[:, :, j, -1:] * state + k_out[:, :, j].transpose(-1, -2) @ w
+    out = torch.stack(outs, dim=2).reshape(B, H, n * c, Dv)[:, :, :T].transpose(1, 2)
+    return out, state
+
+
+# fla path: thin, marked, tested on GPU by tests/test_recurrent.py::test_fla_kernels_match_torch
+
+
+@functools.cache
+def _fla_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _resolve_kernel(kernel: str, device: torch.device) -> str:
+    if kernel not in RECURRENT_KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not supported; expected one of {RECURRENT_KERNELS}")
+    if kernel == "auto":
+        return "fla" if device.type == "cuda" and _fla_installed() else "torch"
+    if kernel == "fla" and not (device.type == "cuda" and _fla_installed()):
+        raise ValueError(f"kernel='fla' needs CUDA tensors and fla-core (pip install fla-core); got device={device}, "
+                         f"fla installed={_fla_installed()}; use kernel='torch' or 'auto'")
+    return kernel
+
+
+def _scan(q, k, v, g, beta, initial, chunk_size, kernel) -> tuple[Tensor, Tensor]:
+    """Dispatch to the torch or the fla kernel; fp32 out and state."""
+    if kernel == "fla":  # fla path: fla's own autograd Functions (they take the final-state gradient)
+        if beta is None:
+            from fla.ops.simple_gla import chunk_simple_gla
+
+            out, state = chunk_simple_gla(q, k, v, g=g.float(), scale=1.0, initial_state=initial, output_final_state=True)
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            out, state = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, scale=1.0, initial_state=initial,
+                                                output_final_state=True)
+        return out.float(), state.float()
+    return _chunked_scan(q, k, v, g, beta, initial, chunk_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# layout geometry
+
+
+def _owner(piece: int, world: int, layout: str) -> int:
+    """The rank holding global piece ``piece``."""
+    if layout == "contiguous" or piece < world:
+        return piece
+    return 2 * world - 1 - piece
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# the state chain (Note [Linear recurrences under sequence sharding])
+
+
+class _StateChain(torch.autograd.Function):
+    """(out pieces concatenated) = chain of ``kernel(*piece_inputs, s_in) -> (out, s_out)`` over the ranks."""
+
+    @staticmethod
+    def forward(ctx, kernel, group_name: str, layout: str, state_shape: tuple[int, ...], *inputs: Tensor) -> Tensor:
+        group = _group(group_name)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        pieces, n = chunk_ids(rank, world, layout), num_chunks(world, layout)
+        comm = _P2P(group)
+        split = [x.chunk(len(pieces), dim=1) for x in inputs]
+        outs, s_ins, carried = [], [], None
+        for i, p in enumerate(pieces):
+            if p == 0:
+                s_in = None
+            elif _owner(p - 1, world, layout) == rank:
+                s_in = carried
+            else:
+                s_in = inputs[0].new_zeros(state_shape, dtype=torch.float32)
+                comm.wait(comm.post([], [(s_in, _owner(p - 1, world, layout))]))
+            out, s_out = kernel(*(x[i] for x in split), s_in)
+            if p < n - 1 and _owner(p + 1, world, layout) != rank:
+                comm.wait(comm.post([(s_out.contiguous(), _owner(p + 1, world, layout))], []))
+            carried = s_out
+            outs.append(out)
+            s_ins.append(s_in)
+        ctx.kernel, ctx.group_name, ctx.layout, ctx.state_shape = kernel, group_name, layout, state_shape
+        ctx.has_state = [s is not None for s in s_ins]
+        ctx.save_for_backward(*inputs, *(s for s in s_ins if s is not None))
+        ctx.n_inputs = len(inputs)
+        return torch.cat(outs, dim=1)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        saved = ctx.saved_tensors
+        inputs, states = saved[: ctx.n_inputs], list(saved[ctx.n_inputs:])
+        s_ins = [states.pop(0) if has else None for has in ctx.has_state]
+        group = _group(ctx.group_name)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        pieces, n = chunk_ids(rank, world, ctx.layout), num_chunks(world, ctx.layout)
+        comm = _P2P(group)
+        split = [x.chunk(len(pieces), dim=1) for x in inputs]
+        douts = dout.chunk(len(pieces), dim=1)
+        grads: list[list[Tensor | None]] = [[None] * len(pieces) for _ in inputs]
+        carried = None  # d S_in of the local piece after this one
+        for i in reversed(range(len(pieces))):
+            p = pieces[i]
+            if p == n - 1:
+                ds_out = None
+            elif _owner(p + 1, world, ctx.layout) == rank:
+                ds_out = carried
+            else:
+                ds_out = dout.new_zeros(ctx.state_shape, dtype=torch.float32)
+                comm.wait(comm.post([], [(ds_out, _owner(p + 1, world, ctx.layout))]))
+            leaves = [x[i].detach().requires_grad_() for x in split]
+            s_in = None if s_ins[i] is None else s_ins[i].detach().requires_grad_()
+            with torch.enable_grad():
+                out, s_out = ctx.kernel(*leaves, s_in)
+                targets, seeds = [out], [douts[i]]
+                if ds_out is not None:
+                    targets.append(s_out)
+                    seeds.append(ds_out)
+                wrt = leaves + ([s_in] if s_in is not None else [])
+                got = torch.autograd.grad(targets, wrt, seeds, allow_unused=True)
+            for j in range(len(leaves)):
+                grads[j][i] = torch.zeros_like(leaves[j]) if got[j] is None else got[j]
+            ds_in = got[len(leaves)] if s_in is not None else None
+            if p > 0 and _owner(p - 1, world, ctx.layout) != rank:
+                comm.wait(comm.post([(ds_in.contiguous(), _owner(p - 1, world, ctx.layout))], []))
+            carried = ds_in
+        return (None, None, None, None, *(torch.cat(gs, dim=1) for gs in grads))
+
+
+def _chain(kernel, inputs: list[Tensor], state_shape: tuple[int, ...], mesh: DeviceMesh | None, layout: str) -> Tensor:
+    if mesh is None or mesh.size() == 1:
+        return kernel(*inputs, None)[0]
+    return _StateChain.apply(kernel, mesh.get_group().group_name, layout, state_shape, *inputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# the halo exchange (Note [Halo exchange for the short convolution])
+
+
+class _Halo(torch.autograd.Function):
+    """x [B, T, C] -> halos [P, B, width, C]: the last ``width`` inputs before each local piece."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, width: int, group_name: str, layout: str) -> Tensor:
+        group = _group(group_name)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        pieces, n = chunk_ids(rank, world, layout), num_chunks(world, layout)
+        parts = x.chunk(len(pieces), dim=1)
+        halos = x.new_zeros((len(pieces), x.shape[0], width, x.shape[2]))
+        sends, recvs = [], []
+        for i, p in enumerate(pieces):
+            if p > 0:
+                src = _owner(p - 1, world, layout)
+                if src == rank:
+                    halos[i] = parts[i - 1][:, -width:]
+                else:
+                    recvs.append((halos[i], src))
+            if p < n - 1 and _owner(p + 1, world, layout) != rank:
+                sends.append((parts[i][:, -width:].contiguous(), _owner(p + 1, world, layout)))
+        comm = _P2P(group)
+        comm.wait(comm.post(sends, recvs))
+        ctx.args = (width, group_name, layout, x.shape[1])
+        return halos
+
+    @staticmethod
+    def backward(ctx, dhalos: Tensor):
+        width, group_name, layout, T = ctx.args
+        group = _group(group_name)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        pieces, n = chunk_ids(rank, world, layout), num_chunks(world, layout)
+        P, B, _, C = dhalos.shape
+        dtails = dhalos.new_zeros(P, B, width, C)  # gradient of each local piece's last `width` inputs
+        sends, recvs = [], []
+        for i, p in enumerate(pieces):
+            if p > 0:
+                dst = _owner(p - 1, world, layout)
+                if dst == rank:
+                    dtails[i - 1] += dhalos[i]
+                else:
+                    sends.append((dhalos[i].contiguous(), dst))
+            if p < n - 1 and _owner(p + 1, world, layout) != rank:
+                buf = dhalos.new_zeros(B, width, C)
+                recvs.append((buf, _owner(p + 1, world, layout)))
+        comm = _P2P(group)
+        comm.wait(comm.post(sends, recvs))
+        received = iter(buf for buf, _ in recvs)
+        for i, p in enumerate(pieces):
+            if p < n - 1 and _owner(p + 1, world, layout) != rank:
+                dtails[i] += next(received)
+        return _tails_to_input(dtails, T), None, None, None
+
+
+def _tails_to_input(dtails: Tensor, T: int) -> Tensor:
+    """[P, B, width, C] gradients of each piece's last ``width`` rows -> [B, T, C]."""
+    P, B, width, C = dtails.shape
+    per = T // P
+    dx = dtails.new_zeros(B, P, per, C)
+    dx[:, :, per - width:] = dtails.transpose(0, 1)
+    return dx.reshape(B, T, C)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (local metadata only, before any collective)
+
+
+def _check_mesh_layout(mesh: DeviceMesh | None, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; expected one of {LAYOUTS}")
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {type(mesh).__name__}")
+        if mesh.ndim != 1:
+            raise ValueError(f"recurrent layers need a 1-D mesh of the sequence-parallel ranks; got ndim={mesh.ndim}, "
+                             f"names={tuple(mesh.mesh_dim_names or ())} (head parallelism does not apply to them)")
+
+
+def _pieces_of(T: int, mesh: DeviceMesh | None, layout: str) -> int:
+    if mesh is None or mesh.size() == 1:
+        return 1
+    p = len(chunk_ids(0, mesh.size(), layout))
+    if T % p:
+        raise ValueError(f"layout={layout!r} gives every rank {p} pieces of equal length, but the local sequence length "
+                         f"is {T}; shard with lightning_seqpar.sharding.shard_sequence")
+    return p
+
+
+def _check_tokens(name: str, x: Tensor, shape: tuple[int, ...]) -> None:
+    if not isinstance(x, Tensor) or not x.is_floating_point() or tuple(x.shape) != shape:
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a floating-point tensor of shape {shape}, got {got}")
+
+
+# ---------------------------------------------------------------------------------------------
+# public functions
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, activation: str | None = None,
+                  mesh: DeviceMesh | None = None, layout: Literal["zigzag", "contiguous"] = "zigzag") -> Tensor:
+    """Depthwise causal convolution of kernel k over the sequence (shards): ``out_t = act(bias +
+    sum_j weight[:, j] x_{t-k+1+j})``, zero before the first token (Note [Halo exchange for the short
+    convolution]).
+
+    Args:
+        x: ``[B, T_local, C]`` — this rank's shard (``layout``); weight ``[C, k]``; bias ``[C]`` or None.
+        activation: None or "silu".
+        mesh: the sequence-parallel ranks (1-D), or None / one rank: the whole sequence on one device.
+
+    Returns:
+        ``[B, T_local, C]`` in x's dtype, computed in the weight's dtype as transformers does.
+    """
+    _check_mesh_layout(mesh, layout)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; expected one of {tuple(_ACTIVATIONS)}")
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+        raise ValueError(f"x must be [B, T, C] and weight [C, k] with the same C; got x={tuple(x.shape)}, weight={tuple(weight.shape)}")
+    width = weight.shape[1] - 1
+    P = _pieces_of(x.shape[1], mesh, layout)
+    xs = x.to(weight.dtype)
+    if P == 1 and (mesh is None or mesh.size() == 1):
+        padded = [F.pad(xs, (0, 0, width, 0))]
+    else:
+        if width > x.shape[1] // P:
+            raise ValueError(f"a convolution of kernel {width + 1} needs the {width} previous tokens of every piece, but "
+                             f"the pieces of layout={layout!r} hold {x.shape[1] // P} tokens; use shorter kernels, fewer "
+                             "ranks or longer sequences")
+        halos = _Halo.apply(xs, width, mesh.get_group().group_name, layout) if width else None  # (P, B, width, C)
+        parts = xs.chunk(P, dim=1)
+        padded = [parts[i] if halos is None else torch.cat([halos[i], parts[i]], dim=1) for i in range(P)]
+    outs = [F.conv1d(p.transpose(1, 2), weight[:, None], bias, groups=weight.shape[0]).transpose(1, 2) for p in padded]
+    return _ACTIVATIONS[activation](torch.cat(outs, dim=1)).to(x.dtype)
+
+
+def gated_delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, initial_state: Tensor | None = None,
+                             chunk_size: int = 64, kernel: Kernel = "auto") -> tuple[Tensor, Tensor]:
+    """The gated delta rule on one device (Note [Chunked gated recurrences]); q already normalised and scaled.
+
+    q, k ``[B, T, H, Dk]``, v ``[B, T, H, Dv]``, g (log decay, <= 0) and beta ``[B, T, H]``;
+    initial_state ``[B, H, Dk, Dv]`` or None. Returns ``(out [B, T, H, Dv] fp32, final state fp32)``.
+    """
+    return _scan(q, k, v, g, beta, initial_state, chunk_size, _resolve_kernel(kernel, q.device))
+
+
+def ssd_scan_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, initial_state: Tensor | None = None,
+                     chunk_size: int = 64, kernel: Kernel = "auto") -> tuple[Tensor, Tensor]:
+    """Scalar-gated linear attention on one device (Mamba2 SSD with q = C, k = B, v = dt x, g = dt A)."""
+    return _scan(q, k, v, g, None, initial_state, chunk_size, _resolve_kernel(kernel, q.device))
+
+
+def _check_scan(q, k, v, g, beta, chunk_size) -> None:
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must be [B, T, H, Dk] of the same shape; got q={tuple(q.shape)}, k={tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, Dv] matching q; got q={tuple(q.shape)}, v={tuple(v.shape)}")
+    _check_tokens("g", g, tuple(q.shape[:3]))
+    if beta is not None:
+        _check_tokens("beta", beta, tuple(q.shape[:3]))
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+                     use_qk_l2norm: bool = True, mesh: DeviceMesh | None = None,
+                     layout: Literal["zigzag", "contiguous"] = "zigzag", chunk_size: int = 64,
+                     kernel: Kernel = "auto") -> Tensor:
+    """The gated delta rule over sequence shards (Note [Linear recurrences under sequence sharding]).
+
+    Conventions of transformers' Qwen3-Next and fla's ``chunk_gated_delta_rule``: q, k ``[B, T, H_k, Dk]``,
+    v ``[B, T, H_v, Dv]`` with H_v a multiple of H_k (each q/k head serves H_v / H_k consecutive
+    value heads), g ``[B, T, H_v]`` (log decay), beta ``[B, T, H_v]``; q and k l2-normalised in fp32
+    (eps 1e-6 inside the square root) when ``use_qk_l2norm``, then q scaled by ``scale`` (default Dk^-1/2).
+
+    Returns ``[B, T_local, H_v, Dv]`` in q's dtype; differentiable in q, k, v, g, beta.
+    """
+    _check_mesh_layout(mesh, layout)
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2]:
+        raise ValueError(f"q, k must be [B, T, H_k, Dk] and v [B, T, H_v, Dv] with H_v a multiple of H_k; got q={tuple(q.shape)}, "
+                         f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+    dtype = q.dtype
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if v.shape[2] != q.shape[2]:
+        q, k = (x.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for x in (q, k))
+    _check_scan(q, k, v, g, beta, chunk_size)
+    _pieces_of(q.shape[1], mesh, layout)
+    ker = _resolve_kernel(kernel, q.device)
+    fn = functools.partial(_delta_kernel, chunk_size=chunk_size, kernel=ker)
+    B, _, H, Dk = q.shape
+    out = _chain(fn, [q, k, v.float(), g.float(), beta.float()], (B, H, Dk, v.shape[-1]), mesh, layout)
+    return out.to(dtype)
+
+
+def _delta_kernel(q, k, v, g, beta, s_in, *, chunk_size, kernel):
+    return _scan(q, k, v, g, beta, s_in, chunk_size, kernel)
+
+
+def _ssd_kernel(q, k, v, g, s_in, *, chunk_size, kernel):
+    return _scan(q, k, v, g, None, s_in, chunk_size, kernel)
+
+
+def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, *, mesh: DeviceMesh | None = None,
+             layout: Literal["zigzag", "contiguous"] = "zigzag", chunk_size: int = 64, kernel: Kernel = "auto") -> Tensor:
+    """Mamba2's selective scan over sequence shards (Note [Linear recurrences under sequence sharding]).
+
+    Conventions of transformers' Mamba2 / Bamba chunked scan, after the discretisation of dt
+    (softplus, bias and clamp are the caller's): x ``[B, T, H, P]``, dt ``[B, T, H]``, A ``[H]``
+    (negative), B and C ``[B, T, G, N]`` with H a multiple of G (group g serves H / G consecutive
+    heads), D ``[H]`` or None. ``y_t = sum_{s<=t} exp(sum_{s<u<=t} dt_u A) (C_t . B_s) dt_s x_s + D x_t``.
+
+    Returns ``[B, T_local, H, P]`` fp32; differentiable in every input.
+    """
+    _check_mesh_layout(mesh, layout)
+    Bsz, T, H, P = x.shape
+    if B.dim() != 4 or C.shape != B.shape or B.shape[:2] != (Bsz, T) or H % B.shape[2]:
+        raise ValueError(f"B and C must be [B, T, G, N] with G dividing the {H} heads of x; got x={tuple(x.shape)}, "
+                         f"B={tuple(B.shape)}, C={tuple(C.shape)}")
+    _check_tokens("dt", dt, (Bsz, T, H))
+    if A.shape != (H,):
+        raise ValueError(f"A must have shape [H] = ({H},), got {tuple(A.shape)}")
+    rep = H // B.shape[2]
+    q = C.float().repeat_interleave(rep, dim=2)
+    k = B.float().repeat_interleave(rep, dim=2)
+    v = x.float() * dt.float()[..., None]
+    g = dt.float() * A.float()
+    _check_scan(q, k, v, g, None, chunk_size)
+    _pieces_of(T, mesh, layout)
+    fn = functools.partial(_ssd_kernel, chunk_size=chunk_size, kernel=_resolve_kernel(kernel, x.device))
+    y = _chain(fn, [q, k, v, g], (Bsz, H, k.shape[-1], P), mesh, layout)
+    if D is not None:
+        y = y + D.float()[:, None] * x.float()
+    return y
+
+
+class Recurrence(nn.Module):
+    """The sequence-parallel forms of the recurrent token mixers, as one parameter-free module.
+
+    A model's token mixer calls :meth:`conv`, :meth:`delta_rule` or :meth:`ssd`; :meth:`configure`
+    (the strategy's or the test's call) gives it the mesh and the layout of the batch. Unconfigured
+    (or one rank) it computes the whole sequence on one device.
+    """
+
+    def __init__(self, *, chunk_size: int = 64, kernel: Kernel = "auto") -> None:
+        super().__init__()
+        if kernel not in RECURRENT_KERNELS:
+            raise ValueError(f"kernel={kernel!r} is not supported; expected one of {RECURRENT_KERNELS}")
+        self.chunk_size, self.kernel = chunk_size, kernel
+        self.mesh: DeviceMesh | None = None
+        self.layout: str = "zigzag"
+
+    def configure(self, *, mesh: DeviceMesh | None, layout: Literal["zigzag", "contiguous"] = "zigzag",
+                  kernel: Kernel | None = None) -> None:
+        _check_mesh_layout(mesh, layout)
+        if kernel is not None:
+            if kernel not in RECURRENT_KERNELS:
+                raise ValueError(f"kernel={kernel!r} is not supported; expected one of {RECURRENT_KERNELS}")
+            self.kernel = kernel
+        self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
+        self.layout = layout
+
+    def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
+        return causal_conv1d(x, weight, bias, activation=activation, mesh=self.mesh, layout=self.layout)  # type: ignore[arg-type]
+
+    def delta_rule(self, q, k, v, g, beta, *, use_qk_l2norm: bool = True) -> Tensor:
+        return gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm, mesh=self.mesh, layout=self.layout,  # type: ignore[arg-type]
+                                chunk_size=self.chunk_size, kernel=self.kernel)  # type: ignore[arg-type]
+
+    def ssd(self, x, dt, A, B, C, D) -> Tensor:
+        return ssd_scan(x, dt, A, B, C, D, mesh=self.mesh, layout=self.layout, chunk_size=self.chunk_size,  # type: ignore[arg-type]
+                        kernel=self.kernel)  # type: ignore[arg-type]
+
+    def extra_repr(self) -> str:
+        where = "local" if self.mesh is None else f"layout={self.layout}, mesh={tuple(self.mesh.shape)}"
+        return f"chunk_size={self.chunk_size}, kernel={self.kernel}, {where}"

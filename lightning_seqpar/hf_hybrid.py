@@ -1,0 +1,199 @@
+"""The recurrent token mixers of transformers' hybrid models, made sequence-parallel.
+
+Public names:
+
+* :func:`apply_hf_hybrid` — replace every recurrent token mixer of a ``PreTrainedModel`` that the
+  package makes exact (table below) by its sequence-parallel twin; returns how many.
+* :func:`configure_recurrence` — give every :class:`~lightning_seqpar.attention.recurrent.Recurrence`
+  of a model the sequence-parallel mesh and layout (what ``apply_attention`` does for ``Attention``).
+* :data:`HYBRID_MIXERS` — the transformers classes replaced, and by what.
+
+Note [Hybrid models under the strategy]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A shard that runs a recurrent layer alone starts from a zero state (and a zero convolution
+history) in the middle of the sequence: wrong logits, silently. The attention layers of these
+models are installed by ``apply_hf_attention`` like any other; their recurrent mixers are
+replaced at set-up, once, by modules of this file (no transformers class is patched):
+
+    transformers class          replaced by                token mixing (Note in attention/recurrent.py)
+    Qwen3NextGatedDeltaNet      SeqparGatedDeltaNet        causal conv (q|k|v) + gated delta rule
+    BambaMixer                  SeqparMamba2Mixer          causal conv (x|B|C) + SSD scan
+    Lfm2ShortConv               SeqparShortConv            gated causal conv
+
+The twin takes over the original's submodules and parameters under the same names (so the
+state dict, FSDP2 wrapping and ``save_pretrained`` see the same model), recomputes the layer's
+forward with the same projections / norms / output projection, and runs its sequence mixing
+through a parameter-free ``seqpar_recurrence`` child (:class:`Recurrence`), which
+:func:`configure_recurrence` points at the mesh. The forward follows transformers' torch path
+(the reference); no cache: KV/state caches (generation) are refused by name, as are padding
+masks and packed-document kwargs (``cu_seq_lens_*``, ``seq_idx``): the state reset at a document
+boundary is not implemented yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_seqpar.attention.recurrent import Recurrence
+
+__all__ = ["HYBRID_MIXERS", "SeqparGatedDeltaNet", "SeqparMamba2Mixer", "SeqparShortConv", "apply_hf_hybrid",
+           "configure_recurrence"]
+
+_CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
+
+
+def _adopt(new: nn.Module, old: nn.Module, attributes: tuple[str, ...]) -> None:
+    """Move ``old``'s children, parameters and buffers (same names) and the plain ``attributes`` onto ``new``."""
+    for name, child in old.named_children():
+        new.add_module(name, child)
+    for name, p in old.named_parameters(recurse=False):
+        new.register_parameter(name, p)
+    for name, b in old.named_buffers(recurse=False):
+        new.register_buffer(name, b)
+    for name in attributes:
+        setattr(new, name, getattr(old, name))
+    new.train(old.training)
+
+
+def _check_call(module: nn.Module, attention_mask: Tensor | None, kwargs: dict[str, Any]) -> None:
+    """Refuse, by name, what the sequence-parallel forms do not implement (local metadata only)."""
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    for name in _CACHE_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{where}: a cache ({name}=...) is not supported by the sequence-parallel recurrent layers; "
+                             "train / score without a cache (use_cache=False), generate with the unmodified model")
+    for name in _PACKED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{where}: packed documents ({name}=...) are not supported by the sequence-parallel recurrent "
+                             "layers yet (the state reset at a document boundary is not implemented); train on unpacked "
+                             "sequences")
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError(f"{where}: an attention_mask with padding is not supported by the sequence-parallel recurrent "
+                         "layers; pad on the right and set labels=-100 on the padding (exact for causal layers)")
+
+
+class SeqparGatedDeltaNet(nn.Module):
+    """Qwen3-Next's gated DeltaNet layer with sequence-parallel conv and delta rule."""
+
+    _ATTRIBUTES = ("hidden_size", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim",
+                   "conv_kernel_size", "layer_idx", "activation", "layer_norm_epsilon", "conv_dim", "layer_type")
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        _adopt(self, original, tuple(a for a in self._ATTRIBUTES if hasattr(original, a)))
+        self.seqpar_recurrence = Recurrence()
+
+    def _split(self, qkvz: Tensor, ba: Tensor) -> tuple[Tensor, ...]:
+        """The projections' head-interleaved layout -> q, k [B, S, H_k, Dk], v, z [B, S, H_v, Dv], b, a [B, S, H_v]."""
+        B, S = qkvz.shape[:2]
+        per = self.num_v_heads // self.num_k_heads
+        qkvz = qkvz.view(B, S, self.num_k_heads, 2 * self.head_k_dim + 2 * per * self.head_v_dim)
+        q, k, v, z = torch.split(qkvz, [self.head_k_dim, self.head_k_dim, per * self.head_v_dim, per * self.head_v_dim], dim=3)
+        b, a = torch.split(ba.view(B, S, self.num_k_heads, 2 * per), [per, per], dim=3)
+        return (q, k, v.reshape(B, S, -1, self.head_v_dim), z.reshape(B, S, -1, self.head_v_dim),
+                b.reshape(B, S, self.num_v_heads), a.reshape(B, S, self.num_v_heads))
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+        _check_call(self, attention_mask, kwargs)
+        B, S, _ = hidden_states.shape
+        q, k, v, z, b, a = self._split(self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.reshape(B, S, -1) for x in (q, k, v)], dim=-1)  # (B, S, conv_dim)
+        conv = self.conv1d
+        mixed = self.seqpar_recurrence.conv(mixed, conv.weight[:, 0], conv.bias, self.activation)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, S, -1, self.head_k_dim)
+        k = k.reshape(B, S, -1, self.head_k_dim)
+        v = v.reshape(B, S, -1, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = self.seqpar_recurrence.delta_rule(q, k, v, g, beta, use_qk_l2norm=True)  # (B, S, H_v, Dv)
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(B, S, -1))
+
+
+class SeqparMamba2Mixer(nn.Module):
+    """Bamba's Mamba2 mixer with sequence-parallel conv and SSD scan (transformers' torch path)."""
+
+    _ATTRIBUTES = ("num_heads", "hidden_size", "ssm_state_size", "conv_kernel_size", "intermediate_size", "layer_idx",
+                   "activation", "n_groups", "head_dim", "chunk_size", "time_step_limit", "conv_dim", "layer_type")
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        _adopt(self, original, tuple(a for a in self._ATTRIBUTES if hasattr(original, a)))
+        self.seqpar_recurrence = Recurrence()
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+        _check_call(self, attention_mask, kwargs)
+        Bsz, S, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        conv = self.conv1d
+        xBC = self.seqpar_recurrence.conv(xBC, conv.weight[:, 0], conv.bias, self.activation)
+        x, Bm, C = torch.split(xBC, [self.intermediate_size, self.n_groups * self.ssm_state_size,
+                                     self.n_groups * self.ssm_state_size], dim=-1)
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
+        lo, hi = getattr(self, "time_step_limit", (0.0, float("inf")))
+        dt = torch.clamp(dt, min=lo, max=hi)
+        A = -torch.exp(self.A_log.float())
+        y = self.seqpar_recurrence.ssd(x.reshape(Bsz, S, self.num_heads, self.head_dim), dt, A,
+                                       Bm.reshape(Bsz, S, self.n_groups, self.ssm_state_size),
+                                       C.reshape(Bsz, S, self.n_groups, self.ssm_state_size), self.D)
+        y = self.norm(y.reshape(Bsz, S, -1), gate)
+        return self.out_proj(y.to(dtype))
+
+
+class SeqparShortConv(nn.Module):
+    """LFM2's gated short convolution (B * x -> causal conv -> * C) with a sequence-parallel conv."""
+
+    _ATTRIBUTES = ("config", "layer_idx", "conv_kernel_size", "bias", "layer_type")
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        _adopt(self, original, tuple(a for a in self._ATTRIBUTES if hasattr(original, a)))
+        self.seqpar_recurrence = Recurrence()
+
+    def forward(self, hidden_states: Tensor, *args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+        if args and args[0] is not None:  # transformers < 5 passes the cache positionally
+            kwargs = {**kwargs, "past_key_values": args[0]}
+        _check_call(self, attention_mask, kwargs)
+        B, C, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # (B, S, H) each
+        y = self.seqpar_recurrence.conv(B * x, self.conv.weight[:, 0], self.conv.bias, None)
+        return self.out_proj((C * y).contiguous())
+
+
+HYBRID_MIXERS: dict[str, type[nn.Module]] = {
+    "Qwen3NextGatedDeltaNet": SeqparGatedDeltaNet,
+    "BambaMixer": SeqparMamba2Mixer,
+    "Lfm2ShortConv": SeqparShortConv,
+}
+"""transformers class name -> its sequence-parallel twin (Note [Hybrid models under the strategy])."""
+
+
+def apply_hf_hybrid(model: nn.Module) -> int:
+    """Replace every recurrent mixer of ``model`` listed in :data:`HYBRID_MIXERS` by its twin; idempotent.
+
+    Returns how many were replaced. The twins are local until :func:`configure_recurrence`.
+    """
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            twin = HYBRID_MIXERS.get(type(child).__name__)
+            if twin is not None:
+                setattr(parent, name, twin(child))
+                replaced += 1
+    return replaced
+
+
+def configure_recurrence(model: nn.Module, mesh: DeviceMesh | None, *,
+                         layout: Literal["zigzag", "contiguous"] = "zigzag") -> int:
+    """Point every :class:`Recurrence` of ``model`` at ``mesh`` (None or one rank: local); returns how many."""
+    modules = [m for m in model.modules() if isinstance(m, Recurrence)]
+    for m in modules:
+        m.configure(mesh=mesh, layout=layout)
+    return len(modules)

@@ -1,0 +1,145 @@
+"""transformers' hybrid models (Qwen3-Next, Bamba, LFM2; tiny fp32 configs) with their recurrent
+mixers replaced by lightning_seqpar.hf_hybrid and their attention by "seqpar" (ring), sharded
+over W gloo ranks: logits, loss and every gradient against the unmodified model on one device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from seqpar_testing import expected_index, mesh_1d, take
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH, VOCAB = 24, 2, 61
+ATOL = 1e-5
+
+
+def tiny(kind: str):
+    if kind == "qwen3_next":  # layers: linear, full; MoE off (dense MLP)
+        return transformers.Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=0, layer_types=["linear_attention", "full_attention"],
+            max_position_embeddings=64)
+    if kind == "bamba":
+        return transformers.BambaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+            mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, max_position_embeddings=64)
+    if kind == "lfm2":
+        return transformers.Lfm2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, layer_types=["conv", "full_attention"], conv_L_cache=3, max_position_embeddings=64)
+    raise ValueError(kind)
+
+
+KINDS = ("qwen3_next", "bamba", "lfm2")
+
+
+def build(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny(kind), attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # give the zero-initialised norms and biases some weight: a stronger test
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "dt_bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.train()
+
+
+def data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def run_reference(model, ids, labels):
+    logits = model(input_ids=ids, position_ids=torch.arange(SEQ).expand(BATCH, SEQ), use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def seqpar_model(model, mesh, layout):
+    from lightning_seqpar.hf import apply_hf_attention
+    from lightning_seqpar.hf_hybrid import apply_hf_hybrid, configure_recurrence
+    from lightning_seqpar.parallelize import apply_attention
+
+    model = copy.deepcopy(model)
+    replaced = apply_hf_hybrid(model)
+    assert replaced == 1
+    apply_hf_attention(model)
+    apply_attention(model, mesh, algorithm="ring", layout=layout)
+    assert configure_recurrence(model, mesh, layout=layout) == 1
+    return model
+
+
+def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
+    from lightning_seqpar.hf_hybrid import apply_hf_hybrid
+
+    for kind in KINDS:
+        model = build(kind)
+        ids, labels = data()
+        ref_logits, ref_loss, ref_grads = run_reference(model, ids, labels)
+        twin = copy.deepcopy(model)
+        twin.zero_grad()
+        assert apply_hf_hybrid(twin) == 1
+        assert list(twin.state_dict()) == list(model.state_dict()), kind
+        logits, loss, grads = run_reference(twin, ids, labels)
+        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=1e-5, msg=lambda m: f"{kind} logits: {m}")
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(grads[n], g, atol=ATOL, rtol=1e-5, msg=lambda m, n=n: f"{kind} d{n}: {m}")
+
+
+def test_cache_and_packed_documents_are_refused_by_name():
+    from lightning_seqpar.hf_hybrid import apply_hf_hybrid
+
+    model = build("lfm2")
+    apply_hf_hybrid(model)
+    mixer = model.model.layers[0].conv
+    x = torch.randn(1, 4, 32)
+    with pytest.raises(ValueError, match="cache"):
+        mixer(x, cache=object())
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        mixer(x, cu_seq_lens_q=torch.tensor([0, 2, 4]))
+    with pytest.raises(ValueError, match="padding"):
+        mixer(x, attention_mask=torch.tensor([[1, 1, 0, 0]]))
+
+
+def _hf_worker(rank: int, world_size: int, layout: str) -> int:
+    import torch.distributed as dist
+
+    mesh = mesh_1d(world_size)
+    index = expected_index(SEQ, layout, world_size, rank)
+    failures = []
+    for kind in KINDS:
+        model = build(kind)
+        ids, labels = data()
+        ref_logits, ref_loss, ref_grads = run_reference(copy.deepcopy(model), ids, labels)
+        sp = seqpar_model(model, mesh, layout)
+        logits = sp(input_ids=take(ids, index), position_ids=take(torch.arange(SEQ).expand(BATCH, SEQ), index),
+                    use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), take(labels, index).flatten(), reduction="sum")
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        checks = [("logits", logits.detach(), take(ref_logits, index)), ("loss", total, ref_loss)]
+        for n, p in sp.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            checks.append((f"d{n}", g, ref_grads[n]))
+        for name, got, want in checks:
+            try:
+                torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+            except AssertionError as err:
+                failures.append(f"{kind} W={world_size} {layout} {name}: {err}")
+    assert not failures, "\n".join(failures)
+    return len(KINDS)
+
+
+@pytest.mark.parametrize(("world_size", "layout"), [(2, "zigzag"), (4, "zigzag"), (3, "contiguous")])
+def test_hybrid_models_match_the_unmodified_model(world_size, layout):
+    assert run_distributed(_hf_worker, world_size, layout) == [len(KINDS)] * world_size

@@ -1,0 +1,244 @@
+"""Sequence-parallel recurrent token mixers (lightning_seqpar.attention.recurrent): the one-device
+chunked kernels against token-by-token recurrences, and the conv halo / state chains over W gloo
+ranks (contiguous and zigzag) against the full sequence: outputs and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from seqpar_testing import expected_index, mesh_1d, record_p2p, take
+
+from lightning_seqpar.attention.recurrent import (
+    Recurrence,
+    causal_conv1d,
+    gated_delta_rule,
+    gated_delta_rule_chunked,
+    ssd_scan,
+)
+
+ATOL, RTOL = 2e-6, 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# token-by-token references (float64), written from the recurrences (Note [Linear recurrences ...])
+
+
+def naive_delta(q, k, v, g, beta, scale=None):
+    """S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, o_t = S_t^T q_t; l2-normalised q, k; GVA."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    rep = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
+    B, T, H, Dk = q.shape
+    S = torch.zeros(B, H, Dk, v.shape[-1], dtype=torch.float64)
+    eye = torch.eye(Dk, dtype=torch.float64)
+    outs = []
+    for t in range(T):
+        kt, bt = k[:, t], beta[:, t][..., None, None]
+        A = g[:, t].exp()[..., None, None] * (eye - bt * kt[..., :, None] * kt[..., None, :])
+        S = A @ S + bt * kt[..., :, None] * v[:, t][..., None, :]
+        outs.append((S * q[:, t][..., :, None]).sum(-2))
+    return torch.stack(outs, 1)
+
+
+def naive_ssd(x, dt, A, Bm, C, D):
+    x, dt, A, Bm, C, D = (t.double() for t in (x, dt, A, Bm, C, D))
+    rep = x.shape[2] // Bm.shape[2]
+    Bm, C = Bm.repeat_interleave(rep, 2), C.repeat_interleave(rep, 2)
+    Bsz, T, H, P = x.shape
+    S = torch.zeros(Bsz, H, Bm.shape[-1], P, dtype=torch.float64)
+    outs = []
+    for t in range(T):
+        S = (dt[:, t] * A).exp()[..., None, None] * S + Bm[:, t][..., :, None] * (dt[:, t][..., None] * x[:, t])[..., None, :]
+        outs.append((S * C[:, t][..., :, None]).sum(-2) + D[:, None] * x[:, t])
+    return torch.stack(outs, 1)
+
+
+def naive_conv(x, w, b, act):
+    k = w.shape[1]
+    xp = torch.nn.functional.pad(x.double(), (0, 0, k - 1, 0))
+    out = sum(w[:, j].double() * xp[:, j:j + x.shape[1]] for j in range(k)) + (0 if b is None else b.double())
+    return torch.nn.functional.silu(out) if act == "silu" else out
+
+
+def delta_inputs(B=2, T=24, Hk=2, Hv=4, Dk=8, Dv=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(q=r(B, T, Hk, Dk), k=r(B, T, Hk, Dk), v=r(B, T, Hv, Dv), g=-torch.rand(B, T, Hv, generator=gen),
+                beta=torch.rand(B, T, Hv, generator=gen))
+
+
+def ssd_inputs(B=2, T=24, H=4, P=6, G=2, N=5, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(x=r(B, T, H, P), dt=torch.rand(B, T, H, generator=gen), A=-torch.rand(H, generator=gen) - 0.1,
+                Bm=r(B, T, G, N), C=r(B, T, G, N), D=r(H))
+
+
+def conv_inputs(B=2, T=24, C=6, k=4, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return dict(x=torch.randn(B, T, C, generator=gen), w=torch.randn(C, k, generator=gen), b=torch.randn(C, generator=gen))
+
+
+def close(a, b, label):
+    torch.testing.assert_close(a.double(), b.double(), atol=ATOL, rtol=RTOL, msg=lambda m: f"{label}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------
+# one device
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+def test_delta_rule_matches_token_recurrence(chunk_size):
+    x = delta_inputs(T=23)
+    out = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=chunk_size)
+    close(out, naive_delta(**x), f"chunk={chunk_size}")
+
+
+def test_delta_rule_matches_transformers_qwen3_next():
+    qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    x = delta_inputs(T=23)
+    ref, _ = qn.torch_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], use_qk_l2norm_in_kernel=True)
+    close(gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=8), ref, "vs transformers")
+
+
+def test_delta_rule_state_in_and_out_compose():
+    """Two halves with the state handed over give the whole sequence (the chain's invariant)."""
+    x = delta_inputs(Hk=4, Hv=4, T=20)
+    q = torch.nn.functional.normalize(x["q"], dim=-1, eps=0) * 8 ** -0.5
+    k = torch.nn.functional.normalize(x["k"], dim=-1, eps=0)
+    full, s_full = gated_delta_rule_chunked(q, k, x["v"], x["g"], x["beta"], chunk_size=6, kernel="torch")
+    a, s_a = gated_delta_rule_chunked(q[:, :9], k[:, :9], x["v"][:, :9], x["g"][:, :9], x["beta"][:, :9], chunk_size=4)
+    b, s_b = gated_delta_rule_chunked(q[:, 9:], k[:, 9:], x["v"][:, 9:], x["g"][:, 9:], x["beta"][:, 9:], initial_state=s_a,
+                                      chunk_size=4)
+    close(torch.cat([a, b], 1), full, "out")
+    close(s_b, s_full, "final state")
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+def test_ssd_matches_token_recurrence(chunk_size):
+    x = ssd_inputs(T=23)
+    close(ssd_scan(x["x"], x["dt"], x["A"], x["Bm"], x["C"], x["D"], chunk_size=chunk_size), naive_ssd(**x), f"chunk={chunk_size}")
+
+
+def test_ssd_matches_transformers_mamba2_scan():
+    bamba = pytest.importorskip("transformers.models.bamba.modeling_bamba")
+    x = ssd_inputs(T=23)
+    ref = bamba.mamba2_chunk_scan(x["x"], x["dt"], x["A"], x["Bm"], x["C"], chunk_size=8, D=x["D"])
+    close(ssd_scan(x["x"], x["dt"], x["A"], x["Bm"], x["C"], x["D"], chunk_size=8), ref, "vs transformers")
+
+
+def test_conv_matches_reference():
+    x = conv_inputs()
+    close(causal_conv1d(x["x"], x["w"], x["b"], activation="silu"), naive_conv(x["x"], x["w"], x["b"], "silu"), "conv")
+
+
+def test_errors_name_the_argument():
+    x = delta_inputs()
+    cases = [
+        (lambda: gated_delta_rule(x["q"], x["k"], x["v"][:, :, :3], x["g"], x["beta"]), "H_v a multiple of H_k"),
+        (lambda: gated_delta_rule(x["q"], x["k"], x["v"], x["g"][..., :2], x["beta"]), "g must be"),
+        (lambda: gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], layout="ring"), "layout="),
+        (lambda: gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], kernel="cuda"), "kernel="),
+        (lambda: causal_conv1d(torch.randn(1, 4, 3), torch.randn(2, 4)), "weight"),
+        (lambda: causal_conv1d(torch.randn(1, 4, 3), torch.randn(3, 4), activation="gelu"), "activation="),
+        (lambda: Recurrence(kernel="triton"), "kernel="),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+# ----------------------------------------------------------------------------------------------
+# W gloo ranks, contiguous and zigzag
+
+
+def _grads_of(fn, inputs, dout):
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+    out = fn(**leaves)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), {n: t.grad for n, t in leaves.items()}
+
+
+def _check(label, local_fn, full_fn, inputs, token_inputs, dout, index, world_size, failures):
+    ref_out, ref_grads = _grads_of(full_fn, inputs, dout)
+    local = {n: (take(t, index) if n in token_inputs else t) for n, t in inputs.items()}
+    out, grads = _grads_of(local_fn, local, take(dout, index))
+    checks = [("out", out, take(ref_out, index))]
+    for n, gr in grads.items():
+        if n in token_inputs:
+            checks.append((f"d{n}", gr, take(ref_grads[n], index)))
+        else:  # parameters: per-rank gradients add up to the full one
+            total = gr.clone()
+            torch.distributed.all_reduce(total)
+            checks.append((f"d{n}", total, ref_grads[n]))
+    for name, got, want in checks:
+        try:
+            close(got, want, f"{label} {name}")
+        except AssertionError as err:
+            failures.append(str(err))
+
+
+def _chain_worker(rank: int, world_size: int, layout: str) -> int:
+    mesh = mesh_1d(world_size)
+    T = 24
+    index = expected_index(T, layout, world_size, rank)
+    failures: list[str] = []
+    d = delta_inputs(T=T)
+    dout = torch.randn(2, T, 4, 6, generator=torch.Generator().manual_seed(5))
+    for chunk in (4,):
+        _check(f"delta W={world_size} {layout} chunk={chunk}",
+               lambda **a: gated_delta_rule(**a, mesh=mesh, layout=layout, chunk_size=chunk),
+               lambda **a: gated_delta_rule(**a, chunk_size=chunk), d, set(d), dout, index, world_size, failures)
+    s = ssd_inputs(T=T)
+    dout = torch.randn(2, T, 4, 6, generator=torch.Generator().manual_seed(6))
+    _check(f"ssd W={world_size} {layout}",
+           lambda x, dt, A, Bm, C, D: ssd_scan(x, dt, A, Bm, C, D, mesh=mesh, layout=layout, chunk_size=4),
+           lambda x, dt, A, Bm, C, D: ssd_scan(x, dt, A, Bm, C, D, chunk_size=4), s, {"x", "dt", "Bm", "C"}, dout, index,
+           world_size, failures)
+    c = conv_inputs(T=T)
+    dout = torch.randn(2, T, 6, generator=torch.Generator().manual_seed(7))
+    _check(f"conv W={world_size} {layout}",
+           lambda x, w, b: causal_conv1d(x, w, b, activation="silu", mesh=mesh, layout=layout),
+           lambda x, w, b: causal_conv1d(x, w, b, activation="silu"), c, {"x"}, dout, index, world_size, failures)
+    assert not failures, "\n".join(failures)
+    return 3
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_chains_match_full_sequence(world_size, layout):
+    assert run_distributed(_chain_worker, world_size, layout) == [3] * world_size
+
+
+def _traffic_worker(rank: int, world_size: int, layout: str) -> list:
+    mesh = mesh_1d(world_size)
+    shapes = []
+    for T in (32, 64):
+        d = {n: take(t, expected_index(T, layout, world_size, rank)).requires_grad_() for n, t in delta_inputs(T=T).items()}
+        c = conv_inputs(T=T)
+        x = take(c["x"], expected_index(T, layout, world_size, rank)).requires_grad_()
+        with record_p2p() as (rec, _):
+            out = gated_delta_rule(**d, mesh=mesh, layout=layout, chunk_size=4)
+            out.sum().backward()
+            causal_conv1d(x, c["w"], c["b"], mesh=mesh, layout=layout).sum().backward()
+        shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received))))
+    return shapes
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_communication_is_independent_of_the_sequence_length(layout):
+    W = 4
+    results = run_distributed(_traffic_worker, W, layout)
+    state, halo = (2, 4, 8, 6), (2, 3, 6)  # [B, H_v, Dk, Dv] states, [B, k-1, C] halos
+    n_state = W - 1 if layout == "contiguous" else 2 * W - 2  # messages per direction
+    sent = [s for rank in results for s in rank[0][0]]
+    assert sum(s == state for s in sent) == 2 * n_state  # forward states + backward state gradients
+    assert sum(s == halo for s in sent) == 2 * n_state  # forward halos + their gradients
+    assert len(sent) == 4 * n_state
+    for rank in results:
+        assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"
