@@ -392,6 +392,11 @@ def build_hf_causal_lm(source: Any, *, dtype: torch.dtype | None = None) -> PreT
 # --------------------------------------------------------------------------------------------- the model
 
 
+def _is_peft_model(model: object) -> bool:
+    peft = sys.modules.get("peft")  # a PeftModel exists only once peft is imported
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM with the interface of the package's models (what ``CausalLMModule`` calls).
 
@@ -401,13 +406,16 @@ class HFCausalLM(nn.Module):
     (``hf.model.layers``) are the blocks that the strategy checkpoints and shards.
 
     Args:
-        model: a transformers ``PreTrainedModel`` for causal LM (:func:`apply_hf_attention` is applied).
+        model: a transformers ``PreTrainedModel`` for causal LM (:func:`apply_hf_attention` is applied),
+            or a ``peft.PeftModel`` wrapping one (``lightning_seqpar.lora``).
         max_seq_len: see :func:`apply_hf_attention`.
     """
 
     def __init__(self, model: PreTrainedModel, *, max_seq_len: int | None = None) -> None:
         super().__init__()
-        apply_hf_attention(model, max_seq_len=max_seq_len)
+        # a peft.PeftModel (LoRA): the attention layers are its base model's (Note [LoRA under the strategy])
+        base = model.get_base_model() if _is_peft_model(model) else model
+        apply_hf_attention(base, max_seq_len=max_seq_len)
         self.hf = model
         # tuple, not a list of modules: not registered twice (they are children of the layers)
         self._attention_modules = tuple(m for m in model.modules() if isinstance(m, Attention))
