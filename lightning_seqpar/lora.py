@@ -229,9 +229,30 @@ def save_lora_pretrained(model: nn.Module, save_directory: str | os.PathLike) ->
         prefix = _HF_PREFIX if peft_model is not model else ""
         peft_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         assert len(peft_state) == len(state), f"trainable parameters outside {prefix!r}: {sorted(state)[:5]}"
-        peft_model.save_pretrained(os.fspath(save_directory), state_dict=peft_state)
+        _skeleton(peft_model).save_pretrained(os.fspath(save_directory), state_dict=peft_state)
     if distributed:
         dist.barrier()
+
+
+def _skeleton(peft_model: PeftModel) -> PeftModel:
+    """The same peft model on the meta device, without the strategy's wrappers: what ``save_pretrained`` walks.
+
+    peft finds the adapter entries of a state dict by the names of the model's LoRA layers, and
+    under activation checkpointing those names hold the wrapper (``layers.0._checkpoint_wrapped_module.
+    self_attn``); the skeleton has the plain names of the state dict. No weight is allocated.
+    """
+    import transformers
+
+    peft = _peft()
+    base = peft_model.get_base_model()
+    config = copy.deepcopy(peft_model.peft_config[peft_model.active_adapter])
+    layout = copy.deepcopy(config)
+    layout.init_lora_weights = True  # data-dependent initialisations (PiSSA, ...) cannot run on meta; the weights come from the state dict
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(base.config))
+        skeleton = peft.get_peft_model(skeleton, layout, adapter_name=peft_model.active_adapter, autocast_adapter_dtype=False)
+    skeleton.peft_config[skeleton.active_adapter] = config  # the adapter_config.json of the trained adapters
+    return skeleton
 
 
 def export_lora(

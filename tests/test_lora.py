@@ -56,7 +56,7 @@ def _peft_reference(path: str, lora: dict[str, Any], data: dict[str, torch.Tenso
 def _fit_lora(rank: int, world_size: int, path: str, lora: dict[str, Any] | None, data: dict[str, torch.Tensor], *,
               steps: int, strategy_kwargs: dict[str, Any] | None = None, precision: str = "32-true",
               ckpt_path: str | None = None, save_to: str | None = None, hf_save_dir: str | None = None,
-              peft_model: Any = None) -> dict[str, Any] | None:
+              peft_model: Any = None, init_seed: int = 0) -> dict[str, Any] | None:
     """``steps`` steps of CausalLMModule(path, lora=lora) under the strategy (sp = world size). On rank 0:
     logged losses, the first step's adapter gradients (full, peft names), which parameters had a gradient,
     the optimizer's state size, dtypes, and the final adapters."""
@@ -87,17 +87,17 @@ def _fit_lora(rank: int, world_size: int, path: str, lora: dict[str, Any] | None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             out["losses"].append(float(trainer.callback_metrics["train/loss"]))
+            if save_to is not None and trainer.global_step == steps:  # where ModelCheckpoint saves
+                trainer.save_checkpoint(save_to)
 
     strategy = SequenceParallelStrategy(**{"sequence_parallel_size": world_size, "attention": "ring", **(strategy_kwargs or {})})
     module = CausalLMModule(peft_model if peft_model is not None else path, lora=lora, lr=1e-2, weight_decay=0.1,
-                            warmup_steps=0, max_steps=4, hf_save_dir=hf_save_dir)
+                            warmup_steps=0, max_steps=4, hf_save_dir=hf_save_dir, init_seed=init_seed)
     loader = torch.utils.data.DataLoader(_List(data), batch_size=BATCH, shuffle=False)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Capture()], precision=precision)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
-    if save_to is not None:
-        trainer.save_checkpoint(save_to)
     adapters = adapter_state_dict(module.model)
     optimizer = trainer.optimizers[0]
     state_dtypes = {v.dtype for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}
@@ -173,7 +173,8 @@ def test_resume_is_exact_and_the_adapters_export(base, tmp_path):
     straight_dir, resumed_dir = str(tmp_path / "straight"), str(tmp_path / "resumed")
     runs = [((base, LORA, data), {"steps": 4, "hf_save_dir": straight_dir}),
             ((base, LORA, data), {"steps": 2, "save_to": ckpt}),
-            ((base, LORA, data), {"steps": 4, "ckpt_path": ckpt, "hf_save_dir": resumed_dir})]
+            # another init_seed: the adapters after the resume come from the checkpoint
+            ((base, LORA, data), {"steps": 4, "ckpt_path": ckpt, "hf_save_dir": resumed_dir, "init_seed": 5})]
     straight, first, resumed = run_distributed(_fit_each, 2, runs, timeout=TIMEOUT)[0]
     assert len(straight["losses"]) == 4 and first["losses"] == straight["losses"][:2]
     assert resumed["losses"] == straight["losses"][2:]  # bit for bit
@@ -201,6 +202,26 @@ def test_resume_is_exact_and_the_adapters_export(base, tmp_path):
     assert not any("lora" in n for n, _ in merged.named_parameters())  # a plain transformers model
     torch.testing.assert_close(_logits(merged, probe), _logits(after_two, probe), rtol=0, atol=1e-5)
     assert not torch.allclose(_logits(after_two, probe), expected)  # 2 and 4 steps differ: the comparison means something
+
+
+def test_adapter_folder_of_a_checkpointed_model(base, tmp_path):
+    """One process: the adapter folder of a model whose blocks are wrapped for activation checkpointing
+    (parameter names with ``_checkpoint_wrapped_module``) loads with peft and gives the model's logits."""
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.lora import save_lora_pretrained
+    from lightning_seqpar.parallelize import apply_ac
+
+    module = CausalLMModule(base, lora=LORA_ALL)
+    module.configure_model()
+    assert apply_ac(module.model, "full") == 2
+    assert any("_checkpoint_wrapped_module" in n for n, _ in module.model.named_parameters())
+    save_lora_pretrained(module.model, tmp_path / "adapter")
+    loaded = _load_adapter(base, str(tmp_path / "adapter"))
+    probe = batch(seed=3)
+    with torch.no_grad():
+        expected = module.model(probe["input_ids"], probe["position_ids"])
+    torch.testing.assert_close(_logits(loaded, probe), expected, rtol=0, atol=1e-5)
+    assert loaded.peft_config["default"].r == 4 and loaded.peft_config["default"].init_lora_weights is False
 
 
 def test_bf16_true_keeps_the_base_in_bf16_and_the_adapters_in_fp32(base):
