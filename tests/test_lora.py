@@ -56,7 +56,7 @@ def _peft_reference(path: str, lora: dict[str, Any], data: dict[str, torch.Tenso
 def _fit_lora(rank: int, world_size: int, path: str, lora: dict[str, Any] | None, data: dict[str, torch.Tensor], *,
               steps: int, strategy_kwargs: dict[str, Any] | None = None, precision: str = "32-true",
               ckpt_path: str | None = None, save_to: str | None = None, hf_save_dir: str | None = None,
-              peft_model: Any = None, init_seed: int = 0) -> dict[str, Any] | None:
+              peft_model: Any = None, init_seed: int = 0, **module_kwargs: Any) -> dict[str, Any] | None:
     """``steps`` steps of CausalLMModule(path, lora=lora) under the strategy (sp = world size). On rank 0:
     logged losses, the first step's adapter gradients (full, peft names), which parameters had a gradient,
     the optimizer's state size, dtypes, and the final adapters."""
@@ -92,7 +92,8 @@ def _fit_lora(rank: int, world_size: int, path: str, lora: dict[str, Any] | None
 
     strategy = SequenceParallelStrategy(**{"sequence_parallel_size": world_size, "attention": "ring", **(strategy_kwargs or {})})
     module = CausalLMModule(peft_model if peft_model is not None else path, lora=lora, lr=1e-2, weight_decay=0.1,
-                            warmup_steps=0, max_steps=4, hf_save_dir=hf_save_dir, init_seed=init_seed)
+                            warmup_steps=0, max_steps=4, hf_save_dir=hf_save_dir, init_seed=init_seed,
+                            **module_kwargs)
     loader = torch.utils.data.DataLoader(_List(data), batch_size=BATCH, shuffle=False)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -137,8 +138,9 @@ def _check_step(result: dict[str, Any], reference: tuple) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_lora_matches_the_same_peft_model_on_one_process(world, base):
     data = batch()
-    configs = (LORA, LORA_ALL) if world == 2 else (LORA,)  # all-linear (the MLP too) and all-gather at sp 2
-    runs = [((base, LORA, data), {"steps": 1}), ((base, LORA_ALL, data), {"steps": 1, "strategy_kwargs": {"attention": "allgather"}})]
+    configs = (LORA, LORA_ALL) if world == 2 else (LORA,)  # all-linear (the MLP too), all-gather and the chunked loss at sp 2
+    runs = [((base, LORA, data), {"steps": 1}),
+            ((base, LORA_ALL, data), {"steps": 1, "strategy_kwargs": {"attention": "allgather"}, "loss_chunk_size": 24})]
     results = run_distributed(_fit_each, world, runs[: len(configs)], timeout=TIMEOUT)[0]
     for lora, result in zip(configs, results):
         _check_step(result, _peft_reference(base, lora, data))
@@ -255,3 +257,20 @@ def test_lora_config_errors():
     buffer = io.BytesIO()
     torch.save(hparams, buffer)
     assert torch.load(io.BytesIO(buffer.getvalue()), weights_only=True) == hparams  # what a checkpoint's loader accepts
+
+
+def test_lora_recipes_parse_into_a_lora_config():
+    from pathlib import Path
+
+    from test_recipes import parse
+
+    from lightning_seqpar.lora import lora_config
+
+    root = Path(__file__).parent.parent / "recipes"
+    for name, devices, sp in (("lora_finetune.yaml", 4, 4), ("lora_finetune_1gpu.yaml", 1, 1)):
+        config = parse(["fit", "--config", str(root / name)]).fit
+        assert (config.trainer.devices, config.trainer.strategy.init_args.sequence_parallel_size) == (devices, sp)
+        assert config.trainer.precision == "bf16-true"
+        assert config.data.class_path == "lightning_seqpar.data.ChatDataModule"
+        lora = lora_config(config.model.lora)
+        assert (lora.r, lora.lora_alpha, lora.target_modules) == (16, 32, "all-linear")
