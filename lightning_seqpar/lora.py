@@ -289,7 +289,7 @@ def export_lora(
     peft_state = {k[len(_MODULE_PREFIX):]: v for k, v in state.items() if k.startswith(_MODULE_PREFIX)}
     if len(peft_state) != len(state):
         raise ValueError(f"export: unexpected keys outside {_MODULE_PREFIX!r}: {sorted(set(state))[:5]}")
-    base_dtype = next(v.dtype for k, v in peft_state.items() if k.endswith("base_layer.weight"))
+    base_dtype = next(v.dtype for k, v in peft_state.items() if ".lora_" not in k and v.is_floating_point())  # bf16 after "bf16-true"
     base = hf.build_hf_causal_lm(source, dtype=base_dtype)
     peft_model = apply_lora(base, spec)
     missing, unexpected = peft_model.load_state_dict(peft_state, strict=False)

@@ -138,12 +138,14 @@ def _check_step(result: dict[str, Any], reference: tuple) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_lora_matches_the_same_peft_model_on_one_process(world, base):
     data = batch()
-    configs = (LORA, LORA_ALL) if world == 2 else (LORA,)  # all-linear (the MLP too), all-gather and the chunked loss at sp 2
-    runs = [((base, LORA, data), {"steps": 1}),
-            ((base, LORA_ALL, data), {"steps": 1, "strategy_kwargs": {"attention": "allgather"}, "loss_chunk_size": 24})]
-    results = run_distributed(_fit_each, world, runs[: len(configs)], timeout=TIMEOUT)[0]
-    for lora, result in zip(configs, results):
-        _check_step(result, _peft_reference(base, lora, data))
+    if world == 2:  # all-linear (the MLP too), all-gather and the chunked loss
+        runs = [((base, LORA, data), {"steps": 1}),
+                ((base, LORA_ALL, data), {"steps": 1, "strategy_kwargs": {"attention": "allgather"}, "loss_chunk_size": 24})]
+    else:  # sp 4; and dp 2 x sp 2: FSDP2 over the data x sequence axes, one sample per replica
+        runs = [((base, LORA, data), {"steps": 1}), ((base, LORA, data), {"steps": 1, "strategy_kwargs": {"sequence_parallel_size": 2}})]
+    results = run_distributed(_fit_each, world, runs, timeout=TIMEOUT)[0]
+    for (args, _), result in zip(runs, results):
+        _check_step(result, _peft_reference(base, args[1], data))
 
 
 def test_a_peft_model_given_as_the_model(base):
