@@ -423,10 +423,14 @@ class HFCausalLM(nn.Module):
         head = model.get_output_embeddings()
         embedding = model.get_input_embeddings()
         tied = head is not None and embedding is not None and head.weight is embedding.weight
-        n = sum(p.numel() for p in model.parameters()) - (0 if embedding is None or tied else embedding.weight.numel())
+        excluded = None if embedding is None or tied else embedding.weight  # the input embedding: a lookup, not a matmul
+        n = sum(p.numel() for p in model.parameters()) - (0 if excluded is None else excluded.numel())
+        # frozen weights (LoRA's base) cost forward + input gradient (4 per weight), no weight gradient
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p is not excluded)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self._matmul_params = n
+        self._frozen_params = frozen
         self._attn_width = heads * head_dim
         self._n_layers = config.num_hidden_layers
 
@@ -478,10 +482,12 @@ class HFCausalLM(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at sequence length ``seq_len`` (Note [FLOPs per token] in
         ``lightning_seqpar.models.llama``): ``6 * N + 6 * n_layers * seq_len * (H * D)``, N the matmul
-        weights (all parameters but the input embedding, the output head counted even when tied)."""
+        weights (all parameters but the input embedding, the output head counted even when tied);
+        frozen weights (a LoRA base) count 4, not 6: no weight gradient is computed for them."""
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        return 6 * self._matmul_params + 6 * self._n_layers * seq_len * self._attn_width
+        trained = self._matmul_params - self._frozen_params
+        return 6 * trained + 4 * self._frozen_params + 6 * self._n_layers * seq_len * self._attn_width
 
 
 # --------------------------------------------------------------------------------------------- saving

@@ -228,6 +228,21 @@ def test_adapter_folder_of_a_checkpointed_model(base, tmp_path):
     assert loaded.peft_config["default"].r == 4 and loaded.peft_config["default"].init_lora_weights is False
 
 
+def test_flops_count_the_frozen_base_without_weight_gradients(base):
+    from lightning_seqpar import CausalLMModule
+
+    plain, lora = CausalLMModule(base), CausalLMModule(base, lora=LORA)
+    plain.configure_model()
+    lora.configure_model()
+    hf_plain, hf_lora = plain.model.hf, lora.model.hf
+    embedding = hf_plain.get_input_embeddings().weight.numel()  # untied: a lookup, not counted
+    n_base = sum(p.numel() for p in hf_plain.parameters()) - embedding
+    n_adapters = sum(p.numel() for p in hf_lora.parameters() if p.requires_grad)
+    attention = 6 * 2 * SEQ_LEN * 32  # 6 x layers x S x (H x D)
+    assert plain.model.flops_per_token(SEQ_LEN) == 6 * n_base + attention
+    assert lora.model.flops_per_token(SEQ_LEN) == 4 * n_base + 6 * n_adapters + attention
+
+
 def test_bf16_true_keeps_the_base_in_bf16_and_the_adapters_in_fp32(base):
     data = batch()
     result = run_distributed(_fit_each, 2, [((base, LORA, data), {"steps": 2, "precision": "bf16-true"})], timeout=TIMEOUT)[0][0]
