@@ -139,7 +139,7 @@ def test_bad_row_policies(tokenizers, tmp_path):
     dm = ChatDataModule(train_files=files, tokenizer_path=tokenizers["plain"], seq_len=SEQ_LEN, batch_size=1, on_too_long="truncate")
     dm.setup("fit")
     # LONG's first SEQ_LEN tokens are all the user's: nothing left to train, so it is skipped all the same
-    assert dm.bad_rows["train"]["longer than seq_len, no assistant token left after truncation (skipped)"] == 1
+    assert dm.bad_rows["train"]["longer than seq_len and no assistant token left after truncation (skipped)"] == 1
     long_answer = _msgs(("user", "hi"), ("assistant", " ".join(["fine"] * 40)))
     files = _write(str(tmp_path / "long.jsonl"), [{"messages": C0}, {"messages": long_answer}])
     dm = ChatDataModule(train_files=files, tokenizer_path=tokenizers["plain"], seq_len=SEQ_LEN, batch_size=1, on_too_long="truncate")

@@ -192,7 +192,7 @@ def read_conversations(
                         continue
                     conversation = Conversation(conversation.input_ids[:seq_len], conversation.assistant[:seq_len])
                     if not conversation.assistant[1:].any():
-                        bad["longer than seq_len, no assistant token left after truncation (skipped)"] += 1
+                        bad["longer than seq_len and no assistant token left after truncation (skipped)"] += 1
                         continue
                     bad["longer than seq_len (truncated)"] += 1
                 conversations.append(conversation)
