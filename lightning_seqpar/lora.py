@@ -36,8 +36,9 @@ one ``FSDPParamGroup``. It requires ONE dtype only among the parameters that req
 over ``requires_grad`` parameters, and the reduce-scatter over their gradients), and it
 all-gathers a group of mixed dtypes as bytes (``_get_all_gather_input_metadatas`` switches the
 all-gather buffer to uint8). So the one ``fully_shard`` per block that the strategy applies works
-as it is, with bf16 frozen weights and fp32 adapters (torch 2.11 and 2.13 have both behaviours;
-tested on 2.13 CPU/gloo); frozen parameters get no gradient and no reduce-scatter. No
+as it is, with bf16 frozen weights and fp32 adapters (both behaviours read in torch 2.13's FSDP2
+code and in older releases'; run here on 2.13 CPU/gloo, and by ``tests/test_lora_gpu.py`` on the
+GPU image's 2.11); frozen parameters get no gradient and no reduce-scatter. No
 ``MixedPrecisionPolicy`` is needed with "bf16-true". With "bf16-mixed" the base stays fp32 and is
 gathered in bf16 (more memory; use "bf16-true" for LoRA).
 
