@@ -276,8 +276,11 @@ def test_lora_config_errors():
     assert torch.load(io.BytesIO(buffer.getvalue()), weights_only=True) == hparams  # what a checkpoint's loader accepts
 
 
-def test_lora_recipes_parse_into_a_lora_config():
+def test_lora_recipes_parse_into_a_lora_config(monkeypatch):
+    import sys
     from pathlib import Path
+
+    monkeypatch.setattr(sys, "argv", ["seqpar"])  # LightningCLI reads sys.argv besides its args
 
     from test_recipes import parse
 
