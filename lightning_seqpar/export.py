@@ -2,6 +2,7 @@
 
     python -m lightning_seqpar.export CHECKPOINT OUTPUT --format consolidated
     python -m lightning_seqpar.export CHECKPOINT OUTPUT --format hf [--weights safetensors|bin] [--dtype bfloat16]
+    python -m lightning_seqpar.export CHECKPOINT OUTPUT --format lora [--merged MERGED_DIR] [--dtype bfloat16]
     seqpar export ...                                    (the same, through the console script)
 
 ``CHECKPOINT`` is what the strategy saved: a folder of shards (``save_distributed_checkpoint=True``,
@@ -18,6 +19,9 @@ group and no GPU are needed: the shards are read in one process.
   or ``pytorch_model.bin``. ``transformers.LlamaForCausalLM.from_pretrained(OUTPUT)`` loads it and
   computes the same logits: our Llama uses HF's rotate-half RoPE, RMSNorm and SwiGLU, and its
   parameter names are HF's without the ``model.`` prefix.
+* ``lora``: a ``CausalLMModule(..., lora=...)`` checkpoint's adapters as a peft adapter folder
+  (``PeftModel.save_pretrained``), and with ``--merged`` the model with the adapters merged as a
+  plain transformers folder (``lightning_seqpar.lora.export_lora``; needs ``peft``).
 """
 
 from __future__ import annotations
@@ -272,15 +276,26 @@ def main(args: Sequence[str] | None = None) -> None:
     """``python -m lightning_seqpar.export`` / ``seqpar export``."""
     parser = argparse.ArgumentParser(prog="seqpar export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a folder of shards or a full checkpoint file written under SequenceParallelStrategy")
-    parser.add_argument("output", help="consolidated: the output file; hf: the output folder")
-    parser.add_argument("--format", choices=("consolidated", "hf"), default="consolidated")
+    parser.add_argument("output", help="consolidated: the output file; hf: the output folder; lora: the adapter folder")
+    parser.add_argument("--format", choices=("consolidated", "hf", "lora"), default="consolidated")
     parser.add_argument("--weights", choices=("safetensors", "bin"), default="safetensors", help="hf only: file format of the weights")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="hf only: cast the weights")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="hf: cast the weights; lora: cast the merged model")
+    parser.add_argument("--merged", default=None, help="lora only: also write the model with the adapters merged into this folder")
     ns = parser.parse_args(args)
+    if ns.merged is not None and ns.format != "lora":
+        parser.error("--merged applies to --format lora only")
     if ns.format == "consolidated":
         if ns.dtype is not None or ns.weights != "safetensors":
             parser.error("--dtype and --weights apply to --format hf only")
         path = export_consolidated(ns.checkpoint, ns.output)
+    elif ns.format == "lora":
+        from lightning_seqpar.lora import export_lora
+
+        if ns.weights != "safetensors":
+            parser.error("--weights applies to --format hf only")
+        if ns.dtype is not None and ns.merged is None:
+            parser.error("--dtype with --format lora casts the merged model: add --merged")
+        path = export_lora(ns.checkpoint, ns.output, merged=ns.merged, dtype=_DTYPES[ns.dtype] if ns.dtype else None)
     else:
         path = export_hf(ns.checkpoint, ns.output, weights=ns.weights, dtype=_DTYPES[ns.dtype] if ns.dtype else None)
     print(f"wrote {path}")

@@ -34,6 +34,7 @@ from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_seqpar import hf
+from lightning_seqpar import lora as lora_module
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.data.chars import BitsPerCharacter
 from lightning_seqpar.documents import batch_documents, documents_error, set_current_documents
@@ -87,6 +88,12 @@ class CausalLMModule(L.LightningModule):
             byte-level models such as the enwik8 GPT.
         hf_save_dir: Hugging Face models only: at the end of training write the trained model there
             as one consolidated ``save_pretrained`` folder (:meth:`save_hf_pretrained`).
+        lora: LoRA fine-tuning of a Hugging Face model through ``peft`` (Note [LoRA under the strategy]
+            in ``lightning_seqpar.lora``): a dict of ``peft.LoraConfig`` fields (e.g. ``{"r": 16,
+            "lora_alpha": 32, "target_modules": "all-linear"}``) or a ``peft.LoraConfig``. The base is
+            frozen (in the Trainer's precision), only the adapters are trained, in fp32, and only they
+            have optimizer state; ``hf_save_dir`` then receives the adapter folder. A ``peft.PeftModel``
+            given as ``model`` is used as it is (with ``lora=None``).
         fused_optimizer: AdamW's implementation: True the fused kernels (``fused=True``, one launch
             per step for all parameters; DTensor parameters of FSDP2 included), False torch's default
             (``foreach``); None (default) fused when every parameter is on a CUDA device, or in host
@@ -109,10 +116,21 @@ class CausalLMModule(L.LightningModule):
         bits_per_character: bool = False,
         hf_save_dir: str | None = None,
         fused_optimizer: bool | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
         original = model
+        # LoRA (lightning_seqpar.lora): a peft config, or a PeftModel given as the model
+        self._lora_config: Any = None
+        peft_given = model if lora_module.is_peft_model(model) else None
+        if peft_given is not None:
+            if lora is not None:
+                raise ValueError(f"{name}: model is already a peft.PeftModel; pass lora=None (its adapters are used as they are)")
+            self._lora_config = peft_given.peft_config[peft_given.active_adapter]
+            model = peft_given.get_base_model()  # the transformers model: its config is read below
+        elif lora is not None:
+            self._lora_config = lora_module.lora_config(lora)
         # A Hugging Face model: a local folder, a transformers config / model, or a dict with "model_type".
         self._hf_source: Any = None
         given = None  # a transformers model instance, used as it is
@@ -124,6 +142,10 @@ class CausalLMModule(L.LightningModule):
             original = str(original) if isinstance(original, (str, os.PathLike)) else model.to_dict()
         elif hf_save_dir is not None:
             raise ValueError(f"{name}: hf_save_dir is only for Hugging Face models (model={original!r})")
+        if self._lora_config is not None and self._hf_source is None:
+            raise ValueError(f"{name}: lora is for Hugging Face models (a local folder, a transformers config or model); got model={original!r}")
+        if peft_given is not None:
+            given = peft_given
         if isinstance(model, str):  # (a Hugging Face config is neither a str nor a Mapping)
             if not _is_named_config(model) and (os.sep in model or os.path.exists(model)):
                 raise ValueError(
@@ -161,7 +183,8 @@ class CausalLMModule(L.LightningModule):
         if fused_optimizer is not None and not isinstance(fused_optimizer, bool):
             raise ValueError(f"{name}: fused_optimizer must be True, False or None (fused on CUDA), got {fused_optimizer!r}")
         # Checkpoints hold the config as plain values (torch.load(weights_only=True) loads them).
-        self.save_hyperparameters(ignore=["model"])
+        self.save_hyperparameters(ignore=["model", "lora"])
+        self.hparams["lora"] = None if self._lora_config is None else lora_module.lora_hparams(self._lora_config)
         if self._hf_source is not None:
             self.hparams["model"] = original  # the folder, or the transformers config as a dict with "model_type"
         else:
@@ -190,7 +213,10 @@ class CausalLMModule(L.LightningModule):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.init_seed)
             if self._hf_source is not None:
-                self.model = hf.HFCausalLM(hf.build_hf_causal_lm(self._hf_source))
+                model = hf.build_hf_causal_lm(self._hf_source)
+                if self._lora_config is not None:  # the adapters are drawn from init_seed too
+                    model = lora_module.apply_lora(model, self._lora_config)
+                self.model = hf.HFCausalLM(model)
             elif isinstance(self.config, GPTConfig):
                 self.model = GPT(self.config)
             else:
@@ -383,6 +409,9 @@ class CausalLMModule(L.LightningModule):
                 f"{type(self).__name__}.save_hf_pretrained is for Hugging Face models; export the package's Llama "
                 "with `seqpar export CHECKPOINT OUTPUT --format hf`"
             )
+        if lora_module.is_peft_model(model.hf):  # LoRA: the adapter folder (the merged model: `seqpar export --format lora --merged`)
+            lora_module.save_lora_pretrained(model, save_directory)
+            return
         hf.save_hf_pretrained(model, save_directory)
 
     # ----------------------------------------------------------------------------------------- optimizer
@@ -398,13 +427,15 @@ class CausalLMModule(L.LightningModule):
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
         model = self._require_model()
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only, no state for the frozen base
+        decay = [p for p in trained if p.ndim >= 2]
+        no_decay = [p for p in trained if p.ndim < 2]
         fused = self.fused_optimizer
         if fused is None:  # torch's default is foreach; fused is one kernel per step (torchtitan's default too)
             fused = all(p.device.type == "cuda" for p in model.parameters()) or self._parameters_offloaded(model)
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [group for group in ({"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+             if group["params"]],
             lr=self.lr,
             betas=self.betas,
             eps=self.eps,

@@ -59,6 +59,7 @@ from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
+from lightning_seqpar.lora import upcast_trainable
 from lightning_seqpar.mesh import PLACEMENTS, ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
 from lightning_seqpar.parallelize import find_blocks, host_optimizer_threads, parallelize, uses_linear_attention, with_cpu_threads
 from lightning_seqpar.precision import scaler_free
@@ -416,6 +417,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if not _is_parallelized(self.model):
             self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: bf16 parameters
+            upcast_trainable(self.model)  # LoRA: the adapters back in fp32, the base frozen in bf16 (Note [LoRA under the strategy])
             self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
             self._parallelize(self.model)
         self.barrier()

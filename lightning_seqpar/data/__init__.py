@@ -2,11 +2,13 @@
 
 The strategy's batch hook shards them along the sequence; labels are already shifted here.
 :class:`HFTextDataModule` (local text / jsonl / parquet through Hugging Face ``datasets``, packed
-documents) also yields ``document_ids`` and ``document_position_ids``.
+documents) also yields ``document_ids`` and ``document_position_ids``; so does :class:`ChatDataModule` (jsonl
+conversations through the chat template, the loss on the assistant turns only).
 """
 
 from __future__ import annotations
 
+from lightning_seqpar.data.chat import ChatDataModule, PackedChatDataset
 from lightning_seqpar.data.chars import BitsPerCharacter, CharDataModule, CharWindowDataset, bits_per_character, char_splits
 from lightning_seqpar.data.hf_text import HFTextDataModule, PackedDocumentDataset
 from lightning_seqpar.data.resumable import ResumableLoader
@@ -15,5 +17,5 @@ from lightning_seqpar.data.tokens import TOKEN_DTYPES, TokenFileDataModule, Toke
 
 __all__ = [
     "BitsPerCharacter", "CharDataModule", "CharWindowDataset", "bits_per_character", "char_splits",
-    "CopyTaskDataset", "HFTextDataModule", "LongRangeDataModule", "PackedDocumentDataset", "ResumableLoader", "TOKEN_DTYPES", "TokenFileDataModule", "TokenWindowDataset",
+    "ChatDataModule", "CopyTaskDataset", "HFTextDataModule", "LongRangeDataModule", "PackedChatDataset", "PackedDocumentDataset", "ResumableLoader", "TOKEN_DTYPES", "TokenFileDataModule", "TokenWindowDataset",
 ]

@@ -87,6 +87,11 @@ def build_hf_causal_lm(source: Any, *, dtype: torch.dtype | None = None) -> PreT
 # --------------------------------------------------------------------------------------------- the model
 
 
+def _is_peft_model(model: object) -> bool:
+    peft = sys.modules.get("peft")  # a PeftModel exists only once peft is imported
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM with the interface of the package's models (what ``CausalLMModule`` calls).
 
@@ -96,14 +101,17 @@ class HFCausalLM(nn.Module):
     (``hf.model.layers``) are the blocks that the strategy checkpoints and shards.
 
     Args:
-        model: a transformers ``PreTrainedModel`` for causal LM (:func:`apply_hf_attention` is applied).
+        model: a transformers ``PreTrainedModel`` for causal LM (:func:`apply_hf_attention` is applied),
+            or a ``peft.PeftModel`` wrapping one (``lightning_seqpar.lora``).
         max_seq_len: see :func:`apply_hf_attention`.
     """
 
     def __init__(self, model: PreTrainedModel, *, max_seq_len: int | None = None) -> None:
         super().__init__()
-        apply_hf_attention(model, max_seq_len=max_seq_len)
-        self._router_aux = router_aux(model)  # refuses an auxiliary loss it cannot compute exactly
+        # a peft.PeftModel (LoRA): the attention layers are its base model's (Note [LoRA under the strategy])
+        base = model.get_base_model() if _is_peft_model(model) else model
+        apply_hf_attention(base, max_seq_len=max_seq_len)
+        self._router_aux = router_aux(base)  # refuses an auxiliary loss it cannot compute exactly
         self._router_stats: RouterStats | None = None
         self.hf = model
         # tuples, not lists of modules: not registered twice (they are children of the model)
@@ -113,10 +121,14 @@ class HFCausalLM(nn.Module):
         head = model.get_output_embeddings()
         embedding = model.get_input_embeddings()
         tied = head is not None and embedding is not None and head.weight is embedding.weight
-        n = sum(p.numel() for p in model.parameters()) - (0 if embedding is None or tied else embedding.weight.numel())
+        excluded = None if embedding is None or tied else embedding.weight  # the input embedding: a lookup, not a matmul
+        n = sum(p.numel() for p in model.parameters()) - (0 if excluded is None else excluded.numel())
+        # frozen weights (LoRA's base) cost forward + input gradient (4 per weight), no weight gradient
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p is not excluded)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self._matmul_params = n
+        self._frozen_params = frozen
         self._attn_width = heads * head_dim
         self._n_layers = config.num_hidden_layers
 
@@ -201,10 +213,12 @@ class HFCausalLM(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at sequence length ``seq_len`` (Note [FLOPs per token] in
         ``lightning_seqpar.models.llama``): ``6 * N + 6 * n_layers * seq_len * (H * D)``, N the matmul
-        weights (all parameters but the input embedding, the output head counted even when tied)."""
+        weights (all parameters but the input embedding, the output head counted even when tied);
+        frozen weights (a LoRA base) count 4, not 6: no weight gradient is computed for them."""
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        return 6 * self._matmul_params + 6 * self._n_layers * seq_len * self._attn_width
+        trained = self._matmul_params - self._frozen_params
+        return 6 * trained + 4 * self._frozen_params + 6 * self._n_layers * seq_len * self._attn_width
 
 
 # --------------------------------------------------------------------------------------------- saving

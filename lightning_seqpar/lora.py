@@ -1,0 +1,307 @@
+"""LoRA fine-tuning of Hugging Face causal LMs through ``peft``, under the strategy or on one device.
+
+Public names:
+
+* :func:`lora_config` — a ``peft.LoraConfig`` from a dict of its fields (what a recipe gives) or a
+  ``LoraConfig``; :func:`lora_hparams` — the inverse, as plain values a checkpoint can hold.
+* :func:`apply_lora` — ``peft.get_peft_model`` over a transformers model (adapters in fp32).
+* :func:`is_peft_model`, :func:`upcast_trainable` — what the strategy and ``CausalLMModule`` use.
+* :func:`adapter_state_dict`, :func:`save_lora_pretrained` — the adapter folder of a (sharded) model.
+* :func:`export_lora` — the adapter folder and, on request, the merged model, from a checkpoint.
+
+Note [LoRA under the strategy]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+LoRA (Hu et al., 2021) is peft's: ``get_peft_model`` wraps the transformers model
+
+    PeftModelForCausalLM -> LoraModel -> LlamaForCausalLM -> LlamaModel -> layers[i] -> q_proj: lora.Linear
+                                                                                          base_layer (frozen)
+                                                                                          lora_A / lora_B (trained)
+
+and nothing of it is rewritten here. ``HFCausalLM`` holds the ``PeftModel`` as ``hf``;
+``apply_hf_attention`` runs on its base model (the ``PreTrainedModel``), and the strategy finds
+the decoder layers (``hf.base_model.model.model.layers``, an ``nn.ModuleList`` named ``layers``),
+checkpoints and shards them as for any Hugging Face model. The loss and its normalisation do not
+change (Note [Loss under sequence parallelism] in ``lightning_seqpar.module``): an adapter's
+gradient is the sum of the per-rank gradients, as for any parameter.
+
+Precision. The frozen base is held in the Trainer's precision (bf16 with ``precision="bf16-true"``:
+Lightning's ``convert_module`` casts the whole module), and the strategy then puts the trainable
+parameters (the adapters) back in fp32 (:func:`upcast_trainable`), before FSDP2 shards anything:
+their AdamW state is fp32 too. peft's ``lora.Linear`` casts its input to the adapter's dtype and
+the adapter's output back to the base's, so the adapter path computes in fp32.
+
+FSDP2 with two dtypes in one block. ``fully_shard(block)`` puts all parameters of the block in
+one ``FSDPParamGroup``. It requires ONE dtype only among the parameters that require gradients
+(``FSDPParamGroup._init_mp_dtypes``: "FSDP expects uniform original parameter dtype" is checked
+over ``requires_grad`` parameters, and the reduce-scatter over their gradients), and it
+all-gathers a group of mixed dtypes as bytes (``_get_all_gather_input_metadatas`` switches the
+all-gather buffer to uint8). So the one ``fully_shard`` per block that the strategy applies works
+as it is, with bf16 frozen weights and fp32 adapters (both behaviours read in torch 2.13's FSDP2
+code and in older releases'; run here on 2.13 CPU/gloo, and by ``tests/test_lora_gpu.py`` on the
+GPU image's 2.11); frozen parameters get no gradient and no reduce-scatter. No
+``MixedPrecisionPolicy`` is needed with "bf16-true". With "bf16-mixed" the base stays fp32 and is
+gathered in bf16 (more memory; use "bf16-true" for LoRA).
+
+Optimizer and checkpoints. ``CausalLMModule.configure_optimizers`` takes the parameters that
+require gradients only, so the base has no optimizer state. The strategy's checkpoints hold the
+WHOLE module state (frozen base included) and the adapters' optimizer state: resuming is exact
+and needs nothing but the checkpoint, at the cost of writing the base with every checkpoint.
+
+Export. :func:`save_lora_pretrained` (``CausalLMModule.save_hf_pretrained``, ``hf_save_dir``)
+gathers the adapters' FSDP2 shards to rank 0 and writes ``PeftModel.save_pretrained``'s folder
+(``adapter_config.json``, ``adapter_model.safetensors``); ``PeftModel.from_pretrained(base,
+folder)`` loads it. :func:`export_lora` (``seqpar export CKPT OUT --format lora [--merged DIR]``)
+does the same from a checkpoint in one process and, with ``merged``, writes
+``merge_and_unload()`` of the model as a plain transformers folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
+
+__all__ = [
+    "adapter_state_dict",
+    "apply_lora",
+    "export_lora",
+    "is_peft_model",
+    "lora_config",
+    "lora_hparams",
+    "save_lora_pretrained",
+    "upcast_trainable",
+]
+
+_CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper prefix, not in state_dict names
+_HF_PREFIX = "hf."  # HFCausalLM's child
+_MODULE_PREFIX = "model.hf."  # CausalLMModule -> HFCausalLM -> PeftModel
+# LoraConfig fields that describe the run, not the adapters (peft fills them in)
+_BOOKKEEPING = ("peft_type", "task_type", "peft_version", "auto_mapping", "base_model_name_or_path", "revision")
+
+
+def _peft() -> Any:
+    """The peft module, or an ImportError saying how to install it."""
+    try:
+        import peft
+    except ImportError as error:
+        raise ImportError("LoRA fine-tuning needs `peft`: pip install 'lightning-seqpar[lora]' (or pip install 'peft>=0.13')") from error
+    return peft
+
+
+def is_peft_model(model: object) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (False when peft is not imported: then none can exist)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def lora_config(spec: Mapping[str, Any] | LoraConfig) -> LoraConfig:
+    """A ``peft.LoraConfig`` for a causal LM (``task_type="CAUSAL_LM"``) from ``spec``.
+
+    Args:
+        spec: a ``LoraConfig`` (copied), or a mapping of its fields, e.g.
+            ``{"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}`` (a recipe's ``lora:``).
+
+    Raises:
+        ValueError: another peft method, a task other than causal LM, or an unknown field.
+    """
+    peft = _peft()
+    if isinstance(spec, peft.PeftConfig):
+        if not isinstance(spec, peft.LoraConfig):
+            raise ValueError(f"lora: only LoRA is supported (peft.LoraConfig), got {type(spec).__name__}")
+        config = copy.deepcopy(spec)
+    elif isinstance(spec, Mapping):
+        fields = dict(spec)
+        unknown = sorted(set(fields) - set(peft.LoraConfig.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"lora: {unknown} are not fields of peft.LoraConfig (e.g. r, lora_alpha, lora_dropout, target_modules)")
+        fields.setdefault("task_type", "CAUSAL_LM")
+        config = peft.LoraConfig(**fields)
+    else:
+        raise ValueError(f"lora must be a dict of peft.LoraConfig fields or a peft.LoraConfig, got {type(spec).__name__}")
+    task = config.task_type
+    if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
+        raise ValueError(f"lora: task_type={task!r}; CausalLMModule trains causal LMs (task_type='CAUSAL_LM')")
+    config.task_type = "CAUSAL_LM"
+    if config.target_modules is None and not config.target_parameters:
+        raise ValueError("lora: set target_modules (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'] or 'all-linear')")
+    return config
+
+
+def _plain(value: Any) -> Any:
+    """A value as plain Python (sets -> sorted lists, enums -> their value) for checkpoints and YAML."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    enum_value = getattr(value, "value", None)
+    return enum_value if enum_value is not None and type(value).__module__.startswith("peft") else value
+
+
+def lora_hparams(config: LoraConfig) -> dict[str, Any]:
+    """Every field of ``config`` (defaults included, so that another peft version's defaults cannot change
+    the adapters), as plain values: ``lora_config`` of the result gives the same adapters (what
+    ``CausalLMModule`` keeps in its hyper-parameters, and ``export_lora`` rebuilds the model from)."""
+    return {k: _plain(v) for k, v in config.to_dict().items() if k not in _BOOKKEEPING}
+
+
+def apply_lora(model: nn.Module, config: Mapping[str, Any] | LoraConfig) -> PeftModel:
+    """``peft.get_peft_model(model, config)``: the base frozen, the adapters trainable and in fp32.
+
+    ``model`` is a transformers ``PreTrainedModel`` (not yet wrapped by peft); it is modified in
+    place (peft replaces the targeted layers). The adapters are initialised from the current torch
+    random state (``CausalLMModule`` forks it with ``init_seed``).
+    """
+    peft = _peft()
+    if is_peft_model(model):
+        raise ValueError("apply_lora: the model is already a peft.PeftModel; pass it as the model without a lora config")
+    config = lora_config(config)
+    # autocast_adapter_dtype: peft creates fp16 / bf16 adapters in fp32 (its default, said here)
+    peft_model = peft.get_peft_model(model, copy.deepcopy(config), autocast_adapter_dtype=True)
+    upcast_trainable(peft_model)
+    return peft_model
+
+
+def upcast_trainable(module: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Put the trainable floating-point parameters of every ``PeftModel`` inside ``module`` in ``dtype``.
+
+    The strategy calls it after Lightning's ``convert_module`` ("bf16-true" casts every parameter),
+    before FSDP2 (Note [LoRA under the strategy]). Frozen parameters keep their dtype. In place;
+    returns how many parameters were cast (0 without a peft model).
+    """
+    cast = 0
+    for model in [m for m in module.modules() if is_peft_model(m)]:
+        for param in model.parameters():
+            if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+                cast += 1
+    return cast
+
+
+def _peft_model(model: nn.Module) -> PeftModel:
+    """The ``PeftModel`` of an ``HFCausalLM`` (its ``hf``), or a ValueError."""
+    inner = getattr(model, "hf", model)
+    if not is_peft_model(inner):
+        raise ValueError(f"expected an HFCausalLM holding a peft.PeftModel (CausalLMModule with lora=...), got {type(inner).__name__}")
+    return inner
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full trainable parameters of ``model`` (the adapters) on the CPU, under ``model``'s own names
+    without activation-checkpoint wrappers (``hf.base_model.model....lora_A.default.weight`` for an HFCausalLM).
+
+    Collective when ``model`` is sharded by FSDP2: every rank must call it (each parameter's shards
+    are all-gathered, in the same order on every rank); every rank gets the result.
+    """
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            out[name.replace(_CHECKPOINT_WRAPPER, "")] = full.detach().to("cpu", copy=True)
+    return out
+
+
+def save_lora_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None:
+    """Write the adapters of an ``HFCausalLM`` holding a ``PeftModel`` as ``PeftModel.save_pretrained``'s
+    folder (``adapter_config.json``, ``adapter_model.safetensors``); rank 0 writes.
+
+    Collective when ``torch.distributed`` is initialised: every rank must call it (only the
+    adapters are gathered, not the base). ``PeftModel.from_pretrained(base_model, save_directory)``
+    loads it onto a fresh copy of the base model.
+    """
+    import torch.distributed as dist
+
+    peft_model = _peft_model(model)
+    distributed = dist.is_available() and dist.is_initialized()
+    state = adapter_state_dict(model)
+    if not distributed or dist.get_rank() == 0:
+        prefix = _HF_PREFIX if peft_model is not model else ""
+        peft_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        assert len(peft_state) == len(state), f"trainable parameters outside {prefix!r}: {sorted(state)[:5]}"
+        _skeleton(peft_model).save_pretrained(os.fspath(save_directory), state_dict=peft_state)
+    if distributed:
+        dist.barrier()
+
+
+def _skeleton(peft_model: PeftModel) -> PeftModel:
+    """The same peft model on the meta device, without the strategy's wrappers: what ``save_pretrained`` walks.
+
+    peft finds the adapter entries of a state dict by the names of the model's LoRA layers, and
+    under activation checkpointing those names hold the wrapper (``layers.0._checkpoint_wrapped_module.
+    self_attn``); the skeleton has the plain names of the state dict. No weight is allocated.
+    """
+    import transformers
+
+    peft = _peft()
+    base = peft_model.get_base_model()
+    config = copy.deepcopy(peft_model.peft_config[peft_model.active_adapter])
+    layout = copy.deepcopy(config)
+    layout.init_lora_weights = True  # data-dependent initialisations (PiSSA, ...) cannot run on meta; the weights come from the state dict
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(base.config))
+        skeleton = peft.get_peft_model(skeleton, layout, adapter_name=peft_model.active_adapter, autocast_adapter_dtype=False)
+    skeleton.peft_config[skeleton.active_adapter] = config  # the adapter_config.json of the trained adapters
+    return skeleton
+
+
+def export_lora(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    merged: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the adapters of a ``CausalLMModule(..., lora=...)`` checkpoint as a peft adapter folder
+    ``output`` and, with ``merged``, the model with the adapters merged (``merge_and_unload``) as a
+    plain transformers folder. One process, no GPU (the checkpoint's shards are read here).
+
+    The model is rebuilt from the checkpoint's hyper-parameters (``model``: the local base folder,
+    or the transformers config; ``lora``: the LoRA fields), then the checkpoint's weights (base and
+    adapters) are loaded into it, so the adapter folder and the merged model are those of the
+    trained module.
+
+    Args:
+        dtype: cast the merged model's floating-point weights (e.g. ``torch.bfloat16``); None
+            keeps the checkpoint's. The adapters keep theirs (fp32).
+    """
+    from lightning_seqpar import hf
+    from lightning_seqpar.export import load_meta, load_model_state_dict
+
+    src, out = Path(checkpoint), Path(output)
+    hparams = load_meta(src).get("hyper_parameters") or {}
+    spec, source = hparams.get("lora"), hparams.get("model")
+    if not spec:
+        raise ValueError(f"export: {str(src)!r} is not a LoRA checkpoint (its hyper_parameters have no 'lora'); use --format hf or consolidated")
+    if source is None or not hf.is_hf_source(source):
+        raise ValueError(f"export: the checkpoint's model {source!r} is not a Hugging Face model (a local folder or a config with 'model_type')")
+    state = load_model_state_dict(src)
+    peft_state = {k[len(_MODULE_PREFIX):]: v for k, v in state.items() if k.startswith(_MODULE_PREFIX)}
+    if len(peft_state) != len(state):
+        raise ValueError(f"export: unexpected keys outside {_MODULE_PREFIX!r}: {sorted(set(state))[:5]}")
+    base_dtype = next(v.dtype for k, v in peft_state.items() if ".lora_" not in k and v.is_floating_point())  # bf16 after "bf16-true"
+    base = hf.build_hf_causal_lm(source, dtype=base_dtype)
+    peft_model = apply_lora(base, spec)
+    missing, unexpected = peft_model.load_state_dict(peft_state, strict=False)
+    if unexpected or [k for k in missing if k in dict(peft_model.named_parameters())]:
+        raise ValueError(f"export: the checkpoint does not match the model rebuilt from its hyper-parameters: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(os.fspath(out))
+    if merged is not None:
+        model = peft_model.merge_and_unload()
+        if dtype is not None:
+            model = model.to(dtype)
+        model.save_pretrained(os.fspath(merged))
+    return out
