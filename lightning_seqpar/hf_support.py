@@ -432,6 +432,24 @@ def _check_mask_only_window(model: nn.Module, arch: str, max_seq_len: int | None
     )
 
 
+
+def refuse_unseen_position_features(model: nn.Module, *, max_seq_len: int | None = None) -> None:
+    """The part of :func:`check_model_supported` that ``apply_hf_attention`` runs: the silent-mismatch
+    classes that the per-call checks of ``lightning_seqpar.hf`` cannot see (a window applied only
+    through the mask, as PhiMoE's; DeepSeek Sparse Attention indexers). Local metadata only."""
+    config = getattr(model, "config", None)
+    arch = getattr(config, "model_type", type(model).__name__)
+    _check_mask_only_window(model, arch, max_seq_len)
+    indexers = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__.endswith("Indexer")]
+    if indexers:
+        name, cls = indexers[0]
+        raise ValueError(
+            f"{type(model).__name__} (model_type={arch!r}) uses sparse attention with a lightning indexer ({cls} at "
+            f"{name!r}: DeepSeek Sparse Attention), which picks each query's keys by a top-k over the whole sequence: "
+            "the sequence-parallel attention is dense causal; train it without sequence parallelism"
+        )
+
+
 def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -> None:
     """Refuse a transformers model whose sequence-parallel run would silently differ (Note [Silent mismatches the sweep found]).
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.hf.features import attention_features, check_attention_features, layer_name
 from lightning_seqpar.hf.rope import install_global_length_rotary
-from lightning_seqpar.hf_support import check_model_supported
+from lightning_seqpar.hf_support import refuse_unseen_position_features
 from lightning_seqpar.hf.support import check_sharded_layer, refuse_token_mixers
 
 __all__ = [
@@ -209,7 +209,7 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1):
         raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
     refuse_token_mixers(model)  # Note [Exact or refused: position-dependent layers of Hugging Face models]
-    check_model_supported(model, max_seq_len=max_seq_len)  # what the support sweep found (lightning_seqpar.hf_support)
+    refuse_unseen_position_features(model, max_seq_len=max_seq_len)  # what the support sweep found (lightning_seqpar.hf_support)
     register_attention()
     layers = [(name, m) for name, m in model.named_modules() if _is_attention_layer(m)]
     if max_seq_len is not None:
