@@ -380,6 +380,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             # Note [Offloading parameters to host memory]: the CPU-resident gradients (clip_grad_norm_'s
             # per-rank norms) are reduced over the mesh's groups, so they need a CPU backend beside NCCL.
             self._process_group_backend = "cpu:gloo,cuda:nccl"
+        # free the modules of earlier runs that nothing references any more, and with them their groups,
+        # BEFORE this run builds meshes equal to theirs (Note [What a run releases])
+        gc.collect()
         created = not (dist.is_available() and dist.is_initialized())
         self._setup_distributed()  # ModelParallelStrategy: ranks, seed, init_process_group
         self._owns_default_group = self._owns_default_group or created
