@@ -982,7 +982,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 finalizer()  # runs _release_groups once
             else:
                 _release_groups(meshes, owns_default_group=self._owns_default_group)
-            if self._owns_default_group and dist.is_available() and dist.is_initialized():
+            if self._owns_default_group and not _launched_by_torchelastic() and dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
             self._owns_default_group = False
         gc.collect()  # frees the modules of earlier runs that nothing references any more (and so their groups)
@@ -1048,8 +1048,15 @@ def _release_groups(meshes: list[DeviceMesh | None], *, owns_default_group: bool
         return
     release_mesh_groups(*meshes)
     registry = getattr(dist.distributed_c10d, "_world", None)  # torch's group registry (private; no public list)
-    if owns_default_group and registry is not None and len(registry.pg_map) == 1:
+    if owns_default_group and not _launched_by_torchelastic() and registry is not None and len(registry.pg_map) == 1:
         dist.destroy_process_group()
+
+
+def _launched_by_torchelastic() -> bool:
+    """Under torchrun the default group rendezvouses through the agent's store, whose keys a second
+    init_process_group in the same process would collide with: the default group then stays for the
+    process's lifetime (the mesh groups are still released)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _positive_int(value: Any) -> bool:
