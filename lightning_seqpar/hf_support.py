@@ -445,8 +445,9 @@ def refuse_unseen_position_features(model: nn.Module, *, max_seq_len: int | None
         name, cls = indexers[0]
         raise ValueError(
             f"{type(model).__name__} (model_type={arch!r}) uses sparse attention with a lightning indexer ({cls} at "
-            f"{name!r}: DeepSeek Sparse Attention), which picks each query's keys by a top-k over the whole sequence: "
-            "the sequence-parallel attention is dense causal; train it without sequence parallelism"
+            f"{name!r}: DeepSeek Sparse Attention, config.index_topk={getattr(config, 'index_topk', None)}), which picks "
+            "each query's keys by a top-k over the whole sequence and passes them as a mask: the sequence-parallel "
+            "attention is dense causal; train it without sequence parallelism"
         )
 
 
@@ -467,16 +468,7 @@ def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -
     arch = getattr(config, "model_type", type(model).__name__)
     if max_seq_len is not None:
         _check_windows(model, arch, max_seq_len)
-    _check_mask_only_window(model, arch, max_seq_len)
-    indexers = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__.endswith("Indexer")]
-    if indexers:
-        name, cls = indexers[0]
-        raise ValueError(
-            f"{type(model).__name__} (model_type={arch!r}) uses sparse attention with a lightning indexer ({cls} at "
-            f"{name!r}: DeepSeek Sparse Attention, config.index_topk={getattr(config, 'index_topk', None)}), which picks "
-            "each query's keys by a top-k over the whole sequence and passes them as a mask: the sequence-parallel "
-            "attention is dense causal; train it without sequence parallelism"
-        )
+    refuse_unseen_position_features(model, max_seq_len=max_seq_len)
     for name, layer in _attention_layers(model):
         if isinstance(getattr(layer, "sinks", None), nn.Parameter):  # every layer at once, before layer 0 communicates
             raise ValueError(
