@@ -337,12 +337,12 @@ def build_tiny_model(model_type: str, feature: str | None = None, *, seed: int =
 # recurrent / state-space / convolutional token mixers (Mamba, RWKV, xLSTM, short convolutions,
 # linear-attention and DeltaNet layers, RG-LRU, Lightning attention). :func:`check_model_supported`
 # refuses them by their module class, before any communication. Also refused here, all layers at
-# once (the attention function refuses them too, but only when the layer runs, so a layer > 0 is
-# found after layer 0 communicated: the sweep's mimo_v2_flash, cwm, modernbert-decoder):
-# attention sinks (a ``sinks`` parameter on any attention layer), attention logit soft-capping,
-# sliding windows / attention chunks shorter than ``max_seq_len``; and DeepSeek Sparse Attention
-# (an ``*Indexer`` module: top-k key selection over the whole sequence, which otherwise fails with
-# a TypeError deep in the model).
+# once before any communication: DeepSeek Sparse Attention (an ``*Indexer`` module: top-k key
+# selection over the whole sequence, which otherwise fails with a TypeError deep in the model).
+# Sliding windows, attention chunks, soft-capping and sinks are not refused: "seqpar" reads them
+# from the layer, its config and the call (Note [Reading a layer's attention features] in
+# ``lightning_seqpar.hf.features``) and computes them exactly in every algorithm; the sweep checks
+# that reading against the unmodified model, architecture by architecture.
 
 _TOKEN_MIXER_MARKERS: tuple[str, ...] = (
     "Mamba", "Mixer", "ShortConv", "GatedDeltaNet", "DeltaNet", "LinearAttention", "LightningAttention",
@@ -368,78 +368,13 @@ def _attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(getattr(m, "scaling", None), (int, float)) and hasattr(m, "is_causal") and hasattr(m, "config")]
 
 
-def _check_windows(model: nn.Module, arch: str, max_seq_len: int) -> None:
-    """Every layer's sliding window / attention chunk against ``max_seq_len``, all layers at once.
-
-    The attention function checks the window of each layer when it runs; a window on layer > 0
-    is then found only after layer 0 communicated (the sweep's ``cwm``, ``gemma3_text``-like
-    layouts with a full layer first). Checking every layer here refuses before anything runs.
-    """
-    config = model.config
-    layer_types = getattr(config, "layer_types", None)
-    for name, layer in _attention_layers(model):
-        idx = getattr(layer, "layer_idx", None)
-        kind = layer_types[idx] if isinstance(layer_types, list) and isinstance(idx, int) and idx < len(layer_types) else None
-        if kind is not None and kind not in ("sliding_attention", "chunked_attention"):
-            continue
-        if kind == "chunked_attention" or (kind is None and getattr(config, "attention_chunk_size", None)):
-            chunk = getattr(config, "attention_chunk_size", None)
-            if isinstance(chunk, int) and chunk < max_seq_len:
-                raise ValueError(
-                    f"{type(model).__name__} (model_type={arch!r}) layer {name!r} uses chunked attention "
-                    f"(config.attention_chunk_size={chunk}) shorter than max_seq_len={max_seq_len}: the sequence-parallel "
-                    "attention has no chunk mask; train with sequences of at most that many tokens"
-                )
-            continue
-        window = getattr(layer, "sliding_window", None)
-        if window is None and (kind == "sliding_attention" or getattr(config, "use_sliding_window", True)):
-            window = getattr(config, "sliding_window", None)
-        if isinstance(window, int) and window < max_seq_len:
-            field = f"config.sliding_window with config.layer_types[{idx}]={kind!r}" if kind else "config.sliding_window"
-            raise ValueError(
-                f"{type(model).__name__} (model_type={arch!r}) layer {name!r} uses sliding-window attention ({field}={window}) "
-                f"shorter than max_seq_len={max_seq_len}: the sequence-parallel attention has no sliding window; train with "
-                f"sequences of at most {window} tokens or a config without sliding-window layers"
-            )
-
-
-def _check_mask_only_window(model: nn.Module, arch: str, max_seq_len: int | None) -> None:
-    """A sliding window that only the model's mask applies (``create_sliding_window_causal_mask``; the
-    attention layers neither keep it nor pass ``sliding_window=``: PhiMoE): "seqpar" builds no mask,
-    so no per-call check sees the window. Refused unless ``max_seq_len`` shows the window covers it."""
-    import inspect
-
-    config = model.config
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or getattr(config, "use_sliding_window", True) is False:
-        return
-    if max_seq_len is not None and max_seq_len <= window:
-        return
-    layers = _attention_layers(model)
-    if not layers or any(hasattr(layer, "sliding_window") for _, layer in layers):
-        return
-    try:
-        source = inspect.getsource(type(layers[0][1]).forward)
-    except (OSError, TypeError):
-        return
-    if "sliding_window" in source:
-        return
-    raise ValueError(
-        f"{type(model).__name__} (model_type={arch!r}) applies its sliding window (config.sliding_window={window}) only "
-        f"through the attention mask, which attn_implementation='seqpar' does not build, so no per-call check sees it: "
-        + ("pass max_seq_len (sequences of at most the window are exact)" if max_seq_len is None else
-           f"max_seq_len={max_seq_len} > {window}; train with sequences of at most {window} tokens")
-    )
-
-
-
 def refuse_unseen_position_features(model: nn.Module, *, max_seq_len: int | None = None) -> None:
     """The part of :func:`check_model_supported` that ``apply_hf_attention`` runs: the silent-mismatch
-    classes that the per-call checks of ``lightning_seqpar.hf`` cannot see (a window applied only
-    through the mask, as PhiMoE's; DeepSeek Sparse Attention indexers). Local metadata only."""
+    classes that the per-call code of ``lightning_seqpar.hf`` cannot see (DeepSeek Sparse Attention
+    indexers). Local metadata only. ``max_seq_len``: accepted for the callers' sake; nothing that
+    is refused here depends on the length."""
     config = getattr(model, "config", None)
     arch = getattr(config, "model_type", type(model).__name__)
-    _check_mask_only_window(model, arch, max_seq_len)
     indexers = [(name, type(m).__name__) for name, m in model.named_modules() if type(m).__name__.endswith("Indexer")]
     if indexers:
         name, cls = indexers[0]
@@ -464,24 +399,9 @@ def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -
     Raises:
         ValueError: naming the architecture, the layer or config field, and what to do instead.
     """
+    refuse_unseen_position_features(model, max_seq_len=max_seq_len)
     config = getattr(model, "config", None)
     arch = getattr(config, "model_type", type(model).__name__)
-    if max_seq_len is not None:
-        _check_windows(model, arch, max_seq_len)
-    refuse_unseen_position_features(model, max_seq_len=max_seq_len)
-    for name, layer in _attention_layers(model):
-        if isinstance(getattr(layer, "sinks", None), nn.Parameter):  # every layer at once, before layer 0 communicates
-            raise ValueError(
-                f"{type(model).__name__} (model_type={arch!r}) has attention sinks ({type(layer).__name__}.sinks at "
-                f"{name!r}), which the sequence-parallel attention does not implement"
-            )
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(
-            f"{type(model).__name__} (model_type={arch!r}) soft-caps its attention logits (config.attn_logit_softcapping="
-            f"{softcap}), which the sequence-parallel attention does not implement; set it to None only if the "
-            "checkpoint was trained without it"
-        )
     mixers = _token_mixers(model)
     if mixers:
         name, cls = mixers[0]

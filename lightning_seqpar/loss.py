@@ -70,7 +70,8 @@ def token_cross_entropy_sum(
 # and only (n, V) logits exist at any time, in forward and backward. Backward just scales the
 # stored (N, d) and (V, d) gradients by the incoming scalar gradient. This costs 3 matmuls
 # per chunk, against 4 for torch.utils.checkpoint around each chunk (which recomputes the logits
-# in backward). Gradients are only computed for the inputs that require them, and not at all
+# in backward). With a logit soft-cap c (Gemma 2's ``final_logit_softcapping``) the scores are
+# c * tanh(z / c) of the raw logits z, and G_c is multiplied by their derivative 1 - tanh^2(z / c). Gradients are only computed for the inputs that require them, and not at all
 # under ``torch.no_grad`` (validation).
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -83,6 +84,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         grad_hidden_needed: bool,
         grad_weight_needed: bool,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         loss_sum = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else None
@@ -93,6 +95,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk_size]  # (n, d)
             y = labels[start : start + chunk_size]  # (n,)
             logits = (h @ weight.T).float()  # (n, V)
+            capped = None
+            if softcap:
+                capped = torch.tanh(logits / softcap)  # (n, V)
+                logits = capped * softcap
             loss_sum += F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum")
             if grad_hidden is None and grad_weight is None:
                 continue
@@ -101,6 +107,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             del logits
             g.scatter_add_(1, torch.where(valid, y, 0)[:, None], -valid[:, None].to(g.dtype))
             g.mul_(valid[:, None])
+            if capped is not None:
+                g.mul_(1 - capped.square())
+                del capped
             g = g.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_size] = g @ weight  # (n, d)
@@ -121,7 +130,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = stored * grad_loss.to(stored.dtype)
         if grad_weight_needed:
             grad_weight = (next(saved) * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def chunked_cross_entropy_sum(
@@ -131,6 +140,7 @@ def chunked_cross_entropy_sum(
     *,
     chunk_size: int = 4096,
     ignore_index: int = IGNORE_INDEX,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_cross_entropy_sum(hidden @ lm_head_weight.T, labels)`` without the full logits.
 
@@ -142,10 +152,14 @@ def chunked_cross_entropy_sum(
         lm_head_weight: (V, d) output head weight (``model.lm_head.weight``).
         labels: (...) target ids, ``ignore_index`` where a token does not count.
         chunk_size: tokens per chunk.
+        softcap: None, or c > 0: the logits are ``c * tanh(logits / c)`` (Gemma 2's
+            ``final_logit_softcapping``).
 
     Returns:
         ``(loss_sum, n_valid)``: an fp32 scalar and an int64 scalar tensor.
     """
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be None or a number > 0, got {softcap!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if lm_head_weight.ndim != 2 or hidden.shape[-1] != lm_head_weight.shape[1]:
@@ -167,6 +181,7 @@ def chunked_cross_entropy_sum(
         ignore_index,
         grad_on and hidden.requires_grad,
         grad_on and lm_head_weight.requires_grad,
+        None if softcap is None else float(softcap),
     )
     return loss_sum, (labels != ignore_index).sum()
 

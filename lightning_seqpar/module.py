@@ -245,7 +245,8 @@ class CausalLMModule(L.LightningModule):
         if self.loss_chunk_size is None:
             return token_cross_entropy_sum(model(input_ids, position_ids), labels)
         hidden = model(input_ids, position_ids, output="hidden")  # (B, S, d)
-        return chunked_cross_entropy_sum(hidden, model.lm_head.weight, labels, chunk_size=self.loss_chunk_size)
+        return chunked_cross_entropy_sum(hidden, model.lm_head.weight, labels, chunk_size=self.loss_chunk_size,
+                                         softcap=getattr(model, "logit_softcap", None))
 
     # ----------------------------------------------------------------------------------------- batches
 
@@ -357,7 +358,10 @@ class CausalLMModule(L.LightningModule):
             pieces: Any = [model(input_ids, position_ids)]  # (B, S, V)
         else:
             hidden, weight, step = model(input_ids, position_ids, output="hidden"), model.lm_head.weight, self.loss_chunk_size
+            cap = getattr(model, "logit_softcap", None)
             pieces = (hidden[:, i : i + step] @ weight.T for i in range(0, hidden.shape[1], step))  # (B, n, V) each
+            if cap:
+                pieces = (cap * torch.tanh(p.float() / cap) for p in pieces)
         predictions, logprobs = [], []
         start = 0
         for logits in pieces:

@@ -158,11 +158,15 @@ def _k(s: int) -> str:
 
 
 def _ints(text: str) -> list[int]:
+    """``"128K,1M,8"`` -> [131072, 1048576, 8]; a ValueError for anything else."""
     out = []
     for part in text.split(","):
         part = part.strip().upper()
         scale = 1048576 if part.endswith("M") else 1024 if part.endswith("K") else 1
-        out.append(int(part.rstrip("MK")) * scale)
+        digits = part[:-1] if scale > 1 else part
+        if not digits.isdigit() or int(digits) < 1:
+            raise ValueError(f"expected positive integers with an optional K or M suffix, comma-separated (e.g. 128K,1M), got {text!r}")
+        out.append(int(digits) * scale)
     return out
 
 
@@ -177,7 +181,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = [m for m in args.model.split(",") if m not in MODELS]
     if unknown:
         ap.error(f"--model: unknown {unknown}; expected some of {sorted(MODELS)}")
-    print("\n".join(table(args.model.split(","), _ints(args.seq), _ints(args.gpus), gpus_per_node=args.gpus_per_node)))
+    parsed = {}
+    for flag, text in (("--seq", args.seq), ("--gpus", args.gpus)):
+        try:
+            parsed[flag] = _ints(text)
+        except ValueError as error:
+            ap.error(f"{flag}: {error}")
+    if args.gpus_per_node < 1:
+        ap.error(f"--gpus-per-node: expected a positive integer, got {args.gpus_per_node}")
+    print("\n".join(table(args.model.split(","), parsed["--seq"], parsed["--gpus"], gpus_per_node=args.gpus_per_node)))
 
 
 __all__ = ["MODELS", "ModelShape", "StepPlan", "megatron_cp", "plan_step", "table"]

@@ -267,3 +267,24 @@ def _disagree(rank, world):
 
 def test_ranks_must_agree_on_window():
     assert all(run_distributed(_disagree, 2))
+
+
+
+@torch.library.custom_op("seqpar_test::grad_in_op", mutates_args=())
+def _grad_in_op(x: torch.Tensor, lifted: bool) -> torch.Tensor:
+    from lightning_seqpar.attention.masked import _autograd_below_dispatch
+
+    with _autograd_below_dispatch() if lifted else torch.enable_grad():
+        xr = x.detach().requires_grad_()
+        return torch.autograd.grad((xr.sin() * 2).sum(), xr)[0]
+
+
+def test_autograd_runs_inside_a_custom_op():
+    """The GPU path differentiates FlexAttention (masked.flex_backward) inside ``seqpar::attn_bwd``,
+    below the Autograd dispatch key, where ``torch.enable_grad`` alone records nothing (FlexAttention
+    has no CPU backward, so the guard is tested on its own here and with FlexAttention in
+    tests/test_attention_features_gpu.py)."""
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        _grad_in_op(x, False)
+    torch.testing.assert_close(_grad_in_op(x, True), 2 * x.detach().cos())

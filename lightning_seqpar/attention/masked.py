@@ -31,6 +31,8 @@ with P = exp(x - lse). The price is one extra forward of the block in backward.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 
 import torch
@@ -253,10 +255,25 @@ def flex_forward(q, k, v, mask: Mask, scale: float, block_mask=None):
     return out.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0), lse
 
 
+@contextlib.contextmanager
+def _autograd_below_dispatch():
+    """Record autograd inside a custom op's implementation.
+
+    The implementation of ``seqpar::attn_bwd`` runs below the Autograd dispatch key (the keys are
+    in the thread's exclude set), so ``torch.enable_grad()`` alone records nothing there and
+    ``torch.autograd.grad`` fails with "element 0 of tensors does not require grad". Lift the
+    autograd keys from the exclude set for this block only."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU) | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCUDA)
+    keys = keys | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(include, exclude - keys), torch.enable_grad():
+        yield
+
+
 def flex_backward(dout, q, k, v, out, lse, mask: Mask, scale: float, block_mask=None):
     """Note [FlexAttention backward with the merged lse]."""
     bm = _flex_block_mask(mask) if block_mask is None else block_mask
-    with torch.enable_grad():
+    with _autograd_below_dispatch():
         qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
         o_b, l_b = _flex_call(qr, kr, vr, mask, scale, bm)
         lse_f = lse.to(torch.float32)

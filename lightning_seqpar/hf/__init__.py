@@ -15,7 +15,7 @@ Public names:
 
 Submodules, one concern each: ``attention`` (the ``AttentionInterface`` entry, :func:`apply_hf_attention`),
 ``features`` (a layer's window / soft-capping / sinks / chunk size, read from the call, the layer
-and the config: ``attention_features``, ``check_attention_features``), ``rope`` (length-dependent
+and the config: ``attention_features``, ``attention_kwargs``), ``rope`` (length-dependent
 rotary embeddings made global), ``moe`` (the router auxiliary loss across ranks), ``support`` (what
 is exact and what is refused: ``refuse_token_mixers``, ``check_sharded_layer``), ``model``
 (:class:`HFCausalLM`, building, saving).

@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
-from lightning_seqpar.hf.features import attention_features, check_attention_features, layer_name
+from lightning_seqpar.hf.features import attention_features, attention_kwargs, layer_name
 from lightning_seqpar.hf.rope import install_global_length_rotary
 from lightning_seqpar.hf_support import refuse_unseen_position_features
 from lightning_seqpar.hf.support import check_sharded_layer, refuse_token_mixers
@@ -157,13 +157,12 @@ def seqpar_attention_forward(
             "model.set_attn_implementation('sdpa') and use_cache as usual"
         )
     sp = 1 if attention.mesh is None else attention.mesh.size()
-    seq_len = query.shape[2] * sp  # the GLOBAL length: windows and chunks are measured on it
-    check_attention_features(module, attention_features(module, kwargs), seq_len=seq_len,
-                             what="sequence length" + (f" (local {query.shape[2]} x {sp} ranks)" if sp > 1 else ""))
     if sp > 1:
         check_sharded_layer(module)
+    # windows and chunks are measured on the GLOBAL length; Note [Reading a layer's attention features]
+    variant = attention_kwargs(attention_features(module, kwargs), seq_len=query.shape[2] * sp)
     # [B, H, S, D] -> [B, S, H, D], the layout of the package's attention (and HF's expected output)
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **variant)
     return out, None
 
 
@@ -212,10 +211,6 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
     refuse_unseen_position_features(model, max_seq_len=max_seq_len)  # what the support sweep found (lightning_seqpar.hf_support)
     register_attention()
     layers = [(name, m) for name, m in model.named_modules() if _is_attention_layer(m)]
-    if max_seq_len is not None:
-        for name, layer in layers:
-            check_attention_features(layer, attention_features(layer), seq_len=max_seq_len, what="max_seq_len",
-                                     where=f" at {name!r}", lengths_only=True)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION or not layers:

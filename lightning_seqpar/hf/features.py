@@ -13,10 +13,13 @@ places, depending on the model:
   ``create_chunked_causal_mask`` only;
 * only the config says so (``config.layer_types``, ``use_sliding_window``).
 
-``"seqpar"``'s mask function returns None (the attention is causal by construction), so a window
-read only from the kwargs is silently lost for the second kind. :func:`attention_features` reads
-all three, in that order of precedence, into one :class:`AttentionFeatures`; the attention entry
-(``seqpar_attention_forward``) and the set-up checks use nothing else. Semantics, as transformers'
+``"seqpar"``'s mask function returns None (the package's attention builds its own masks from the
+global positions), so a window read only from the kwargs would be silently lost for the second
+kind. :func:`attention_features` reads all three, in that order of precedence, into one
+:class:`AttentionFeatures`, and :func:`attention_kwargs` hands them to the package's ``Attention``
+(Note [Attention variants] in ``lightning_seqpar.attention.variants``), which computes each of
+them exactly in every algorithm. The support sweep (``lightning_seqpar.hf_support``) checks this
+reading against the unmodified model for every architecture transformers registers. Semantics, as transformers'
 masks (``masking_utils.sliding_window_overlay`` / ``chunked_overlay``):
 
 * window ``w``: query ``i`` sees key ``j`` iff ``0 <= i - j < w``; over a sequence of ``S <= w``
@@ -35,7 +38,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["AttentionFeatures", "attention_features", "check_attention_features", "layer_name"]
+__all__ = ["AttentionFeatures", "attention_features", "attention_kwargs", "layer_name"]
 
 _WINDOWED_LAYER_TYPES = ("sliding_attention",)
 _CHUNKED_LAYER_TYPES = ("chunked_attention",)
@@ -146,48 +149,17 @@ def attention_features(module: nn.Module, kwargs: Mapping[str, Any] | None = Non
                              softcap_field=softcap_field, sinks_field=sinks_field, chunk_field=chunk_field)
 
 
-def check_attention_features(module: nn.Module, features: AttentionFeatures, *, seq_len: int, what: str = "sequence length",
-                             where: str = "", lengths_only: bool = False) -> None:
-    """Refuse, with a ValueError naming the layer and the config field, what ``"seqpar"`` cannot compute exactly.
+def attention_kwargs(features: AttentionFeatures, *, seq_len: int) -> dict[str, Any]:
+    """The keyword arguments of ``Attention.forward`` that apply ``features`` over a sequence of
+    ``seq_len`` tokens (the GLOBAL length: local length x sequence-parallel size).
 
-    A window or chunk size of at least ``seq_len`` (the GLOBAL length) is full causal attention
-    and passes; a shorter one, soft-capping and sinks raise (the package's ``Attention`` has none
-    of them yet). Local metadata only: call it before any communication, identically on every rank.
-
-    Args:
-        module: the attention layer (named in the message).
-        features: :func:`attention_features` of that layer.
-        seq_len: the global sequence length (local length x sequence-parallel size).
-        what: how ``seq_len`` is described in the message ("sequence length", "max_seq_len").
-        where: appended to the layer's name (e.g. its module path).
-        lengths_only: check the window and chunk size only (set-up, where soft-capping and sinks
-            are left to the first call).
+    A window or chunk that covers the whole sequence is full causal attention: it is dropped, so
+    the dense kernels run. Soft-capping and sinks are always passed. Local metadata only.
     """
-    from lightning_seqpar.hf.attention import ATTN_IMPLEMENTATION
-
-    name = layer_name(module) + where
-    if features.window is not None and seq_len > features.window:
-        window = features.window
-        raise ValueError(
-            f"{name} uses sliding-window attention ({features.window_field}) and the {what} is {seq_len} > {window}: "
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} has no sliding window and would silently give full attention. "
-            f"Train with sequences of at most {window} tokens (then the window covers everything and full causal attention "
-            "is exact), or use a model / config without sliding-window layers (e.g. Qwen2 with use_sliding_window=False)"
-        )
-    if features.chunk_size is not None and seq_len > features.chunk_size:
-        chunk = features.chunk_size
-        raise ValueError(
-            f"{name} uses chunked attention ({features.chunk_field}) and the {what} is {seq_len} > {chunk}: "
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} has no chunked attention and would silently give full causal "
-            f"attention. Train with sequences of at most {chunk} tokens (then one chunk covers everything and full causal "
-            "attention is exact)"
-        )
-    if lengths_only:
-        return
-    if features.softcap is not None:
-        raise ValueError(
-            f"{name}: attention logit soft-capping ({features.softcap_field}) is not supported by "
-            f"attn_implementation={ATTN_IMPLEMENTATION!r}"
-        )
-    if features.sinks is not None:
-        raise ValueError(f"{name}: attention sinks ({features.sinks_field}) are not supported by attn_implementation={ATTN_IMPLEMENTATION!r}")
+    window, chunk = features.window, features.chunk_size
+    return {
+        "window": window if window is not None and seq_len > window else None,
+        "chunk_size": chunk if chunk is not None and seq_len > chunk else None,
+        "softcap": features.softcap,
+        "sinks": features.sinks,
+    }

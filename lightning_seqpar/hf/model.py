@@ -13,7 +13,6 @@ from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.hf.attention import _transformers, apply_hf_attention
-from lightning_seqpar.hf.features import attention_features, check_attention_features
 from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
 from lightning_seqpar.hf.support import check_sharded_layer
 
@@ -24,8 +23,8 @@ if TYPE_CHECKING:
 __all__ = ["HFCausalLM", "build_hf_causal_lm", "is_hf_source", "load_hf_config", "save_hf_pretrained"]
 
 # config fields that change the logits after ``lm_head`` (the chunked loss computes hidden @ W^T only)
+# (final_logit_softcapping is applied by the chunked loss itself: HFCausalLM.logit_softcap)
 _LOGIT_TRANSFORMS: tuple[tuple[str, object], ...] = (
-    ("final_logit_softcapping", None),
     ("logit_scale", 1.0),
     ("logits_scaling", 1.0),
 )
@@ -143,6 +142,12 @@ class HFCausalLM(nn.Module):
         return self._router_aux
 
     @property
+    def logit_softcap(self) -> float | None:
+        """``config.final_logit_softcapping`` (Gemma 2): the chunked loss caps the logits as the model does."""
+        cap = getattr(self.hf.config, "final_logit_softcapping", None)
+        return float(cap) if cap else None
+
+    @property
     def lm_head(self) -> nn.Module:
         """The output projection (``weight`` (V, d)), as the package's models have it."""
         return self.hf.get_output_embeddings()
@@ -160,11 +165,8 @@ class HFCausalLM(nn.Module):
             )
         # Note [Exact or refused: position-dependent layers of Hugging Face models]: local metadata, before any communication
         sp = max((m.mesh.size() for m in self._attention_modules if m.mesh is not None), default=1)
-        seq_len = input_ids.shape[1] * sp
-        what = "sequence length" + (f" (local {input_ids.shape[1]} x {sp} ranks)" if sp > 1 else "")
-        for layer in self._attention_layers:
-            check_attention_features(layer, attention_features(layer), seq_len=seq_len, what=what)
-            if sp > 1:
+        if sp > 1:
+            for layer in self._attention_layers:
                 check_sharded_layer(layer)
         if output not in ("logits", "hidden"):
             raise ValueError(f"output={output!r} is not supported; expected 'logits' or 'hidden'")

@@ -8,8 +8,8 @@ made exact, or refused by name (ValueError naming the layer class and the config
 any communication, from local metadata that is equal on every rank:
 
 * attention: the package's ``Attention`` (exact); windows, chunks, soft-capping and sinks are
-  read by ``lightning_seqpar.hf.features.attention_features`` and refused by
-  ``check_attention_features`` when they change the result at the GLOBAL length;
+  read by ``lightning_seqpar.hf.features.attention_features`` and computed by ``Attention`` over
+  the GLOBAL positions (Note [Attention variants]);
 * rotary embeddings: the positions are the global ones (the strategy shards ``position_ids``);
   rotary variants whose frequencies depend on the sequence length (dynamic NTK, LongRoPE) get the
   global length (Note [Length-dependent rotary embeddings] in ``lightning_seqpar.hf.rope``);

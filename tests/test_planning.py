@@ -1,0 +1,125 @@
+"""``seqpar plan`` and ``lightning_seqpar.planning`` (Note [Planning a step across nodes]): the model
+shapes, the terms of a planned step, auto against Megatron-style CP, the CLI, and the table in
+docs/scaling.md reproduced from the code (no hand-edited numbers)."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_seqpar import cli
+from lightning_seqpar.attention.cost import DeviceProfile
+from lightning_seqpar.planning import MODELS, PEAK_BF16, ModelShape, megatron_cp, plan_step, table
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
+
+
+@pytest.mark.parametrize("name, params", [("llama3-8b", 8.03e9), ("llama-70b", 70.55e9), ("llama-7b", 6.74e9)])
+def test_model_shapes_have_the_published_parameter_counts(name, params):
+    # Llama 3 8B: 8.03B, Llama 3 70B: 70.55B, Llama 2 7B: 6.74B (untied input embedding and head)
+    assert MODELS[name].params == pytest.approx(params, rel=0.005)
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    m = ModelShape(name="t", n_layer=2, d_model=8, n_head=2, n_kv_head=1, head_dim=4, ffn=16, vocab=10)
+    matmul = 2 * (8 * 4 * (2 * 2 + 2 * 1) + 3 * 8 * 16) + 10 * 8
+    assert m.matmul_params == matmul
+    assert m.params == matmul + 10 * 8
+    assert m.flops_per_token(32) == 6 * matmul + 6 * 2 * 32 * 2 * 4
+
+
+@pytest.mark.parametrize("gpus", [8, 16, 64, 256])
+def test_step_is_the_sum_of_its_terms_and_mfu_follows_from_it(gpus):
+    model, s = MODELS["llama3-8b"], 1 << 20
+    p = plan_step(model, seq_len=s, gpus=gpus)
+    assert p.step_s == pytest.approx(p.attention_s + p.linear_s + p.fsdp_exposed_s)
+    assert p.fsdp_exposed_s >= 0 and p.attention_comm_s >= 0 and p.attention_overhead_s >= 0
+    assert p.linear_s == pytest.approx(8 * model.matmul_params * s / gpus / 650e12)
+    assert p.mfu == pytest.approx(model.flops_per_token(s) * s / gpus / p.step_s / PEAK_BF16)
+    assert 0 < p.mfu < 1
+    assert p.fits == (p.memory_gb * 1e9 <= DeviceProfile.h200().memory_bytes)
+    assert re.fullmatch(r"(attn comm|attn per-step|FSDP) \d+%", p.dominant)
+
+
+def test_more_gpus_shorten_the_step_and_the_memory_per_gpu():
+    model, s = MODELS["llama-70b"], 4 << 20
+    plans = [plan_step(model, seq_len=s, gpus=w) for w in (16, 64, 256, 1024)]
+    for a, b in zip(plans, plans[1:]):
+        assert b.step_s < a.step_s
+        assert b.memory_gb < a.memory_gb
+        assert b.linear_s == pytest.approx(a.linear_s / 4)
+
+
+def test_auto_is_never_slower_than_megatron_cp_and_megatron_cp_is_one_plain_ring():
+    for name in ("llama3-8b", "llama-33h"):
+        for s, w in [(128 << 10, 16), (1 << 20, 64), (1 << 20, 1024)]:
+            auto = plan_step(MODELS[name], seq_len=s, gpus=w)
+            ring = megatron_cp(MODELS[name], seq_len=s, gpus=w)
+            assert ring.plan.label == "ring" and ring.plan.inner_ring_size in (None, w)
+            assert auto.attention_s <= ring.attention_s * (1 + 1e-9)
+            assert auto.step_s <= ring.step_s * (1 + 1e-9)
+
+
+def test_across_nodes_the_head_group_of_2d_stays_inside_a_node():
+    # LoongTrain's finding at 1M on 64 GPUs: hp = 8 x cp = 8, head-first (the all-to-all inside a node)
+    p = plan_step(MODELS["llama3-8b"], seq_len=1 << 20, gpus=64)
+    assert (p.plan.algorithm, p.plan.hp, p.plan.cp, p.plan.placement) == ("2d", 8, 8, "head-first")
+    # 33 heads cannot be split: the double ring keeps its inner ring inside an 8-GPU node
+    q = plan_step(MODELS["llama-33h"], seq_len=1 << 20, gpus=64)
+    assert q.plan.algorithm == "ring" and q.plan.inner_ring_size == 8
+
+
+def test_slower_network_makes_the_plan_no_faster():
+    model, s, w = MODELS["llama3-8b"], 1 << 20, 256
+    fast = plan_step(model, seq_len=s, gpus=w)
+    slow = plan_step(model, seq_len=s, gpus=w, profile=DeviceProfile.h200(inter_node_bandwidth=5e9))
+    assert slow.step_s >= fast.step_s
+
+
+def test_table_skips_fewer_tokens_than_gpus_and_has_ten_columns():
+    rows = table(["llama3-8b"], [8, 128 << 10], [16, 8])
+    assert rows[0].count("|") == rows[1].count("|") == 11
+    assert len(rows) == 2 + 3  # S=8 on 16 GPUs is skipped, S=8 on 8 GPUs and 128K on both are planned
+    assert all(r.count("|") == 11 for r in rows)
+
+
+def test_seqpar_plan_cli_prints_the_table(capsys):
+    cli.main(["plan", "--model", "llama3-8b", "--seq", "128K,1M", "--gpus", "8,64"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == table(["llama3-8b"], [128 << 10, 1 << 20], [8, 64])
+    assert len(out) == 2 + 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt-5"], "--model: unknown ['gpt-5']"),
+    (["--seq", "128Q"], "--seq"),
+    (["--gpus", "0"], "--gpus"),
+    (["--gpus-per-node", "0"], "--gpus-per-node"),
+])
+def test_seqpar_plan_rejects_bad_arguments_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_table_in_docs_scaling_is_what_the_code_prints():
+    text = DOCS.read_text()
+    command = re.search(r"`seqpar plan (--seq \S+ --gpus \S+)`", text)
+    assert command, "docs/scaling.md names the command that made its planning table"
+    seq, gpus = command.group(1).split()[1], command.group(1).split()[3]
+    from lightning_seqpar.planning import _ints
+
+    expected = table(["llama3-8b", "llama-70b", "llama-33h"], _ints(seq), _ints(gpus))
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| model | S | GPUs | auto picks"))
+    documented = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        documented.append(line)
+    assert documented == expected, "regenerate the planning table in docs/scaling.md with the command above it"
+    assert not math.isnan(float(expected[2].split("|")[5]))
