@@ -6,7 +6,9 @@ cost at most 1.2x the window's share of the causal FLOPs).
 
 Timed (fwd + bwd, median of --iters, the package's block ops as the algorithms call them):
     causal     full causal attention, the "auto" dense kernel (flash-attn 4 when installed, else cuDNN)
-    window     window w, the "auto" path: torch's flash-attention-2 sliding-window kernel
+    window     window w, the "auto" path: flash-attn 4's sliding window when installed, else torch's
+               flash-attention-2 sliding-window kernel
+    window_softcap  window w + softcap 50, the "auto" path (flash-attn 4 when installed, else FlexAttention)
     flex       window w through FlexAttention (BlockMask from 128-row tiles, forward recomputed in
                backward: Note [FlexAttention backward with the merged lse])
     flex_raw   window w, FlexAttention's own autograd (no recompute): what the kernel itself costs
@@ -98,6 +100,10 @@ def timing(rows: list, dev, S: int, window: int, heads: int, kv_heads: int, D: i
         o, l = variant_block_forward(q, k, v, mask, scale=scale, backend=be)
         variant_block_backward(do, q, k, v, o, l, mask, scale=scale, backend=be)
 
+    def windowed_cap():
+        o, l = variant_block_forward(q, k, v, cap_mask, scale=scale, backend=be)
+        variant_block_backward(do, q, k, v, o, l, cap_mask, scale=scale, backend=be)
+
     def flex(m, b):
         def run():
             o, l = flex_forward(q, k, v, m, scale, b)
@@ -109,7 +115,8 @@ def timing(rows: list, dev, S: int, window: int, heads: int, kv_heads: int, D: i
         o, _ = _flex_call(qr, kr, vr, mask, scale, bm)
         torch.autograd.grad(o, (qr, kr, vr), do)
 
-    runs = {"causal": dense, "window": windowed, "flex": flex(mask, bm), "flex_raw": flex_raw, "softcap": flex(cap_mask, bm_cap)}
+    runs = {"causal": dense, "window": windowed, "window_softcap": windowed_cap, "flex": flex(mask, bm), "flex_raw": flex_raw,
+            "softcap": flex(cap_mask, bm_cap)}
     t_causal = None
     for name, fn in runs.items():
         try:

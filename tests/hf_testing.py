@@ -33,8 +33,11 @@ def tiny_config(kind: str, **overrides: Any):
         return transformers.GemmaConfig(**{**COMMON, "head_dim": 8, **overrides})
     if kind == "gemma3":  # local layers with a 4096-token window (> SEQ_LEN: exact), global layers
         return transformers.Gemma3TextConfig(**{**COMMON, "head_dim": 8, **overrides})
-    if kind == "gemma2":  # attention logit soft-capping: rejected
+    if kind == "gemma2":  # attention and final logit soft-capping, sliding layers (window 4096 unless overridden)
         return transformers.Gemma2Config(**{**COMMON, "head_dim": 8, **overrides})
+    if kind == "gpt_oss":  # attention sinks, alternating sliding / full layers, top-2 of 4 experts
+        return transformers.GptOssConfig(**{**COMMON, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                            "intermediate_size": 32, **overrides})
     # Note [Exact or refused: position-dependent layers of Hugging Face models] (tests/test_hf_exact.py).
     # Lengths are chosen so that the zigzag / contiguous shards of SEQ_LEN over 2 and 4 ranks disagree
     # on which side of the threshold their own max(position_ids) + 1 falls.

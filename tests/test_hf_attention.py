@@ -88,29 +88,20 @@ def test_gqa_keys_and_values_keep_their_heads():
     assert q == (2, SEQ_LEN, 4, 8) and k == v == (2, SEQ_LEN, 2, 8)  # [B, S, H, D]: 2 KV heads, not repeated
 
 
-def test_sliding_window_shorter_than_the_sequence_is_rejected():
-    model = _model("mistral", sliding_window=8)
-    with pytest.raises(ValueError, match=r"sliding-window attention \(config.sliding_window=8\).*max_seq_len is 32"):
-        apply_hf_attention(model, max_seq_len=SEQ_LEN)
-    wrapped = HFCausalLM(model, max_seq_len=8)  # a window covering the whole sequence is exact
+@pytest.mark.parametrize("kind, overrides", [
+    ("mistral", {"sliding_window": 8}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("gemma2", {}),  # attention logit soft-capping 50
+])
+def test_windows_and_soft_capping_run_exactly(kind, overrides):
+    """Sliding windows shorter than the sequence and soft-capped scores are computed, not refused
+    (Note [Reading a layer's attention features])."""
+    model = _model(kind, **overrides)
+    ref = _unmodified(model)
+    wrapped = HFCausalLM(model, max_seq_len=SEQ_LEN)
     data = batch()
-    wrapped(data["input_ids"][:, :8], data["position_ids"][:, :8])
-    with pytest.raises(ValueError, match=r"MistralAttention \(layer 0\).*config.sliding_window=8.*sequence length is 32 > 8"):
-        wrapped(data["input_ids"], data["position_ids"])
-
-
-def test_qwen2_sliding_layers_are_named():
-    model = _model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    with pytest.raises(ValueError, match=r"layer 1.*config.layer_types\[1\]='sliding_attention'"):
-        apply_hf_attention(model, max_seq_len=SEQ_LEN)
-    apply_hf_attention(_model("qwen2", use_sliding_window=True, sliding_window=SEQ_LEN, max_window_layers=1), max_seq_len=SEQ_LEN)
-
-
-def test_gemma2_soft_capping_is_rejected():
-    model = HFCausalLM(_model("gemma2"))
-    data = batch()
-    with pytest.raises(ValueError, match=r"Gemma2Attention \(layer 0\): attention logit soft-capping \(config.attn_logit_softcapping=50.0\)"):
-        model(data["input_ids"], data["position_ids"])
+    expected = ref(input_ids=data["input_ids"], position_ids=data["position_ids"]).logits
+    torch.testing.assert_close(wrapped(data["input_ids"], data["position_ids"]), expected, rtol=0, atol=1e-5)
 
 
 def test_dropout_in_training_is_rejected():
@@ -141,8 +132,10 @@ def test_other_unsupported_inputs_are_rejected():
     q, kv = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
     out, weights = seqpar_attention_forward(layer, q, kv, kv, None, scaling=layer.scaling)
     assert out.shape == (1, 8, 4, 8) and weights is None
-    with pytest.raises(ValueError, match="soft-capping"):
-        seqpar_attention_forward(layer, q, kv, kv, None, scaling=layer.scaling, softcap=50.0)
+    capped, _ = seqpar_attention_forward(layer, q, kv, kv, None, scaling=layer.scaling, softcap=0.5)  # a kwarg reaches the kernel
+    assert not torch.allclose(capped, out)
+    with pytest.raises(ValueError, match="sinks must have one logit per query head"):
+        seqpar_attention_forward(layer, q, kv, kv, None, scaling=layer.scaling, s_aux=torch.zeros(3))
     with pytest.raises(ValueError, match="put document_ids"):
         seqpar_attention_forward(layer, q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="takes no attention mask"):
@@ -171,10 +164,14 @@ def test_position_ids_are_required_under_sequence_parallelism():
 
 def test_chunked_loss_refuses_transformed_logits():
     wrapped = HFCausalLM(_model("llama"))
-    wrapped.hf.config.final_logit_softcapping = 30.0
+    wrapped.hf.config.logit_scale = 0.5
     data = batch()
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0.*loss_chunk_size=None"):
+    with pytest.raises(ValueError, match="logit_scale=0.5.*loss_chunk_size=None"):
         wrapped(data["input_ids"], data["position_ids"], output="hidden")
+    wrapped.hf.config.logit_scale = 1.0
+    wrapped.hf.config.final_logit_softcapping = 30.0  # applied by the chunked loss itself
+    wrapped(data["input_ids"], data["position_ids"], output="hidden")
+    assert wrapped.logit_softcap == 30.0
 
 
 # --------------------------------------------------------------------------------------------- CausalLMModule

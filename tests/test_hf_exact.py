@@ -25,7 +25,7 @@ from dist_utils import run_distributed  # noqa: E402
 from hf_testing import BATCH, SEQ_LEN, batch, reference, save_tiny_model, tiny_config, train_each  # noqa: E402
 
 from lightning_seqpar.hf import HFCausalLM, apply_hf_attention  # noqa: E402
-from lightning_seqpar.hf.features import attention_features  # noqa: E402
+from lightning_seqpar.hf.features import attention_features, attention_kwargs  # noqa: E402
 from lightning_seqpar.hf.moe import router_aux  # noqa: E402
 from lightning_seqpar.hf.rope import GlobalLengthRotary, reads_sequence_length  # noqa: E402
 from lightning_seqpar.hf.support import find_token_mixers  # noqa: E402
@@ -54,7 +54,8 @@ def _local_loss_and_grads(wrapped: HFCausalLM, data, output: str = "logits"):
     if output == "logits":
         loss_sum, n = token_cross_entropy_sum(out, data["labels"])
     else:
-        loss_sum, n = chunked_cross_entropy_sum(out, wrapped.lm_head.weight, data["labels"], chunk_size=7)
+        loss_sum, n = chunked_cross_entropy_sum(out, wrapped.lm_head.weight, data["labels"], chunk_size=7,
+                                                softcap=wrapped.logit_softcap)
     loss = loss_sum / n
     aux = wrapped.router_aux_loss(None)
     if aux is not None:
@@ -135,29 +136,44 @@ def test_length_dependent_rope_is_hooked_and_exact_on_one_rank(kind):
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
 
 
+def _assert_exact(model, data, output: str = "logits") -> None:
+    """HFCausalLM on one process equals the unmodified model: logits, loss, every gradient."""
+    expected, ref_grads, logits = _unmodified_loss_and_grads(model, data)
+    wrapped = HFCausalLM(copy.deepcopy(model))
+    if output == "logits":
+        torch.testing.assert_close(wrapped(data["input_ids"], data["position_ids"]), logits, rtol=0, atol=ATOL)
+    loss, grads = _local_loss_and_grads(wrapped, data, output)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=ATOL)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
 def test_qwen2_moe_window_is_read_from_the_layer():
-    """Qwen2-MoE keeps its window in ``self.sliding_window`` and never passes it to the attention call."""
+    """Qwen2-MoE keeps its window in ``self.sliding_window`` and never passes it to the attention call:
+    read from the layer, and computed (window 8 < S = 32)."""
     model = _model("qwen2_moe", output_router_logits=False, use_sliding_window=True, sliding_window=8, max_window_layers=2)
     features = attention_features(model.model.layers[0].self_attn, {})
     assert features.window == 8 and features.window_field == "config.sliding_window=8 with config.layer_types[0]='sliding_attention'"
     assert attention_features(model.model.layers[1].self_attn, {}).plain  # a full-attention layer
-    field = r"Qwen2MoeAttention \(layer 0\).*sliding-window attention \(config.sliding_window=8 with config.layer_types\[0\]='sliding_attention'\)"
-    with pytest.raises(ValueError, match=field + r".*max_seq_len is 32 > 8"):
-        apply_hf_attention(copy.deepcopy(model), max_seq_len=SEQ_LEN)
-    wrapped = HFCausalLM(model)
-    data = batch()
-    with pytest.raises(ValueError, match=field + r".*sequence length is 32 > 8"):
-        wrapped(data["input_ids"], data["position_ids"])
-    wrapped(data["input_ids"][:, :8], data["position_ids"][:, :8])  # the window covers 8 tokens: full attention
-    _as_if_sharded(wrapped, 2)
-    with pytest.raises(ValueError, match=field + r".*sequence length \(local 8 x 2 ranks\) is 16 > 8"):
-        wrapped(data["input_ids"][:, :8], data["position_ids"][:, 8:16])
-    layer = model.model.layers[0].self_attn  # and at the attention call itself (apply_hf_attention without HFCausalLM)
-    q, kv = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
-    with pytest.raises(ValueError, match=field + r".*\(local 8 x 2 ranks\) is 16 > 8"):
-        from lightning_seqpar.hf import seqpar_attention_forward
+    assert attention_kwargs(features, seq_len=SEQ_LEN)["window"] == 8
+    assert attention_kwargs(features, seq_len=8)["window"] is None  # covers the sequence: the dense kernels run
+    _assert_exact(model, batch())
 
-        seqpar_attention_forward(layer, q, kv, kv, None, scaling=layer.scaling)
+
+@pytest.mark.parametrize("kind, overrides, output", [
+    ("mistral", {"sliding_window": 8}, "logits"),
+    ("gemma2", {"sliding_window": 8}, "logits"),  # soft-capped attention on every layer, a window on the sliding ones
+    ("gemma2", {"sliding_window": 8}, "hidden"),  # + final_logit_softcapping in the chunked loss
+    ("gpt_oss", {"sliding_window": 8}, "logits"),  # sinks on every layer, a window on the sliding ones
+])
+def test_windows_softcaps_and_sinks_are_exact(kind, overrides, output):
+    model = _model(kind, **overrides)
+    if kind == "gemma2":
+        assert model.config.attn_logit_softcapping and model.config.final_logit_softcapping
+    if kind == "gpt_oss":
+        assert isinstance(model.model.layers[0].self_attn.sinks, torch.nn.Parameter)
+        torch.nn.init.normal_(model.model.layers[0].self_attn.sinks)  # zeros at init: make them bite
+    _assert_exact(model, batch(), output)
 
 
 def test_window_from_the_config_alone():
@@ -177,16 +193,9 @@ def test_llama4_chunked_attention():
     model = _model("llama4", attention_chunk_size=8)
     features = attention_features(model.model.layers[0].self_attn)
     assert features.chunk_size == 8 and attention_features(model.model.layers[1].self_attn).chunk_size is None
-    field = r"Llama4TextAttention \(layer 0\).* uses chunked attention \(config.attention_chunk_size=8 with config.layer_types\[0\]='chunked_attention'\)"
-    with pytest.raises(ValueError, match=field + ".*max_seq_len is 32 > 8"):
-        apply_hf_attention(copy.deepcopy(model), max_seq_len=SEQ_LEN)
-    wrapped = HFCausalLM(model)
-    data = batch()
-    with pytest.raises(ValueError, match=field + ".*sequence length is 32 > 8"):
-        wrapped(data["input_ids"], data["position_ids"])
-    covered = _model("llama4")  # chunk = SEQ_LEN: one chunk covers the sequence, exact
-    _, _, logits = _unmodified_loss_and_grads(covered, data)
-    torch.testing.assert_close(HFCausalLM(covered)(data["input_ids"], data["position_ids"]), logits, rtol=0, atol=ATOL)
+    assert features.chunk_field == "config.attention_chunk_size=8 with config.layer_types[0]='chunked_attention'"
+    _assert_exact(model, batch())  # chunks of 8 < S = 32
+    _assert_exact(_model("llama4"), batch())  # chunk = SEQ_LEN: one chunk covers the sequence
 
 
 def test_llama4_temperature_tuning_exact_on_one_rank_refused_when_sharded():

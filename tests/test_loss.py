@@ -57,6 +57,26 @@ def test_chunked_equals_full_values_and_grads(chunk_size, n_ignored):
     torch.testing.assert_close(w.grad, w_ref.grad, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("chunk_size", [3, 4096])
+def test_chunked_softcap_equals_capped_logits(chunk_size):
+    """Gemma 2's final_logit_softcapping c: logits c * tanh(z / c), values and gradients."""
+    hidden, weight, labels = _data(n_ignored=5)
+    h_ref, w_ref = (3 * hidden).requires_grad_(), weight.clone().requires_grad_()
+    z = h_ref @ w_ref.T
+    ref, _ = token_cross_entropy_sum(2.0 * torch.tanh(z / 2.0), labels)
+    ref.backward()
+    h, w = (3 * hidden).requires_grad_(), weight.clone().requires_grad_()
+    out, _ = chunked_cross_entropy_sum(h, w, labels, chunk_size=chunk_size, softcap=2.0)
+    out.backward()
+    uncapped, _ = chunked_cross_entropy_sum(3 * hidden, weight, labels, chunk_size=chunk_size)
+    assert not torch.allclose(out, uncapped)  # the cap bites on these logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(h.grad, h_ref.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w.grad, w_ref.grad, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="softcap must be None or a number > 0"):
+        chunked_cross_entropy_sum(hidden, weight, labels, softcap=0.0)
+
+
 def test_chunked_partial_grads_no_grad_and_all_ignored():
     hidden, weight, labels = _data()
     ref, _ = token_cross_entropy_sum(hidden @ weight.T, labels)

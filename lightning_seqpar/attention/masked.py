@@ -38,7 +38,7 @@ import functools
 import torch
 from torch import Tensor
 
-from lightning_seqpar.attention.local import _safe, acc_dtype, block_backward, block_forward
+from lightning_seqpar.attention.local import _fa4, _safe, acc_dtype, block_backward, block_forward, fa4_supports
 from lightning_seqpar.attention.variants import Mask
 
 _TILE = 128  # FlexAttention's default block size
@@ -135,6 +135,42 @@ def fa2_window_backward(dout, q, k, v, out, lse, window: int, scale: float):
     dq, dk, dv = torch.ops.aten._flash_attention_backward(dout.contiguous().to(out.dtype), q.contiguous(), k.contiguous(), v.contiguous(),
                                                          out, lse.float().contiguous(), None, None, q.shape[1], k.shape[1], 0.0, True,
                                                          seed, offset, scale=scale, window_size_left=window - 1, window_size_right=0)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-attn 4 (CUDA, when installed): its own sliding window and soft-capping
+
+
+def fa4_variant_applies(q: Tensor, k: Tensor, mask: Mask, backend: str) -> bool:
+    """Blocks flash-attn 4 computes with its own window / softcap: a fully visible block (softcap
+    only), or a diagonal causal block (the same positions for queries and keys) with a window
+    and / or a softcap. Chunks and packed documents take FlexAttention."""
+    v = mask.variant
+    if backend != "fa4" or not q.is_cuda or v.chunk or mask.q_doc is not None or not fa4_supports(q.shape[-1]):
+        return False
+    return mask.full or (v.causal and mask.offset == 0 and q.shape[1] == k.shape[1])
+
+
+def _fa4_variant_kwargs(mask: Mask) -> dict:
+    v = mask.variant
+    kw: dict = {"causal": v.causal and not mask.full}
+    if v.window and not mask.full:
+        kw.update(window_size_left=v.window - 1, window_size_right=0)
+    return kw
+
+
+def fa4_variant_forward(q, k, v, mask: Mask, scale: float):
+    kw = _fa4_variant_kwargs(mask)
+    out, lse = _fa4()._flash_attn_fwd(q, k, v, softmax_scale=scale, softcap=mask.variant.softcap or None, return_lse=True, **kw)[:2]
+    return out, lse.float()
+
+
+def fa4_variant_backward(dout, q, k, v, out, lse, mask: Mask, scale: float):
+    kw = _fa4_variant_kwargs(mask)
+    out = out.contiguous()
+    dq, dk, dv = _fa4()._flash_attn_bwd(q.contiguous(), k.contiguous(), v.contiguous(), out, dout.contiguous().to(out.dtype),
+                                        lse.float().contiguous(), scale, softcap=mask.variant.softcap or 0.0, **kw)[:3]
     return dq, dk, dv
 
 
@@ -304,6 +340,8 @@ def variant_block_forward(q, k, v, mask: Mask, *, scale: float, backend: str) ->
         return block_forward(q, k, v, causal=False, scale=scale, backend=backend)
     if _uses_math(q, backend):
         out, lse = _math_forward(q, k, v, mask, scale)
+    elif fa4_variant_applies(q, k, mask, backend):
+        out, lse = fa4_variant_forward(q, k, v, mask, scale)
     elif fa2_window_applies(q, k, mask, backend):
         out, lse = fa2_window_forward(q, k, v, mask.variant.window, scale)
     else:
@@ -317,6 +355,8 @@ def variant_block_backward(dout, q, k, v, out, lse, mask: Mask, *, scale: float,
         return block_backward(dout, q, k, v, out, lse, causal=False, scale=scale, backend=backend)
     if _uses_math(q, backend):
         return _math_backward(dout, q, k, v, out, lse, mask, scale)
+    if fa4_variant_applies(q, k, mask, backend):
+        return fa4_variant_backward(dout, q, k, v, out, lse, mask, scale)
     if fa2_window_applies(q, k, mask, backend):
         return fa2_window_backward(dout, q, k, v, out, lse, mask.variant.window, scale)
     return flex_backward(dout, q, k, v, out, lse, mask, scale)

@@ -40,10 +40,12 @@ chunks are then checked against the length); any other value is a token mixer :f
 
 # class names of token mixers that are not attention (matched case-insensitively against every submodule's class)
 _MIXER_CLASS_NAMES = re.compile(
-    r"mamba|ssm|mixer|deltanet|linearattention|linearattn|lightningattention|recurrent|rglru|rwkv|xlstm|mlstm|slstm|"
+    r"mamba|mixer|deltanet|linearattention|linearattn|lightningattention|recurrent|rglru|rwkv|xlstm|mlstm|slstm|"
     r"hyena|retention|shortconv|causalconv",
     re.IGNORECASE,
 )
+# "SSM" case-sensitively: a case-insensitive "ssm" matches GptOssModel ("GptO-ssM-odel")
+_SSM_CLASS_NAMES = re.compile(r"SSM|Ssm")
 
 
 def find_token_mixers(model: nn.Module) -> list[str]:
@@ -72,7 +74,7 @@ def find_token_mixers(model: nn.Module) -> list[str]:
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
             found.append(f"{name!r} ({cls}: a convolution over the sequence, kernel {module.kernel_size[0]})")
             seen_inside.append(name)
-        elif _MIXER_CLASS_NAMES.search(cls):
+        elif _MIXER_CLASS_NAMES.search(cls) or _SSM_CLASS_NAMES.search(cls):
             found.append(f"{name!r} ({cls})")
             seen_inside.append(name)
     return found
