@@ -67,4 +67,4 @@ def test_variant_kernels_bf16(case, head_dim):
     errs = {n: _rel(a, b) for n, a, b in zip(names, results["gpu"], results["ref"])}
     print(f"D={head_dim} {case}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     for n, e in errs.items():
-        assert e < (2e-3 if n in ("lse", "dsinks") else 1.5e-2), (n, e, errs)
+        assert e < (2e-3 if n == "lse" else 1.5e-2), (n, e, errs)  # dsinks is built from the bf16 out / dout, as dq, dk, dv
