@@ -1,6 +1,6 @@
-"""Long-context model families on one GPU: a Gemma-3-shaped and a gpt-oss-shaped model (random init,
-a few layers) trained a few steps at --seq tokens with SequenceParallelStrategy, against plain
-transformers on the same GPU (issue #21).
+"""Long-context model families on one GPU: a Gemma-3-shaped, a gpt-oss-shaped and a Qwen3-Next-shaped
+hybrid model (random init, a few layers) trained a few steps at --seq tokens with SequenceParallelStrategy, against plain
+transformers on the same GPU (issues #21, #23; with fla-core installed, both use its gated DeltaNet kernel).
 
     PYTHONPATH=$PWD python benchmarks/hf_families.py --seq 32768 --out benchmarks/results/DATE-DEVICE-hf-families.json
 
@@ -41,6 +41,13 @@ SHAPES: dict[str, dict] = {
                     num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128, num_local_experts=8,
                     num_experts_per_tok=4, max_position_embeddings=131072, attention_dropout=0.0,
                     layer_types=["sliding_attention", "full_attention"] * 2),
+    # Qwen3-Next-80B-A3B's layer shape (hidden 2048, 16 / 2 heads of 256, gated DeltaNet with 16 key / 32
+    # value heads of 128, conv 4, 3 linear : 1 full), 8 layers, a dense FFN in place of the 512-expert MoE
+    "qwen3-next": dict(model_type="qwen3_next", hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                       num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                       num_experts=0, vocab_size=151936, max_position_embeddings=262144, attention_dropout=0.0,
+                       layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2),
 }
 
 

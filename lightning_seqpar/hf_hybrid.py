@@ -15,16 +15,30 @@ history) in the middle of the sequence: wrong logits, silently. The attention la
 models are installed by ``apply_hf_attention`` like any other; their recurrent mixers are
 replaced at set-up, once, by modules of this file (no transformers class is patched):
 
-    transformers class          replaced by                token mixing (Note in attention/recurrent.py)
-    Qwen3NextGatedDeltaNet      SeqparGatedDeltaNet        causal conv (q|k|v) + gated delta rule
-    BambaMixer                  SeqparMamba2Mixer          causal conv (x|B|C) + SSD scan
-    Lfm2ShortConv               SeqparShortConv            gated causal conv
+    transformers class                      replaced by            token mixing (Note in attention/recurrent.py)
+    Qwen3NextGatedDeltaNet, Qwen3_5(Moe)-   SeqparGatedDeltaNet    causal conv (q|k|v) + gated delta rule
+      GatedDeltaNet
+    BambaMixer                              SeqparMamba2Mixer      causal conv (x|B|C) + SSD scan
+    Lfm2ShortConv, Lfm2MoeShortConv,        SeqparShortConv        gated causal conv
+      Lfm3ShortConv
+
+Only these classes, whose forward this file follows line by line (the support sweep checks each
+architecture against the unmodified model); other recurrent mixers (Mamba / Mamba2 models,
+Jamba, Nemotron-H, Falcon-H1, Zamba, OLMo-hybrid, ...) stay refused by name
+(``lightning_seqpar.hf.support.refuse_token_mixers``).
+
+Where it happens: ``apply_hf_attention`` (and so ``HFCausalLM`` / ``CausalLMModule``) replaces
+the mixers after its checks pass; the strategy's ``apply_attention`` gives every
+``Recurrence`` the 1-D sequence-parallel mesh and the batch's layout (attention="2d" is refused
+for such models: its head-parallel axis does not apply to a recurrence). Packed documents are
+refused by ``HFCausalLM.forward`` before any communication (the state reset at a document
+boundary is not implemented).
 
 The twin takes over the original's submodules and parameters under the same names (so the
 state dict, FSDP2 wrapping and ``save_pretrained`` see the same model), recomputes the layer's
 forward with the same projections / norms / output projection, and runs its sequence mixing
 through a parameter-free ``seqpar_recurrence`` child (:class:`Recurrence`), which
-:func:`configure_recurrence` points at the mesh. The forward follows transformers' torch path
+the strategy's ``apply_attention`` (or :func:`configure_recurrence`) points at the mesh. The forward follows transformers' torch path
 (the reference); no cache: KV/state caches (generation) are refused by name, as are padding
 masks and packed-document kwargs (``cu_seq_lens_*``, ``seq_idx``): the state reset at a document
 boundary is not implemented yet.
@@ -42,7 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_seqpar.attention.recurrent import Recurrence
 
 __all__ = ["HYBRID_MIXERS", "SeqparGatedDeltaNet", "SeqparMamba2Mixer", "SeqparShortConv", "apply_hf_hybrid",
-           "configure_recurrence"]
+           "configure_recurrence", "is_hybrid_twin"]
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
@@ -79,7 +93,7 @@ def _check_call(module: nn.Module, attention_mask: Tensor | None, kwargs: dict[s
 
 
 class SeqparGatedDeltaNet(nn.Module):
-    """Qwen3-Next's gated DeltaNet layer with sequence-parallel conv and delta rule."""
+    """Qwen3-Next's / Qwen3.5's gated DeltaNet layer with sequence-parallel conv and delta rule."""
 
     _ATTRIBUTES = ("hidden_size", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim",
                    "conv_kernel_size", "layer_idx", "activation", "layer_norm_epsilon", "conv_dim", "layer_type")
@@ -89,8 +103,21 @@ class SeqparGatedDeltaNet(nn.Module):
         _adopt(self, original, tuple(a for a in self._ATTRIBUTES if hasattr(original, a)))
         self.seqpar_recurrence = Recurrence()
 
+    def _project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """hidden [B, S, d] -> mixed q|k|v [B, S, conv_dim] (the conv's input), z [B, S, H_v, Dv], b, a [B, S, H_v].
+
+        Qwen3-Next projects q, k, v, z with one head-interleaved ``in_proj_qkvz`` (and b, a with
+        ``in_proj_ba``); Qwen3.5 with ``in_proj_qkv`` (already q|k|v), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+        """
+        B, S, _ = hidden_states.shape
+        if hasattr(self, "in_proj_qkvz"):
+            q, k, v, z, b, a = self._split(self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states))
+            return torch.cat([x.reshape(B, S, -1) for x in (q, k, v)], dim=-1), z, b, a
+        z = self.in_proj_z(hidden_states).reshape(B, S, -1, self.head_v_dim)
+        return self.in_proj_qkv(hidden_states), z, self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+
     def _split(self, qkvz: Tensor, ba: Tensor) -> tuple[Tensor, ...]:
-        """The projections' head-interleaved layout -> q, k [B, S, H_k, Dk], v, z [B, S, H_v, Dv], b, a [B, S, H_v]."""
+        """Qwen3-Next's head-interleaved layout -> q, k [B, S, H_k, Dk], v, z [B, S, H_v, Dv], b, a [B, S, H_v]."""
         B, S = qkvz.shape[:2]
         per = self.num_v_heads // self.num_k_heads
         qkvz = qkvz.view(B, S, self.num_k_heads, 2 * self.head_k_dim + 2 * per * self.head_v_dim)
@@ -102,8 +129,7 @@ class SeqparGatedDeltaNet(nn.Module):
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
         _check_call(self, attention_mask, kwargs)
         B, S, _ = hidden_states.shape
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states))
-        mixed = torch.cat([x.reshape(B, S, -1) for x in (q, k, v)], dim=-1)  # (B, S, conv_dim)
+        mixed, z, b, a = self._project(hidden_states)  # (B, S, conv_dim), (B, S, H_v, Dv), (B, S, H_v) x 2
         conv = self.conv1d
         mixed = self.seqpar_recurrence.conv(mixed, conv.weight[:, 0], conv.bias, self.activation)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -169,10 +195,19 @@ class SeqparShortConv(nn.Module):
 
 HYBRID_MIXERS: dict[str, type[nn.Module]] = {
     "Qwen3NextGatedDeltaNet": SeqparGatedDeltaNet,
+    "Qwen3_5GatedDeltaNet": SeqparGatedDeltaNet,
+    "Qwen3_5MoeGatedDeltaNet": SeqparGatedDeltaNet,
     "BambaMixer": SeqparMamba2Mixer,
     "Lfm2ShortConv": SeqparShortConv,
+    "Lfm2MoeShortConv": SeqparShortConv,
+    "Lfm3ShortConv": SeqparShortConv,
 }
 """transformers class name -> its sequence-parallel twin (Note [Hybrid models under the strategy])."""
+
+
+def is_hybrid_twin(module: nn.Module) -> bool:
+    """Whether ``module`` is one of this file's sequence-parallel twins (it calls a ``Recurrence``)."""
+    return isinstance(getattr(module, "seqpar_recurrence", None), Recurrence)
 
 
 def apply_hf_hybrid(model: nn.Module) -> int:

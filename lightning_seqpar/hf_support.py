@@ -335,32 +335,16 @@ def build_tiny_model(model_type: str, feature: str | None = None, *, seed: int =
 # Beyond the attention itself (which "seqpar" computes over the whole sequence), a layer that
 # mixes tokens runs on each rank's shard alone and so silently sees a different sequence:
 # recurrent / state-space / convolutional token mixers (Mamba, RWKV, xLSTM, short convolutions,
-# linear-attention and DeltaNet layers, RG-LRU, Lightning attention). :func:`check_model_supported`
-# refuses them by their module class, before any communication. Also refused here, all layers at
+# linear-attention and DeltaNet layers, RG-LRU, Lightning attention). Those of
+# ``lightning_seqpar.hf_hybrid.HYBRID_MIXERS`` are made exact (their state passed between ranks);
+# :func:`check_model_supported` refuses the others by their module class and config field
+# (``lightning_seqpar.hf.support.refuse_token_mixers``), before any communication. Also refused here, all layers at
 # once before any communication: DeepSeek Sparse Attention (an ``*Indexer`` module: top-k key
 # selection over the whole sequence, which otherwise fails with a TypeError deep in the model).
 # Sliding windows, attention chunks, soft-capping and sinks are not refused: "seqpar" reads them
 # from the layer, its config and the call (Note [Reading a layer's attention features] in
 # ``lightning_seqpar.hf.features``) and computes them exactly in every algorithm; the sweep checks
 # that reading against the unmodified model, architecture by architecture.
-
-_TOKEN_MIXER_MARKERS: tuple[str, ...] = (
-    "Mamba", "Mixer", "ShortConv", "GatedDeltaNet", "DeltaNet", "LinearAttention", "LightningAttention",
-    "RecurrentBlock", "Rglru", "RWKV", "Rwkv", "xLSTM", "Xlstm", "mLSTM", "sLSTM", "SSM", "Ssm",
-)
-
-
-def _token_mixers(model: nn.Module) -> list[tuple[str, str]]:
-    found = []
-    for name, module in model.named_modules():
-        cls = type(module).__name__
-        if cls.endswith(("ForCausalLM", "Model", "LMHeadModel")):  # the model itself (MambaForCausalLM)
-            continue
-        if any(m in cls for m in _TOKEN_MIXER_MARKERS) and not name.endswith("seqpar_attention"):
-            if not any(name.startswith(prev + ".") for prev, _ in found):
-                found.append((name, cls))
-    return found
-
 
 def _attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """transformers attention layers: a softmax ``scaling``, an ``is_causal`` flag and the config."""
@@ -399,18 +383,10 @@ def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -
     Raises:
         ValueError: naming the architecture, the layer or config field, and what to do instead.
     """
+    from lightning_seqpar.hf.support import refuse_token_mixers
+
     refuse_unseen_position_features(model, max_seq_len=max_seq_len)
-    config = getattr(model, "config", None)
-    arch = getattr(config, "model_type", type(model).__name__)
-    mixers = _token_mixers(model)
-    if mixers:
-        name, cls = mixers[0]
-        raise ValueError(
-            f"{type(model).__name__} (model_type={arch!r}) has token-mixing layers that are not attention "
-            f"({cls} at {name!r}{f' and {len(mixers) - 1} more' if len(mixers) > 1 else ''}: recurrent / state-space / "
-            "convolutional layers, see config.layer_types): under sequence parallelism each rank would run them on its "
-            "shard alone and silently give a different result; train it without sequence parallelism"
-        )
+    refuse_token_mixers(model)  # the hybrid mixers that lightning_seqpar.hf_hybrid makes exact pass
 
 
 # ---------------------------------------------------------------------------------------- the table

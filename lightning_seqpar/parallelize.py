@@ -39,6 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS, Attention, LinearAttention
 from lightning_seqpar.attention.api import check_head_chunks
+from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.checkpointing import MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, tile_mlp
 
 BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
@@ -84,6 +85,15 @@ def _blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]] | None) -
     return [getattr(parent, name) for parent, name in find_blocks(model, block_classes)]
 
 
+def config_value(config: Any, name: str) -> Any:
+    """``getattr(config, name, None)``, also None where the config refuses a global value (Gemma 4's
+    per-layer ``head_dim`` raises on the global read)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError and the like
+        return None
+
+
 def _head_counts(model: nn.Module) -> tuple[int, int] | None:
     """(query heads, key/value heads) from a model config (ours or Hugging Face's), if there is one."""
     for module in model.modules():
@@ -118,10 +128,12 @@ def apply_attention(
     lasp_variant: Literal["p2p", "allgather"] = "p2p",
     head_chunks: int = 1,
 ) -> int:
-    """Configure every :class:`~lightning_seqpar.attention.Attention` in ``model`` for ``mesh``.
+    """Configure every :class:`~lightning_seqpar.attention.Attention` in ``model`` for ``mesh``, and every
+    :class:`~lightning_seqpar.attention.recurrent.Recurrence` (the recurrent mixers of hybrid models,
+    Note [Hybrid models under the strategy]: 1-D meshes only).
 
     ``mesh`` is the sequence-parallel mesh (1-D, or 2-D ("hp", "cp") for "2d"); None or one rank
-    gives local attention. Returns how many attention modules were configured.
+    gives local attention. Returns how many modules were configured.
 
     Raises:
         ValueError: sequence parallelism over a model without ``Attention`` modules, an unknown
@@ -142,7 +154,8 @@ def apply_attention(
             f"(got attention={algorithm!r}); use attention='lasp' or 'auto'"
         )
     modules = [m for m in model.modules() if isinstance(m, Attention)]
-    if not modules:
+    recurrent = [m for m in model.modules() if isinstance(m, Recurrence)]
+    if not modules and not recurrent:
         if sp > 1:
             raise ValueError(
                 f"{type(model).__name__} has no lightning_seqpar.attention.Attention module, so sequence "
@@ -151,6 +164,13 @@ def apply_attention(
                 "is not enough: the strategy installs its mesh and algorithm through those modules)"
             )
         return 0
+    if recurrent and sp > 1 and mesh.ndim != 1:  # type: ignore[union-attr]
+        raise ValueError(
+            f"{type(model).__name__} has recurrent token mixers (Note [Hybrid models under the strategy]) whose state "
+            f"passes along the sequence-parallel ranks in order; attention={algorithm!r} over a {mesh.ndim}-D mesh "  # type: ignore[union-attr]
+            f"{tuple(mesh.mesh_dim_names or ())} splits heads too, which does not apply to them: use "  # type: ignore[union-attr]
+            "head_parallel_size=1 with attention='ring', 'allgather' or 'ulysses'"
+        )
     if sp > 1 and algorithm in ("ulysses", "2d"):
         degree = sp if algorithm == "ulysses" else mesh.size(mesh.mesh_dim_names.index("hp"))  # type: ignore[union-attr]
         if heads is not None and heads[0] % degree:
@@ -169,7 +189,9 @@ def apply_attention(
             inner_ring_size=inner_ring_size,
             head_chunks=head_chunks if sp > 1 else 1,
         )
-    return len(modules)
+    for module in recurrent:  # hybrid models: the recurrent mixers' state chain follows the batch's layout
+        module.configure(mesh=mesh if sp > 1 else None, layout=layout)
+    return len(modules) + len(recurrent)
 
 
 def _apply_lasp(model: nn.Module, modules: list[LinearAttention], mesh: DeviceMesh | None, *, layout: str, variant: str) -> int:

@@ -61,7 +61,14 @@ from lightning_seqpar.documents import PackedDocuments, batch_documents, current
 from lightning_seqpar.loss import global_mean_loss_calls
 from lightning_seqpar.lora import upcast_trainable
 from lightning_seqpar.mesh import PLACEMENTS, ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
-from lightning_seqpar.parallelize import find_blocks, host_optimizer_threads, parallelize, uses_linear_attention, with_cpu_threads
+from lightning_seqpar.parallelize import (
+    config_value,
+    find_blocks,
+    host_optimizer_threads,
+    parallelize,
+    uses_linear_attention,
+    with_cpu_threads,
+)
 from lightning_seqpar.precision import scaler_free
 from lightning_seqpar.rng import get_rng_state, set_rng_state
 from lightning_seqpar.sharding import LAYOUTS, gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
@@ -1085,7 +1092,7 @@ def _attention_shape(module: nn.Module | None) -> tuple[int, int, int] | None:
                 continue
             h_kv = getattr(config, kv_name, None)
             h_kv = h_kv if _positive_int(h_kv) else h_q
-            head_dim, width = getattr(config, "head_dim", None), getattr(config, width_name, None)
+            head_dim, width = config_value(config, "head_dim"), getattr(config, width_name, None)
             if not _positive_int(head_dim):
                 head_dim = width // h_q if _positive_int(width) and width % h_q == 0 else None
             if head_dim is not None and h_q % h_kv == 0:

@@ -68,7 +68,7 @@ def tiny_config(kind: str, **overrides: Any):
                                                 "no_rope_layers": [1, 0], "attention_chunk_size": SEQ_LEN,
                                                 "attn_temperature_tuning": False, "pad_token_id": 0, "bos_token_id": 1,
                                                 "eos_token_id": 2, **overrides})
-    # token mixers other than attention: refused
+    # token mixers other than attention: made exact (lightning_seqpar.hf_hybrid) or refused
     if kind == "lfm2":  # short causal convolutions
         return transformers.Lfm2Config(**{**COMMON, "layer_types": ["conv", "full_attention"], **overrides})
     if kind == "bamba":  # Mamba2 mixers
@@ -80,6 +80,14 @@ def tiny_config(kind: str, **overrides: Any):
                                                "layer_types": ["linear_attention", "full_attention"], "linear_num_value_heads": 2,
                                                "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                                                **overrides})
+    if kind == "qwen3_5":  # Qwen3.5: gated DeltaNet with separate q|k|v, z, b, a projections; dense MLP
+        return transformers.Qwen3_5TextConfig(**{**COMMON, "head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+                                                 "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                                                 "linear_value_head_dim": 8, **overrides})
+    if kind == "jamba":  # Mamba (v1) mixers: refused
+        return transformers.JambaConfig(**{**COMMON, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                                           "num_experts": 1, "mamba_d_state": 4, "mamba_d_conv": 4, "mamba_expand": 2,
+                                           **overrides})
     raise ValueError(kind)
 
 

@@ -210,19 +210,27 @@ def test_llama4_temperature_tuning_exact_on_one_rank_refused_when_sharded():
         wrapped(data["input_ids"][:, :16], data["position_ids"][:, :16])
 
 
-@pytest.mark.parametrize("kind,names", [
-    ("lfm2", [r"config.layer_types\[0\]='conv'", r"Lfm2ShortConv"]),
-    ("bamba", [r"BambaMixer"]),
-    ("qwen3_next", [r"config.layer_types\[0\]='linear_attention'", r"Qwen3NextGatedDeltaNet"]),
-])
-def test_token_mixers_other_than_attention_are_refused(kind, names):
-    model = _model(kind)
+def test_mixers_the_package_cannot_shard_are_refused_by_name():
+    model = _model("jamba")  # Mamba (v1) mixers: no sequence-parallel twin
     found = " ".join(find_token_mixers(model))
-    for name in names:
-        assert __import__("re").search(name, found), (name, found)
-    with pytest.raises(ValueError, match="mixes tokens with layers other than attention.*" + names[-1]):
+    assert "config.layer_types[0]='linear_attention'" in found and "JambaMambaDecoderLayer" in found, found
+    with pytest.raises(ValueError, match=r"mixes tokens with layers other than attention.*JambaMambaDecoderLayer.*only for "
+                                         r"BambaMixer, Lfm2MoeShortConv"):
         HFCausalLM(model)
     assert model.config._attn_implementation != "seqpar"  # refused before anything changed
+
+
+@pytest.mark.parametrize("kind,twin", [("lfm2", "SeqparShortConv"), ("bamba", "SeqparMamba2Mixer"),
+                                       ("qwen3_next", "SeqparGatedDeltaNet"), ("qwen3_5", "SeqparGatedDeltaNet")])
+def test_hybrid_mixers_get_sequence_parallel_twins_and_stay_exact(kind, twin):
+    """Note [Hybrid models under the strategy]: HFCausalLM replaces the mixer, on one rank the result
+    is the unmodified model's (the sharded runs: tests/test_hf_hybrid.py)."""
+    model = _model(kind)
+    assert find_token_mixers(model) == [], kind
+    wrapped = HFCausalLM(copy.deepcopy(model))
+    assert wrapped._recurrent_mixers == (twin,)
+    assert list(wrapped.hf.state_dict()) == list(model.state_dict())
+    _assert_exact(model, batch())
 
 
 def test_plain_models_have_no_token_mixers():

@@ -64,16 +64,16 @@ def run_reference(model, ids, labels):
 
 
 def seqpar_model(model, mesh, layout):
+    """What HFCausalLM and the strategy do: apply_hf_attention installs the twins, apply_attention configures them."""
+    from lightning_seqpar.attention.recurrent import Recurrence
     from lightning_seqpar.hf import apply_hf_attention
-    from lightning_seqpar.hf_hybrid import apply_hf_hybrid, configure_recurrence
     from lightning_seqpar.parallelize import apply_attention
 
     model = copy.deepcopy(model)
-    replaced = apply_hf_hybrid(model)
-    assert replaced == 1
     apply_hf_attention(model)
     apply_attention(model, mesh, algorithm="ring", layout=layout)
-    assert configure_recurrence(model, mesh, layout=layout) == 1
+    recurrent = [m for m in model.modules() if isinstance(m, Recurrence)]
+    assert len(recurrent) == 1 and all(m.mesh is mesh and m.layout == layout for m in recurrent)
     return model
 
 
@@ -140,9 +140,64 @@ def _hf_worker(rank: int, world_size: int, layout: str) -> int:
     return len(KINDS)
 
 
-@pytest.mark.skip(reason="apply_hf_attention refuses non-attention token mixers (hf/support.py) before the hybrid layers "
-                  "are installed; re-enabled when the strategy installs apply_hf_hybrid and the refusal accepts "
-                  "configured Recurrence children (#23). Passed at sp 2/3/4 on the hybrid branch before the merge.")
 @pytest.mark.parametrize(("world_size", "layout"), [(2, "zigzag"), (4, "zigzag"), (3, "contiguous")])
 def test_hybrid_models_match_the_unmodified_model(world_size, layout):
     assert run_distributed(_hf_worker, world_size, layout) == [len(KINDS)] * world_size
+
+
+# ------------------------------------------------------------------------------------- under the strategy
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{kind: (folder, reference logits, loss, gradients)} of tests/hf_testing.py's tiny hybrids, one batch."""
+    from hf_testing import batch, reference, save_tiny_model
+
+    root = tmp_path_factory.mktemp("hf-hybrid")
+    data = batch()
+    return {kind: (path, *reference(path, data)) for kind in STRATEGY_KINDS
+            for path in [save_tiny_model(kind, str(root / kind))]}, data
+
+
+STRATEGY_KINDS = ("lfm2", "bamba", "qwen3_next", "qwen3_5")
+
+
+@pytest.mark.parametrize("world,attention,layout", [(2, "ring", "zigzag"), (4, "allgather", "contiguous")])
+def test_hybrid_models_train_exactly_under_the_strategy(world, attention, layout, saved):
+    """Trainer + SequenceParallelStrategy + CausalLMModule(<folder>), one step (default checkpointing, so the
+    state chain also runs in the recomputation): logits, logged loss and every gradient of the unmodified model."""
+    from hf_testing import train_each
+
+    refs, data = saved
+    results = run_distributed(train_each, world, [refs[k][0] for k in STRATEGY_KINDS], data, timeout=300,
+                              strategy_kwargs={"attention": attention, "load_balance": layout})[0]
+    for kind, result in zip(STRATEGY_KINDS, results):
+        _, logits, loss, grads = refs[kind]
+        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        assert result["grads"].keys() == grads.keys(), kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
+def test_two_d_attention_and_packed_documents_are_refused_by_name():
+    """Before any communication: a 2-D (hp x cp) mesh, and packed documents (no state reset at a boundary)."""
+    import types
+
+    from hf_testing import tiny_config
+
+    from lightning_seqpar.documents import PackedDocuments, packed_documents
+    from lightning_seqpar.hf import HFCausalLM
+    from lightning_seqpar.parallelize import apply_attention
+
+    torch.manual_seed(0)
+    wrapped = HFCausalLM(transformers.AutoModelForCausalLM.from_config(tiny_config("lfm2"), dtype=torch.float32))
+    fake = types.SimpleNamespace(ndim=2, size=lambda *a: 4, mesh_dim_names=("hp", "cp"),
+                                 get_group=lambda *a: pytest.fail("communicated"))
+    with pytest.raises(ValueError, match=r"recurrent token mixers .* attention='2d' over a 2-D mesh .* head_parallel_size=1"):
+        apply_attention(wrapped, fake, algorithm="2d")
+    ids = torch.randint(0, 97, (1, 8))
+    documents = PackedDocuments.from_document_ids(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), world=1)
+    with packed_documents(documents), pytest.raises(ValueError, match=r"packed documents.*SeqparShortConv.*unpacked sequences"):
+        wrapped(ids, torch.arange(8)[None])
+    assert wrapped(ids, torch.arange(8)[None]).shape == (1, 8, 97)  # and without documents it runs

@@ -170,14 +170,36 @@ def _fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+@functools.cache
+def _fla_unusable(device_index: int | None) -> str | None:
+    """Why fla-core's gated kernels cannot run on this CUDA device, or None.
+
+    fla-core (0.6) refuses, in the backward, Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs (its
+    issue #640: wrong results of the gated chunk_bwd_dqkwg kernel) unless tilelang is installed:
+    the torch 2.11 image ships Triton 3.6.0. Checked here so that kernel="auto" takes the torch
+    kernels instead of failing in the first backward."""
+    import triton
+
+    major, _ = torch.cuda.get_device_capability(device_index)
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3] if p.isdigit())
+    if major == 9 and (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
+        return (f"fla-core's gated kernels give wrong gradients with Triton {triton.__version__} on Hopper (fla issue #640; "
+                "it refuses them): install Triton >= 3.7.1 or tilelang")
+    return None
+
+
 def _resolve_kernel(kernel: str, device: torch.device) -> str:
     if kernel not in RECURRENT_KERNELS:
         raise ValueError(f"kernel={kernel!r} is not supported; expected one of {RECURRENT_KERNELS}")
+    usable = device.type == "cuda" and _fla_installed()
+    why = _fla_unusable(device.index) if usable else None
     if kernel == "auto":
-        return "fla" if device.type == "cuda" and _fla_installed() else "torch"
-    if kernel == "fla" and not (device.type == "cuda" and _fla_installed()):
+        return "fla" if usable and why is None else "torch"
+    if kernel == "fla" and not usable:
         raise ValueError(f"kernel='fla' needs CUDA tensors and fla-core (pip install fla-core); got device={device}, "
                          f"fla installed={_fla_installed()}; use kernel='torch' or 'auto'")
+    if kernel == "fla" and why is not None:
+        raise ValueError(f"kernel='fla': {why}; or use kernel='torch' / 'auto'")
     return kernel
 
 

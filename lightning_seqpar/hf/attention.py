@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
@@ -14,6 +16,7 @@ from lightning_seqpar.hf.features import attention_features, attention_kwargs, l
 from lightning_seqpar.hf.rope import install_global_length_rotary
 from lightning_seqpar.hf_support import refuse_unseen_position_features
 from lightning_seqpar.hf.support import check_sharded_layer, refuse_token_mixers
+from lightning_seqpar.hf_hybrid import HYBRID_MIXERS, apply_hf_hybrid, is_hybrid_twin
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -93,6 +96,16 @@ def seqpar_attention_mask(*args: Any, attention_mask: Tensor | None = None, **kw
     return None
 
 
+# Note [Value heads of another width]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-lite, LongCat, ...) has query /
+# key heads of d_qk = nope + rope dims and value heads of d_v != d_qk. The package's attention takes
+# one head width, so the narrower side is padded with zeros to max(d_qk, d_v): zero columns of q
+# and k add nothing to q . k (the scale is the layer's own, passed explicitly), and zero columns of
+# v give zero output columns, which are sliced off (their gradient is zero, so the pads' gradients
+# vanish). Exact, at the cost of attending over the wider width.
+
+
 def seqpar_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -161,9 +174,19 @@ def seqpar_attention_forward(
         check_sharded_layer(module)
     # windows and chunks are measured on the GLOBAL length; Note [Reading a layer's attention features]
     variant = attention_kwargs(attention_features(module, kwargs), seq_len=query.shape[2] * sp)
-    # [B, H, S, D] -> [B, S, H, D], the layout of the package's attention (and HF's expected output)
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **variant)
-    return out, None
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, H, S, D] -> [B, S, H, D]
+    if not q.dtype == k.dtype == v.dtype:  # e.g. Bamba under autocast: rotary q, k in fp32, v in bf16
+        device = q.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(
+            torch.promote_types(q.dtype, k.dtype), v.dtype)  # what the eager reference's matmuls compute in
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if d_qk != d_v:  # Note [Value heads of another width]
+        width = max(d_qk, d_v)
+        q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+    out = attention(q, k, v, **variant)  # (B, S_local, H_q, width)
+    # [B, S, H, D_v], contiguous: some models .view() it (AFMoE, JetMoE); Ulysses returns a strided one
+    return out[..., :d_v].contiguous(), None
 
 
 # --------------------------------------------------------------------------------------------- applying it
@@ -188,7 +211,9 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
     its mesh configuration, if already there). In place; returns the number of attention layers. Without a strategy the
     ``Attention`` children run local attention; the strategy's ``apply_attention`` configures them.
     Rotary embeddings whose frequencies read the sequence length get the hooks of Note
-    [Length-dependent rotary embeddings] (``lightning_seqpar.hf.rope``).
+    [Length-dependent rotary embeddings] (``lightning_seqpar.hf.rope``); the recurrent mixers of
+    hybrid models that the package makes exact are replaced by their sequence-parallel twins
+    (``lightning_seqpar.hf_hybrid.apply_hf_hybrid``).
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention layers call ``AttentionInterface``.
@@ -213,13 +238,15 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
     layers = [(name, m) for name, m in model.named_modules() if _is_attention_layer(m)]
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION or not layers:
+    recurrent_only = not layers and any(type(m).__name__ in HYBRID_MIXERS or is_hybrid_twin(m) for m in model.modules())
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION or not (layers or recurrent_only):
         raise ValueError(
             f"{type(model).__name__} does not route its attention through transformers.AttentionInterface "
             f"(attn_implementation is {model.config._attn_implementation!r}, {len(layers)} attention layers found), "
             "so the sequence-parallel attention cannot be installed without patching it; supported: models whose "
             "attention layers call ALL_ATTENTION_FUNCTIONS.get_interface (Llama, Mistral, Qwen2/3, Gemma, ...)"
         )
+    apply_hf_hybrid(model)  # Note [Hybrid models under the strategy]: the recurrent mixers' sequence-parallel twins
     for _, layer in layers:
         child = getattr(layer, "seqpar_attention", None)
         if isinstance(child, Attention):  # applied before: keep its mesh configuration, follow the layer's scale

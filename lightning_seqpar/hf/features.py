@@ -2,24 +2,26 @@
 
 Note [Reading a layer's attention features]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-transformers applies a layer's sliding window, chunking, soft-capping or sinks in three different
-places, depending on the model:
-
-* as a kwarg of the attention interface (Mistral, Qwen2/3, Gemma pass ``sliding_window=``;
-  Gemma2 passes ``softcap=``; GPT-OSS passes ``s_aux=`` (its sinks));
-* only through the mask: Qwen2-MoE keeps the window in the layer's ``sliding_window`` attribute
-  and lets ``create_sliding_window_causal_mask`` apply it; Llama 4's chunked layers
-  (``config.layer_types[i] == "chunked_attention"``, ``config.attention_chunk_size``) are applied by
-  ``create_chunked_causal_mask`` only;
-* only the config says so (``config.layer_types``, ``use_sliding_window``).
-
+transformers' eager attention (the reference) applies a layer's sliding window and chunks through
+the MASK its model builds for the layer's type (``causal_mask_mapping[config.layer_types[i]]``:
+``create_sliding_window_causal_mask`` / ``create_chunked_causal_mask``), and soft-capping and
+sinks only when the layer passes them to the attention function (``softcap=``, ``s_aux=``).
 ``"seqpar"``'s mask function returns None (the package's attention builds its own masks from the
-global positions), so a window read only from the kwargs would be silently lost for the second
-kind. :func:`attention_features` reads all three, in that order of precedence, into one
-:class:`AttentionFeatures`, and :func:`attention_kwargs` hands them to the package's ``Attention``
-(Note [Attention variants] in ``lightning_seqpar.attention.variants``), which computes each of
-them exactly in every algorithm. The support sweep (``lightning_seqpar.hf_support``) checks this
-reading against the unmodified model for every architecture transformers registers. Semantics, as transformers'
+global positions), so :func:`attention_features` reads them as the reference applies them:
+
+* window: with ``config.layer_types``, a ``"sliding_attention"`` layer has one (the call's
+  ``sliding_window`` kwarg, else the layer's attribute, else ``config.sliding_window``) and any
+  other layer none, whatever its attributes say (EXAONE 4 keeps ``sliding_window`` on its full
+  layers; Qwen2-MoE passes no kwarg and lets the mask apply it); without ``layer_types`` (Mistral),
+  the kwarg, else the attribute, else ``config.sliding_window`` unless ``use_sliding_window`` is off;
+* chunk: the kwarg, else ``config.attention_chunk_size`` on ``"chunked_attention"`` layers (Llama 4);
+* softcap and sinks: the call's kwargs only (Gemma 3 keeps ``attn_logit_softcapping`` in its
+  config and never applies it).
+
+:func:`attention_kwargs` hands them to the package's ``Attention`` (Note [Attention variants] in
+``lightning_seqpar.attention.variants``), which computes each of them exactly in every algorithm.
+The support sweep (``lightning_seqpar.hf_support``) checks this reading against the unmodified
+model for every architecture transformers registers. Semantics, as transformers'
 masks (``masking_utils.sliding_window_overlay`` / ``chunked_overlay``):
 
 * window ``w``: query ``i`` sees key ``j`` iff ``0 <= i - j < w``; over a sequence of ``S <= w``
@@ -108,34 +110,35 @@ def attention_features(module: nn.Module, kwargs: Mapping[str, Any] | None = Non
     layer_type, type_field = _layer_type(module)
 
     window, window_field = None, ""
-    if _positive(kwargs.get("sliding_window")):  # the field is named after the config, which is what users set
-        window = int(kwargs["sliding_window"])
-    elif _positive(getattr(module, "sliding_window", None)):
-        window = int(module.sliding_window)
-    elif layer_type is not None:
-        if layer_type in _WINDOWED_LAYER_TYPES and _positive(getattr(config, "sliding_window", None)):
-            window = int(config.sliding_window)
-    elif getattr(config, "use_sliding_window", True) and _positive(getattr(config, "sliding_window", None)):
-        window = int(config.sliding_window)
+    # transformers applies windows through the mask its model builds for the layer's type
+    # (causal_mask_mapping[config.layer_types[i]]), whatever the layer or the call says: a layer
+    # typed "full_attention" is full even where it keeps a sliding_window attribute (EXAONE 4).
+    candidates = (kwargs.get("sliding_window"), getattr(module, "sliding_window", None), getattr(config, "sliding_window", None))
+    if layer_type is not None:
+        if layer_type in _WINDOWED_LAYER_TYPES:
+            window = next((int(w) for w in candidates if _positive(w)), None)
+    elif _positive(candidates[0]):  # the field is named after the config, which is what users set
+        window = int(candidates[0])
+    elif _positive(candidates[1]):
+        window = int(candidates[1])
+    elif getattr(config, "use_sliding_window", True) and _positive(candidates[2]):
+        window = int(candidates[2])
     if window is not None:
         window_field = f"config.sliding_window={window}" + (f" with {type_field}" if type_field else "")
 
+    # soft-capping and sinks act only when the layer passes them to the attention function (as
+    # transformers' eager_attention_forward takes them): a config field or a parameter that the
+    # layer does not pass changes nothing (Gemma 3 keeps attn_logit_softcapping and never uses it)
     softcap, softcap_field = None, ""
     if _positive(kwargs.get("softcap")):
         softcap = float(kwargs["softcap"])
-    elif _positive(getattr(config, "attn_logit_softcapping", None)):
-        softcap = float(config.attn_logit_softcapping)
-    if softcap is not None:
-        softcap_field = f"config.attn_logit_softcapping={softcap}"
+        softcap_field = f"the softcap kwarg of the attention call (config.attn_logit_softcapping={softcap})"
 
     sinks, sinks_field = None, ""
     for name in ("s_aux", "sinks"):
         if kwargs.get(name) is not None:
             sinks, sinks_field = kwargs[name], f"the {name} kwarg of the attention call"
             break
-    else:
-        if isinstance(getattr(module, "sinks", None), Tensor):
-            sinks, sinks_field = module.sinks, f"{type(module).__name__}.sinks"
 
     chunk, chunk_field = None, ""
     if _positive(kwargs.get("attention_chunk_size")):

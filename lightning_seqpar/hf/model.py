@@ -12,9 +12,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
+from lightning_seqpar.documents import current_documents, documents_error
 from lightning_seqpar.hf.attention import _transformers, apply_hf_attention
 from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
 from lightning_seqpar.hf.support import check_sharded_layer
+from lightning_seqpar.hf_hybrid import is_hybrid_twin
+from lightning_seqpar.parallelize import config_value
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -116,6 +119,7 @@ class HFCausalLM(nn.Module):
         # tuples, not lists of modules: not registered twice (they are children of the model)
         self._attention_modules = tuple(m for m in model.modules() if isinstance(m, Attention))
         self._attention_layers = tuple(m for m in model.modules() if isinstance(getattr(m, "seqpar_attention", None), Attention))
+        self._recurrent_mixers = tuple(type(m).__name__ for m in model.modules() if is_hybrid_twin(m))
         config = model.config
         head = model.get_output_embeddings()
         embedding = model.get_input_embeddings()
@@ -125,7 +129,9 @@ class HFCausalLM(nn.Module):
         # frozen weights (LoRA's base) cost forward + input gradient (4 per weight), no weight gradient
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p is not excluded)
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = (config_value(config, "head_dim") or next((layer.head_dim for layer in self._attention_layers
+                                                              if isinstance(getattr(layer, "head_dim", None), int)), None)
+                    or config.hidden_size // heads)
         self._matmul_params = n
         self._frozen_params = frozen
         self._attn_width = heads * head_dim
@@ -165,6 +171,12 @@ class HFCausalLM(nn.Module):
             )
         # Note [Exact or refused: position-dependent layers of Hugging Face models]: local metadata, before any communication
         sp = max((m.mesh.size() for m in self._attention_modules if m.mesh is not None), default=1)
+        if self._recurrent_mixers and current_documents() is not None:
+            raise documents_error(
+                f"HFCausalLM ({type(self.hf).__name__})",
+                f"and its recurrent mixers ({', '.join(sorted(set(self._recurrent_mixers)))}) would carry their state across "
+                "document boundaries (the reset is not implemented): train this model on unpacked sequences (one document "
+                "per sample, no document_ids, position_ids 0..S-1)")
         if sp > 1:
             for layer in self._attention_layers:
                 check_sharded_layer(layer)

@@ -16,11 +16,13 @@ any communication, from local metadata that is equal on every rank:
 * scalings computed from the LOCAL token index (Llama 4's attention temperature tuning of its
   NoPE layers: ``arange(local length)``) are refused when sharded (:func:`check_sharded_layer`);
   exact on one rank;
-* token mixers other than attention (causal depthwise convolutions, Mamba / SSM mixers, gated
-  DeltaNet and other linear attention, recurrent blocks: LFM2, Bamba, Jamba, Qwen3-Next,
-  RecurrentGemma, ...) would each run on their shard alone: :func:`refuse_token_mixers` refuses
-  them at set-up (``apply_hf_attention``) by layer class and config field. A later change makes
-  them exact (their state passed between ranks); until then, refused;
+* token mixers other than attention: those of ``lightning_seqpar.hf_hybrid.HYBRID_MIXERS``
+  (gated DeltaNet of Qwen3-Next / Qwen3.5, Bamba's Mamba2 mixer, the short convolutions of
+  LFM2 / LFM2-MoE / LFM3) are replaced by sequence-parallel twins that pass their state between
+  ranks (Note [Hybrid models under the strategy]); every other one (causal depthwise
+  convolutions, Mamba / SSM mixers, other linear attention, recurrent blocks: Jamba, Nemotron-H,
+  RecurrentGemma, ...) would run on its shard alone: :func:`refuse_token_mixers` refuses it at
+  set-up (``apply_hf_attention``) by layer class and config field;
 * MoE router auxiliary losses: ``lightning_seqpar.hf.moe``.
 """
 
@@ -31,6 +33,7 @@ import re
 from torch import nn
 
 from lightning_seqpar.hf.features import layer_name
+from lightning_seqpar.hf_hybrid import HYBRID_MIXERS, is_hybrid_twin
 
 __all__ = ["ATTENTION_LAYER_TYPES", "check_sharded_layer", "find_token_mixers", "refuse_token_mixers"]
 
@@ -48,9 +51,17 @@ _MIXER_CLASS_NAMES = re.compile(
 _SSM_CLASS_NAMES = re.compile(r"SSM|Ssm")
 
 
+def _sequence_parallel_mixer(module: nn.Module) -> bool:
+    """A token mixer that is exact under sharding: a twin of ``lightning_seqpar.hf_hybrid``, or a
+    transformers class that ``apply_hf_hybrid`` replaces by one."""
+    return is_hybrid_twin(module) or type(module).__name__ in HYBRID_MIXERS
+
+
 def find_token_mixers(model: nn.Module) -> list[str]:
-    """Descriptions of the token mixers of ``model`` that are not attention (empty: none), each naming
-    the module path, its class and the config field that makes it one. Local metadata only.
+    """Descriptions of the token mixers of ``model`` that are not attention and that the package does
+    not make sequence-parallel (empty: none), each naming the module path, its class and the config
+    field that makes it one. Local metadata only. Mixers of ``HYBRID_MIXERS`` (and their twins) are
+    not listed, nor the ``config.layer_types`` entries of the layers that hold them.
 
     Found structurally: ``config.layer_types`` entries outside :data:`ATTENTION_LAYER_TYPES`,
     ``torch.nn.Conv1d`` modules of kernel size > 1 (a causal depthwise convolution over the
@@ -61,14 +72,16 @@ def find_token_mixers(model: nn.Module) -> list[str]:
     found: list[str] = []
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config  # multimodal models keep the decoder's config there
+    exact = [(name, m) for name, m in model.named_modules() if _sequence_parallel_mixer(m)]
+    exact_layers = {getattr(m, "layer_idx", None) for _, m in exact}
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, (list, tuple)):
         for i, kind in enumerate(layer_types):
-            if kind not in ATTENTION_LAYER_TYPES:
+            if kind not in ATTENTION_LAYER_TYPES and i not in exact_layers:
                 found.append(f"decoder layer {i}: config.layer_types[{i}]={kind!r}")
-    seen_inside: list[str] = []
+    seen_inside: list[str] = [name for name, _ in exact]  # nothing of an exact mixer is listed
     for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in seen_inside):
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in seen_inside):
             continue  # one entry per mixer, not one per submodule of it
         cls = type(module).__name__
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
@@ -92,9 +105,9 @@ def refuse_token_mixers(model: nn.Module) -> None:
         shown = "; ".join(found[:6]) + (f"; ... ({len(found)} in all)" if len(found) > 6 else "")
         raise ValueError(
             f"{type(model).__name__} mixes tokens with layers other than attention ({shown}): under sequence parallelism "
-            "each would run on its rank's shard of the sequence alone (convolution / SSM / linear-attention / recurrent "
-            "state is not passed between ranks yet), so lightning_seqpar refuses it rather than train it wrongly. Use a "
-            "model whose every token mixer is attention (config.layer_types all 'full_attention' / 'sliding_attention')"
+            "each would run on its rank's shard of the sequence alone (lightning_seqpar passes the state between ranks "
+            f"only for {', '.join(sorted(HYBRID_MIXERS))}), so lightning_seqpar refuses it rather than train it wrongly. "
+            "Use a model whose token mixers are attention or one of those, or train without sequence parallelism"
         )
 
 
