@@ -30,7 +30,7 @@ Launchers number the ranks node by node: global rank = node rank x ranks per nod
 (torchrun, and SLURM's default block distribution). Which mesh coordinates land on one node is
 therefore decided by the order of the ranks in the mesh tensor; DeviceMesh takes any tensor of
 global ranks (``DeviceMesh(device_type, mesh=tensor, ...)``; ``init_device_mesh`` only takes
-shapes). LoongTrain (papers/loongtrain.txt §4.4) names the two orders for 2D attention:
+shapes). LoongTrain (Gu et al., arXiv:2406.18485, §4.4) names the two orders for 2D attention:
 
 * ``"context-first"`` (the default): cp varies fastest, so the ranks of a cp ring are
   neighbours and fill a node before the ring leaves it; the hp groups have stride cp. The inner

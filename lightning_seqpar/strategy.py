@@ -255,7 +255,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         if attention == "lasp" and layout != "contiguous":
             raise ValueError(
                 f"{name}: attention='lasp' needs load_balance='contiguous' (or False / 'auto'): LASP passes the KV state "
-                f"from each rank's chunk to the next (papers/lasp.txt Alg. 1-2); got load_balance={load_balance!r}"
+                f"from each rank's chunk to the next (LASP, arXiv:2404.02882, Alg. 1-2); got load_balance={load_balance!r}"
             )
         if activation_checkpointing is not None and activation_checkpointing not in AC_MODES:
             raise ValueError(

@@ -1,5 +1,6 @@
 """LSS GPT: shapes and configs, sequence-distributed position embeddings, fused communication,
-and 5-step training parity under dp x sp (papers/lss_transformer.txt §3-§5).
+and 5-step training parity under dp x sp (LSS Transformer: Wang et al.,
+arXiv:2311.02382, §3-§5).
 
 Distributed checks run on pooled gloo ranks (W = 2 and 4) against the same model on the full
 sequence on one device, fp32, at the project's tolerance (atol 2e-6 / rtol 1e-5 for one step,

@@ -1,4 +1,5 @@
-"""Linear attention with decay and LASP (papers/lasp.txt Alg. 2-3) against a naive reference.
+"""Linear attention with decay and LASP (Sun et al., arXiv:2404.02882, Alg. 2-3) against a naive
+reference.
 
 The reference is the quadratic formula on the full sequence in float64,
 

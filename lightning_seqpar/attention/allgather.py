@@ -1,5 +1,5 @@
-"""All-gather attention: the LSS Transformer's fused communication (papers/lss_transformer.txt,
-Principle 3), the scheme torch-native context parallel and Llama 3 also use.
+"""All-gather attention: the LSS Transformer's fused communication (Wang et al.,
+arXiv:2311.02382, Principle 3), the scheme torch-native context parallel and Llama 3 also use.
 
 Note [All-gather attention]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -2,7 +2,7 @@
 
 Note [Choosing the attention algorithm]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-LoongTrain (papers/loongtrain.txt §4.5) writes the time of one attention layer as computation
+LoongTrain (Gu et al., arXiv:2406.18485, §4.5) writes the time of one attention layer as computation
 plus the communication that cannot hide behind it, and picks hp x cp (and the inner ring size w)
 that minimise it. We do the same for every algorithm this package implements, per rank, for one
 layer's forward + backward, following what our code actually does (ring.py, allgather.py,

@@ -1,5 +1,5 @@
-"""The LSS Transformer's fused communication (papers/lss_transformer.txt, Principle 3): all-gather
-the attention INPUT once and project K and V locally, instead of gathering K and V.
+"""The LSS Transformer's fused communication (Wang et al., arXiv:2311.02382, Principle 3):
+all-gather the attention INPUT once and project K and V locally, instead of gathering K and V.
 
 Note [Fused communication]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -1,5 +1,5 @@
 """Causal linear attention with decay, and LASP: sequence parallelism that passes only the KV state
-(papers/lasp.txt §2.2, Alg. 2-3; the TransNormerLLM token mixer).
+(LASP: Sun et al., arXiv:2404.02882, §2.2, Alg. 2-3; the TransNormerLLM token mixer).
 
 Public names:
 

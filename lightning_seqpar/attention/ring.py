@@ -1,5 +1,5 @@
-"""Ring attention: LightSeq's DistAttn (papers/lightseq.txt §3.1-3.2, appendix Alg. 1), with
-LoongTrain's double ring (papers/loongtrain.txt §4.3).
+"""Ring attention: LightSeq's DistAttn (Li et al., arXiv:2310.03294, §3.1-3.2, appendix Alg. 1),
+with LoongTrain's double ring (Gu et al., arXiv:2406.18485, §4.3).
 
 Note [Ring attention]
 ~~~~~~~~~~~~~~~~~~~~~

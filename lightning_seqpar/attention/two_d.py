@@ -1,4 +1,5 @@
-"""LoongTrain 2D attention (papers/loongtrain.txt §4.2-4.4): Ulysses inside "hp", ring inside "cp".
+"""LoongTrain 2D attention (Gu et al., arXiv:2406.18485, §4.2-4.4): Ulysses inside "hp", ring
+inside "cp".
 
 Note [2D attention]
 ~~~~~~~~~~~~~~~~~~~

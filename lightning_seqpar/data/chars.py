@@ -2,7 +2,8 @@
 
 Note [enwik8 splits and windows]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-enwik8 is the first 10^8 bytes of an English Wikipedia XML dump (papers/lss_transformer.txt §5.1).
+enwik8 is the first 10^8 bytes of an English Wikipedia XML dump (LSS Transformer: Wang et al.,
+arXiv:2311.02382, §5.1).
 Its standard split (Transformer-XL's ``prep_enwik8.py``, as in Al-Rfou et al. 2019) is
 90M / 5M / 5M bytes: the last 10M bytes are held out, 5M for validation and then 5M for test. A
 file of n bytes is split in the same proportions, h = n // 20 bytes each (h = 5M for enwik8):

@@ -1,4 +1,5 @@
-"""GPT: the decoder-only model of the LSS Transformer experiments (papers/lss_transformer.txt §5).
+"""GPT: the decoder-only model of the LSS Transformer experiments (Wang et al., arXiv:2311.02382,
+§5).
 
 Learned absolute position embeddings, pre-norm blocks with LayerNorm, causal multi-head
 attention, a GELU MLP 4x wide, dropout, optionally tied input/output embeddings (GPT-2, nanoGPT).

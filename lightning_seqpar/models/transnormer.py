@@ -1,4 +1,5 @@
-"""TransNormerLLM (TNL): the linear-attention language model that LASP trains (papers/lasp.txt §4).
+"""TransNormerLLM (TNL): the linear-attention language model that LASP trains (LASP: Sun et al.,
+arXiv:2404.02882, §4).
 
 Pre-norm blocks ``x + token_mixer(norm(x))`` then ``x + channel_mixer(norm(x))``:
 
@@ -139,7 +140,8 @@ class TransNormerConfig:
 #   code and configs (DESIGN.md "Notes on the models"); LASP §4 trains TNL-1B (Table 4, Fig. 3-4)
 #   and a 0.4B TNL (Table 2).
 # * tnl-7b: n_embd 4096, 30 layers, 32 heads are the 7B row of the TransNormerLLM paper's model
-#   table (Qin et al. 2023/2024; not among papers/ here: check against the released config).
+#   table (Qin et al., arXiv:2307.14995; not one of the papers in docs/references.md: check
+#   against the released config).
 #   glu_dim = 11008 is ASSUMED (Llama-7B's FFN width): 7.1B parameters with the untied head,
 #   6.8B without the embedding.
 # * Every named model: LRPE on layer 0, embeddings scaled by sqrt(d), untied head (assumed, see
