@@ -344,7 +344,33 @@ def attention_grid(rows: list[dict]) -> str:
     return grid_tables_of(rows).rstrip("\n")
 
 
+def hf_family_table(rows: list[dict]) -> str:
+    """benchmarks/hf_families.py: ours and plain transformers on one GPU, the latest run of each (model, S, system)."""
+    runs = last_by([r for r in rows if r.get("bench") == "hf_family"], lambda r: (r["model"], r["seq"], r["system"]))
+    out = []
+    for (model, seq, system), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "seqpar")):
+        peer = runs.get((model, seq, "transformers")) if system == "seqpar" else None
+        speed = ratio(_num(r, "tokens_per_s"), _num(peer, "tokens_per_s")) if peer and "error" not in peer else "·"
+        name = "**ours**" if system == "seqpar" else f"transformers ({r.get('attn', '?')})"
+        out.append([model, seq_k(seq), name, f(_num(r, "tokens_per_s"), ",.0f") if "error" not in r else "out of memory"
+                    if "out of memory" in r["error"] else r["error"][:40], f(_num(r, "peak_mem_gb"), ".1f"), speed,
+                    f"{r.get('device', '?')}, {when(r)}"])
+    return table(["model", "S", "system", "tokens/s", "peak GB", "ours / transformers", "device, commit, date"], out)
+
+
+def window_table(rows: list[dict]) -> str:
+    """benchmarks/window_attention.py: a window's step time as a share of full causal attention's, the latest run per device."""
+    timed = last_by([r for r in rows if r.get("bench") == "window_time"],
+                    lambda r: (r.get("device"), r["kernel"], r["seq_len"], r["window"], r["head_dim"]))
+    out = []
+    for (device, kernel, seq, window, d), r in sorted(timed.items(), key=lambda kv: (str(kv[0][0]), kv[0][4], kv[0][1])):
+        out.append([str(device), seq_k(seq), f"{window:,}", str(d), kernel, f(_num(r, "seconds") * 1e3 if _num(r, "seconds") else None, ".1f"),
+                    f(_num(r, "tflops"), ".0f"), f(_num(r, "ratio_to_causal"), ".4f"), f(_num(r, "goal_ratio"), ".4f"), when(r)])
+    return table(["device", "S", "window", "D", "kernel", "ms", "TFLOP/s", "time / causal", "goal (1.2 x FLOP share)", "commit, date"], out)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "hf-family": hf_family_table, "window": window_table,
     "attention-grid": attention_grid,
     "suites": suites_table,
     "train": train_table, "longest": longest_table, "attention": attention_table, "scaling": scaling_table,

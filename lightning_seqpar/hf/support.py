@@ -84,6 +84,8 @@ def find_token_mixers(model: nn.Module) -> list[str]:
         if any(name == prefix or name.startswith(prefix + ".") for prefix in seen_inside):
             continue  # one entry per mixer, not one per submodule of it
         cls = type(module).__name__
+        if module is model or cls.endswith(("ForCausalLM", "Model", "LMHeadModel")):
+            continue  # the model and its backbone (FalconMambaForCausalLM, MambaModel): name the layers inside
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
             found.append(f"{name!r} ({cls}: a convolution over the sequence, kernel {module.kernel_size[0]})")
             seen_inside.append(name)
