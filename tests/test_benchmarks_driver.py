@@ -147,7 +147,8 @@ def test_driver_runs_a_suite_within_its_budget(tmp_path):
     assert "== tiny-ours: rc=0" in text and "[train]" in (tmp_path / "cpu-smoke.log").read_text()
     lines.clear()
     assert driver.run_suite(suite, gpus=2, only=("tiny-ours",), budget_s=5, out_dir=str(tmp_path), commit="x", log=lines.append) == []
-    assert any("tiny-ours: SKIPPED (5s of the budget left" in x for x in lines)
+    # the budget left is whole seconds after the suite's start (5 on a quiet machine, less on a loaded one)
+    assert any(re.search(r"tiny-ours: SKIPPED \([0-5]s of the budget left", x) for x in lines), lines
 
 
 def test_fa4_install_needs_both_carried_folders(tmp_path, monkeypatch):
