@@ -1,7 +1,8 @@
 """A pool of gloo worker processes for multi-process CPU tests.
 
-Spawning a process and importing torch costs seconds, so each world size gets one pool of
-workers for the whole test session. A test sends a module-level function; every rank runs
+Starting a process and importing torch costs seconds, so each world size gets one pool of
+workers for the whole test session, forked from a server process that imported torch and the
+package once (``_context``). A test sends a module-level function; every rank runs
 ``fn(rank, world_size, *args)`` and the pool returns the per-rank results. A worker that raises
 sends its traceback back (the test fails with it); a run that does not finish within
 ``timeout`` seconds kills the pool (the next test gets a fresh one) and fails the test, so a
@@ -91,7 +92,9 @@ def release_task_groups() -> int:
     return len(groups)
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the test process's environment now, as a spawned worker had (not the fork server's)
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -143,17 +146,29 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
     gc.freeze()
 
 
+def _context() -> Any:
+    """Workers are forked from a server process that imported torch and the package once per session
+    ("forkserver", with those modules preloaded): a spawned worker imported them itself, 5-6 s of CPU
+    per worker, paid again for every pool (2, 3, 4 and 8 ranks, the compile pools) and every restart
+    after a crash or a timeout. The server runs no torch operation, so a fork of it starts clean (no
+    thread pools, no process group)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning_seqpar"])
+    return ctx
+
+
 class DistPool:
     """``world_size`` gloo ranks kept alive between tests."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, dict(os.environ)),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
