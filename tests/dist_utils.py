@@ -1,7 +1,8 @@
 """A pool of gloo worker processes for multi-process CPU tests.
 
-Spawning a process and importing torch costs seconds, so each world size gets one pool of
-workers for the whole test session. A test sends a module-level function; every rank runs
+Starting a process and importing torch costs seconds, so each world size gets one pool of
+workers for the whole test session, forked from a server process that imported torch and the
+package once (``_context``). A test sends a module-level function; every rank runs
 ``fn(rank, world_size, *args)`` and the pool returns the per-rank results. A worker that raises
 sends its traceback back (the test fails with it); a run that does not finish within
 ``timeout`` seconds kills the pool (the next test gets a fresh one) and fails the test, so a
@@ -18,7 +19,9 @@ run in pools of their own (``pool="compile"``), so that code never shares a proc
 Workers stay clean between tasks: after each one a worker destroys every process group except
 its default group (tests that build meshes themselves create groups, each with threads of its
 own: without this a worker of a full run grew to over 1,100 threads) and runs the garbage
-collector, so that the threads of the destroyed groups end. ``pool_threads()`` reports the
+collector, so that the threads of the destroyed groups end (the objects of torch and the package,
+imported once when a worker starts, are frozen out of those collections: scanning them after every
+task cost more than the task itself in short tests). ``pool_threads()`` reports the
 thread count of each live worker (conftest.py prints it at the end of the session).
 """
 
@@ -89,7 +92,9 @@ def release_task_groups() -> int:
     return len(groups)
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the test process's environment now, as a spawned worker had (not the fork server's)
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -111,6 +116,19 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    # The package (and with it Lightning, torchmetrics, transformers: ~450,000 objects) is imported by
+    # the fork server already (a no-op here, unless its import failed there), and after every task
+    # ``release_task_groups`` runs the cycle collector, as the strategy does twice per fit, which would
+    # scan them all each time (0.2-0.5 s per rank). Frozen, they are left out of those collections; the
+    # objects of the tasks (process groups, meshes, modules) are not frozen.
+    try:
+        import lightning_seqpar  # noqa: F401
+    except Exception:  # noqa: BLE001 - a task that needs the package reports the import error itself
+        pass
+    import gc
+
+    gc.collect()
+    gc.freeze()
     while True:
         task = tasks.get()
         if task is None:
@@ -124,6 +142,20 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    # The interpreter's shutdown collects every object of torch, Lightning and the tests' modules (seconds
+    # per worker on a loaded machine, for each of a session's pools); frozen objects are left to the OS.
+    gc.freeze()
+
+
+def _context() -> Any:
+    """Workers are forked from a server process that imported torch and the package once per session
+    ("forkserver", with those modules preloaded): a spawned worker imported them itself, 5-6 s of CPU
+    per worker, paid again for every pool (2, 3, 4 and 8 ranks, the compile pools) and every restart
+    after a crash or a timeout. The server runs no torch operation, so a fork of it starts clean (no
+    thread pools, no process group)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning_seqpar"])
+    return ctx
 
 
 class DistPool:
@@ -131,12 +163,13 @@ class DistPool:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, dict(os.environ)),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -148,11 +181,19 @@ class DistPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
         """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return results by rank."""
+        self.submit(fn, *args, **kwargs)
+        return self.collect(fn.__qualname__, timeout=timeout)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Send ``fn`` to every rank without waiting (``collect`` waits); ``run`` does both."""
         module, name = fn.__module__, fn.__qualname__
         if module == "__main__" or "." in name:
             raise ValueError(f"{fn!r} must be a module-level function of an importable module")
         for t in self._tasks:
             t.put((module, name, args, kwargs))
+
+    def collect(self, name: str, timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+        """The results by rank of the task ``submit`` sent (``name``: the function's, for messages)."""
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         for _ in range(self.world_size):
@@ -197,13 +238,22 @@ class DistPool:
                          f"from faulthandler, is in the captured stderr)" for r, sig in crashed)
 
     def close(self, kill: bool = False) -> None:
+        self.stop(kill=kill)
+        self.join()
+
+    def stop(self, kill: bool = False) -> None:
+        """Ask every worker to exit (or kill it) without waiting; ``join`` waits."""
         for p, t in zip(self._procs, self._tasks):
             if kill:
                 p.kill()
             elif p.is_alive():
                 t.put(None)
+
+    def join(self, timeout: float = 10) -> None:
+        """Wait up to ``timeout`` seconds for every worker to exit; kill those that do not."""
+        deadline = time.monotonic() + timeout
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
 
@@ -221,17 +271,20 @@ def get_pool(world_size: int, pool: str = "default") -> DistPool:
 
 def pool_threads() -> dict[str, list[int]]:
     """{pool: thread count of each rank} for every live pool (one task on each)."""
-    out: dict[str, list[int]] = {}
-    for (world_size, name), pool in list(_POOLS.items()):
-        if pool.alive:
-            counts = pool.run(_thread_names_task, timeout=60)
-            out[f"{name}-{world_size}"] = [sum(c.values()) for c in counts]
-    return out
+    live = {f"{name}-{world_size}": pool for (world_size, name), pool in list(_POOLS.items()) if pool.alive}
+    for pool in live.values():  # every pool counts at the same time
+        pool.submit(_thread_names_task)
+    return {key: [sum(c.values()) for c in pool.collect(_thread_names_task.__name__, timeout=60)]
+            for key, pool in live.items()}
 
 
 def close_pools() -> None:
+    """Stop every pool, all at once: a worker's exit takes seconds (the interpreter's shutdown, and a
+    compile pool's Inductor workers), so pools closed one after another added up to over 20 s."""
     for pool in _POOLS.values():
-        pool.close()
+        pool.stop()
+    for pool in _POOLS.values():
+        pool.join(timeout=20)
     _POOLS.clear()
 
 

@@ -1,13 +1,16 @@
 """One rank of the two-"node" CPU run of tests/test_multinode.py, started by torchrun.
 
     torchrun --nnodes=2 --node_rank=K --nproc_per_node=2 --master_addr=127.0.0.1 --master_port=P \
-        tests/multinode_worker.py OUT_DIR '{"sequence_parallel_size": 4, ...}'
+        tests/multinode_worker.py OUT_DIR '[{"sequence_parallel_size": 4, ...}, ...]'
 
-Trains the tiny GQA Llama of tests/strategy_testing.py for its steps under
-SequenceParallelStrategy(**kwargs) with Trainer(devices=2, num_nodes=2) and writes
-OUT_DIR/rank{R}.json: the logged losses, the strategy's node view (node rank, local rank) and the
-global ranks of this rank's hp, cp and inner-ring groups as the process groups hold them; rank 0
-also writes the final full weights to OUT_DIR/weights.pt.
+For each strategy configuration of the list, one after another in this process (one launch for
+all: starting two nodes of two ranks costs more than a run), trains the tiny GQA Llama of
+tests/strategy_testing.py for its steps under SequenceParallelStrategy(**kwargs) with
+Trainer(devices=2, num_nodes=2) and writes OUT_DIR/case{I}/rank{R}.json: the logged losses, the
+strategy's node view (node rank, local rank) and the global ranks of this rank's hp, cp and
+inner-ring groups as the process groups hold them; rank 0 also writes the final full weights to
+OUT_DIR/case{I}/weights.pt. (Under torchrun a strategy leaves the default group to the launcher's
+process, so the next configuration's strategy finds it.)
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from strategy_testing import GLOBAL_BATCH, STEPS, _dataloader, _LossRecorder, _m
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    out_dir, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    out_dir, cases = sys.argv[1], json.loads(sys.argv[2])
+    for i, kwargs in enumerate(cases):
+        case_dir = os.path.join(out_dir, f"case{i}")
+        os.makedirs(case_dir, exist_ok=True)
+        run(case_dir, kwargs)
+
+
+def run(out_dir: str, kwargs: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from lightning_seqpar import SequenceParallelStrategy

@@ -67,11 +67,11 @@ def _one_fit(world_size: int, *, module: Any = None, strategy: Any = None, then_
     from lightning_seqpar.data import CopyTaskDataset
 
     strategy = strategy or SequenceParallelStrategy(sequence_parallel_size=world_size, attention="ring", timeout=60)
-    module = module or CausalLMModule("tiny", warmup_steps=0, max_steps=2)
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
+    module = module or CausalLMModule("tiny", warmup_steps=0, max_steps=1)  # one step: a fit's set-up and release are measured
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0)
-    data = DataLoader(CopyTaskDataset(vocab_size=256, seq_len=32, num_samples=4 * world_size, supervise="all"), batch_size=2)
+    data = DataLoader(CopyTaskDataset(vocab_size=256, seq_len=32, num_samples=2 * world_size, supervise="all"), batch_size=2)
     trainer.fit(module, train_dataloaders=data)
     if then_validate:  # the same Trainer (and strategy) on the same module: its meshes are reused
         module.usage_after_fit = _usage()
@@ -115,8 +115,9 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.timeout(600)
 def test_ten_fits_in_one_process_release_threads_descriptors_and_the_default_group():
-    code = (f"import json, test_resources as t; import torch; torch.set_num_threads(1); "
-            f"print('USAGE=' + json.dumps(t._fits(0, 1, {FITS})))")
+    # the imports' objects frozen out of the collector's scans, as in the pooled workers (dist_utils.py)
+    code = (f"import gc, json, test_resources as t; import torch, lightning_seqpar; torch.set_num_threads(1); "
+            f"gc.collect(); gc.freeze(); print('USAGE=' + json.dumps(t._fits(0, 1, {FITS})))")
     proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     usage = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("USAGE="))[6:])
