@@ -442,7 +442,7 @@ def main() -> None:
     ap.add_argument("--ac", default="selective++", choices=["selective++", "full", "none"],
                     help="seqpar: the checkpointing policy; tp_sp: 'none' turns full checkpointing off")
     ap.add_argument("--loss-chunk", type=int, default=8192, help="seqpar: chunked cross entropy")
-    ap.add_argument("--backend", default="auto", help="seqpar: the local attention kernel (auto: fa4 when installed, else cudnn)")
+    ap.add_argument("--backend", default="auto", help="seqpar: the local attention kernel (auto: fa4 when installed, else flash-attention-2)")
     ap.add_argument("--compile", action="store_true", help="seqpar: torch.compile each block (strategy compile=True)")
     ap.add_argument("--uncheckpointed-blocks", type=int, default=0, help="seqpar: the last N blocks without checkpointing")
     ap.add_argument("--head-chunks", type=int, default=1, help="seqpar: attention over this many K/V head groups in turn")

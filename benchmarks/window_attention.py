@@ -5,7 +5,7 @@ cost at most 1.2x the window's share of the causal FLOPs).
     PYTHONPATH=$PWD python benchmarks/window_attention.py --out benchmarks/results/$(date +%Y%m%d)-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr A-Z a-z)-window.json
 
 Timed (fwd + bwd, median of --iters, the package's block ops as the algorithms call them):
-    causal     full causal attention, the "auto" dense kernel (flash-attn 4 when installed, else cuDNN)
+    causal     full causal attention, the "auto" dense kernel (flash-attn 4 when installed, else flash-attention-2)
     window     window w, the "auto" path: flash-attn 4's sliding window when installed, else torch's
                flash-attention-2 sliding-window kernel
     window_softcap  window w + softcap 50, the "auto" path (flash-attn 4 when installed, else FlexAttention)

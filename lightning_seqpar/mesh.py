@@ -58,6 +58,8 @@ inner rings that leave a node.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Literal
@@ -319,20 +321,56 @@ def _group_options(timeout: timedelta) -> tuple[str, object]:
     return backend, Backend.Options(backend, timeout)
 
 
+# Note [Mesh groups without ncclCommSplit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When the default NCCL group is bound to a device (``init_process_group(device_id=...)``, as
+# Lightning does), DeviceMesh creates each dimension's groups with ``split_group``
+# (``ncclCommSplit`` of the default communicator). In torch 2.11 that split dereferences an empty
+# rank list whenever the default group is not the first NCCL group the process ever built
+# (``ProcessGroupNCCL::groupRanks`` keys "the world group" on a process-wide counter; fixed
+# upstream in pytorch/pytorch#192109): the second fit in one process, after the first one
+# released its groups (Note [What a run releases]), died with SIGSEGV in ``split_group`` (seen on
+# one H100, torch 2.11). So the meshes are built with the default group's ``bound_device_id``
+# cleared for the duration: DeviceMesh then takes its other path, one ``new_group`` per group,
+# each communicator created on its first collective. The groups and their ranks are the same;
+# only the communicators' creation differs (their own bootstrap instead of a split), a cost paid
+# once per run.
+
+
+@contextmanager
+def _groups_without_split() -> Iterator[None]:
+    """Clear the default group's ``bound_device_id`` while the meshes' groups are created (Note [Mesh groups without ncclCommSplit])."""
+    if not dist.is_initialized():
+        yield
+        return
+    default = dist.distributed_c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
+
+
 def _init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...], timeout: timedelta | None) -> DeviceMesh:
     # Other backends (e.g. "cpu:gloo,cuda:nccl") keep torch's default timeouts for the mesh groups.
-    if timeout is None or not dist.is_initialized() or dist.get_backend() not in ("gloo", "nccl"):
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    override = {name: _group_options(timeout) for name in names}
-    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
+    with _groups_without_split():
+        if timeout is None or not dist.is_initialized() or dist.get_backend() not in ("gloo", "nccl"):
+            return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        override = {name: _group_options(timeout) for name in names}
+        return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 
 def _init_mesh_from_ranks(device_type: str, ranks: torch.Tensor, names: tuple[str, ...], timeout: timedelta | None) -> DeviceMesh:
     """A DeviceMesh over an explicit tensor of global ranks (a placement other than row-major)."""
-    if timeout is None or not dist.is_initialized() or dist.get_backend() not in ("gloo", "nccl"):
-        return DeviceMesh(device_type, ranks, mesh_dim_names=names)
-    override = tuple(_group_options(timeout) for _ in names)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=override)
+    with _groups_without_split():
+        if timeout is None or not dist.is_initialized() or dist.get_backend() not in ("gloo", "nccl"):
+            return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+        override = tuple(_group_options(timeout) for _ in names)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=override)
 
 
 def _check_axes(mesh: DeviceMesh) -> None:

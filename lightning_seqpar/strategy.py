@@ -69,7 +69,7 @@ from lightning_seqpar.parallelize import (
     uses_linear_attention,
     with_cpu_threads,
 )
-from lightning_seqpar.precision import scaler_free
+from lightning_seqpar.precision import convert_module_keeping_rotary, scaler_free
 from lightning_seqpar.rng import get_rng_state, set_rng_state
 from lightning_seqpar.sharding import LAYOUTS, gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
 from lightning_seqpar.validation import check_batch, check_same_batch
@@ -125,7 +125,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             after another: the same result with 1/head_chunks of the attention's working memory
             (Note [Head chunks] in ``lightning_seqpar.attention.api``); must divide the K/V heads.
         attention_backend: the local attention kernel: "auto" (flash-attn 4 when installed on
-            Hopper / Blackwell, else cuDNN; the pure-torch kernel on CPU), "fa4", "cudnn",
+            Hopper / Blackwell, else torch's flash-attention-2; the pure-torch kernel on CPU), "fa4", "cudnn",
             "flash", "efficient" or "math" (Note [Choosing the local kernel]).
         data_parallel_replicate_size: HSDP replicas; the data-parallel ranks inside a replica
             (dp_shard) are what remains: world / (sp x replicas).
@@ -390,6 +390,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         # free the modules of earlier runs that nothing references any more, and with them their groups,
         # BEFORE this run builds meshes equal to theirs (Note [What a run releases])
         gc.collect()
+        _empty_device_caches(self.root_device)  # and the pinned host blocks of earlier runs' offloaded tensors
         created = not (dist.is_available() and dist.is_initialized())
         self._setup_distributed()  # ModelParallelStrategy: ranks, seed, init_process_group
         self._owns_default_group = self._owns_default_group or created
@@ -426,7 +427,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if not _is_parallelized(self.model):
-            self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: bf16 parameters
+            self.model = convert_module_keeping_rotary(self.precision_plugin, self.model)  # bf16-true: bf16 parameters (Note [Rotary frequencies under bf16-true])
             upcast_trainable(self.model)  # LoRA: the adapters back in fp32, the base frozen in bf16 (Note [LoRA under the strategy])
             self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
             self._parallelize(self.model)
@@ -598,7 +599,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         # the local kernel the attention will run (the cost model's rates differ per kernel)
         device = self.root_device if self.parallel_devices else torch.device("cpu")
         kernels = [b for d in (self._compute_dtype(), torch.bfloat16) for b in available_backends(device, d, head_dim)]
-        kernel = self.attention_backend if self.attention_backend != "auto" else (kernels[0] if kernels else "cudnn")
+        kernel = self.attention_backend if self.attention_backend != "auto" else (kernels[0] if kernels else "flash")
         profile = DeviceProfile.for_device(device_name, backend=kernel, gpus_per_node=max(1, self.num_processes))
         try:
             return choose_attention(
@@ -993,11 +994,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 dist.destroy_process_group()
             self._owns_default_group = False
         gc.collect()  # frees the modules of earlier runs that nothing references any more (and so their groups)
-        if self.root_device.type == "cuda" and torch.cuda.is_initialized():
-            torch.cuda.synchronize(self.root_device)
-            torch.cuda.empty_cache()
-            if hasattr(torch._C, "_host_emptyCache"):  # pinned host memory (torch has no public API for it)
-                torch._C._host_emptyCache()
+        _empty_device_caches(self.root_device)
 
     # ----------------------------------------------------------------------------------------- registry
 
@@ -1046,6 +1043,15 @@ def _replace(source: Path, target: Path) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     else:
         os.replace(source, target)
+
+
+def _empty_device_caches(device: torch.device) -> None:
+    """Give the CUDA caching allocator's free blocks, and the caching host allocator's pinned ones, back."""
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):  # pinned host memory (torch has no public API for it)
+            torch._C._host_emptyCache()
 
 
 def _release_groups(meshes: list[DeviceMesh | None], *, owns_default_group: bool) -> None:

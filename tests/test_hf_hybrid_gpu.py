@@ -64,11 +64,19 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.xfail(strict=False, reason="measured on one H200 at 8396b70: loss and logits as exact as transformers' bf16, but the gradients of the attention layer after the twins (layer 3: q_norm, k_proj) are 0.38-0.42 from fp32 where transformers' bf16 run is 0.017-0.023 (not reproduced on CPU bf16 autocast at S=512); open in issue #23")
+_CUDNN = pytest.param("cudnn", marks=pytest.mark.xfail(strict=False, reason=(
+    "cuDNN's attention backward (torch 2.11, one H100): q_norm / q_proj / k_proj gradients of these partial-rotary "
+    "models 0.37-0.45 from fp32 where transformers' bf16 run is 0.012-0.024; why 'auto' never picks it "
+    "(Note [Choosing the local kernel])")))
+
+
+@pytest.mark.parametrize("backend", ["auto", _CUDNN])
 @pytest.mark.parametrize("kind", ["qwen3_next", "bamba"])
-def test_twins_are_as_exact_as_the_unmodified_model_in_bf16(kind):
+def test_twins_are_as_exact_as_the_unmodified_model_in_bf16(kind, backend):
     """Against the unmodified model in fp32 (no autocast): logits, loss and every gradient of the twins
-    (bf16 autocast) within 2x (+ 2e-3) of the unmodified model's own error under bf16 autocast."""
+    (bf16 autocast) within 2x (+ 2e-3) of the unmodified model's own error under bf16 autocast, with the
+    attention kernel "auto" picks (and, expected to fail, cuDNN's)."""
+    from lightning_seqpar.attention import Attention
     from lightning_seqpar.attention.recurrent import Recurrence
     from lightning_seqpar.hf import HFCausalLM
 
@@ -83,6 +91,8 @@ def test_twins_are_as_exact_as_the_unmodified_model_in_bf16(kind):
         for m in model.modules():
             if isinstance(m, Recurrence):
                 m.configure(mesh=None, kernel=kernel)
+            if isinstance(m, Attention):
+                m.configure(mesh=None, backend=backend)
         ours = _step(model, ids, wrapped=True, autocast=True)
         pairs = {"logits": (ours[0], plain[0], ref[0]), **{f"d{n}": (ours[2][n], plain[2][n], g) for n, g in ref[2].items()}}
         worst = ("", 0.0, 0.0)

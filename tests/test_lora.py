@@ -75,6 +75,7 @@ def _fit_lora(rank: int, world_size: int, path: str, lora: dict[str, Any] | None
     class Capture(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             out["dtypes"] = {clean(n): p.dtype for n, p in pl_module.model.named_parameters()}
+            out["rotary"] = {clean(n): b.detach().cpu() for n, b in pl_module.model.named_buffers() if "inv_freq" in n}
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             if out["grads"] is not None:
@@ -253,6 +254,12 @@ def test_bf16_true_keeps_the_base_in_bf16_and_the_adapters_in_fp32(base):
     assert set(result["with_grad"]) == adapters
     assert all(torch.isfinite(torch.tensor(result["losses"])))
     assert len(result["losses"]) == 2
+    # Note [Rotary frequencies under bf16-true]: the rotary frequencies stay as transformers builds them (fp32)
+    import transformers
+
+    built = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).model.rotary_emb.inv_freq
+    assert built.dtype == torch.float32
+    assert result["rotary"] and all(torch.equal(b, built) for b in result["rotary"].values()), result["rotary"]
 
 
 def test_lora_config_errors():

@@ -66,7 +66,6 @@ def _rel(grads, reference) -> float:
     return (num / den) ** 0.5
 
 
-@pytest.mark.xfail(strict=False, reason="measured on one H200 at 8396b70: loss 8.42474 vs fp32 8.42386, but the adapter gradients are 0.194 from fp32 where peft's own bf16 run is 0.0165 (suspect: FSDP2's bf16 param_dtype computes the fp32 adapters in bf16); open in issue #22")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_lora_bf16_true_on_gpus(tmp_path_factory):
     warnings.filterwarnings("ignore")

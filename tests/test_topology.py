@@ -140,3 +140,34 @@ def test_build_mesh_from_permuted_ranks(placement):
             assert group in dims.groups(axis), (rank, axis, group)
         assert coords == ranks  # the group rank is the mesh coordinate (the ring and the all-to-all rely on it)
         assert fsdp == list(range(8))  # dp_shard x hp x cp: every rank (the data-parallel axes are outermost)
+
+
+def test_meshes_are_built_without_nccl_split_and_the_binding_is_restored(monkeypatch):
+    """Note [Mesh groups without ncclCommSplit]: while the meshes' groups are created the default group's
+    ``bound_device_id`` is None (DeviceMesh then uses new_group, not the split that crashes torch 2.11 in a
+    second fit), and afterwards, also after an error, it is the device it was."""
+    import torch.distributed as dist
+
+    from lightning_seqpar import mesh as mesh_module
+
+    class Default:
+        bound_device_id = torch.device("cuda", 3)
+
+    default = Default()
+    seen = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: default)
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "nccl")
+
+    def fake_init(device_type, shape, mesh_dim_names=None, backend_override=None):
+        seen.append(default.bound_device_id)
+        if shape == (0,):
+            raise RuntimeError("boom")
+        return (device_type, shape, mesh_dim_names)
+
+    monkeypatch.setattr(mesh_module, "init_device_mesh", fake_init)
+    assert mesh_module._init_mesh("cuda", (2, 2), ("dp", "sp"), None) == ("cuda", (2, 2), ("dp", "sp"))
+    assert seen == [None] and default.bound_device_id == torch.device("cuda", 3)
+    with pytest.raises(RuntimeError, match="boom"):
+        mesh_module._init_mesh("cuda", (0,), ("sp",), None)
+    assert seen == [None, None] and default.bound_device_id == torch.device("cuda", 3)

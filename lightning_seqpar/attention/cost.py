@@ -168,15 +168,20 @@ class DeviceProfile:
     def for_device(cls, device_name: str, backend: str = "cudnn", **overrides) -> DeviceProfile:
         """The profile for a ``torch.cuda.get_device_name()`` and local kernel: H100 for an H100,
         else H200 (the one measured; also the stand-in for CPU runs, where the choice does not
-        matter). ``backend="fa4"``: flash-attention 4's rates (:data:`FA4_RATES`); any other
-        kernel is modelled as cuDNN."""
-        rates = dict(FA4_RATES) if backend == "fa4" else {}
+        matter). ``backend="fa4"``: flash-attention 4's rates (:data:`FA4_RATES`); "flash":
+        flash-attention-2's (:data:`FLASH_RATES`); any other kernel is modelled as cuDNN."""
+        rates = dict(FA4_RATES) if backend == "fa4" else dict(FLASH_RATES) if backend == "flash" else {}
         if "H100" in device_name.upper():
             if rates:
                 rates["attention_flops"] *= 500 / 540  # the H100 profile's ratio to the H200's (assumed)
             return cls.h100(**{**rates, **overrides})
         return cls.h200(**{**rates, **overrides})
 
+
+FLASH_RATES: dict[str, float] = {"attention_flops": 320e12}
+"""torch's flash-attention-2 kernels on an H200: ~320 TFLOP/s causal forward + backward (H 32, D 128,
+8K-128K; Note [Choosing the local kernel]); on one H100 275-302 at 8K-32K (2026-11-25), which the
+H100 profile's 500/540 scaling gives (296)."""
 
 FA4_RATES: dict[str, float] = {"attention_flops": 600e12, "full_block_speedup": 1.0}
 """flash-attention 4 on an H200 (2026-11-22, benchmarks/results): 609 TFLOP/s causal forward +

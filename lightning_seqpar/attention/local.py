@@ -16,22 +16,36 @@ fused kernels get K/V heads repeated locally, after communication, when the kern
 square block (Sq == Sk): the diagonal blocks of a causal sequence.
 
 Backends:
-    "cudnn"      torch SDPA cuDNN kernels (fastest on H100/H200 in bf16/fp16)
+    "cudnn"      torch SDPA cuDNN kernels (bf16/fp16, Hopper+; fast, but see Note [Choosing the
+                 local kernel]: only when asked for by name)
     "flash"      torch SDPA flash-attention-2 kernels (bf16/fp16, CUDA)
     "efficient"  torch SDPA memory-efficient kernels (CUDA, also fp32)
     "math"       pure torch, fp32 accumulation; CPU, and the reference
     "fa4"        flash-attention 4 (Dao-AILab ``flash-attn-4``, CuTe DSL) on Hopper / Blackwell,
                  bf16/fp16, head dims 8..256 (multiples of 8); native GQA, returns the LSE
-    "auto"       the fastest available for the device, dtype and head dim: fa4 when installed,
-                 else cudnn (Note [Choosing the local kernel])
+    "auto"       the fastest of the kernels whose gradients are as exact as torch SDPA's for the
+                 device, dtype and head dim: fa4 when installed, else flash (Note [Choosing the
+                 local kernel])
 
 Note [Choosing the local kernel]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every distributed algorithm spends most of its time in these two calls, so the local kernel sets
 the ceiling. Measured on one H200 (bf16, causal fwd+bwd, H = 32, D = 128, 8K-128K): flash-attn 4
-603-623 TFLOP/s, cuDNN SDPA 530-546, torch's flash-attention-2 ~320. FA4 is an optional
-dependency (``pip install flash-attn-4``); without it "auto" is cuDNN. Both take the merged
-(final) lse in backward, as the algorithms need. Varlen blocks (packed documents) also use FA4
+603-623 TFLOP/s, cuDNN SDPA 530-546, torch's flash-attention-2 ~320 (one H100, D = 128, 8K-32K:
+cuDNN 499-555, flash-attention-2 275-302). FA4 is an optional dependency (``pip install
+flash-attn-4``); without it "auto" is flash-attention-2, not cuDNN, although cuDNN is faster:
+cuDNN's BACKWARD kernel (torch 2.11, cuDNN 9 on an H100, bf16) gives the attention layers of
+models with partial rotary embeddings gradients far less exact than every other kernel. Measured
+on one H100 (Qwen3-Next-shaped and Bamba-shaped transformers models, S = 4096, bf16 autocast,
+against the same model in fp32): q_norm / q_proj / k_proj gradients 0.37-0.45 from fp32 with
+cuDNN, 0.013-0.017 with flash-attention-2, FA4, the memory-efficient kernel and the pure-torch
+one, and 0.012-0.024 for transformers' own SDPA run; cuDNN's forward with flash-attention-2's
+backward is as exact as the others, and Llama / Qwen3 (full rotary) are as exact with cuDNN too.
+The same kernel given the captured q, k, v and dout alone is as exact as the others, so the error
+is systematic (it adds up over the tokens in the weight gradients), not a large error per
+element. A kernel whose gradient is wrong for some models without saying so is not a default;
+cuDNN stays available as ``backend="cudnn"`` for models a user has checked. Every kernel takes
+the merged (final) lse in backward, as the algorithms need. Varlen blocks (packed documents) also use FA4
 when installed (``cu_seqlens``), else torch's flash-attention-2 varlen kernel.
 
 Packed documents (``varlen``): the block's rows are flattened over the batch into segments
@@ -82,7 +96,8 @@ def fa4_supports(head_dim: int, head_dim_v: int | None = None, major: int = 9) -
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> tuple[str, ...]:
-    """Concrete backends that can run on ``device`` for ``dtype`` (and ``head_dim``), fastest first."""
+    """Concrete backends that can run on ``device`` for ``dtype`` (and ``head_dim``), in the order "auto"
+    prefers them: the fastest exact one first (cuDNN after flash-attention-2: Note [Choosing the local kernel])."""
     device = torch.device(device)
     if device.type != "cuda":
         return ("math",)
@@ -91,10 +106,10 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
     major, _ = torch.cuda.get_device_capability(device)
     if half and major in (9, 10) and (head_dim is None or fa4_supports(head_dim, major=major)) and _fa4_installed():
         out.append("fa4")
-    if half and major >= 9 and torch.backends.cudnn.is_available():
-        out.append("cudnn")
     if half and major >= 8:
         out.append("flash")
+    if half and major >= 9 and torch.backends.cudnn.is_available():
+        out.append("cudnn")
     out.append("efficient")
     out.append("math")
     return tuple(out)
