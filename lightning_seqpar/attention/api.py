@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.attention.checks import check_qkv_tensors, check_ranks_agree
+from lightning_seqpar.agreement import RankAgreement, check_ranks_agree
+from lightning_seqpar.attention.checks import check_qkv_tensors
 from lightning_seqpar.attention.lasp import LASP_OPS
 from lightning_seqpar.attention.allgather import (
     _global_order,
@@ -431,6 +432,7 @@ def sequence_parallel_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     chunk_size: int | None = None,
+    agreement: RankAgreement | None = None,
 ) -> Tensor:
     """Exact attention of sequence-sharded ``q, k, v`` — the same result as attention on the
     full sequence, sharded the same way.
@@ -465,13 +467,15 @@ def sequence_parallel_attention(
         chunk_size: chunked attention (Llama 4): query i sees keys j with i // chunk_size ==
             j // chunk_size (and j <= i when causal), global positions. With ``documents`` both
             masks hold. None: none. Note [Attention variants] in ``lightning_seqpar/attention/variants.py``.
+        agreement: a :class:`lightning_seqpar.agreement.RankAgreement` that the caller keeps across calls: the
+            ranks' inputs are compared until a call on ``mesh`` agrees, then not again (None: on every call).
 
     Returns:
         ``[B, S_local, H_q, D]`` in the dtype of ``q``. Differentiable in ``q, k, v``.
 
     Raises:
         ValueError: naming the argument, before any communication, for any input it does not take;
-            and on every rank, on the first call on ``mesh``, when the ranks passed different shapes or
+            and on every rank, on a call that compares them (``agreement``), when the ranks passed different shapes or
             options (one small all-gather; Note [Inputs that differ across ranks] in ``lightning_seqpar/agreement.py``).
     """
     _check_qkv(q, k, v)
@@ -490,7 +494,7 @@ def sequence_parallel_attention(
         dtype=_DTYPE_CODES.get(q.dtype, 0), algorithm=ALGORITHMS.index(algorithm), causal=int(causal), layout=LAYOUTS.index(layout),
         scale=sc, inner_ring_size=inner, head_chunks=head_chunks, documents=int(docs is not None), window=var.window,
         chunk_size=var.chunk, softcap=var.softcap, sinks=int(sinks is not None),
-        sinks_sum=0.0 if sinks is None else float(sinks.detach().double().sum())), q.device, "sequence_parallel_attention")
+        sinks_sum=0.0 if sinks is None else float(sinks.detach().double().sum())), q.device, "sequence_parallel_attention", agreement)
     opts = (var.window, var.chunk, var.softcap)
 
     if algorithm in ("ring", "allgather"):
@@ -598,15 +602,20 @@ class Attention(nn.Module):
         self.backend: str = "auto"
         self.inner_ring_size: int | None = None
         self.head_chunks: int = 1
+        self.agreement = RankAgreement()
 
     def configure(self, *, mesh: DeviceMesh | None, algorithm: Algorithm = "ring", layout: str = "zigzag",
-                  backend: str = "auto", inner_ring_size: int | None = None, head_chunks: int = 1) -> None:
-        """Run sequence-parallel attention over ``mesh`` (None: back to local attention)."""
+                  backend: str = "auto", inner_ring_size: int | None = None, head_chunks: int = 1,
+                  agreement: RankAgreement | None = None) -> None:
+        """Run sequence-parallel attention over ``mesh`` (None: back to local attention). ``agreement``: shared by
+        the modules of one model (``apply_attention``), so that the ranks' inputs are compared on the first call of
+        the first layer only (Note [Inputs that differ across ranks]); None: a new one for this module."""
         if mesh is not None:
             _check_options(self.causal, layout, algorithm)
             _mesh_dims(mesh, algorithm)
         self.mesh, self.algorithm, self.layout, self.backend, self.inner_ring_size = mesh, algorithm, layout, backend, inner_ring_size
         self.head_chunks = head_chunks
+        self.agreement = agreement if agreement is not None else RankAgreement()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None, *, window: int | None = None,
                 softcap: float | None = None, sinks: Tensor | None = None, chunk_size: int | None = None) -> Tensor:
@@ -620,7 +629,7 @@ class Attention(nn.Module):
         return sequence_parallel_attention(q, k, v, mesh=self.mesh, algorithm=self.algorithm, causal=self.causal,  # type: ignore[arg-type]
                                            layout=self.layout, scale=self.scale, backend=self.backend,  # type: ignore[arg-type]
                                            inner_ring_size=self.inner_ring_size, documents=documents,
-                                           head_chunks=self.head_chunks, **variant)
+                                           head_chunks=self.head_chunks, agreement=self.agreement, **variant)
 
     def extra_repr(self) -> str:
         where = "local" if self.mesh is None else f"{self.algorithm}, layout={self.layout}, mesh={tuple(self.mesh.shape)}"

@@ -177,6 +177,11 @@ class HFCausalLM(nn.Module):
                 f"and its recurrent mixers ({', '.join(sorted(set(self._recurrent_mixers)))}) would carry their state across "
                 "document boundaries (the reset is not implemented): train this model on unpacked sequences (one document "
                 "per sample, no document_ids, position_ids 0..S-1)")
+        if current_documents() is not None and getattr(self.hf, "is_gradient_checkpointing", False) and torch.is_grad_enabled():
+            raise documents_error(  # Note [Per-call state]: its recomputation in backward would not see them
+                f"HFCausalLM ({type(self.hf).__name__})",
+                "which the model's own gradient checkpointing would recompute without (backward may run in another thread): "
+                "call gradient_checkpointing_disable() and use SequenceParallelStrategy(activation_checkpointing=...)")
         if sp > 1:
             for layer in self._attention_layers:
                 check_sharded_layer(layer)
