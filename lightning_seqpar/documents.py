@@ -28,7 +28,7 @@ Attention between a half of rank r (piece a of every document) and a half of ran
 is then the same for every document: piece b < a is wholly before piece a (no mask), b == a
 is the causal diagonal, b > a is wholly after (skipped). Each such pair is one variable-length
 ("varlen") kernel call whose segments are the documents (cu_seqlens from the piece lengths);
-see ``lightning_seqpar.attention.documents``. One rank (W = 1) keeps every document whole (P = 1).
+see ``lightning_seqpar.attention.varlen``. One rank (W = 1) keeps every document whole (P = 1).
 
 The ``PackedDocuments`` of a batch is small ([B, N, P] piece lengths on the CPU); every rank
 computes it from the full batch, before sharding, so no communication is needed.
@@ -48,7 +48,7 @@ from torch import Tensor
 __all__ = ["PackedDocuments", "current_documents", "packed_documents", "run_with_documents", "set_current_documents"]
 
 
-def _segments(starts: Tensor, lengths: Tensor) -> Tensor:
+def segment_indices(starts: Tensor, lengths: Tensor) -> Tensor:
     """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])`` without a Python loop."""
     starts, lengths = starts.reshape(-1), lengths.reshape(-1)
     total = int(lengths.sum())
@@ -56,7 +56,7 @@ def _segments(starts: Tensor, lengths: Tensor) -> Tensor:
     return torch.repeat_interleave(starts - before, lengths, output_size=total) + torch.arange(total)
 
 
-def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
+def exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
     return torch.cumsum(x, dim) - x
 
 
@@ -142,7 +142,7 @@ class PackedDocuments:
         """``[B, S]`` position of every token within its document (0 at each document start)."""
         out = []
         for lengths in self.lengths:
-            starts = _exclusive_cumsum(lengths, 0)
+            starts = exclusive_cumsum(lengths, 0)
             out.append(torch.arange(self.seq_len) - torch.repeat_interleave(starts, lengths, output_size=self.seq_len))
         return torch.stack(out).to(device)
 
@@ -156,11 +156,11 @@ class PackedDocuments:
         """``[B, S / world]``: positions (in the sample) of ``rank``'s tokens, in local order."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank={rank} must be in [0, {self.world})")
-        piece_starts = _exclusive_cumsum(self.pieces, 2) + _exclusive_cumsum(self.lengths, 1).unsqueeze(-1)  # [B, N, P]
+        piece_starts = exclusive_cumsum(self.pieces, 2) + exclusive_cumsum(self.lengths, 1).unsqueeze(-1)  # [B, N, P]
         halves = (0,) if self.num_pieces == 1 else (0, 1)
         rows = []
         for b in range(self.batch):
-            parts = [_segments(piece_starts[b, :, self.piece_of(rank, h)], self.pieces[b, :, self.piece_of(rank, h)]) for h in halves]
+            parts = [segment_indices(piece_starts[b, :, self.piece_of(rank, h)], self.pieces[b, :, self.piece_of(rank, h)]) for h in halves]
             rows.append(torch.cat(parts))
         return torch.stack(rows)
 
@@ -210,7 +210,7 @@ class PackedDocuments:
 def _split_pieces(lengths: Tensor, P: int) -> Tensor:
     """``[B, N, P]`` piece lengths: L // P each, the L % P leftovers at cyclically advancing piece indices."""
     q, m = lengths // P, lengths % P
-    cursor = _exclusive_cumsum(m, 1) % P  # [B, N]: where this document's leftovers start
+    cursor = exclusive_cumsum(m, 1) % P  # [B, N]: where this document's leftovers start
     p = torch.arange(P)
     extra = ((p.view(1, 1, P) - cursor.unsqueeze(-1)) % P) < m.unsqueeze(-1)
     return q.unsqueeze(-1) + extra.long()

@@ -52,8 +52,8 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS
-from lightning_seqpar.attention.cost import COST_ALGORITHMS, AttentionPlan, DeviceProfile, choose_attention
+from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS, Algorithm
+from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.attention.local import available_backends, resolve_backend
 from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
@@ -78,7 +78,7 @@ from lightning_seqpar.warmup import warm_up_backward_handles
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-AttentionChoice = Literal["ring", "allgather", "ulysses", "2d", "lasp", "auto"]
+AttentionChoice = Literal[Algorithm, "lasp", "auto"]
 ActivationCheckpointingChoice = Literal["selective++", "full"]
 
 
@@ -579,12 +579,12 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     def _auto_candidates(self) -> tuple[str, ...]:
         """The algorithms attention="auto" may pick: those that take the options the user set
         (head_chunks > 1: ring or all-gather; inner_ring_size: ring or 2D)."""
-        allowed = set(COST_ALGORITHMS)
+        allowed = set(ALGORITHMS)
         if self.head_chunks > 1:
             allowed &= {"ring", "allgather"}
         if self.inner_ring_size is not None:
             allowed &= {"ring", "2d"}
-        return tuple(a for a in COST_ALGORITHMS if a in allowed)
+        return tuple(a for a in ALGORITHMS if a in allowed)
 
     def _plan_attention(self, shape: tuple[int, int, int] | None, *, sp: int, head_parallel_size: int | None,
                         placement: str | None = None) -> AttentionPlan | None:

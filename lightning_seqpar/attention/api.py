@@ -26,10 +26,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.agreement import RankAgreement, check_ranks_agree
+from lightning_seqpar.attention.algorithms import ALGORITHMS, Algorithm
 from lightning_seqpar.attention.checks import check_qkv_tensors
+from lightning_seqpar.attention.comm import kv_repeat, process_group
 from lightning_seqpar.attention.lasp import LASP_OPS
 from lightning_seqpar.attention.allgather import (
-    _global_order,
+    global_order,
     allgather_backward,
     allgather_forward,
     doc_gathered_backward,
@@ -38,25 +40,16 @@ from lightning_seqpar.attention.allgather import (
     gathered_forward,
     to_rank_order,
 )
-from lightning_seqpar.attention.documents import DocSegments, reorder, sample_order
+from lightning_seqpar.attention.varlen import DocSegments, reorder, sample_order
 from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward, default_scale, resolve_backend
 from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import new_accumulators
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
 from lightning_seqpar.attention.two_d import two_d_attention
-from lightning_seqpar.attention.ulysses import kv_repeat
 from lightning_seqpar.attention.variants import Variant, check_variant_args, fold_sinks, local_mask, sinks_grad
 from lightning_seqpar.documents import PackedDocuments, current_documents
 from lightning_seqpar.sharding import LAYOUTS
 
-Algorithm = Literal["ring", "allgather", "ulysses", "2d"]
-ALGORITHMS: tuple[str, ...] = ("ring", "allgather", "ulysses", "2d")
-
-
-def _group(name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
 
 
 def _local_docs_forward(q, k, v, causal, scale, backend, docs):
@@ -127,14 +120,14 @@ def _forward(q, k, v, algorithm, group, causal, layout, scale, backend, inner, d
         if docs is not None:
             return _local_docs_forward(q, k, v, causal, scale, backend, docs)
         return block_forward(q, k, v, causal=causal, scale=scale, backend=backend)
-    pg = _group(group)
+    pg = process_group(group)
     if algorithm == "gathered":
         if var is not None:
             raise ValueError("gathered_kv_attention takes no window, chunk_size or softcap")
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
         if docs is not None:
             return doc_gathered_forward(q, torch.stack([k, v]), rank=rank, world=world, causal=causal, scale=scale, backend=backend, docs=docs)
-        kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
+        kv = torch.stack([k, v]).index_select(2, global_order(world, layout, q.shape[1], q.device))
         return gathered_forward(q, kv, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
     if algorithm == "ring":
         return ring_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, inner=inner or None, docs=docs,
@@ -171,20 +164,20 @@ def _backward_impl(dout, q, k, v, out, lse, algorithm, group, causal, layout, sc
             return _local_docs_backward(dout, q, k, v, out, lse, causal, scale, backend, docs)
         return block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
     if algorithm == "gathered":
-        pg = _group(group)
+        pg = process_group(group)
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
         if docs is not None:
             dq, dkv = doc_gathered_backward(dout, q, torch.stack([k, v]), out, lse, rank=rank, world=world, causal=causal, scale=scale,
                                             backend=backend, docs=docs)
         else:
-            kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
+            kv = torch.stack([k, v]).index_select(2, global_order(world, layout, q.shape[1], q.device))
             dq, dkv = gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
             dkv = to_rank_order(dkv, world, layout, q.shape[1], dim=2)
         return dq, dkv[0], dkv[1]
     if algorithm == "ring":
-        return ring_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout, scale=scale,
+        return ring_backward(dout, q, k, v, out, lse, group=process_group(group), causal=causal, layout=layout, scale=scale,
                              backend=backend, inner=inner or None, docs=docs, variant=var)
-    return allgather_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout,
+    return allgather_backward(dout, q, k, v, out, lse, group=process_group(group), causal=causal, layout=layout,
                               scale=scale, backend=backend, docs=docs, variant=var)
 
 
@@ -346,8 +339,8 @@ def _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size) -> None:
     if hp > 1 and h_q % hp:
         what = "sequence-parallel size" if algorithm == "ulysses" else "hp size"
         raise ValueError(f"algorithm={algorithm!r}: the number of query heads (q.shape[2]={h_q}) must be divisible by the {what} ({hp})")
-    if hp > 1:
-        kv_repeat(h_q, h_kv, hp)  # always succeeds when hp | h_q; kept as the invariant's check
+    if hp > 1 and kv_repeat(h_q, h_kv, hp) is None:  # never when hp | h_q; kept as the invariant's check
+        raise ValueError(f"cannot split {h_q} query heads / {h_kv} key-value heads over {hp} head-parallel ranks")
     # zigzag cuts the global sequence into 2 * hp * cp equal chunks: every local shard is two of them
     # (with one rank in the layout's dimension both layouts are the identity; Ulysses runs on a 1-D
     # mesh whose W ranks hold the layout's shards)
@@ -570,7 +563,7 @@ def _gathered_local(world: int, s_local: int, causal: bool, layout: str, scale: 
             return torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, docs, 1, *opts, sinks)[0]
         reorder = layout == "zigzag" and (causal or any(opts))
         if reorder:  # rank order -> global order, so the masks over positions are the plain ones
-            order = _global_order(world, layout, s_local, qh.device)
+            order = global_order(world, layout, s_local, qh.device)
             qh, kh, vh = (x.index_select(1, order) for x in (qh, kh, vh))
         out = torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, None, 1, *opts, sinks)[0]
         if reorder:
