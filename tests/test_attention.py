@@ -48,7 +48,7 @@ def _cases(heads=HEAD_CONFIGS, rotate: int | None = None):
 
 
 def _forbidden(algorithm: str, mesh, h_q: int, h_kv: int = 1, head_chunks: int = 1) -> bool:
-    """Head counts the algorithm's rules reject (DESIGN.md / the API contract)."""
+    """Head counts the algorithm's rules reject (the API contract of sequence_parallel_attention)."""
     hp, _, cp, _ = mesh_coords(mesh)
     if h_kv % head_chunks:
         return True
