@@ -7,6 +7,7 @@ Public names:
   the strategy.
 * :class:`Attention` — a parameter-free module that models call; ``configure`` (used by
   ``lightning_seqpar.parallelize.apply_attention``) switches it from local to distributed.
+* :class:`AttentionSpec`, :func:`attention_op` — what one call of the attention op runs, and the call.
 * :data:`ATTENTION_OPS` — the custom ops whose outputs Selective Checkpoint++ saves.
 * :class:`LinearAttention`, :func:`lasp_attention`, :func:`linear_attention`,
   :func:`linear_attention_chunked`, :data:`LASP_OPS` — linear attention with decay and LASP
@@ -21,6 +22,8 @@ from lightning_seqpar.attention.algorithms import ALGORITHMS, OP_KINDS, Algorith
 from lightning_seqpar.attention.api import (
     ATTENTION_OPS,
     Attention,
+    AttentionSpec,
+    attention_op,
     gathered_kv_attention,
     local_attention,
     sequence_parallel_attention,
@@ -40,6 +43,7 @@ __all__ = [
     "ATTENTION_OPS",
     "Algorithm",
     "Attention",
+    "AttentionSpec",
     "BACKENDS",
     "LASP_OPS",
     "LASP_VARIANTS",
@@ -49,6 +53,7 @@ __all__ = [
     "lasp_attention",
     "linear_attention",
     "linear_attention_chunked",
+    "attention_op",
     "available_backends",
     "gathered_kv_attention",
     "local_attention",

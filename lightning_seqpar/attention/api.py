@@ -18,6 +18,7 @@ torch's own registry. Ulysses and the head dimension of 2D use torch's functiona
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.agreement import RankAgreement, check_ranks_agree
-from lightning_seqpar.attention.algorithms import ALGORITHMS, Algorithm
+from lightning_seqpar.attention.algorithms import ALGORITHMS, Algorithm, OpKind
 from lightning_seqpar.attention.checks import check_qkv_tensors
 from lightning_seqpar.attention.comm import kv_repeat, process_group
 from lightning_seqpar.attention.lasp import LASP_OPS
@@ -269,7 +270,42 @@ def _backward(ctx, dout, _dlse):
     return (dq, dk, dv, *grads)
 
 
-_SINKS = 12  # position of ``sinks`` among the op's arguments after (q, k, v)
+_SINKS = 12  # position of ``sinks`` among the op's arguments after (q, k, v): see attention_op
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one call of the attention op runs, besides its tensors (q, k, v, the documents' piece lengths, the sinks).
+
+    Built once per call of an entry point (``local_attention``, ``sequence_parallel_attention``,
+    ``gathered_kv_attention``) from its checked arguments, and hashable. ``kind``: what the op call
+    runs (``lightning_seqpar.attention.algorithms.OpKind``); ``group``: the process group's name ("" for
+    "local"); ``inner_ring_size``: 0 for one ring; ``window`` / ``chunk_size`` / ``softcap``: 0 for none
+    (Note [Attention variants]).
+    """
+
+    kind: OpKind
+    causal: bool
+    layout: str
+    scale: float
+    backend: str
+    group: str = ""
+    inner_ring_size: int = 0
+    head_chunks: int = 1
+    window: int = 0
+    chunk_size: int = 0
+    softcap: float = 0.0
+
+
+def attention_op(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, docs: Tensor | None = None,
+                 sinks: Tensor | None = None) -> Tensor:
+    """``seqpar::attn_fwd`` for ``spec``: the one place that turns a spec into the op's arguments. A torch.library
+    custom op takes only tensors, numbers and strings, so its schema stays positional (Note [Custom ops]):
+    (q, k, v, kind, group, causal, layout, scale, backend, inner_ring_size, docs, head_chunks, window,
+    chunk_size, softcap, sinks); ``_SINKS`` is the position of ``sinks`` after (q, k, v)."""
+    return torch.ops.seqpar.attn_fwd(q, k, v, spec.kind, spec.group, spec.causal, spec.layout, spec.scale, spec.backend,
+                                     spec.inner_ring_size, docs, spec.head_chunks, spec.window, spec.chunk_size, spec.softcap,
+                                     sinks)[0]
 
 
 torch.library.register_autograd("seqpar::attn_fwd", _backward, setup_context=_setup_context)
@@ -394,8 +430,9 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, sca
     var = check_variant_args(causal=causal, window=window, softcap=softcap, chunk_size=chunk_size, sinks=sinks, h_q=q.shape[2])
     docs = _check_documents(documents, q, "zigzag", "ring", 1, 1)
     be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
-    return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, "zigzag", default_scale(q.shape[-1], scale), be, 0, docs, 1,
-                                     var.window, var.chunk, var.softcap, _sinks_on(sinks, q))[0]
+    spec = AttentionSpec(kind="local", causal=causal, layout="zigzag", scale=default_scale(q.shape[-1], scale), backend=be,
+                         window=var.window, chunk_size=var.chunk, softcap=var.softcap)
+    return attention_op(q, k, v, spec, docs=docs, sinks=_sinks_on(sinks, q))
 
 
 def _sinks_on(sinks: Tensor | None, q: Tensor, heads: slice = slice(None)) -> Tensor | None:
@@ -488,28 +525,28 @@ def sequence_parallel_attention(
         scale=sc, inner_ring_size=inner, head_chunks=head_chunks, documents=int(docs is not None), window=var.window,
         chunk_size=var.chunk, softcap=var.softcap, sinks=int(sinks is not None),
         sinks_sum=0.0 if sinks is None else float(sinks.detach().double().sum())), q.device, "sequence_parallel_attention", agreement)
-    opts = (var.window, var.chunk, var.softcap)
+    local = AttentionSpec(kind="local", causal=causal, layout=layout, scale=sc, backend=be, window=var.window,
+                          chunk_size=var.chunk, softcap=var.softcap)
 
     if algorithm in ("ring", "allgather"):
         if cp == 1:
-            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs, head_chunks, *opts, sinks)[0]
-        return torch.ops.seqpar.attn_fwd(q, k, v, algorithm, _group_name(mesh), causal, layout, sc, be, inner, docs, head_chunks, *opts,
-                                         sinks)[0]
+            return attention_op(q, k, v, replace(local, head_chunks=head_chunks), docs=docs, sinks=sinks)
+        spec = replace(local, kind=algorithm, group=_group_name(mesh), inner_ring_size=inner, head_chunks=head_chunks)
+        return attention_op(q, k, v, spec, docs=docs, sinks=sinks)
 
     hp_rank = mesh.get_local_rank() if algorithm == "ulysses" else mesh.get_local_rank("hp")
     heads = slice(hp_rank * (q.shape[2] // hp), (hp_rank + 1) * (q.shape[2] // hp))  # the query heads this rank attends for
     local_sinks = _sinks_on(sinks, q, heads)
     if algorithm == "ulysses":
         if hp == 1:
-            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs, 1, *opts, sinks)[0]
+            return attention_op(q, k, v, local, docs=docs, sinks=sinks)
         return two_d_attention(q, k, v, hp=hp, hp_group=_group_name(mesh),
-                               inner_attention=_gathered_local(hp, q.shape[1], causal, layout, sc, be, docs, var, local_sinks))
+                               inner_attention=_gathered_local(hp, q.shape[1], local, docs, local_sinks))
 
-    cp_group = _group_name(mesh, "cp") if cp > 1 else ""
+    ring = replace(local, kind="ring", group=_group_name(mesh, "cp"), inner_ring_size=inner) if cp > 1 else replace(local, inner_ring_size=inner)
 
     def ring_over_cp(qh, kh, vh):
-        alg = "ring" if cp > 1 else "local"
-        return torch.ops.seqpar.attn_fwd(qh, kh, vh, alg, cp_group, causal, layout, sc, be, inner, docs, 1, *opts, local_sinks)[0]
+        return attention_op(qh, kh, vh, ring, docs=docs, sinks=local_sinks)
 
     if hp == 1:
         return ring_over_cp(q, k, v)
@@ -548,24 +585,24 @@ def gathered_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, 
     docs = _check_documents(documents, q, layout, "allgather", 1, cp)
     be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
+    local = AttentionSpec(kind="local", causal=causal, layout=layout, scale=sc, backend=be)
     if cp == 1:
-        return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs)[0]
-    return torch.ops.seqpar.attn_fwd(q, k, v, "gathered", _group_name(mesh), causal, layout, sc, be, 0, docs)[0]
+        return attention_op(q, k, v, local, docs=docs)
+    return attention_op(q, k, v, replace(local, kind="gathered", group=_group_name(mesh)), docs=docs)
 
 
-def _gathered_local(world: int, s_local: int, causal: bool, layout: str, scale: float, backend: str, docs: Tensor | None = None,
-                    var: Variant | None = None, sinks: Tensor | None = None):
-    """Local attention over the whole sequence gathered in rank order (Ulysses); ``var``, ``sinks``: of this rank's heads."""
-    opts = (0, 0, 0.0) if var is None else (var.window, var.chunk, var.softcap)
+def _gathered_local(world: int, s_local: int, spec: AttentionSpec, docs: Tensor | None = None, sinks: Tensor | None = None):
+    """Local attention (``spec``, of kind "local") over the whole sequence gathered in rank order (Ulysses); ``sinks``:
+    of this rank's heads."""
 
     def attend(qh, kh, vh):
         if docs is not None:  # the op puts the rank-ordered documents in order itself
-            return torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, docs, 1, *opts, sinks)[0]
-        reorder = layout == "zigzag" and (causal or any(opts))
+            return attention_op(qh, kh, vh, spec, docs=docs, sinks=sinks)
+        reorder = spec.layout == "zigzag" and (spec.causal or bool(spec.window or spec.chunk_size or spec.softcap))
         if reorder:  # rank order -> global order, so the masks over positions are the plain ones
-            order = global_order(world, layout, s_local, qh.device)
+            order = global_order(world, spec.layout, s_local, qh.device)
             qh, kh, vh = (x.index_select(1, order) for x in (qh, kh, vh))
-        out = torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, None, 1, *opts, sinks)[0]
+        out = attention_op(qh, kh, vh, spec, sinks=sinks)
         if reorder:
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=order.device)
