@@ -58,6 +58,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_seqpar.agreement import RankAgreement
 from lightning_seqpar.attention import local_attention, sequence_parallel_attention
 from lightning_seqpar.attention.cost import DeviceProfile, causal_flops, choose_attention, estimate_attention
 
@@ -212,9 +213,11 @@ def timed(step, iters: int, warmup: int, device: torch.device) -> tuple[float, f
 
 
 def seqpar_step(mesh, s: System, q, k, v, do, backend: str):
+    agreed = RankAgreement()  # the ranks' inputs are compared on the first (warm-up) call only, as an Attention module does
+
     def step():
         out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm=s.base, causal=True, layout="zigzag",  # type: ignore[arg-type]
-                                          backend=backend, inner_ring_size=s.inner, head_chunks=s.chunks)
+                                          backend=backend, inner_ring_size=s.inner, head_chunks=s.chunks, agreement=agreed)
         out.backward(do)
         q.grad = k.grad = v.grad = None
     return step

@@ -18,9 +18,9 @@ per run plus the run's result lines to ``DIR/<suite>.log`` (full logs in ``DIR/l
 
 Note [Carrying flash-attention 4]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The GPU machine has no internet; flash-attention 4 and its CuTe DSL wheels come from
-``bash ../shared/tools/fa4_wheels.sh`` as two folders, ``.whl/`` and ``.whl2/`` (the largest wheel split
-in two), each under the 64 MiB a call may carry. So it takes two calls on one warm machine:
+The GPU machine has no internet; flash-attention 4 and its CuTe DSL wheels (``pip download
+flash-attn-4`` on a machine with internet) come as two folders, ``.whl/`` and ``.whl2/`` (the largest
+wheel split in two), each under the 64 MiB a call may carry. So it takes two calls on one warm machine:
 
     call 1, carry [".whl"]:   python -m benchmarks fa4            # copies .whl/* to /tmp/whl
     call 2, carry [".whl2"]:  python -m benchmarks run SUITE ...  # joins the split wheel, installs into /tmp/site

@@ -14,7 +14,9 @@ import torch.distributed as dist
 # buffer. So the first call on a mesh gathers every rank's signature (shapes, dtype, options: a few
 # numbers, all-gathered along mesh dimension 0, then that block along dimension 1, ..., so every
 # rank ends with the whole mesh's through the same collectives whatever it holds), and every rank
-# raises the same ValueError if they differ. Once per mesh and process, until a call agrees: later
+# raises the same ValueError if they differ. A caller that calls again and again (an ``Attention``
+# module: ``apply_attention`` gives all of a model's modules one) keeps a ``RankAgreement``: with
+# it, the check runs on a mesh until a call agrees and not after; without one, on every call. Later
 # calls are not checked, since a rank cannot know without communicating whether the others' shapes
 # changed with its own (checking each new signature would let one rank check while another skips,
 # and hang). A rank that fails a local check while the others pass is not caught either (they wait
@@ -22,18 +24,34 @@ import torch.distributed as dist
 # always give every rank the same shapes. Each entry point (``what``) has its own first call and a
 # fixed set of fields (the gathered tensors must have one size on every rank). Nothing runs while
 # torch.compile traces (the check is for the eager first call), and none on a one-rank mesh.
-_AGREED: set[tuple] = set()
 
 
-def check_ranks_agree(mesh, fields: Callable[[], dict[str, float]], device: torch.device, what: str) -> None:
-    """Every rank of ``mesh`` passed the same ``fields()`` (name -> number), or the same ValueError on all of them;
-    checked until the first call on ``mesh`` that agrees (Note [Inputs that differ across ranks]). ``fields``
-    is a callable so that the calls after that (hot paths: every attention layer) build nothing."""
+class RankAgreement:
+    """The (entry point, mesh) pairs whose ranks agreed (Note [Inputs that differ across ranks]): owned by the
+    caller that calls on one mesh again and again (an ``Attention`` module), so that only its first calls
+    communicate; the state lives as long as that caller."""
+
+    def __init__(self) -> None:
+        self._agreed: set[tuple[str, ...]] = set()
+
+    def __contains__(self, key: tuple[str, ...]) -> bool:
+        return key in self._agreed
+
+    def add(self, key: tuple[str, ...]) -> None:
+        self._agreed.add(key)
+
+
+def check_ranks_agree(mesh, fields: Callable[[], dict[str, float]], device: torch.device, what: str,
+                      agreement: RankAgreement | None = None) -> None:
+    """Every rank of ``mesh`` passed the same ``fields()`` (name -> number), or the same ValueError on all of them
+    (Note [Inputs that differ across ranks]). With ``agreement``: checked until the first call on ``mesh`` that
+    agrees, and not after (``fields`` is a callable so that those later calls, hot paths, build nothing);
+    without: on this call."""
     if mesh.size() == 1 or torch.compiler.is_compiling():
         return
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
     key = (what, *(g.group_name for g in groups))
-    if key in _AGREED:
+    if agreement is not None and key in agreement:
         return
     values = fields()
     names = list(values)
@@ -55,7 +73,8 @@ def check_ranks_agree(mesh, fields: Callable[[], dict[str, float]], device: torc
             "lightning_seqpar.sharding.shard_sequence (pad the sequence to a multiple of 2 * sequence-parallel size "
             "for the zigzag layout)"
         )
-    _AGREED.add(key)
+    if agreement is not None:
+        agreement.add(key)
 
 
 def _num(x: float) -> float | int:

@@ -73,6 +73,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_seqpar.attention import ATTENTION_OPS
+from lightning_seqpar.documents import current_documents, run_with_documents
 
 ActivationCheckpointing = Literal["selective++", "full"]
 AC_MODES: tuple[str, ...] = ("selective++", "full")
@@ -160,9 +161,11 @@ class HostOffload:
         return flat.view(shape)
 
 
-def _offloaded_checkpoint(fn: Callable[..., Any], *args: Any, offload: HostOffload, **kwargs: Any) -> Any:
-    with offload.hooks():
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+def _checkpoint(fn: Callable[..., Any], *args: Any, offload: HostOffload | None = None, **kwargs: Any) -> Any:
+    """Non-reentrant ``checkpoint`` of ``fn`` whose recomputation runs with this forward's packed documents
+    (Note [Per-call state] in ``lightning_seqpar.documents``: backward may run in another thread)."""
+    with offload.hooks() if offload is not None else contextlib.nullcontext():
+        return checkpoint(run_with_documents, current_documents(), fn, *args, use_reentrant=False, **kwargs)
 
 
 def checkpoint_block(
@@ -181,10 +184,7 @@ def checkpoint_block(
     kwargs: dict[str, Any] = {}
     if mode == "selective++":
         kwargs["context_fn"] = partial(_selective_context, tuple(save_ops))
-    if offload is not None:
-        return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=_offloaded_checkpoint,
-                                  offload=offload, **kwargs)
-    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=_checkpoint, offload=offload, **kwargs)
 
 
 def _sequence_tiles(fn: Callable[..., Any], x: torch.Tensor, *, chunk_size: int) -> torch.Tensor:

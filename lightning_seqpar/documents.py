@@ -28,7 +28,7 @@ Attention between a half of rank r (piece a of every document) and a half of ran
 is then the same for every document: piece b < a is wholly before piece a (no mask), b == a
 is the causal diagonal, b > a is wholly after (skipped). Each such pair is one variable-length
 ("varlen") kernel call whose segments are the documents (cu_seqlens from the piece lengths);
-see ``lightning_seqpar.attention.documents``. One rank (W = 1) keeps every document whole (P = 1).
+see ``lightning_seqpar.attention.varlen``. One rank (W = 1) keeps every document whole (P = 1).
 
 The ``PackedDocuments`` of a batch is small ([B, N, P] piece lengths on the CPU); every rank
 computes it from the full batch, before sharding, so no communication is needed.
@@ -36,18 +36,19 @@ computes it from the full batch, before sharding, so no communication is needed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
-__all__ = ["PackedDocuments", "current_documents", "packed_documents", "set_current_documents"]
+__all__ = ["PackedDocuments", "current_documents", "packed_documents", "run_with_documents", "set_current_documents"]
 
 
-def _segments(starts: Tensor, lengths: Tensor) -> Tensor:
+def segment_indices(starts: Tensor, lengths: Tensor) -> Tensor:
     """``cat([arange(s, s + n) for s, n in zip(starts, lengths)])`` without a Python loop."""
     starts, lengths = starts.reshape(-1), lengths.reshape(-1)
     total = int(lengths.sum())
@@ -55,7 +56,7 @@ def _segments(starts: Tensor, lengths: Tensor) -> Tensor:
     return torch.repeat_interleave(starts - before, lengths, output_size=total) + torch.arange(total)
 
 
-def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
+def exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
     return torch.cumsum(x, dim) - x
 
 
@@ -141,7 +142,7 @@ class PackedDocuments:
         """``[B, S]`` position of every token within its document (0 at each document start)."""
         out = []
         for lengths in self.lengths:
-            starts = _exclusive_cumsum(lengths, 0)
+            starts = exclusive_cumsum(lengths, 0)
             out.append(torch.arange(self.seq_len) - torch.repeat_interleave(starts, lengths, output_size=self.seq_len))
         return torch.stack(out).to(device)
 
@@ -155,11 +156,11 @@ class PackedDocuments:
         """``[B, S / world]``: positions (in the sample) of ``rank``'s tokens, in local order."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank={rank} must be in [0, {self.world})")
-        piece_starts = _exclusive_cumsum(self.pieces, 2) + _exclusive_cumsum(self.lengths, 1).unsqueeze(-1)  # [B, N, P]
+        piece_starts = exclusive_cumsum(self.pieces, 2) + exclusive_cumsum(self.lengths, 1).unsqueeze(-1)  # [B, N, P]
         halves = (0,) if self.num_pieces == 1 else (0, 1)
         rows = []
         for b in range(self.batch):
-            parts = [_segments(piece_starts[b, :, self.piece_of(rank, h)], self.pieces[b, :, self.piece_of(rank, h)]) for h in halves]
+            parts = [segment_indices(piece_starts[b, :, self.piece_of(rank, h)], self.pieces[b, :, self.piece_of(rank, h)]) for h in halves]
             rows.append(torch.cat(parts))
         return torch.stack(rows)
 
@@ -209,7 +210,7 @@ class PackedDocuments:
 def _split_pieces(lengths: Tensor, P: int) -> Tensor:
     """``[B, N, P]`` piece lengths: L // P each, the L % P leftovers at cyclically advancing piece indices."""
     q, m = lengths // P, lengths % P
-    cursor = _exclusive_cumsum(m, 1) % P  # [B, N]: where this document's leftovers start
+    cursor = exclusive_cumsum(m, 1) % P  # [B, N]: where this document's leftovers start
     p = torch.arange(P)
     extra = ((p.view(1, 1, P) - cursor.unsqueeze(-1)) % P) < m.unsqueeze(-1)
     return q.unsqueeze(-1) + extra.long()
@@ -239,33 +240,70 @@ def documents_error(owner: str, why: str) -> ValueError:
     return ValueError(f"{owner}: the batch holds packed documents (document_ids / position_ids restarting at 0), {why}")
 
 
-_CURRENT: PackedDocuments | None = None
+# Note [Per-call state]
+# ~~~~~~~~~~~~~~~~~~~~~
+# The packed documents of a batch are needed deep inside the model (every ``Attention`` module,
+# ``HFCausalLM``'s checks) but are not an argument of the model's forward. They travel in one
+# ``contextvars.ContextVar`` (``_DOCUMENTS`` below, whose value belongs to the thread / context
+# that set it; the module holds only the handle, no state):
+#
+# * set: by ``SequenceParallelStrategy`` for every batch it shards, and by ``CausalLMModule`` for
+#   every batch outside the strategy, with :func:`set_current_documents` (the batch's documents,
+#   or None when it has none); by code of one's own with ``with packed_documents(docs): ...``,
+#   which restores the value before it on exit.
+# * read: with :func:`current_documents` at FORWARD time (``Attention.forward``; the strategy's
+#   ``gather_sequence``; callbacks of the same step). The attention op receives the documents'
+#   piece lengths as an argument and autograd saves them with the other inputs, so its backward
+#   reads nothing.
+# * captured for backward: activation checkpointing recomputes a block in backward, and on a GPU
+#   the autograd engine runs backward in its own threads, where a ContextVar has its default
+#   (None). So ``lightning_seqpar.checkpointing`` runs every checkpointed block through
+#   :func:`run_with_documents` with the documents read at forward time: the recomputation masks
+#   by the same documents whatever thread it runs in (under torch.compile the recomputation is a
+#   replay of the traced graph, whose inputs already hold them). A checkpoint of one's own around
+#   ``Attention`` modules must do the same.
+# * reset: by the next batch, and to None by the strategy's and the module's ``teardown`` (the end
+#   of every fit / validate / predict, also after a failure), so nothing outlives a run; two
+#   threads never see each other's documents.
+_DOCUMENTS: ContextVar[PackedDocuments | None] = ContextVar("lightning_seqpar.documents", default=None)
+
+
+def _checked(documents: PackedDocuments | None) -> PackedDocuments | None:
+    if documents is not None and not isinstance(documents, PackedDocuments):
+        raise ValueError(f"documents must be a PackedDocuments or None, got {type(documents).__name__}")
+    return documents
 
 
 def set_current_documents(documents: PackedDocuments | None) -> None:
-    """Make ``documents`` the packed documents that ``Attention`` modules mask by (None: no documents).
+    """Make ``documents`` the packed documents that ``Attention`` modules mask by in this context (None: no documents).
 
     ``SequenceParallelStrategy`` calls it for every batch it shards (``document_ids`` in the
-    batch, or ``position_ids`` that restart at 0) and clears it at teardown; the setting lasts
-    until the next batch, so activation-checkpoint recomputation in backward sees the same one.
+    batch, or ``position_ids`` that restart at 0) and with None at teardown; the setting lasts
+    until the next batch (Note [Per-call state]). Code of one's own uses :func:`packed_documents`.
     """
-    if documents is not None and not isinstance(documents, PackedDocuments):
-        raise ValueError(f"documents must be a PackedDocuments or None, got {type(documents).__name__}")
-    global _CURRENT
-    _CURRENT = documents
+    _DOCUMENTS.set(_checked(documents))
 
 
 def current_documents() -> PackedDocuments | None:
-    """The packed documents set by :func:`set_current_documents` (None when the batch has none)."""
-    return _CURRENT
+    """The packed documents of this context (Note [Per-call state]); None when the batch has none."""
+    return _DOCUMENTS.get()
 
 
 @contextmanager
 def packed_documents(documents: PackedDocuments | None) -> Iterator[PackedDocuments | None]:
     """``with packed_documents(docs): model(...)`` — documents for the calls inside, restored after."""
-    before = current_documents()
-    set_current_documents(documents)
+    token = _DOCUMENTS.set(_checked(documents))
     try:
         yield documents
     finally:
-        set_current_documents(before)
+        _DOCUMENTS.reset(token)
+
+
+def run_with_documents(documents: PackedDocuments | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with ``documents`` current, the value before restored after: what a checkpoint runs,
+    ``documents`` read at forward time, so that its recomputation in backward masks by them (Note [Per-call state])."""
+    token = _DOCUMENTS.set(documents)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _DOCUMENTS.reset(token)

@@ -4,7 +4,7 @@ Note [Loss normalisation under sequence parallelism]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A rank of an SP x DP group holds a shard of a sequence (and of a batch). Each rank computes the
 SUM of its token losses and divides by the GLOBAL number of valid tokens, all-reduced over the
-SP x DP ranks (DESIGN.md, "Batches, positions and the loss"):
+SP x DP ranks:
 
     loss_r = sum_{t in shard r} l_t / N_global          sum_r loss_r = mean over all tokens
 
@@ -21,12 +21,18 @@ SP x DP ranks (DESIGN.md, "Batches, positions and the loss"):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy_sum", "global_mean_loss", "token_cross_entropy_sum"]
+__all__ = ["IGNORE_INDEX", "GlobalMeanCalls", "chunked_cross_entropy_sum", "counting_global_mean_calls", "global_mean_loss",
+           "token_cross_entropy_sum"]
 
 IGNORE_INDEX = -100
 """Label value of tokens that do not count in the loss (padding, prompt, the last position)."""
@@ -186,13 +192,28 @@ def chunked_cross_entropy_sum(
     return loss_sum, (labels != ignore_index).sum()
 
 
-_GLOBAL_MEAN_CALLS = 0
-"""How often :func:`global_mean_loss` ran: ``SequenceParallelStrategy`` warns when a training step's loss did not come from it."""
+@dataclass
+class GlobalMeanCalls:
+    """How often :func:`global_mean_loss` ran inside one :func:`counting_global_mean_calls` block."""
+
+    count: int = 0
 
 
-def global_mean_loss_calls() -> int:
-    """The number of :func:`global_mean_loss` calls so far in this process."""
-    return _GLOBAL_MEAN_CALLS
+_COUNTER: ContextVar[GlobalMeanCalls | None] = ContextVar("lightning_seqpar.global_mean_calls", default=None)
+"""The counter of the innermost :func:`counting_global_mean_calls` block of this context (a handle: no state here)."""
+
+
+@contextmanager
+def counting_global_mean_calls() -> Iterator[GlobalMeanCalls]:
+    """``with counting_global_mean_calls() as calls: ...``: ``calls.count`` is the number of :func:`global_mean_loss`
+    calls inside the block (this thread / context only). ``SequenceParallelStrategy`` counts a training step's
+    calls to warn when its loss did not come from :func:`global_mean_loss`."""
+    calls = GlobalMeanCalls()
+    token = _COUNTER.set(calls)
+    try:
+        yield calls
+    finally:
+        _COUNTER.reset(token)
 
 
 def global_mean_loss(
@@ -215,8 +236,9 @@ def global_mean_loss(
         mean over every valid token. A global count of zero gives a zero loss (with a gradient of
         zero), never NaN.
     """
-    global _GLOBAL_MEAN_CALLS
-    _GLOBAL_MEAN_CALLS += 1
+    calls = _COUNTER.get()
+    if calls is not None:
+        calls.count += 1
     count = torch.as_tensor(n_valid, device=loss_sum.device).detach().to(torch.int64).clone()
     if count.ndim != 0:
         raise ValueError(f"n_valid must be a scalar count, got shape {tuple(count.shape)}")

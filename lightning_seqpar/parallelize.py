@@ -40,6 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS, Attention, LinearAttention
 from lightning_seqpar.attention.api import check_head_chunks
 from lightning_seqpar.attention.recurrent import Recurrence
+from lightning_seqpar.agreement import RankAgreement
 from lightning_seqpar.checkpointing import MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, tile_mlp
 
 BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
@@ -180,6 +181,7 @@ def apply_attention(
                 f"{type(model).__name__} has {heads[0]} query heads; choose a {what} that divides {heads[0]} "
                 "or attention='ring' / 'allgather'"
             )
+    agreement = RankAgreement()  # one for the model: its first attention call compares the ranks' inputs
     for module in modules:
         module.configure(
             mesh=mesh if sp > 1 else None,
@@ -188,6 +190,7 @@ def apply_attention(
             backend=backend,
             inner_ring_size=inner_ring_size,
             head_chunks=head_chunks if sp > 1 else 1,
+            agreement=agreement,
         )
     for module in recurrent:  # hybrid models: the recurrent mixers' state chain follows the batch's layout
         module.configure(mesh=mesh if sp > 1 else None, layout=layout)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.agreement import check_ranks_agree
+from lightning_seqpar.agreement import RankAgreement, check_ranks_agree
 
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
@@ -114,17 +114,19 @@ def shard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: Layo
     return x.index_select(dim, idx)
 
 
-def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: Layout = "zigzag") -> torch.Tensor:
+def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: Layout = "zigzag", *,
+                     agreement: RankAgreement | None = None) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: every rank gets the full tensor (all-gather over the mesh).
 
     Differentiable: the gradient of the full tensor is summed over ranks and each rank keeps the
-    rows of its own shard (the all-gather / reduce-scatter pair).
+    rows of its own shard (the all-gather / reduce-scatter pair). ``agreement``: see
+    :func:`lightning_seqpar.agreement.check_ranks_agree` (None: the ranks' inputs are compared on every call).
     """
     _check_layout(layout)
     dim = _check_dim(x, dim)
     hp, _, cp, _ = mesh_sizes(mesh)
     _check_length(x.shape[dim] * hp * cp, mesh, layout, f"the global length (x.shape[{dim}]={x.shape[dim]} x {hp * cp} ranks)")  # before the all-gather
-    check_ranks_agree(mesh, lambda: _signature(x, dim, layout), x.device, "unshard_sequence")  # Note [Inputs that differ across ranks]
+    check_ranks_agree(mesh, lambda: _signature(x, dim, layout), x.device, "unshard_sequence", agreement)  # Note [Inputs that differ across ranks]
     if mesh.ndim == 2 and hp > 1:  # the hp split of a cp shard is contiguous: gathering restores it
         x = gather_along(x, mesh.get_group("hp"), dim)
     if cp == 1:

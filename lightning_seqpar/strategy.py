@@ -52,13 +52,13 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS
-from lightning_seqpar.attention.cost import COST_ALGORITHMS, AttentionPlan, DeviceProfile, choose_attention
+from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS, Algorithm
+from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.attention.local import available_backends, resolve_backend
 from lightning_seqpar.checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
-from lightning_seqpar.loss import global_mean_loss_calls
+from lightning_seqpar.loss import counting_global_mean_calls
 from lightning_seqpar.lora import upcast_trainable
 from lightning_seqpar.mesh import PLACEMENTS, ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
 from lightning_seqpar.parallelize import (
@@ -78,7 +78,7 @@ from lightning_seqpar.warmup import warm_up_backward_handles
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-AttentionChoice = Literal["ring", "allgather", "ulysses", "2d", "lasp", "auto"]
+AttentionChoice = Literal[Algorithm, "lasp", "auto"]
 ActivationCheckpointingChoice = Literal["selective++", "full"]
 
 
@@ -580,12 +580,12 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     def _auto_candidates(self) -> tuple[str, ...]:
         """The algorithms attention="auto" may pick: those that take the options the user set
         (head_chunks > 1: ring or all-gather; inner_ring_size: ring or 2D)."""
-        allowed = set(COST_ALGORITHMS)
+        allowed = set(ALGORITHMS)
         if self.head_chunks > 1:
             allowed &= {"ring", "allgather"}
         if self.inner_ring_size is not None:
             allowed &= {"ring", "2d"}
-        return tuple(a for a in COST_ALGORITHMS if a in allowed)
+        return tuple(a for a in ALGORITHMS if a in allowed)
 
     def _plan_attention(self, shape: tuple[int, int, int] | None, *, sp: int, head_parallel_size: int | None,
                         placement: str | None = None) -> AttentionPlan | None:
@@ -623,19 +623,18 @@ class SequenceParallelStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        calls = global_mean_loss_calls()
-        with self._explain_timeouts("training_step"):
+        with self._explain_timeouts("training_step"), counting_global_mean_calls() as calls:
             out = super().training_step(*args, **kwargs)
-        self._check_loss_normalisation(calls)
+        self._check_loss_normalisation(calls.count)
         return out
 
-    def _check_loss_normalisation(self, calls_before: int) -> None:
+    def _check_loss_normalisation(self, calls: int) -> None:
         """Warn (once) when a step's loss did not go through ``global_mean_loss`` while gradients are summed
         over several ranks (Note [Loss normalisation under sequence parallelism]): a per-rank mean loss would
         train with ``dp x sp`` times the gradient, silently."""
         dims = self.parallel_dims
         ranks = dims.dp_replicate * dims.dp_shard * dims.sp
-        if ranks == 1 or self._warned_loss or global_mean_loss_calls() != calls_before:
+        if ranks == 1 or self._warned_loss or calls:
             return
         self._warned_loss = True
         rank_zero_warn(

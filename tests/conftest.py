@@ -8,8 +8,73 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import close_pools, pool_threads  # noqa: E402
 
 
+# Note [Test groups]
+# ~~~~~~~~~~~~~~~~~~
+# Every test is in one of three groups (markers registered in pyproject.toml):
+# * ``gpu``: marked by hand; skipped without CUDA.
+# * ``distributed``: runs several processes (the gloo worker pools of dist_utils, torchrun, the
+#   ``nccl_world`` fixture). Marked here, at collection, from what the test runs: its function, its
+#   fixtures and the module-level helpers they call (transitively, also in the tests' helper modules)
+#   name ``run_distributed`` / ``get_pool`` / ``DistPool`` / ``nccl_world`` or ``torch.distributed.run``.
+# * ``unit``: everything else: one process, CPU, seconds. ``pytest -m unit`` (the same as
+#   ``-m "not distributed and not gpu"``) is the fast first stage of CI.
+_LAUNCHERS = frozenset({"run_distributed", "get_pool", "DistPool", "nccl_world"})
+_LAUNCHER_STRINGS = ("torch.distributed.run", "torchrun")
+
+
+def _code_objects(code):
+    yield code
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            yield from _code_objects(const)
+
+
+def _launches_processes(obj, seen: set[int]) -> bool:
+    """Whether ``obj`` (a function, or a pytest fixture) runs other processes, following the functions it names."""
+    import inspect
+    import sys
+
+    obj = getattr(obj, "__pytest_wrapped__", None) and obj.__pytest_wrapped__.obj or obj  # a fixture's function
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    code = getattr(obj, "__code__", None)
+    if code is None or id(code) in seen:
+        return False
+    seen.add(id(code))
+    tests_dir = os.path.dirname(__file__)
+    module = sys.modules.get(getattr(obj, "__module__", ""), None)
+    for c in _code_objects(code):
+        names = set(c.co_names) | set(c.co_varnames)
+        if names & _LAUNCHERS or any(isinstance(k, str) and any(x in k for x in _LAUNCHER_STRINGS) for k in c.co_consts):
+            return True
+        for name in c.co_names:
+            target = getattr(module, name, None)
+            if target is not None and os.path.dirname(getattr(inspect.getmodule(target), "__file__", "") or "") == tests_dir:
+                if _launches_processes(target, seen):
+                    return True
+    return False
+
+
+def _mark_groups(items) -> None:
+    import inspect
+
+    distributed, unit = pytest.mark.distributed, pytest.mark.unit
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is None:
+            continue
+        module = inspect.getmodule(function)
+        fixtures = [getattr(module, name, None) for name in getattr(item, "fixturenames", ())]
+        if "nccl_world" in getattr(item, "fixturenames", ()) or any(
+                _launches_processes(f, set()) for f in (function, *fixtures) if f is not None):
+            item.add_marker(distributed)
+        elif "gpu" not in item.keywords and "slow" not in item.keywords:
+            item.add_marker(unit)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    _mark_groups(items)
 
     if config.pluginmanager.hasplugin("rerunfailures"):
         # A test whose gloo worker died from a signal (dist_utils.WorkerCrashed: a native crash, not

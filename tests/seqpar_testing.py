@@ -1,7 +1,7 @@
 """Shared helpers for the sequence-parallel attention tests.
 
 Everything here is independent of the code under test: the expected shard positions are
-computed from the layout rules in DESIGN.md (not from ``lightning_seqpar.sharding``), and the
+computed from the layout rules of docs/attention.md (not from ``lightning_seqpar.sharding``), and the
 reference attention is an explicit softmax on the full sequence, so a bug in the sharding
 helpers cannot hide a bug in the attention (or the other way round).
 

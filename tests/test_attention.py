@@ -48,7 +48,7 @@ def _cases(heads=HEAD_CONFIGS, rotate: int | None = None):
 
 
 def _forbidden(algorithm: str, mesh, h_q: int, h_kv: int = 1, head_chunks: int = 1) -> bool:
-    """Head counts the algorithm's rules reject (DESIGN.md / the API contract)."""
+    """Head counts the algorithm's rules reject (the API contract of sequence_parallel_attention)."""
     hp, _, cp, _ = mesh_coords(mesh)
     if h_kv % head_chunks:
         return True
@@ -229,5 +229,5 @@ def test_fa4_check_is_a_compile_time_constant():
     from lightning_seqpar.attention import local
 
     f = torch.compile(lambda x: x + (1.0 if local._fa4_installed() else 2.0), fullgraph=True, backend="eager")
-    expected = 1.0 if local._fa4() is not None else 2.0
+    expected = 1.0 if local.fa4_interface() is not None else 2.0
     torch.testing.assert_close(f(torch.zeros(2)), torch.full((2,), expected))

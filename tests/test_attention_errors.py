@@ -189,7 +189,6 @@ def _disagree_worker(rank: int, world_size: int) -> list[str]:
     from lightning_seqpar import agreement
     from lightning_seqpar.attention import sequence_parallel_attention
 
-    agreement._AGREED.clear()  # the pool's workers ran other tests' calls on meshes like these
     mesh = make_mesh(("1d", world_size))
     mesh_2d = make_mesh(("2d", ("hp", "cp"), (2, world_size // 2))) if world_size == 4 else None
     r = rank % 2  # ranks 0, 2 / 1, 3 differ
@@ -210,7 +209,8 @@ def _disagree_worker(rank: int, world_size: int) -> list[str]:
         with pytest.raises(ValueError, match=rf"passed different inputs: .*'{field}'") as info:
             sequence_parallel_attention(q, k, v, **kwargs)
         messages.append(f"{label}: {info.value}")
-    # the ranks are still in step, and once a call on the mesh agreed, later calls are not checked
+    # the ranks are still in step, and once a call on the mesh agreed, later calls with the same agreement are not checked
+    agreed = agreement.RankAgreement()
     calls = []
     gather = agreement.dist.all_gather
 
@@ -221,11 +221,12 @@ def _disagree_worker(rank: int, world_size: int) -> list[str]:
     agreement.dist.all_gather = counting
     try:
         for _ in range(3):
-            out = sequence_parallel_attention(*_qkv(s_q=8), mesh=mesh, algorithm="ring")
-        out = sequence_parallel_attention(*_qkv(s_q=6), mesh=mesh, algorithm="allgather")
+            out = sequence_parallel_attention(*_qkv(s_q=8), mesh=mesh, algorithm="ring", agreement=agreed)
+        out = sequence_parallel_attention(*_qkv(s_q=6), mesh=mesh, algorithm="allgather", agreement=agreed)
+        sequence_parallel_attention(*_qkv(s_q=6), mesh=mesh, algorithm="allgather")  # no agreement: checked again
     finally:
         agreement.dist.all_gather = gather
-    assert out.shape == (B, 6, H, D) and len(calls) == 1, calls
+    assert out.shape == (B, 6, H, D) and len(calls) == 2, calls
     return messages
 
 

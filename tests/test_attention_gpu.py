@@ -8,7 +8,7 @@ Every rank builds the same full q, k, v, upstream gradient (bf16, seeded), shard
 layout rules, runs ``sequence_parallel_attention`` (backend "cudnn" and, when installed, "fa4";
 ring / all-gather also with head_chunks=2) forward and backward, and
 compares out, dq, dk, dv with a single-GPU fp32 reference on the full sequence (the same bf16
-inputs upcast; SDPA in fp32), at atol 8e-3*W / rtol 1e-3*W (DESIGN.md, Testing standard).
+inputs upcast; SDPA in fp32), at atol 8e-3*W / rtol 1e-3*W.
 
 The same bf16 inputs also go through torch SDPA on one GPU over the full sequence. For causal
 MQA, dK/dV of that single-GPU kernel are themselves outside the fixed tolerance (each K/V head
@@ -125,7 +125,7 @@ def _ulp_close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 def _err(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> tuple[float, bool]:
     """Elementwise |actual - expected| <= atol + rtol * |expected| on tensors scaled to unit RMS.
 
-    The DESIGN.md tolerances are for unit-scale tensors; dK/dV of GQA/MQA sum over the query
+    The fp32 tolerances are for unit-scale tensors; dK/dV of GQA/MQA sum over the query
     heads of a group and grow with it, and so does the rounding of their bf16 result. Dividing
     both sides by the reference's RMS keeps the test equally strict for every head layout.
     """

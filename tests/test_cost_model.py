@@ -18,7 +18,6 @@ from lightning_seqpar.attention.cost import (
     estimate_attention,
     kv_repeat,
 )
-from lightning_seqpar.attention.ulysses import kv_repeat as ulysses_kv_repeat
 from lightning_seqpar.mesh import ParallelDims
 
 H200 = DeviceProfile.h200()
@@ -66,8 +65,8 @@ def test_33_heads_never_split_over_heads():
 
 
 def test_mqa_counts_the_repeated_kv_heads():
-    # MQA over 4 head-parallel ranks repeats the one K/V head 4 times (the rule of ulysses.kv_repeat)
-    assert kv_repeat(32, 1, 4) == ulysses_kv_repeat(32, 1, 4) == 4
+    # MQA over 4 head-parallel ranks repeats the one K/V head 4 times (the rule Ulysses and 2D run: comm.kv_repeat)
+    assert kv_repeat(32, 1, 4) == 4
     assert kv_repeat(32, 8, 4) == 1 and kv_repeat(32, 2, 4) == 2 and kv_repeat(33, 33, 2) is None
     kw = dict(algorithm="ulysses", seq_len=131072, num_heads=32, head_dim=128, world_size=4)
     mqa, four = estimate_attention(num_kv_heads=1, **kw), estimate_attention(num_kv_heads=4, **kw)

@@ -1,5 +1,5 @@
 """The shipped text points only at what a user has: no paths into the development papers folder,
-and every relative markdown link of README.md and docs/*.md resolves (file, and anchor where one
+the design notes (DESIGN.md) or the workspace's shared tools (../shared/), and every relative markdown link of README.md and docs/*.md resolves (file, and anchor where one
 is given).
 
 Papers are cited by title / first author / arXiv id (docs/references.md), never by a path such
@@ -33,6 +33,10 @@ _PAPER_PATH = re.compile(
 )
 
 
+# The development workspace's files: the design notes and the shared tools folder beside the clone.
+_WORKSPACE_PATH = re.compile(r"\bDESIGN\.md\b|(?<![\w.-])\.\./shared\b|(?<![\w./-])shared/tools\b")
+
+
 def _scanned_files() -> list[Path]:
     files = [ROOT / name for name in SCANNED_TOP if (ROOT / name).is_file()]
     for d in SCANNED_DIRS:
@@ -46,7 +50,7 @@ def _paper_path_hits(text: str) -> list[tuple[int, str]]:
     return [
         (lineno, line.strip())
         for lineno, line in enumerate(text.splitlines(), 1)
-        if _PAPER_PATH.search(line)
+        if _PAPER_PATH.search(line) or _WORKSPACE_PATH.search(line)
     ]
 
 
@@ -67,6 +71,14 @@ def test_pattern_catches_the_old_citation_styles_and_spares_citations():
     ]
     assert [s for s in bad if not _PAPER_PATH.search(s)] == []
     assert [s for s in good if _PAPER_PATH.search(s)] == []
+
+
+def test_pattern_catches_the_workspace_files():
+    bad = ['code and configs (DESIGN.md "Notes on the models")', "bash ../shared/tools/fa4_wheels.sh",
+           "see shared/tools/fa4_wheels.sh", "the layout rules in DESIGN.md"]
+    good = ["a shared/ folder of your own", "DESIGNS.md", "the shared memory of the GPU", "docs/strategy.md"]
+    assert [s for s in bad if not _WORKSPACE_PATH.search(s)] == []
+    assert [s for s in good if _WORKSPACE_PATH.search(s)] == []
 
 
 def test_no_path_into_the_papers_folder():

@@ -225,3 +225,105 @@ def test_documents_that_do_not_fit_raise_before_communication():
         local_attention(q, q, q, documents=PackedDocuments.from_lengths(LENGTHS, world=2))
     with pytest.raises(ValueError, match="PackedDocuments"):
         local_attention(q, q, q, documents=torch.ones(3))
+
+
+# ------------------------------------------------------------------------------------------ Note [Per-call state]
+
+
+class _Block(torch.nn.Module):
+    """q, k, v projections around an ``Attention`` module: a block for activation checkpointing."""
+
+    def __init__(self, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        from lightning_seqpar.attention import Attention
+
+        self.qkv, self.heads, self.attention = torch.nn.Linear(d, 3 * d), heads, Attention(causal=True)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).unbind(2)  # (B, S, H, D) each
+        return self.attention(q, k, v).flatten(2)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective++"])
+def test_checkpoint_recomputes_with_the_forwards_documents(mode):
+    """The recomputation of a checkpointed block masks by the documents of its forward even when backward
+    runs in another thread (a GPU's autograd threads), where the context has no documents."""
+    import threading
+
+    from lightning_seqpar.checkpointing import checkpoint_block
+    from lightning_seqpar.documents import PackedDocuments, current_documents, packed_documents
+
+    torch.manual_seed(0)
+    block = _Block()
+    x = torch.randn(2, 16, 8)
+    documents = PackedDocuments.from_lengths([[3, 13], [7, 9]])
+
+    def grads(model, backward_in_thread: bool):
+        model.zero_grad()
+        with packed_documents(documents):
+            out = model(x)
+        assert current_documents() is None  # restored on exit
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+        if backward_in_thread:
+            thread = threading.Thread(target=loss.backward)
+            thread.start()
+            thread.join()
+        else:
+            loss.backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref_out, ref_grads = grads(block, False)
+    checkpointed = checkpoint_block(block, mode)
+    for in_thread in (False, True):
+        out, got = grads(checkpointed, in_thread)
+        torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+        for g, r in zip(got, ref_grads):
+            torch.testing.assert_close(g, r, atol=2e-6, rtol=1e-5)
+    # the test sees the difference: torch's plain checkpoint recomputes without the documents in that thread
+    from torch.utils.checkpoint import checkpoint
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = block
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    _, plain = grads(Plain(), True)
+    assert not all(torch.allclose(g, r, atol=1e-4) for g, r in zip(plain, ref_grads))
+
+
+def test_documents_are_per_thread_and_scoped():
+    import threading
+
+    from lightning_seqpar.documents import PackedDocuments, current_documents, packed_documents, set_current_documents
+
+    mine, theirs = PackedDocuments.from_lengths([[4, 4]]), PackedDocuments.from_lengths([[2, 6]])
+    seen: dict[str, object] = {}
+    ready, done = threading.Event(), threading.Event()
+
+    def other():
+        with packed_documents(theirs):
+            ready.set()
+            done.wait(10)
+            seen["inside"] = current_documents()
+        seen["after"] = current_documents()
+
+    thread = threading.Thread(target=other)
+    with packed_documents(mine):
+        thread.start()
+        ready.wait(10)
+        seen["main"] = current_documents()  # the other thread's documents are not ours
+        done.set()
+        thread.join()
+        with packed_documents(None):
+            assert current_documents() is None
+        assert current_documents() is mine
+    assert seen == {"inside": theirs, "after": None, "main": mine}
+    assert current_documents() is None
+    set_current_documents(mine)
+    assert current_documents() is mine
+    set_current_documents(None)
+    with pytest.raises(ValueError, match="PackedDocuments or None"):
+        set_current_documents([[4, 4]])  # type: ignore[arg-type]

@@ -90,7 +90,7 @@ def test_documents_bf16(nccl_world, algorithm):
         q, k, v, g = (torch.randn(1, SEQ_LEN, h, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
                       for h in (h_q, h_kv, h_kv, h_q))
         ref = _per_document(q, k, v, g, lengths, torch.float32)
-        from lightning_seqpar.attention.ulysses import kv_repeat
+        from lightning_seqpar.attention.comm import kv_repeat
 
         r = kv_repeat(h_q, h_kv, W) if algorithm == "ulysses" else 1
         single = _per_document(q, k, v, g, lengths, torch.bfloat16, replicate=r)

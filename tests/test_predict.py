@@ -83,7 +83,11 @@ def _predict(rank: int, world: int, strategy_kwargs: dict | None, batch: dict, m
     # data parallel: one sample per batch, and Lightning's sampler gives data-parallel rank r sample r
     items = [{k: v[b : b + 1] for k, v in batch.items()} for b in range(2)] if world // sp > 1 else [batch]
     loader = torch.utils.data.DataLoader(items, batch_size=None)
-    return trainer.predict(_module(**module_kwargs), dataloaders=loader)
+    outputs = trainer.predict(_module(**module_kwargs), dataloaders=loader)
+    from lightning_seqpar.documents import current_documents
+
+    assert current_documents() is None, "the run's packed documents outlived it (Note [Per-call state])"
+    return outputs
 
 
 def _check(outputs: dict, expected: dict) -> None:

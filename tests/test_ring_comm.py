@@ -20,6 +20,7 @@ WORLD = 4
 
 
 def _ring_forward_traffic_worker(rank: int, world_size: int, h_q: int, h_kv: int) -> dict[str, int]:
+    from lightning_seqpar.agreement import RankAgreement
     from lightning_seqpar.attention import sequence_parallel_attention
 
     mesh = mesh_1d(world_size)
@@ -32,10 +33,12 @@ def _ring_forward_traffic_worker(rank: int, world_size: int, h_q: int, h_kv: int
         case = make_case(BATCH, SEQ_LEN, h_q, h_kv, HEAD_DIM, causal=causal)
         index = expected_index_on(mesh, SEQ_LEN, layout)
         q, k, v = (take(t, index).requires_grad_() for t in (case.q, case.k, case.v))
-        # the first call on a mesh also all-gathers the ranks' input signatures (Note [Inputs that differ across ranks])
-        sequence_parallel_attention(q.detach(), k.detach(), v.detach(), mesh=mesh, algorithm="ring", causal=causal, layout=layout)
+        # the first call with an agreement also all-gathers the ranks' input signatures (Note [Inputs that differ across ranks])
+        agreed = RankAgreement()
+        sequence_parallel_attention(q.detach(), k.detach(), v.detach(), mesh=mesh, algorithm="ring", causal=causal, layout=layout,
+                                    agreement=agreed)
         with record_p2p() as (record, ops):
-            out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm="ring", causal=causal, layout=layout)
+            out = sequence_parallel_attention(q, k, v, mesh=mesh, algorithm="ring", causal=causal, layout=layout, agreement=agreed)
         assert record.calls > 0, (
             f"{label}: the ring forward never called torch.distributed.batch_isend_irecv "
             f"(dispatcher saw {sorted(set(ops.ops))})"

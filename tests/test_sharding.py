@@ -186,10 +186,8 @@ def test_zigzag_is_the_identity_on_one_cp_rank(spec):
 def _unshard_disagree_worker(rank: int, world_size: int) -> list[str]:
     """Note [Inputs that differ across ranks]: local shards of other lengths, widths, dtypes or ndim on
     some ranks get one ValueError on every rank, naming what differs, instead of a gloo abort."""
-    from lightning_seqpar import agreement
     from lightning_seqpar.sharding import unshard_sequence
 
-    agreement._AGREED.clear()  # the pool's workers ran other tests' calls on meshes like these
     mesh = make_mesh(("1d", world_size))
     odd = rank == world_size - 1
     cases = [

@@ -335,15 +335,6 @@ def test_selective_checkpointing_keeps_the_lasp_state():
     run_distributed(_checkpoint_worker, 2)
 
 
-def _strategy_takes_lasp() -> bool:
-    import typing
-
-    from lightning_seqpar import strategy
-
-    return "lasp" in typing.get_args(getattr(strategy, "AttentionChoice", None))
-
-
-@pytest.mark.skipif(not _strategy_takes_lasp(), reason="SequenceParallelStrategy does not accept attention='lasp' yet")
 @pytest.mark.parametrize(("world", "sp", "attention", "memory"), [(2, 2, "lasp", False), (4, 2, "auto", False), (2, 2, "lasp", True)])
 def test_strategy_training_parity(world, sp, attention, memory):
     """5 Lightning steps (FSDP2, Selective Checkpoint++) of tnl-tiny under the strategy == devices=1;

@@ -17,7 +17,7 @@ Backward all-gathers K/V again (nothing of size S is kept between forward and ba
 dQ and the full dK/dV, and reduce-scatters dK/dV back to their owners (fp32 sums).
 
 Packed documents: each local half gathers, with one index, the keys of its documents' earlier
-pieces from the rank-ordered buffer and runs one varlen call (``lightning_seqpar.attention.documents``).
+pieces from the rank-ordered buffer and runs one varlen call (``lightning_seqpar.attention.varlen``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_seqpar.attention.documents import DocSegments, gathered_doc_plan
+from lightning_seqpar.attention.varlen import DocSegments, gathered_doc_plan
 from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward
+from lightning_seqpar.attention.comm import all_gather_into, reduce_scatter_into
 from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import merge_, new_accumulators
 from lightning_seqpar.attention.variants import Variant, VariantPlan
@@ -34,18 +35,7 @@ from lightning_seqpar.sharding import chunk_ids, num_chunks
 
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    # torch 2.13 renamed the single-tensor collectives; 2.11 has only the old names.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
-
-
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, group=group)
-
-
-def _global_order(world: int, layout: str, s_local: int, device) -> torch.Tensor:
+def global_order(world: int, layout: str, s_local: int, device) -> torch.Tensor:
     """Index that puts the rank-ordered gathered sequence into global order."""
     per = len(chunk_ids(0, world, layout))
     c = s_local // per
@@ -59,7 +49,7 @@ def _gather_kv(k, v, group):
     world = dist.get_world_size(group)
     kv = torch.stack([k, v])  # (2, B, S, Hkv, D)
     full = torch.empty((world * 2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
-    _all_gather(full, kv, group=group)
+    all_gather_into(full, kv, group=group)
     return full.view(world, *kv.shape)  # (W, 2, B, S, Hkv, D) in group-rank order
 
 
@@ -80,7 +70,7 @@ def _blocks(rank: int, world: int, causal: bool, layout: str, s_local: int):
 
 def _ordered(full: torch.Tensor, world: int, layout: str, s_local: int) -> torch.Tensor:
     """(W, 2, B, S, H, D) rank-ordered -> (2, B, W*S, H, D) in global sequence order."""
-    return _rank_ordered(full).index_select(2, _global_order(world, layout, s_local, full.device))
+    return _rank_ordered(full).index_select(2, global_order(world, layout, s_local, full.device))
 
 
 def gathered_forward(q, kv, *, rank: int, world: int, causal: bool, layout: str, scale: float, backend: str):
@@ -137,7 +127,7 @@ def doc_gathered_backward(dout, q, kv, out, lse, *, rank: int, world: int, causa
 
 def to_rank_order(x: torch.Tensor, world: int, layout: str, s_local: int, dim: int) -> torch.Tensor:
     """Inverse of the global reordering along ``dim``: global order -> rank order."""
-    order = _global_order(world, layout, s_local, x.device)
+    order = global_order(world, layout, s_local, x.device)
     return torch.empty_like(x).index_copy_(dim, order, x)
 
 
@@ -152,7 +142,7 @@ def _reduce_scatter_kv(dkv_rank_order: torch.Tensor, world: int, s_local: int, g
     two, B, _, H, D = dkv_rank_order.shape
     ranked = dkv_rank_order.reshape(two, B, world, s_local, H, D).permute(2, 0, 1, 3, 4, 5).reshape(world * two, B, s_local, H, D)
     mine = torch.empty((two, B, s_local, H, D), dtype=ranked.dtype, device=ranked.device)
-    _reduce_scatter(mine, ranked, group=group)
+    reduce_scatter_into(mine, ranked, group=group)
     return mine
 
 

@@ -18,6 +18,7 @@ torch's own registry. Ulysses and the head dimension of 2D use torch's functiona
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -25,10 +26,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.attention.checks import check_qkv_tensors, check_ranks_agree
+from lightning_seqpar.agreement import RankAgreement, check_ranks_agree
+from lightning_seqpar.attention.algorithms import ALGORITHMS, Algorithm, OpKind
+from lightning_seqpar.attention.checks import check_qkv_tensors
+from lightning_seqpar.attention.comm import kv_repeat, process_group
 from lightning_seqpar.attention.lasp import LASP_OPS
 from lightning_seqpar.attention.allgather import (
-    _global_order,
+    global_order,
     allgather_backward,
     allgather_forward,
     doc_gathered_backward,
@@ -37,25 +41,16 @@ from lightning_seqpar.attention.allgather import (
     gathered_forward,
     to_rank_order,
 )
-from lightning_seqpar.attention.documents import DocSegments, reorder, sample_order
+from lightning_seqpar.attention.varlen import DocSegments, reorder, sample_order
 from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward, default_scale, resolve_backend
 from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import new_accumulators
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
 from lightning_seqpar.attention.two_d import two_d_attention
-from lightning_seqpar.attention.ulysses import kv_repeat
 from lightning_seqpar.attention.variants import Variant, check_variant_args, fold_sinks, local_mask, sinks_grad
 from lightning_seqpar.documents import PackedDocuments, current_documents
 from lightning_seqpar.sharding import LAYOUTS
 
-Algorithm = Literal["ring", "allgather", "ulysses", "2d"]
-ALGORITHMS: tuple[str, ...] = ("ring", "allgather", "ulysses", "2d")
-
-
-def _group(name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
 
 
 def _local_docs_forward(q, k, v, causal, scale, backend, docs):
@@ -126,14 +121,14 @@ def _forward(q, k, v, algorithm, group, causal, layout, scale, backend, inner, d
         if docs is not None:
             return _local_docs_forward(q, k, v, causal, scale, backend, docs)
         return block_forward(q, k, v, causal=causal, scale=scale, backend=backend)
-    pg = _group(group)
+    pg = process_group(group)
     if algorithm == "gathered":
         if var is not None:
             raise ValueError("gathered_kv_attention takes no window, chunk_size or softcap")
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
         if docs is not None:
             return doc_gathered_forward(q, torch.stack([k, v]), rank=rank, world=world, causal=causal, scale=scale, backend=backend, docs=docs)
-        kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
+        kv = torch.stack([k, v]).index_select(2, global_order(world, layout, q.shape[1], q.device))
         return gathered_forward(q, kv, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
     if algorithm == "ring":
         return ring_forward(q, k, v, group=pg, causal=causal, layout=layout, scale=scale, backend=backend, inner=inner or None, docs=docs,
@@ -170,20 +165,20 @@ def _backward_impl(dout, q, k, v, out, lse, algorithm, group, causal, layout, sc
             return _local_docs_backward(dout, q, k, v, out, lse, causal, scale, backend, docs)
         return block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
     if algorithm == "gathered":
-        pg = _group(group)
+        pg = process_group(group)
         world, rank = dist.get_world_size(pg), dist.get_rank(pg)
         if docs is not None:
             dq, dkv = doc_gathered_backward(dout, q, torch.stack([k, v]), out, lse, rank=rank, world=world, causal=causal, scale=scale,
                                             backend=backend, docs=docs)
         else:
-            kv = torch.stack([k, v]).index_select(2, _global_order(world, layout, q.shape[1], q.device))
+            kv = torch.stack([k, v]).index_select(2, global_order(world, layout, q.shape[1], q.device))
             dq, dkv = gathered_backward(dout, q, kv, out, lse, rank=rank, world=world, causal=causal, layout=layout, scale=scale, backend=backend)
             dkv = to_rank_order(dkv, world, layout, q.shape[1], dim=2)
         return dq, dkv[0], dkv[1]
     if algorithm == "ring":
-        return ring_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout, scale=scale,
+        return ring_backward(dout, q, k, v, out, lse, group=process_group(group), causal=causal, layout=layout, scale=scale,
                              backend=backend, inner=inner or None, docs=docs, variant=var)
-    return allgather_backward(dout, q, k, v, out, lse, group=_group(group), causal=causal, layout=layout,
+    return allgather_backward(dout, q, k, v, out, lse, group=process_group(group), causal=causal, layout=layout,
                               scale=scale, backend=backend, docs=docs, variant=var)
 
 
@@ -275,7 +270,42 @@ def _backward(ctx, dout, _dlse):
     return (dq, dk, dv, *grads)
 
 
-_SINKS = 12  # position of ``sinks`` among the op's arguments after (q, k, v)
+_SINKS = 12  # position of ``sinks`` among the op's arguments after (q, k, v): see attention_op
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one call of the attention op runs, besides its tensors (q, k, v, the documents' piece lengths, the sinks).
+
+    Built once per call of an entry point (``local_attention``, ``sequence_parallel_attention``,
+    ``gathered_kv_attention``) from its checked arguments, and hashable. ``kind``: what the op call
+    runs (``lightning_seqpar.attention.algorithms.OpKind``); ``group``: the process group's name ("" for
+    "local"); ``inner_ring_size``: 0 for one ring; ``window`` / ``chunk_size`` / ``softcap``: 0 for none
+    (Note [Attention variants]).
+    """
+
+    kind: OpKind
+    causal: bool
+    layout: str
+    scale: float
+    backend: str
+    group: str = ""
+    inner_ring_size: int = 0
+    head_chunks: int = 1
+    window: int = 0
+    chunk_size: int = 0
+    softcap: float = 0.0
+
+
+def attention_op(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, docs: Tensor | None = None,
+                 sinks: Tensor | None = None) -> Tensor:
+    """``seqpar::attn_fwd`` for ``spec``: the one place that turns a spec into the op's arguments. A torch.library
+    custom op takes only tensors, numbers and strings, so its schema stays positional (Note [Custom ops]):
+    (q, k, v, kind, group, causal, layout, scale, backend, inner_ring_size, docs, head_chunks, window,
+    chunk_size, softcap, sinks); ``_SINKS`` is the position of ``sinks`` after (q, k, v)."""
+    return torch.ops.seqpar.attn_fwd(q, k, v, spec.kind, spec.group, spec.causal, spec.layout, spec.scale, spec.backend,
+                                     spec.inner_ring_size, docs, spec.head_chunks, spec.window, spec.chunk_size, spec.softcap,
+                                     sinks)[0]
 
 
 torch.library.register_autograd("seqpar::attn_fwd", _backward, setup_context=_setup_context)
@@ -345,8 +375,8 @@ def _check_sizes(q, k, algorithm, layout, hp, cp, inner_ring_size) -> None:
     if hp > 1 and h_q % hp:
         what = "sequence-parallel size" if algorithm == "ulysses" else "hp size"
         raise ValueError(f"algorithm={algorithm!r}: the number of query heads (q.shape[2]={h_q}) must be divisible by the {what} ({hp})")
-    if hp > 1:
-        kv_repeat(h_q, h_kv, hp)  # always succeeds when hp | h_q; kept as the invariant's check
+    if hp > 1 and kv_repeat(h_q, h_kv, hp) is None:  # never when hp | h_q; kept as the invariant's check
+        raise ValueError(f"cannot split {h_q} query heads / {h_kv} key-value heads over {hp} head-parallel ranks")
     # zigzag cuts the global sequence into 2 * hp * cp equal chunks: every local shard is two of them
     # (with one rank in the layout's dimension both layouts are the identity; Ulysses runs on a 1-D
     # mesh whose W ranks hold the layout's shards)
@@ -400,8 +430,9 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, sca
     var = check_variant_args(causal=causal, window=window, softcap=softcap, chunk_size=chunk_size, sinks=sinks, h_q=q.shape[2])
     docs = _check_documents(documents, q, "zigzag", "ring", 1, 1)
     be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
-    return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, "zigzag", default_scale(q.shape[-1], scale), be, 0, docs, 1,
-                                     var.window, var.chunk, var.softcap, _sinks_on(sinks, q))[0]
+    spec = AttentionSpec(kind="local", causal=causal, layout="zigzag", scale=default_scale(q.shape[-1], scale), backend=be,
+                         window=var.window, chunk_size=var.chunk, softcap=var.softcap)
+    return attention_op(q, k, v, spec, docs=docs, sinks=_sinks_on(sinks, q))
 
 
 def _sinks_on(sinks: Tensor | None, q: Tensor, heads: slice = slice(None)) -> Tensor | None:
@@ -431,6 +462,7 @@ def sequence_parallel_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     chunk_size: int | None = None,
+    agreement: RankAgreement | None = None,
 ) -> Tensor:
     """Exact attention of sequence-sharded ``q, k, v`` — the same result as attention on the
     full sequence, sharded the same way.
@@ -465,13 +497,15 @@ def sequence_parallel_attention(
         chunk_size: chunked attention (Llama 4): query i sees keys j with i // chunk_size ==
             j // chunk_size (and j <= i when causal), global positions. With ``documents`` both
             masks hold. None: none. Note [Attention variants] in ``lightning_seqpar/attention/variants.py``.
+        agreement: a :class:`lightning_seqpar.agreement.RankAgreement` that the caller keeps across calls: the
+            ranks' inputs are compared until a call on ``mesh`` agrees, then not again (None: on every call).
 
     Returns:
         ``[B, S_local, H_q, D]`` in the dtype of ``q``. Differentiable in ``q, k, v``.
 
     Raises:
         ValueError: naming the argument, before any communication, for any input it does not take;
-            and on every rank, on the first call on ``mesh``, when the ranks passed different shapes or
+            and on every rank, on a call that compares them (``agreement``), when the ranks passed different shapes or
             options (one small all-gather; Note [Inputs that differ across ranks] in ``lightning_seqpar/agreement.py``).
     """
     _check_qkv(q, k, v)
@@ -490,29 +524,29 @@ def sequence_parallel_attention(
         dtype=_DTYPE_CODES.get(q.dtype, 0), algorithm=ALGORITHMS.index(algorithm), causal=int(causal), layout=LAYOUTS.index(layout),
         scale=sc, inner_ring_size=inner, head_chunks=head_chunks, documents=int(docs is not None), window=var.window,
         chunk_size=var.chunk, softcap=var.softcap, sinks=int(sinks is not None),
-        sinks_sum=0.0 if sinks is None else float(sinks.detach().double().sum())), q.device, "sequence_parallel_attention")
-    opts = (var.window, var.chunk, var.softcap)
+        sinks_sum=0.0 if sinks is None else float(sinks.detach().double().sum())), q.device, "sequence_parallel_attention", agreement)
+    local = AttentionSpec(kind="local", causal=causal, layout=layout, scale=sc, backend=be, window=var.window,
+                          chunk_size=var.chunk, softcap=var.softcap)
 
     if algorithm in ("ring", "allgather"):
         if cp == 1:
-            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs, head_chunks, *opts, sinks)[0]
-        return torch.ops.seqpar.attn_fwd(q, k, v, algorithm, _group_name(mesh), causal, layout, sc, be, inner, docs, head_chunks, *opts,
-                                         sinks)[0]
+            return attention_op(q, k, v, replace(local, head_chunks=head_chunks), docs=docs, sinks=sinks)
+        spec = replace(local, kind=algorithm, group=_group_name(mesh), inner_ring_size=inner, head_chunks=head_chunks)
+        return attention_op(q, k, v, spec, docs=docs, sinks=sinks)
 
     hp_rank = mesh.get_local_rank() if algorithm == "ulysses" else mesh.get_local_rank("hp")
     heads = slice(hp_rank * (q.shape[2] // hp), (hp_rank + 1) * (q.shape[2] // hp))  # the query heads this rank attends for
     local_sinks = _sinks_on(sinks, q, heads)
     if algorithm == "ulysses":
         if hp == 1:
-            return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs, 1, *opts, sinks)[0]
+            return attention_op(q, k, v, local, docs=docs, sinks=sinks)
         return two_d_attention(q, k, v, hp=hp, hp_group=_group_name(mesh),
-                               inner_attention=_gathered_local(hp, q.shape[1], causal, layout, sc, be, docs, var, local_sinks))
+                               inner_attention=_gathered_local(hp, q.shape[1], local, docs, local_sinks))
 
-    cp_group = _group_name(mesh, "cp") if cp > 1 else ""
+    ring = replace(local, kind="ring", group=_group_name(mesh, "cp"), inner_ring_size=inner) if cp > 1 else replace(local, inner_ring_size=inner)
 
     def ring_over_cp(qh, kh, vh):
-        alg = "ring" if cp > 1 else "local"
-        return torch.ops.seqpar.attn_fwd(qh, kh, vh, alg, cp_group, causal, layout, sc, be, inner, docs, 1, *opts, local_sinks)[0]
+        return attention_op(qh, kh, vh, ring, docs=docs, sinks=local_sinks)
 
     if hp == 1:
         return ring_over_cp(q, k, v)
@@ -551,24 +585,24 @@ def gathered_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, 
     docs = _check_documents(documents, q, layout, "allgather", 1, cp)
     be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
+    local = AttentionSpec(kind="local", causal=causal, layout=layout, scale=sc, backend=be)
     if cp == 1:
-        return torch.ops.seqpar.attn_fwd(q, k, v, "local", "", causal, layout, sc, be, 0, docs)[0]
-    return torch.ops.seqpar.attn_fwd(q, k, v, "gathered", _group_name(mesh), causal, layout, sc, be, 0, docs)[0]
+        return attention_op(q, k, v, local, docs=docs)
+    return attention_op(q, k, v, replace(local, kind="gathered", group=_group_name(mesh)), docs=docs)
 
 
-def _gathered_local(world: int, s_local: int, causal: bool, layout: str, scale: float, backend: str, docs: Tensor | None = None,
-                    var: Variant | None = None, sinks: Tensor | None = None):
-    """Local attention over the whole sequence gathered in rank order (Ulysses); ``var``, ``sinks``: of this rank's heads."""
-    opts = (0, 0, 0.0) if var is None else (var.window, var.chunk, var.softcap)
+def _gathered_local(world: int, s_local: int, spec: AttentionSpec, docs: Tensor | None = None, sinks: Tensor | None = None):
+    """Local attention (``spec``, of kind "local") over the whole sequence gathered in rank order (Ulysses); ``sinks``:
+    of this rank's heads."""
 
     def attend(qh, kh, vh):
         if docs is not None:  # the op puts the rank-ordered documents in order itself
-            return torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, docs, 1, *opts, sinks)[0]
-        reorder = layout == "zigzag" and (causal or any(opts))
+            return attention_op(qh, kh, vh, spec, docs=docs, sinks=sinks)
+        reorder = spec.layout == "zigzag" and (spec.causal or bool(spec.window or spec.chunk_size or spec.softcap))
         if reorder:  # rank order -> global order, so the masks over positions are the plain ones
-            order = _global_order(world, layout, s_local, qh.device)
+            order = global_order(world, spec.layout, s_local, qh.device)
             qh, kh, vh = (x.index_select(1, order) for x in (qh, kh, vh))
-        out = torch.ops.seqpar.attn_fwd(qh, kh, vh, "local", "", causal, layout, scale, backend, 0, None, 1, *opts, sinks)[0]
+        out = attention_op(qh, kh, vh, spec, sinks=sinks)
         if reorder:
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -598,15 +632,20 @@ class Attention(nn.Module):
         self.backend: str = "auto"
         self.inner_ring_size: int | None = None
         self.head_chunks: int = 1
+        self.agreement = RankAgreement()
 
     def configure(self, *, mesh: DeviceMesh | None, algorithm: Algorithm = "ring", layout: str = "zigzag",
-                  backend: str = "auto", inner_ring_size: int | None = None, head_chunks: int = 1) -> None:
-        """Run sequence-parallel attention over ``mesh`` (None: back to local attention)."""
+                  backend: str = "auto", inner_ring_size: int | None = None, head_chunks: int = 1,
+                  agreement: RankAgreement | None = None) -> None:
+        """Run sequence-parallel attention over ``mesh`` (None: back to local attention). ``agreement``: shared by
+        the modules of one model (``apply_attention``), so that the ranks' inputs are compared on the first call of
+        the first layer only (Note [Inputs that differ across ranks]); None: a new one for this module."""
         if mesh is not None:
             _check_options(self.causal, layout, algorithm)
             _mesh_dims(mesh, algorithm)
         self.mesh, self.algorithm, self.layout, self.backend, self.inner_ring_size = mesh, algorithm, layout, backend, inner_ring_size
         self.head_chunks = head_chunks
+        self.agreement = agreement if agreement is not None else RankAgreement()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None, *, window: int | None = None,
                 softcap: float | None = None, sinks: Tensor | None = None, chunk_size: int | None = None) -> Tensor:
@@ -620,7 +659,7 @@ class Attention(nn.Module):
         return sequence_parallel_attention(q, k, v, mesh=self.mesh, algorithm=self.algorithm, causal=self.causal,  # type: ignore[arg-type]
                                            layout=self.layout, scale=self.scale, backend=self.backend,  # type: ignore[arg-type]
                                            inner_ring_size=self.inner_ring_size, documents=documents,
-                                           head_chunks=self.head_chunks, **variant)
+                                           head_chunks=self.head_chunks, agreement=self.agreement, **variant)
 
     def extra_repr(self) -> str:
         where = "local" if self.mesh is None else f"{self.algorithm}, layout={self.layout}, mesh={tuple(self.mesh.shape)}"

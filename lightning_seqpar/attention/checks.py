@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lightning_seqpar.agreement import check_ranks_agree  # noqa: F401  (re-exported for the entry points)
-
 
 def check_qkv_tensors(q, k, v) -> None:
     """q, k, v are 4-D floating-point tensors [B, S, H, D] of one dtype on one device."""

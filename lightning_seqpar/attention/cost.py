@@ -71,10 +71,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-CostAlgorithm = Literal["ring", "allgather", "ulysses", "2d"]
+from lightning_seqpar.attention.algorithms import ALGORITHMS, Algorithm
+from lightning_seqpar.attention.comm import kv_repeat
+
 Placement = Literal["context-first", "head-first"]
 PLACEMENTS: tuple[str, ...] = ("context-first", "head-first")
-COST_ALGORITHMS: tuple[str, ...] = ("ring", "allgather", "ulysses", "2d")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +200,7 @@ class Candidate:
     "allgather", "ulysses", "2d:2x2" (hp x cp), "2d:2x4:inner2".
     """
 
-    algorithm: CostAlgorithm
+    algorithm: Algorithm
     hp: int
     cp: int
     inner_ring_size: int | None
@@ -234,7 +235,7 @@ class AttentionPlan:
     with 1 < hp < W tells the two apart.
     """
 
-    algorithm: CostAlgorithm
+    algorithm: Algorithm
     hp: int
     cp: int
     inner_ring_size: int | None
@@ -280,18 +281,6 @@ class _Tally:
     def time(self, p: DeviceProfile) -> tuple[float, float, float]:
         ew = self.elementwise_bytes / p.memory_bandwidth + self.elementwise_calls * p.elementwise_call_s
         return self.compute, self.comm, ew
-
-
-def kv_repeat(h_q: int, h_kv: int, degree: int) -> int | None:
-    """Smallest repeat of the K/V heads that lets ``degree`` head-parallel ranks split them (None: none does).
-
-    The same rule as :func:`lightning_seqpar.attention.ulysses.kv_repeat` (LoongTrain §4.2).
-    """
-    groups = h_q // h_kv
-    for r in range(1, groups + 1):
-        if groups % r == 0 and (h_kv * r) % degree == 0:
-            return r
-    return None
 
 
 def _nodes(size: int, stride: int, gpn: int) -> tuple[int, int]:
@@ -483,7 +472,7 @@ def _check(name: str, value, minimum: int = 1) -> None:
 
 def estimate_attention(
     *,
-    algorithm: CostAlgorithm,
+    algorithm: Algorithm,
     seq_len: int,
     num_heads: int,
     num_kv_heads: int,
@@ -511,8 +500,8 @@ def estimate_attention(
     """
     profile = profile or DeviceProfile.h200()
     sh = _shape(seq_len, num_heads, num_kv_heads, head_dim, world_size, batch, causal, layout, dtype_bytes)
-    if algorithm not in COST_ALGORITHMS:
-        raise ValueError(f"estimate_attention: algorithm={algorithm!r} is not supported; expected one of {COST_ALGORITHMS}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"estimate_attention: algorithm={algorithm!r} is not supported; expected one of {ALGORITHMS}")
     W = world_size
     if placement not in PLACEMENTS:
         raise ValueError(f"estimate_attention: placement={placement!r} is not supported; expected one of {PLACEMENTS}")
@@ -612,7 +601,7 @@ def choose_attention(
             ring and all-gather unbalanced; Ulysses does not care).
         dtype_bytes: bytes per element of q, k, v (2 for bf16).
         profile: the device's :class:`DeviceProfile` (default: H200).
-        algorithms: restrict the candidates (default: all of ``COST_ALGORITHMS``).
+        algorithms: restrict the candidates (default: all of ``ALGORITHMS``).
         head_parallel_size: restrict 2D to this hp (the strategy's fixed ``head_parallel_size``);
             1 allows ring, double ring, all-gather and Ulysses; None allows all.
         double_ring: include inner ring sizes.
@@ -634,10 +623,10 @@ def choose_attention(
     """
     profile = profile or DeviceProfile.h200()
     _shape(seq_len, num_heads, num_kv_heads, head_dim, world_size, batch, causal, layout, dtype_bytes)
-    allowed = tuple(COST_ALGORITHMS if algorithms is None else algorithms)
-    unknown = [a for a in allowed if a not in COST_ALGORITHMS]
+    allowed = tuple(ALGORITHMS if algorithms is None else algorithms)
+    unknown = [a for a in allowed if a not in ALGORITHMS]
     if unknown or not allowed:
-        raise ValueError(f"choose_attention: algorithms={tuple(allowed)!r} must be a non-empty subset of {COST_ALGORITHMS}")
+        raise ValueError(f"choose_attention: algorithms={tuple(allowed)!r} must be a non-empty subset of {ALGORITHMS}")
     if head_parallel_size is not None:
         _check("head_parallel_size", head_parallel_size)
         if world_size % head_parallel_size:
@@ -730,7 +719,6 @@ def causal_flops(*, batch: int, seq_len: int, num_heads: int, head_dim: int) -> 
 
 
 __all__ = [
-    "COST_ALGORITHMS",
     "PLACEMENTS",
     "AttentionPlan",
     "Candidate",

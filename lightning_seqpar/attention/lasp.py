@@ -129,8 +129,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.checks import check_qkv_tensors
-from lightning_seqpar.attention.allgather import _all_gather
-from lightning_seqpar.attention.ring import _P2P
+from lightning_seqpar.attention.comm import P2P, all_gather_into, process_group
 
 __all__ = [
     "KERNELS",
@@ -304,16 +303,10 @@ def _position_decay(g: Tensor, n: int) -> Tensor:
 # LASP state exchange (Note [LASP], Note [All-gather variant])
 
 
-def _group(name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
 def _gather_states(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     world = dist.get_world_size(group)
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    _all_gather(out, x.contiguous(), group)
+    all_gather_into(out, x.contiguous(), group)
     return out.view(world, *x.shape)  # (W, B, H, Dk, Dv) in group-rank order
 
 
@@ -330,7 +323,7 @@ def _state_in(s_loc: Tensor, g: Tensor, C: int, variant: str, group: dist.Proces
         gathered = _gather_states(s_loc, group)
         s = torch.arange(rank, device=g.device)
         return _weighted_sum(gathered[:rank], g, C * (rank - 1 - s))  # ranks s < r, lambda^(C (r-1-s))
-    comm = _P2P(group)
+    comm = P2P(group)
     s_in = torch.zeros_like(s_loc)
     if rank > 0:
         comm.wait(comm.post([], [(s_in, rank - 1)]))
@@ -348,7 +341,7 @@ def _state_out_grad(p: Tensor, g: Tensor, C: int, variant: str, group: dist.Proc
         gathered = _gather_states(p, group)
         r = torch.arange(rank + 1, world, device=g.device)
         return _weighted_sum(gathered[rank + 1:], g, C * (r - 1 - rank))  # ranks r > s, lambda^(C (r-1-s))
-    comm = _P2P(group)
+    comm = P2P(group)
     ds_out = torch.zeros_like(p)
     if rank < world - 1:
         comm.wait(comm.post([], [(ds_out, rank + 1)]))
@@ -438,7 +431,7 @@ def _decayed_q(q: Tensor, decay_log: Tensor) -> Tensor:
 
 @torch.library.custom_op("seqpar::lasp_fwd", mutates_args=())
 def _lasp_fwd(q: Tensor, state_local: Tensor, decay_log: Tensor, variant: str, group: str) -> tuple[Tensor, Tensor]:
-    s_in = _state_in(state_local.float(), decay_log, q.shape[1], variant, _group(group))
+    s_in = _state_in(state_local.float(), decay_log, q.shape[1], variant, process_group(group))
     inter = torch.matmul(_decayed_q(q, decay_log), s_in.to(q.dtype))  # [B, H, T, Dv] (Note [LASP inter-chunk GEMMs])
     return _bh(inter).contiguous(), s_in.contiguous()  # contiguous, as the fake implementation promises
 
@@ -455,7 +448,7 @@ def _lasp_bwd(dinter: Tensor, q: Tensor, decay_log: Tensor, state_in: Tensor, va
     dinter = _bh(dinter.to(q.dtype))
     dq = _bh(torch.matmul(dinter, state_in.to(q.dtype).transpose(-1, -2))) * e  # from the cached state: no communication
     p = torch.matmul(_decayed_q(q, decay_log).transpose(-1, -2), dinter).float()  # d S_in [B, H, Dk, Dv]
-    ds_local = _state_out_grad(p, decay_log, q.shape[1], variant, _group(group))
+    ds_local = _state_out_grad(p, decay_log, q.shape[1], variant, process_group(group))
     return dq.to(q.dtype).contiguous(), ds_local.contiguous()
 
 

@@ -71,7 +71,7 @@ aten = torch.ops.aten
 
 
 @functools.cache
-def _fa4():
+def fa4_interface():
     """flash-attn 4's interface module, or None when it is not installed (or cannot load)."""
     try:
         from flash_attn.cute import interface
@@ -83,7 +83,7 @@ def _fa4():
 @torch.compiler.assume_constant_result
 def _fa4_installed() -> bool:
     """Whether flash-attn 4 loads; a constant to torch.compile (the backend is chosen inside compiled blocks)."""
-    return _fa4() is not None
+    return fa4_interface() is not None
 
 
 def fa4_supports(head_dim: int, head_dim_v: int | None = None, major: int = 9) -> bool:
@@ -176,7 +176,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, allowe
     return s
 
 
-def _safe(lse: torch.Tensor) -> torch.Tensor:
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     """lse with -inf (rows that see no key) replaced by 0, so exp(s - lse) is 0, not NaN, there."""
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
@@ -185,7 +185,7 @@ def _math_forward(q, k, v, causal: bool, scale: float, allowed: torch.Tensor | N
     B, Sq, Hq, D = q.shape
     s = _scores(q, k, causal, scale, allowed)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Sq)
-    p = torch.exp(s - _safe(lse).unsqueeze(-1))
+    p = torch.exp(s - finite_lse(lse).unsqueeze(-1))
     out = torch.einsum("bhgqk,bkhd->bqhgd", p, v.to(p.dtype)).reshape(B, Sq, Hq, v.shape[-1])
     return out.to(q.dtype), lse.reshape(B, Hq, Sq)
 
@@ -196,7 +196,7 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, allowed:
     G = Hq // Hkv
     s = _scores(q, k, causal, scale, allowed)
     lse = lse.reshape(B, Hkv, G, Sq)
-    p = torch.exp(s - _safe(lse).unsqueeze(-1))  # (B, Hkv, G, Sq, Sk)
+    p = torch.exp(s - finite_lse(lse).unsqueeze(-1))  # (B, Hkv, G, Sq, Sk)
     p = p.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)  # rows with no key anywhere: P = 0
     acc, Dv = p.dtype, v.shape[-1]
     do = dout.to(acc).view(B, Sq, Hkv, G, Dv)
@@ -282,14 +282,14 @@ def _sdpa_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend:
 def _fa4_forward(q, k, v, causal: bool, scale: float, varlen: Varlen | None = None):
     kw = {} if varlen is None else dict(cu_seqlens_q=varlen.cu_q, cu_seqlens_k=varlen.cu_k, max_seqlen_q=varlen.max_q,
                                         max_seqlen_k=varlen.max_k)
-    out, lse = _fa4()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True, **kw)[:2]
+    out, lse = fa4_interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True, **kw)[:2]
     return out, lse
 
 
 def _fa4_backward(dout, q, k, v, out, lse, causal: bool, scale: float, varlen: Varlen | None = None):
     kw = {} if varlen is None else dict(cu_seqlens_q=varlen.cu_q, cu_seqlens_k=varlen.cu_k, max_seqlen_q=varlen.max_q,
                                         max_seqlen_k=varlen.max_k)
-    dq, dk, dv = _fa4()._flash_attn_bwd(q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+    dq, dk, dv = fa4_interface()._flash_attn_bwd(q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
                                         dout.contiguous().to(out.dtype), lse.contiguous(), scale, causal, **kw)[:3]
     return dq, dk, dv
 

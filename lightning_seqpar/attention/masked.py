@@ -38,7 +38,7 @@ import functools
 import torch
 from torch import Tensor
 
-from lightning_seqpar.attention.local import _fa4, _safe, acc_dtype, block_backward, block_forward, fa4_supports
+from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward, fa4_interface, fa4_supports, finite_lse
 from lightning_seqpar.attention.variants import Mask
 
 _TILE = 128  # FlexAttention's default block size
@@ -86,7 +86,7 @@ def _math_forward(q, k, v, mask: Mask, scale: float):
     B, Sq, Hq, _ = q.shape
     s, _ = _math_scores(q, k, mask, scale)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Sq)
-    p = torch.exp(s - _safe(lse).unsqueeze(-1))
+    p = torch.exp(s - finite_lse(lse).unsqueeze(-1))
     out = torch.einsum("bhgqk,bkhd->bqhgd", p, v.to(p.dtype)).reshape(B, Sq, Hq, v.shape[-1])
     return out.to(q.dtype), lse.reshape(B, Hq, Sq)
 
@@ -97,7 +97,7 @@ def _math_backward(dout, q, k, v, out, lse, mask: Mask, scale: float):
     G = Hq // Hkv
     s, t = _math_scores(q, k, mask, scale)
     lse = lse.reshape(B, Hkv, G, Sq).to(s.dtype)
-    p = torch.exp(s - _safe(lse).unsqueeze(-1)).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
+    p = torch.exp(s - finite_lse(lse).unsqueeze(-1)).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
     acc, Dv = p.dtype, v.shape[-1]
     do = dout.to(acc).view(B, Sq, Hkv, G, Dv)
     dv = torch.einsum("bhgqk,bqhgd->bkhd", p, do)
@@ -162,14 +162,14 @@ def _fa4_variant_kwargs(mask: Mask) -> dict:
 
 def fa4_variant_forward(q, k, v, mask: Mask, scale: float):
     kw = _fa4_variant_kwargs(mask)
-    out, lse = _fa4()._flash_attn_fwd(q, k, v, softmax_scale=scale, softcap=mask.variant.softcap or None, return_lse=True, **kw)[:2]
+    out, lse = fa4_interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, softcap=mask.variant.softcap or None, return_lse=True, **kw)[:2]
     return out, lse.float()
 
 
 def fa4_variant_backward(dout, q, k, v, out, lse, mask: Mask, scale: float):
     kw = _fa4_variant_kwargs(mask)
     out = out.contiguous()
-    dq, dk, dv = _fa4()._flash_attn_bwd(q.contiguous(), k.contiguous(), v.contiguous(), out, dout.contiguous().to(out.dtype),
+    dq, dk, dv = fa4_interface()._flash_attn_bwd(q.contiguous(), k.contiguous(), v.contiguous(), out, dout.contiguous().to(out.dtype),
                                         lse.float().contiguous(), scale, softcap=mask.variant.softcap or 0.0, **kw)[:3]
     return dq, dk, dv
 

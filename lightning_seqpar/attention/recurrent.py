@@ -83,7 +83,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.attention.ring import _P2P
+from lightning_seqpar.attention.comm import P2P, process_group
 from lightning_seqpar.sharding import LAYOUTS, chunk_ids, num_chunks
 
 __all__ = [
@@ -230,12 +230,6 @@ def _owner(piece: int, world: int, layout: str) -> int:
     return 2 * world - 1 - piece
 
 
-def _group(name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
 # ---------------------------------------------------------------------------------------------
 # the state chain (Note [Linear recurrences under sequence sharding])
 
@@ -245,10 +239,10 @@ class _StateChain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kernel, group_name: str, layout: str, state_shape: tuple[int, ...], *inputs: Tensor) -> Tensor:
-        group = _group(group_name)
+        group = process_group(group_name)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         pieces, n = chunk_ids(rank, world, layout), num_chunks(world, layout)
-        comm = _P2P(group)
+        comm = P2P(group)
         split = [x.chunk(len(pieces), dim=1) for x in inputs]
         outs, s_ins, carried = [], [], None
         for i, p in enumerate(pieces):
@@ -276,10 +270,10 @@ class _StateChain(torch.autograd.Function):
         saved = ctx.saved_tensors
         inputs, states = saved[: ctx.n_inputs], list(saved[ctx.n_inputs:])
         s_ins = [states.pop(0) if has else None for has in ctx.has_state]
-        group = _group(ctx.group_name)
+        group = process_group(ctx.group_name)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         pieces, n = chunk_ids(rank, world, ctx.layout), num_chunks(world, ctx.layout)
-        comm = _P2P(group)
+        comm = P2P(group)
         split = [x.chunk(len(pieces), dim=1) for x in inputs]
         douts = dout.chunk(len(pieces), dim=1)
         grads: list[list[Tensor | None]] = [[None] * len(pieces) for _ in inputs]
@@ -327,7 +321,7 @@ class _Halo(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, width: int, group_name: str, layout: str) -> Tensor:
-        group = _group(group_name)
+        group = process_group(group_name)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         pieces, n = chunk_ids(rank, world, layout), num_chunks(world, layout)
         parts = x.chunk(len(pieces), dim=1)
@@ -342,7 +336,7 @@ class _Halo(torch.autograd.Function):
                     recvs.append((halos[i], src))
             if p < n - 1 and _owner(p + 1, world, layout) != rank:
                 sends.append((parts[i][:, -width:].contiguous(), _owner(p + 1, world, layout)))
-        comm = _P2P(group)
+        comm = P2P(group)
         comm.wait(comm.post(sends, recvs))
         ctx.args = (width, group_name, layout, x.shape[1])
         return halos
@@ -350,7 +344,7 @@ class _Halo(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dhalos: Tensor):
         width, group_name, layout, T = ctx.args
-        group = _group(group_name)
+        group = process_group(group_name)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         pieces, n = chunk_ids(rank, world, layout), num_chunks(world, layout)
         P, B, _, C = dhalos.shape
@@ -366,7 +360,7 @@ class _Halo(torch.autograd.Function):
             if p < n - 1 and _owner(p + 1, world, layout) != rank:
                 buf = dhalos.new_zeros(B, width, C)
                 recvs.append((buf, _owner(p + 1, world, layout)))
-        comm = _P2P(group)
+        comm = P2P(group)
         comm.wait(comm.post(sends, recvs))
         received = iter(buf for buf, _ in recvs)
         for i, p in enumerate(pieces):

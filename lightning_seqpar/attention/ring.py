@@ -46,7 +46,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_seqpar.attention.documents import Block, DocSegments, ring_doc_plan
+from lightning_seqpar.attention.comm import P2P
+from lightning_seqpar.attention.varlen import Block, DocSegments, ring_doc_plan
 from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward
 from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import merge_, new_accumulators
@@ -56,7 +57,7 @@ from lightning_seqpar.attention.variants import Variant, VariantPlan
 def block_plan(rank: int, src: int, causal: bool, layout: str, s_local: int, docs: DocSegments | None = None) -> list[Block]:
     """Which (query rows, key rows, causal, segments) blocks rank ``rank`` computes against K/V of ``src``.
 
-    With packed documents ``docs`` the blocks are varlen (``lightning_seqpar.attention.documents``).
+    With packed documents ``docs`` the blocks are varlen (``lightning_seqpar.attention.varlen``).
     """
     if docs is not None:
         return ring_doc_plan(rank, src, causal, s_local, docs)
@@ -97,24 +98,6 @@ def _steps(plan: VariantPlan | None, G: int, w: int) -> int:
     return plan.steps if plan is not None and G == 1 else w
 
 
-class _P2P:
-    """Posts a batch of sends/receives on ``group`` (group-local ranks) and waits for it later."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.ranks = dist.get_process_group_ranks(group)
-
-    def post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]):
-        ops = [dist.P2POp(dist.isend, t, self.ranks[p], self.group) for t, p in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.ranks[p], self.group) for t, p in recvs]
-        return dist.batch_isend_irecv(ops) if ops else []
-
-    @staticmethod
-    def wait(works) -> None:
-        for w in works:
-            w.wait()
-
-
 def _geometry(rank: int, world: int, inner: int | None) -> tuple[int, int, int, int]:
     w = world if inner is None else inner
     return world // w, w, rank // w, rank % w
@@ -130,7 +113,7 @@ def ring_forward(q, k, v, *, group: dist.ProcessGroup, causal: bool, layout: str
     plan = VariantPlan(world, layout, q.shape[1], docs, variant, q.device) if variant is not None else None
     G, w, g, j = _geometry(rank, world, inner)
     T = _steps(plan, G, w)
-    comm = _P2P(group)
+    comm = P2P(group)
     s_local = q.shape[1]
     out, lse = new_accumulators(q, v.shape[-1])
     home = torch.stack([k, v])  # (2, B, S, Hkv, D): one buffer, one send per hop
@@ -166,7 +149,7 @@ def ring_backward(dout, q, k, v, out, lse, *, group: dist.ProcessGroup, causal: 
     plan = VariantPlan(world, layout, q.shape[1], docs, variant, q.device) if variant is not None else None
     G, w, g, j = _geometry(rank, world, inner)
     T = _steps(plan, G, w)
-    comm = _P2P(group)
+    comm = P2P(group)
     s_local = q.shape[1]
     inner_next, inner_prev = g * w + (j + 1) % w, g * w + (j - 1) % w
     outer_next, outer_prev = ((g + 1) % G) * w + j, ((g - 1) % G) * w + j

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from lightning_seqpar.attention.local import acc_dtype
-from lightning_seqpar.attention.ulysses import head_to_seq, kv_repeat, seq_to_head
+from lightning_seqpar.attention.comm import kv_repeat
+from lightning_seqpar.attention.ulysses import head_to_seq, seq_to_head
 
 
 class _RepeatKV(torch.autograd.Function):
@@ -47,6 +48,8 @@ class _RepeatKV(torch.autograd.Function):
 def two_d_attention(q, k, v, *, hp: int, hp_group: str, inner_attention) -> torch.Tensor:
     """Head all-to-all over hp around ``inner_attention`` (the ring over cp, or local attention)."""
     r = kv_repeat(q.shape[2], k.shape[2], hp)
+    if r is None:
+        raise ValueError(f"cannot split {q.shape[2]} query heads / {k.shape[2]} key-value heads over {hp} head-parallel ranks")
     if r > 1:
         k, v = _RepeatKV.apply(k, r), _RepeatKV.apply(v, r)
     qh, kh, vh = (seq_to_head(x, hp, hp_group) for x in (q, k, v))

@@ -27,15 +27,6 @@ import torch
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 
-def kv_repeat(h_q: int, h_kv: int, degree: int) -> int:
-    """Smallest repeat r of the K/V heads that lets ``degree`` head-parallel ranks split them."""
-    groups = h_q // h_kv
-    for r in range(1, groups + 1):
-        if groups % r == 0 and (h_kv * r) % degree == 0:
-            return r
-    raise ValueError(f"cannot split {h_q} query heads / {h_kv} key-value heads over {degree} head-parallel ranks")
-
-
 def _a2a(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return wait_tensor(all_to_all_single_autograd(x, None, None, group_name))
 

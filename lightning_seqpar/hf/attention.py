@@ -44,7 +44,7 @@ _UNSUPPORTED_KWARGS: dict[str, str] = {
 
 # config fields that change the logits after ``lm_head`` (the chunked loss computes hidden @ W^T only)
 
-def _transformers() -> Any:
+def require_transformers() -> Any:
     """The transformers module, or an ImportError saying how to install a supported version."""
     try:
         import transformers
@@ -72,7 +72,7 @@ def register_attention() -> None:
     Idempotent. This is the only global state the package touches, and it lives in transformers'
     own registries, which exist for exactly this purpose.
     """
-    transformers = _transformers()
+    transformers = require_transformers()
     transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, seqpar_attention_forward)
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -227,7 +227,7 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
             model whose attention does not go through ``AttentionInterface``, no attention layer
             found, or a sliding window / attention chunk < ``max_seq_len``.
     """
-    transformers = _transformers()
+    transformers = require_transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise ValueError(f"model must be a transformers.PreTrainedModel, got {type(model).__name__}")
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1):

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.documents import current_documents, documents_error
-from lightning_seqpar.hf.attention import _transformers, apply_hf_attention
+from lightning_seqpar.hf.attention import apply_hf_attention, require_transformers
 from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
 from lightning_seqpar.hf.support import check_sharded_layer
 from lightning_seqpar.hf_hybrid import is_hybrid_twin
@@ -49,7 +49,7 @@ def is_hf_source(model: object) -> bool:
 
 def load_hf_config(source: Any) -> PretrainedConfig:
     """The ``PretrainedConfig`` of an :func:`is_hf_source` ``source`` (a folder is read, nothing is downloaded)."""
-    transformers = _transformers()
+    transformers = require_transformers()
     if isinstance(source, transformers.PreTrainedModel):
         return source.config
     if isinstance(source, transformers.PretrainedConfig):
@@ -75,7 +75,7 @@ def build_hf_causal_lm(source: Any, *, dtype: torch.dtype | None = None) -> PreT
     Built on the current default device (the strategy's ``tensor_init_context`` sets it) in ``dtype``
     (default: ``torch.get_default_dtype()``, which Lightning's precision plugin sets).
     """
-    transformers = _transformers()
+    transformers = require_transformers()
     dtype = torch.get_default_dtype() if dtype is None else dtype
     if isinstance(source, transformers.PreTrainedModel):
         return source
@@ -177,6 +177,11 @@ class HFCausalLM(nn.Module):
                 f"and its recurrent mixers ({', '.join(sorted(set(self._recurrent_mixers)))}) would carry their state across "
                 "document boundaries (the reset is not implemented): train this model on unpacked sequences (one document "
                 "per sample, no document_ids, position_ids 0..S-1)")
+        if current_documents() is not None and getattr(self.hf, "is_gradient_checkpointing", False) and torch.is_grad_enabled():
+            raise documents_error(  # Note [Per-call state]: its recomputation in backward would not see them
+                f"HFCausalLM ({type(self.hf).__name__})",
+                "which the model's own gradient checkpointing would recompute without (backward may run in another thread): "
+                "call gradient_checkpointing_disable() and use SequenceParallelStrategy(activation_checkpointing=...)")
         if sp > 1:
             for layer in self._attention_layers:
                 check_sharded_layer(layer)

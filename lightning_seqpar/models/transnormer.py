@@ -137,7 +137,7 @@ class TransNormerConfig:
 # Note [Named configurations]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # * tnl-385m, tnl-1b: width, layers, heads, GLU width and vocabulary are those of TNL's public
-#   code and configs (DESIGN.md "Notes on the models"); LASP §4 trains TNL-1B (Table 4, Fig. 3-4)
+#   code and configs (TransNormerLLM, Qin et al., arXiv:2307.14995); LASP §4 trains TNL-1B (Table 4, Fig. 3-4)
 #   and a 0.4B TNL (Table 2).
 # * tnl-7b: n_embd 4096, 30 layers, 32 heads are the 7B row of the TransNormerLLM paper's model
 #   table (Qin et al., arXiv:2307.14995; not one of the papers in docs/references.md: check

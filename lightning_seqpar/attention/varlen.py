@@ -1,4 +1,4 @@
-"""Document-masked attention blocks for every algorithm (Note [Packed documents and per-document zigzag]
+"""Varlen plans: the document-masked attention blocks of every algorithm (Note [Packed documents and per-document zigzag]
 in ``lightning_seqpar.documents``).
 
 The algorithms receive the piece lengths ``pieces`` (int64 ``[B, N, P]`` on the CPU; P = 2W for
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar.attention.local import Varlen
-from lightning_seqpar.documents import _exclusive_cumsum, _segments
+from lightning_seqpar.documents import exclusive_cumsum, segment_indices
 
 Block = tuple[slice, slice, bool, "Varlen | None"]  # (query rows, key rows, causal, segments)
 
@@ -86,12 +86,12 @@ def gathered_doc_plan(rank: int, world: int, causal: bool, s_local: int, seg: Do
     B, N, P = pieces.shape
     half = s_local // 2
     owner = torch.tensor([(p if p < world else P - 1 - p) * s_local + (0 if p < world else half) for p in range(P)])
-    starts = (torch.arange(B).view(B, 1, 1) * (world * s_local) + owner.view(1, 1, P) + _exclusive_cumsum(pieces, 1))  # [B, N, P]
+    starts = (torch.arange(B).view(B, 1, 1) * (world * s_local) + owner.view(1, 1, P) + exclusive_cumsum(pieces, 1))  # [B, N, P]
     plan = []
     for hq in (0, 1):
         a = _piece_of(rank, hq, P)
         keys = list(range(a + 1)) if causal else list(range(P))
-        index = _segments(starts[:, :, keys], pieces[:, :, keys]).to(seg.device, non_blocking=True)
+        index = segment_indices(starts[:, :, keys], pieces[:, :, keys]).to(seg.device, non_blocking=True)
         vl = seg.varlen(("gathered", a, causal), pieces[:, :, a], pieces[:, :, keys].sum(-1))
         plan.append((slice(hq * half, (hq + 1) * half), index, causal, vl))
     return plan
