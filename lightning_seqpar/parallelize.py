@@ -40,7 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS, Attention, LinearAttention
 from lightning_seqpar.attention.api import check_head_chunks
 from lightning_seqpar.attention.recurrent import Recurrence
-from lightning_seqpar.checkpointing import MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, tile_mlp
+from lightning_seqpar.activation_checkpointing import MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, tile_mlp
 
 BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
 """Names of the ``nn.ModuleList`` attributes whose elements are transformer blocks."""
@@ -256,7 +256,7 @@ def apply_ac(
 def apply_mlp_tiles(model: nn.Module, chunk_size: int | None, *, block_classes: Sequence[type[nn.Module]] | None = None) -> int:
     """Run each block's MLP over slices of ``chunk_size`` tokens, each checkpointed (Note [Sequence-tiled MLP]).
 
-    The MLP is the block's child named one of :data:`~lightning_seqpar.checkpointing.MLP_NAMES`;
+    The MLP is the block's child named one of :data:`~lightning_seqpar.activation_checkpointing.MLP_NAMES`;
     returns how many were tiled. ``chunk_size=None`` does nothing.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -273,7 +273,7 @@ def apply_mlp_tiles(model: nn.Module, chunk_size: int | None, *, block_classes: 
         if name is None:
             raise ValueError(
                 f"mlp_chunk_size={chunk_size}: block {type(block).__name__} has no MLP child named one of {MLP_NAMES}; "
-                "tile it by hand with lightning_seqpar.checkpointing.tile_mlp, or leave mlp_chunk_size=None"
+                "tile it by hand with lightning_seqpar.activation_checkpointing.tile_mlp, or leave mlp_chunk_size=None"
             )
         mlp = getattr(block, name)
         if not isinstance(mlp, CheckpointWrapper):  # tiled already (parallelize called again)

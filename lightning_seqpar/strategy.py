@@ -55,7 +55,7 @@ from typing_extensions import override
 from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS
 from lightning_seqpar.attention.cost import COST_ALGORITHMS, AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.attention.local import available_backends, resolve_backend
-from lightning_seqpar.checkpointing import AC_MODES
+from lightning_seqpar.activation_checkpointing import AC_MODES
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
@@ -73,7 +73,7 @@ from lightning_seqpar.precision import scaler_free
 from lightning_seqpar.rng import get_rng_state, set_rng_state
 from lightning_seqpar.sharding import LAYOUTS, gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
 from lightning_seqpar.validation import check_batch, check_same_batch
-from lightning_seqpar.warmup import warm_up_backward_handles
+from lightning_seqpar.cuda_warmup import warm_up_backward_handles
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -136,7 +136,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         offload_checkpoints: keep the inputs that checkpointed blocks save in pinned host memory
             (copied on a side stream in forward, back in backward): for the longest contexts,
             where the saved inputs are what does not fit (Note [Offloading checkpoints to host
-            memory] in ``lightning_seqpar.checkpointing``). Needs activation_checkpointing.
+            memory] in ``lightning_seqpar.activation_checkpointing``). Needs activation_checkpointing.
         offload_params: keep the sharded parameters, their gradients and the optimizer state in
             host memory (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload style): each block's shard is
             copied to the GPU for its all-gather, gradients come back after the reduce-scatter

@@ -1,6 +1,6 @@
 """Offloading to host memory on a GPU; skipped on CPU.
 
-    pytest -s tests/test_checkpointing_gpu.py
+    pytest -s tests/test_activation_checkpointing_gpu.py
 
 (one process: not under torchrun)
 

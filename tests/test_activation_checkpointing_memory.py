@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_seqpar.checkpointing import HostOffload, checkpoint_block, tile_mlp
+from lightning_seqpar.activation_checkpointing import HostOffload, checkpoint_block, tile_mlp
 from lightning_seqpar.models import GPT, GPTConfig, Llama, LlamaConfig, TransNormer, TransNormerConfig
 from lightning_seqpar.models.llama import rope_freqs_cis
 from lightning_seqpar.parallelize import apply_ac, apply_mlp_tiles
