@@ -52,17 +52,18 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS
+from lightning_seqpar.attention import ALGORITHMS
 from lightning_seqpar.attention.cost import COST_ALGORITHMS, AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.attention.local import available_backends, resolve_backend
-from lightning_seqpar.activation_checkpointing import AC_MODES
+from lightning_seqpar.config import ActivationCheckpointingChoice, AttentionChoice, StrategyConfig
+from lightning_seqpar.cuda_warmup import warm_up_backward_handles
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
 from lightning_seqpar.lora import upcast_trainable
-from lightning_seqpar.mesh import PLACEMENTS, ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
+from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
+from lightning_seqpar.models.registry import attention_heads, family_of
 from lightning_seqpar.parallelize import (
-    config_value,
     find_blocks,
     host_optimizer_threads,
     parallelize,
@@ -71,16 +72,11 @@ from lightning_seqpar.parallelize import (
 )
 from lightning_seqpar.precision import scaler_free
 from lightning_seqpar.rng import get_rng_state, set_rng_state
-from lightning_seqpar.sharding import LAYOUTS, gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
+from lightning_seqpar.sharding import gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
 from lightning_seqpar.validation import check_batch, check_same_batch
-from lightning_seqpar.cuda_warmup import warm_up_backward_handles
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-AttentionChoice = Literal["ring", "allgather", "ulysses", "2d", "lasp", "auto"]
-ActivationCheckpointingChoice = Literal["selective++", "full"]
-
 
 class SequenceParallelStrategy(ModelParallelStrategy):
     """Train a causal LM on sequences split across ranks: exact distributed attention + FSDP2.
@@ -193,131 +189,30 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         pad_to_multiple: bool = False,
         validate_batches: bool = True,
     ) -> None:
-        name = type(self).__name__
-        if not (sequence_parallel_size == "auto" or _positive_int(sequence_parallel_size)):
-            raise ValueError(f"{name}: sequence_parallel_size must be a positive int or 'auto', got {sequence_parallel_size!r}")
-        if not (head_parallel_size == "auto" or _positive_int(head_parallel_size)):
-            raise ValueError(f"{name}: head_parallel_size must be a positive int or 'auto', got {head_parallel_size!r}")
-        if not _positive_int(data_parallel_replicate_size):
-            raise ValueError(f"{name}: data_parallel_replicate_size must be a positive int, got {data_parallel_replicate_size!r}")
-        if not (expected_seq_len is None or _positive_int(expected_seq_len)):
-            raise ValueError(f"{name}: expected_seq_len must be a positive int (the global sequence length) or None, got {expected_seq_len!r}")
-        if head_parallel_size == "auto" and attention != "auto":
-            raise ValueError(
-                f"{name}: head_parallel_size='auto' is chosen together with the algorithm and needs attention='auto'; "
-                f"got attention={attention!r} (give head_parallel_size as an int)"
-            )
-        choices = (*ALGORITHMS, "lasp", "auto")
-        if attention not in choices:
-            raise ValueError(f"{name}: attention={attention!r} is not supported; expected one of {choices}")
-        if lasp_variant not in LASP_VARIANTS:
-            raise ValueError(f"{name}: lasp_variant={lasp_variant!r} is not supported; expected one of {LASP_VARIANTS}")
-        if inner_ring_size is not None and not _positive_int(inner_ring_size):
-            raise ValueError(f"{name}: inner_ring_size must be a positive int or None, got {inner_ring_size!r}")
-        if inner_ring_size is not None and attention not in ("ring", "2d", "auto"):
-            raise ValueError(f"{name}: inner_ring_size is for attention='ring' or '2d' (the double ring), not attention={attention!r}")
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"{name}: attention_backend={attention_backend!r} is not supported; expected one of {BACKENDS}")
-        if not _positive_int(head_chunks):
-            raise ValueError(f"{name}: head_chunks must be a positive int, got {head_chunks!r}")
-        if head_chunks > 1 and attention not in ("ring", "allgather", "auto"):
-            raise ValueError(f"{name}: head_chunks={head_chunks} is for attention='ring' or 'allgather', not attention={attention!r}")
-        if head_chunks > 1 and head_parallel_size != "auto" and head_parallel_size > 1:
-            raise ValueError(f"{name}: head_chunks={head_chunks} is for attention='ring' or 'allgather' (head_parallel_size=1), "
-                             f"but head_parallel_size={head_parallel_size} means 2D attention")
-        # "auto" becomes "lasp" in setup() when the model's blocks call LinearAttention
-        # and to the cost model's choice when expected_seq_len is given (Note [Choosing attention automatically])
-        self._auto_attention = attention == "auto"
-        self._expected_seq_len = expected_seq_len
-        self.attention_plan: AttentionPlan | None = None
-        self._warned_loss = False
-        if attention == "auto":
-            attention = "2d" if head_parallel_size != "auto" and head_parallel_size > 1 else "ring"
-        if attention == "2d" and head_parallel_size == 1:
-            raise ValueError(
-                f"{name}: attention='2d' needs head_parallel_size > 1 (Ulysses over hp x ring over cp); "
-                "got head_parallel_size=1 (use attention='ring' for pure context parallelism)"
-            )
-        if attention != "2d" and head_parallel_size not in (1, "auto"):
-            raise ValueError(
-                f"{name}: head_parallel_size={head_parallel_size} needs attention='2d' (or 'auto'); "
-                f"attention={attention!r} runs over all sequence_parallel_size ranks with head_parallel_size=1"
-            )
-        self._auto_layout = load_balance == "auto"
-        if load_balance is True or load_balance is False:
-            layout = "zigzag" if load_balance else "contiguous"
-        elif load_balance in LAYOUTS:
-            layout = load_balance
-        elif load_balance == "auto":  # LASP needs contiguous; causal softmax attention is balanced by zigzag
-            layout = "contiguous" if attention == "lasp" else "zigzag"
-        else:
-            raise ValueError(f"{name}: load_balance={load_balance!r} is not supported; expected a bool, 'auto' or one of {LAYOUTS}")
-        if attention == "lasp" and layout != "contiguous":
-            raise ValueError(
-                f"{name}: attention='lasp' needs load_balance='contiguous' (or False / 'auto'): LASP passes the KV state "
-                f"from each rank's chunk to the next (LASP, arXiv:2404.02882, Alg. 1-2); got load_balance={load_balance!r}"
-            )
-        if activation_checkpointing is not None and activation_checkpointing not in AC_MODES:
-            raise ValueError(
-                f"{name}: activation_checkpointing={activation_checkpointing!r} is not supported; expected one of {AC_MODES} or None"
-            )
-        if not isinstance(uncheckpointed_blocks, int) or isinstance(uncheckpointed_blocks, bool) or uncheckpointed_blocks < 0:
-            raise ValueError(f"{name}: uncheckpointed_blocks must be an int >= 0, got {uncheckpointed_blocks!r}")
-        if not isinstance(compile, (bool, dict)):
-            raise ValueError(f"{name}: compile must be a bool or a dict of torch.compile keyword arguments, got {compile!r}")
-        if not isinstance(offload_checkpoints, bool):
-            raise ValueError(f"{name}: offload_checkpoints must be True or False, got {offload_checkpoints!r}")
-        if offload_checkpoints and activation_checkpointing is None:
-            raise ValueError(f"{name}: offload_checkpoints=True offloads what checkpointed blocks keep; "
-                             "set activation_checkpointing='selective++' or 'full'")
-        if offload_checkpoints and compile:
-            raise ValueError(f"{name}: offload_checkpoints=True runs the blocks eagerly (saved-tensor hooks around the "
-                             "checkpoint); set compile=False")
-        if not isinstance(offload_params, bool):
-            raise ValueError(f"{name}: offload_params must be True or False, got {offload_params!r}")
-        if offload_params and process_group_backend is not None and not _serves_cpu(process_group_backend):
-            raise ValueError(
-                f"{name}: offload_params=True keeps the parameters and gradients on the CPU, and gradient clipping "
-                f"reduces over CPU tensors, which process_group_backend={process_group_backend!r} cannot carry; "
-                "use 'cpu:gloo,cuda:nccl' (or None, which picks it on CUDA)"
-            )
-        if mlp_chunk_size is not None and not _positive_int(mlp_chunk_size):
-            raise ValueError(f"{name}: mlp_chunk_size must be a positive int (tokens per slice) or None, got {mlp_chunk_size!r}")
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = timedelta(seconds=timeout)
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise ValueError(f"{name}: timeout must be a timedelta, a number of seconds or None, got {timeout!r}")
-        if timeout is not None and timeout.total_seconds() <= 0:
-            raise ValueError(f"{name}: timeout must be positive, got {timeout!r}")
-        for arg, value in (("pad_to_multiple", pad_to_multiple), ("validate_batches", validate_batches)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}: {arg} must be True or False, got {value!r}")
+        self.config = StrategyConfig(
+            sequence_parallel_size=sequence_parallel_size, head_parallel_size=head_parallel_size, attention=attention,
+            expected_seq_len=expected_seq_len, load_balance=load_balance, lasp_variant=lasp_variant,
+            inner_ring_size=inner_ring_size, placement=placement, head_chunks=head_chunks, attention_backend=attention_backend,
+            data_parallel_replicate_size=data_parallel_replicate_size, activation_checkpointing=activation_checkpointing,
+            uncheckpointed_blocks=uncheckpointed_blocks, offload_checkpoints=offload_checkpoints, offload_params=offload_params,
+            mlp_chunk_size=mlp_chunk_size, compile=compile, save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend, timeout=timeout, pad_to_multiple=pad_to_multiple,
+            validate_batches=validate_batches,
+        )
+        """The options as given ("auto" included), checked (Note [One name per option] in ``lightning_seqpar.config``)."""
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=self.config.timeout,
         )
-        self._sequence_parallel_size = sequence_parallel_size
-        self._head_parallel_size = head_parallel_size
-        self._data_parallel_replicate_size = data_parallel_replicate_size
-        self.attention: str = attention
-        self.layout: str = layout
-        self.lasp_variant: str = lasp_variant
-        self.inner_ring_size: int | None = inner_ring_size
-        if placement not in ("auto", *PLACEMENTS):
-            raise ValueError(f"{type(self).__name__}: placement={placement!r} is not supported; expected 'auto' or one of {PLACEMENTS}")
-        self._placement = placement
-        self.head_chunks: int = head_chunks
-        self.attention_backend: str = attention_backend
-        self.activation_checkpointing = activation_checkpointing
-        self.uncheckpointed_blocks = uncheckpointed_blocks
-        self.offload_checkpoints = offload_checkpoints
-        self.offload_params = offload_params
-        self.mlp_chunk_size = mlp_chunk_size
-        self.compile_kwargs: dict[str, Any] | None = (dict(compile) if isinstance(compile, dict) else {}) if compile else None
-        self.timeout: timedelta | None = timeout
-        self.pad_to_multiple = pad_to_multiple
-        self.validate_batches = validate_batches
+        # What setup resolves: "auto" becomes "lasp" when the model's blocks call LinearAttention and the cost
+        # model's choice with expected_seq_len (Note [Choosing attention automatically]); until then "2d" with
+        # head_parallel_size > 1, else "ring".
+        self.attention: str = self.config.initial_attention
+        self.layout: str = self.config.layout
+        self.inner_ring_size: int | None = self.config.inner_ring_size
+        self.attention_plan: AttentionPlan | None = None
+        self._warned_loss = False
         self._parallel_dims: ParallelDims | None = None
         self._sp_mesh: DeviceMesh | None = None
         self._fsdp_mesh: DeviceMesh | None = None
@@ -325,6 +220,20 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._meshes_finalizer: weakref.finalize | None = None
         self._failed = False
         self._rng_state_to_restore: dict[str, Any] | None = None
+
+    # the options that setup does not resolve, read from the config
+    lasp_variant = property(lambda self: self.config.lasp_variant)
+    head_chunks = property(lambda self: self.config.head_chunks)
+    attention_backend = property(lambda self: self.config.attention_backend)
+    activation_checkpointing = property(lambda self: self.config.activation_checkpointing)
+    uncheckpointed_blocks = property(lambda self: self.config.uncheckpointed_blocks)
+    offload_checkpoints = property(lambda self: self.config.offload_checkpoints)
+    offload_params = property(lambda self: self.config.offload_params)
+    mlp_chunk_size = property(lambda self: self.config.mlp_chunk_size)
+    compile_kwargs = property(lambda self: self.config.compile_kwargs)
+    timeout = property(lambda self: self.config.timeout)
+    pad_to_multiple = property(lambda self: self.config.pad_to_multiple)
+    validate_batches = property(lambda self: self.config.validate_batches)
 
     # ----------------------------------------------------------------------------------------- mesh
 
@@ -355,9 +264,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     def resolve_parallel_dims(self) -> ParallelDims:
         """The mesh sizes for this world (no communication). Raises ValueError naming the argument."""
         world_size = self.num_nodes * self.num_processes
-        sp = self.num_processes if self._sequence_parallel_size == "auto" else self._sequence_parallel_size
-        hp = self._head_parallel_size
-        placement = self._placement
+        sp = self.num_processes if self.config.sequence_parallel_size == "auto" else self.config.sequence_parallel_size
+        hp = self.config.head_parallel_size
+        placement = self.config.placement
         if hp == "auto" or placement == "auto":  # Note [Choosing attention automatically]: from the model's config, if it has one
             module = self.lightning_module
             linear = module is not None and _is_linear_attention_model(module)
@@ -374,7 +283,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             world_size=world_size,
             sequence_parallel_size=sp,
             head_parallel_size=hp,
-            data_parallel_replicate_size=self._data_parallel_replicate_size,
+            data_parallel_replicate_size=self.config.data_parallel_replicate_size,
             placement=placement,  # type: ignore[arg-type]
             node_size=self.num_processes,
             owner=type(self).__name__,
@@ -558,7 +467,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
 
     def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
         """attention="auto": LASP on a linear-attention model, else the cost model's plan (Note [Choosing attention automatically])."""
-        if not (self._auto_attention and roots):
+        if not (self.config.attention == "auto" and roots):
             return
         name = type(self).__name__
         dims = self.parallel_dims
@@ -572,7 +481,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             return
         if dims.hp != 1:
             raise ValueError(f"{name}: the model uses linear attention (LASP), which needs head_parallel_size=1")
-        if self.layout != "contiguous" and not self._auto_layout:
+        if self.layout != "contiguous" and self.config.load_balance != "auto":
             raise ValueError(f"{name}: the model uses linear attention (LASP), which needs load_balance='contiguous' (or 'auto')")
         self.attention, self.layout = "lasp", "contiguous"
 
@@ -589,7 +498,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     def _plan_attention(self, shape: tuple[int, int, int] | None, *, sp: int, head_parallel_size: int | None,
                         placement: str | None = None) -> AttentionPlan | None:
         """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks; None when not asked for or unknown."""
-        if not self._auto_attention or self._expected_seq_len is None or shape is None or sp == 1:
+        if self.config.attention != "auto" or self.config.expected_seq_len is None or shape is None or sp == 1:
             return None
         h_q, h_kv, head_dim = shape
         device_name = ""
@@ -602,7 +511,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         profile = DeviceProfile.for_device(device_name, backend=kernel, gpus_per_node=max(1, self.num_processes))
         try:
             return choose_attention(
-                seq_len=self._expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
+                seq_len=self.config.expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
                 layout=self.layout, dtype_bytes=4 if str(getattr(self.precision_plugin, "precision", "")).startswith("32") else 2, profile=profile,  # type: ignore[arg-type]
                 algorithms=self._auto_candidates(), head_parallel_size=head_parallel_size,
                 # inner rings pay off only across nodes (Note [Choosing attention automatically])
@@ -611,8 +520,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             )
         except ValueError as error:
             raise ValueError(
-                f"{type(self).__name__}: attention='auto' with expected_seq_len={self._expected_seq_len}, "
-                f"head_parallel_size={self._head_parallel_size!r} and sequence_parallel_size={sp}: {error}"
+                f"{type(self).__name__}: attention='auto' with expected_seq_len={self.config.expected_seq_len}, "
+                f"head_parallel_size={self.config.head_parallel_size!r} and sequence_parallel_size={sp}: {error}"
             ) from error
 
     # ----------------------------------------------------------------------------------------- steps
@@ -1066,45 +975,15 @@ def _launched_by_torchelastic() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _serves_cpu(backend: str) -> bool:
-    """Whether a ``torch.distributed`` backend string carries CPU tensors ("nccl" alone does not;
-    "cpu:gloo,cuda:nccl" does)."""
-    backend = backend.lower().replace(" ", "")
-    if ":" in backend:
-        return any(part.startswith("cpu:") for part in backend.split(","))
-    return backend != "nccl"
-
-
 def _attention_shape(module: nn.Module | None) -> tuple[int, int, int] | None:
-    """(H_q, H_kv, D) of the softmax attention of ``module``, from the first ``config`` on it or a
-    submodule that has them (ours: n_head, n_kv_head, head_dim or n_embd; Hugging Face:
-    num_attention_heads, num_key_value_heads, head_dim or hidden_size)."""
-    if module is None:
-        return None
-    for config in (getattr(m, "config", None) for m in module.modules()):
-        for q_name, kv_name, width_name in (("n_head", "n_kv_head", "n_embd"), ("num_attention_heads", "num_key_value_heads", "hidden_size")):
-            h_q = getattr(config, q_name, None)
-            if config is None or not _positive_int(h_q):
-                continue
-            h_kv = getattr(config, kv_name, None)
-            h_kv = h_kv if _positive_int(h_kv) else h_q
-            head_dim, width = config_value(config, "head_dim"), getattr(config, width_name, None)
-            if not _positive_int(head_dim):
-                head_dim = width // h_q if _positive_int(width) and width % h_q == 0 else None
-            if head_dim is not None and h_q % h_kv == 0:
-                return h_q, h_kv, head_dim
-    return None
+    """(H_q, H_kv, D) of the softmax attention of ``module``, from the model registry (Note [The model registry])."""
+    return attention_heads(module, complete=True)  # type: ignore[return-value]
 
 
 def _is_linear_attention_model(module: nn.Module) -> bool:
-    """A linear-attention (LASP) model, built (its blocks call LinearAttention) or still a config."""
-    from lightning_seqpar.models import TransNormerConfig
-
-    return uses_linear_attention(module) or isinstance(getattr(module, "config", None), TransNormerConfig)
+    """A linear-attention (LASP) model, built (its blocks call LinearAttention) or still a config of a linear-attention family."""
+    family = family_of(getattr(module, "config", None))
+    return uses_linear_attention(module) or (family is not None and family.linear_attention)
 
 
 def _is_parallelized(module: nn.Module) -> bool:

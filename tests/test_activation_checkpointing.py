@@ -108,7 +108,7 @@ def _distributed_counts(rank: int, world_size: int, mode: str | None, algorithm:
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     model = _model()
-    apply_attention(model, mesh, algorithm=algorithm, layout="zigzag")
+    apply_attention(model, mesh, attention=algorithm, layout="zigzag")
     apply_ac(model, mode)
     ids, pos = _batch()
     ids, pos = shard_sequence(ids, mesh), shard_sequence(pos, mesh)
