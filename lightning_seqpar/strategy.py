@@ -14,7 +14,7 @@ parallelization:
   of the LightningModule that holds transformer blocks (attention -> AC -> compile -> FSDP2 over
   dp_shard x hp x cp), then the optimizers (over the sharded parameters).
 * ``batch_to_device``: the one place where batches are checked, padded and sharded along the
-  sequence (Note [Validating batches without hanging] in ``lightning_seqpar.validation``).
+  sequence (Note [Validating batches without hanging] in ``lightning_seqpar.batches``).
 * ``distributed_sampler_kwargs``: the data-parallel rank and size only, so all ranks of one
   sequence-parallel group read the same sample.
 * ``process_dataloader``: training loaders become ``ResumableLoader`` s, so that checkpoints hold
@@ -29,7 +29,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import shutil
 import time
 import warnings
 import weakref
@@ -52,13 +51,15 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_seqpar import checkpoint_io
 from lightning_seqpar.attention import ALGORITHMS
 from lightning_seqpar.attention.cost import COST_ALGORITHMS, AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.attention.local import available_backends, resolve_backend
+from lightning_seqpar.batches import check_batch, gather_sequence, shard_batch
 from lightning_seqpar.config import ActivationCheckpointingChoice, AttentionChoice, StrategyConfig
 from lightning_seqpar.cuda_warmup import warm_up_backward_handles
 from lightning_seqpar.data.resumable import ResumableLoader
-from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
+from lightning_seqpar.documents import set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
 from lightning_seqpar.lora import upcast_trainable
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
@@ -71,9 +72,6 @@ from lightning_seqpar.parallelize import (
     with_cpu_threads,
 )
 from lightning_seqpar.precision import scaler_free
-from lightning_seqpar.rng import get_rng_state, set_rng_state
-from lightning_seqpar.sharding import gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
-from lightning_seqpar.validation import check_batch, check_same_batch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -627,13 +625,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 "their logs (or the launcher's exit codes).")
 
     # ----------------------------------------------------------------------------------------- checkpoints
-    # Note [Checkpoint formats]
-    # save_distributed_checkpoint=True: ModelParallelStrategy's folder of shards written by
-    # torch.distributed.checkpoint (plus meta.pt with the rest of the Lightning checkpoint).
-    # False: one file with the full model and optimizer state dicts of
-    # torch.distributed.checkpoint.state_dict, i.e. keyed by parameter names as the plain model
-    # has them (activation checkpointing and compile wrappers leave no trace in the names).
-    # Both load into any mesh layout: a full tensor is re-sharded on load.
+    # Note [Checkpoint formats] and Note [Complete checkpoints only] in lightning_seqpar.checkpoint_io
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -654,82 +646,41 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             self._save_checkpoint(checkpoint, filepath, storage_options)
 
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None) -> None:
-        checkpoint["rng_states"] = self._gather_rng_states()
-        # Note [Complete checkpoints only]: a checkpoint (a folder of shards, or one file) appears
-        # under its name only once it is complete (every rank has written its shards and rank 0
-        # meta.pt), so a run killed while saving leaves the previous checkpoint of that name (or
-        # none), never a half-written one; what was being written stays as NAME.partial, which
-        # Lightning's ckpt_path="last" never takes (it looks for last*.ckpt) and the next save
-        # of that name removes.
+        checkpoint["rng_states"] = checkpoint_io.gather_rng_states(self.root_device)
+        # Note [Complete checkpoints only]: written under NAME.partial, moved into place when complete
         path = Path(self.broadcast(str(filepath)))
-        partial = path.with_name(path.name + ".partial")
-        if self.global_rank == 0 and partial.exists():
-            shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
+        partial = checkpoint_io.partial_path(path)
+        if self.global_rank == 0:
+            checkpoint_io.remove(partial)
         self.barrier("seqpar_save_checkpoint_start")
         if not self._save_distributed_checkpoint:  # one file, written by rank 0 (the full state dicts are gathered first)
             super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
             if self.global_rank == 0:
-                _replace(partial, path)
+                checkpoint_io.replace(partial, path)
             self.barrier("seqpar_save_checkpoint_renamed")
             return
         super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
         self.barrier("seqpar_save_checkpoint_written")
         if self.global_rank == 0:
-            _replace(partial, path)
+            checkpoint_io.replace(partial, path)
         self.barrier("seqpar_save_checkpoint_renamed")
-
-    def _gather_rng_states(self) -> list[dict[str, Any]]:
-        state = get_rng_state(self.root_device)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return [state]
-        states: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(states, state)
-        return states
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        if path.name.endswith(".partial"):  # Note [Complete checkpoints only]
-            raise ValueError(
-                f"{type(self).__name__}: {str(path)!r} is not a complete checkpoint: its save did not finish (was the run "
-                f"killed while saving?); resume from {str(path.with_name(path.name.removesuffix('.partial')))!r} if it "
-                "exists, or an earlier checkpoint (ckpt_path='last' never takes a .partial one)"
-            )
+        checkpoint_io.check_loadable(path, owner=type(self).__name__)  # Note [Complete checkpoints only]
         if path.is_dir():  # a folder of shards
-            missing = [name for name in (".metadata", "meta.pt") if not (path / name).is_file()]
-            if missing:
-                raise ValueError(
-                    f"{type(self).__name__}: {str(path)!r} is not a complete distributed checkpoint (no {missing}): "
-                    "its save did not finish (was the run killed while saving?); resume from an earlier checkpoint"
-                )
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)
-        elif not path.is_file():
-            raise FileNotFoundError(f"{type(self).__name__}: no checkpoint at {str(path)!r}")
         else:
-            checkpoint = self._load_full_checkpoint(path, weights_only)
-        self._stash_rng_state(checkpoint.pop("rng_states", None))
-        return checkpoint
-
-    def _load_full_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-        assert self.model is not None and self.lightning_module is not None
-        # Every rank reads the (memory-mapped) file and keeps its own shard of each full tensor.
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
-        optimizer_states = checkpoint.pop("optimizer_states", [])
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            for optimizer, state in zip(self.optimizers, optimizer_states):
-                set_optimizer_state_dict(self.model, optimizer, state, options=options)
-        return checkpoint
-
-    def _stash_rng_state(self, states: list[dict[str, Any]] | None) -> None:
-        """Keep this rank's random state for :meth:`on_train_start` (rank r of a smaller saved world: r mod its size)."""
-        self._rng_state_to_restore = None
+            assert self.model is not None and self.lightning_module is not None
+            checkpoint = checkpoint_io.load_full_checkpoint(
+                path, self.model, self.optimizers, strict=self.lightning_module.strict_loading,
+                fitting=self.lightning_module.trainer.state.fn == TrainerFn.FITTING, weights_only=weights_only)
+        # this rank's random state, restored in on_train_start when fitting
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if states and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._rng_state_to_restore = states[self.global_rank % len(states)]
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        self._rng_state_to_restore = checkpoint_io.rng_state_of_rank(checkpoint.pop("rng_states", None), self.global_rank) if fitting else None
+        return checkpoint
 
     @override
     def on_train_start(self) -> None:
@@ -737,7 +688,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         # they did at the start of the epoch in the run that saved) and before the first step.
         super().on_train_start()
         if self._rng_state_to_restore is not None:
-            set_rng_state(self._rng_state_to_restore, self.root_device)
+            checkpoint_io.set_rng_state(self._rng_state_to_restore, self.root_device)
             self._rng_state_to_restore = None
 
     # ----------------------------------------------------------------------------------------- data
@@ -758,90 +709,20 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         return self.shard_batch(batch)
 
     def shard_batch(self, batch: Any) -> Any:
-        """This rank's piece of a dict batch of full sequences (Note [What the strategy does, and where]).
-
-        First the local checks (``lightning_seqpar.validation.check_batch``, the sequence length
-        against the layout, padding with ``pad_to_multiple``): no communication, so a wrong batch
-        raises before any collective. Then, with ``validate_batches`` and sequence parallelism,
-        one all-gather compares the batch across the ranks of each sequence-parallel group. Then
-        every tensor with ``shape[1] == input_ids.shape[1]`` (input ids, labels, position ids,
-        loss masks, document ids, ...) is split along dim 1 with the strategy's layout. Missing
-        ``position_ids`` are created first as the global positions ``0..S-1``.
-
-        Packed documents (``document_ids``, or ``position_ids`` that restart at 0): the batch is
-        split with the per-document zigzag instead, ``position_ids`` become the positions inside
-        each document, and the documents are made current for every ``Attention`` module, so
-        attention never crosses a document boundary (Note [Packed documents and per-document zigzag]).
-        """
-        name = type(self).__name__
-        check_batch(batch, owner=name)
-        sp = self.parallel_dims.sp
-        if sp > 1:
-            multiple = required_multiple(self.sp_mesh, self.layout)
-            if batch["input_ids"].shape[1] % multiple:
-                if not self.pad_to_multiple:
-                    seq_len = batch["input_ids"].shape[1]
-                    raise ValueError(
-                        f"{name}: sequence length {seq_len} of batch['input_ids'] must be a multiple of {multiple} "
-                        f"(sequence_parallel_size={sp}, load_balance={self.layout!r}); set "
-                        f"pad_to_multiple=True (pads with ignored labels, the loss does not change) or choose seq_len as a "
-                        f"multiple of {multiple}"
-                    )
-                batch = pad_batch(dict(batch), multiple=multiple)
-        hp, hp_rank, cp, cp_rank = mesh_sizes(self.sp_mesh) if sp > 1 else (1, 0, 1, 0)
-        documents = self._documents(batch, cp)
-        out = dict(batch)
-        if documents is not None:  # Note [Packed documents and per-document zigzag]: positions restart per document
-            out["position_ids"] = documents.position_ids(batch["input_ids"].device)
-        if sp == 1:
-            return type(batch)(out) if not isinstance(batch, dict) else out
-        if self.validate_batches:
-            groups = self.device_mesh.mesh.reshape(-1, sp).tolist()
-            check_same_batch(batch, groups=groups, owner=name)
-        input_ids = batch["input_ids"]
-        seq_len = input_ids.shape[1]
-        if out.get("position_ids") is None:
-            out["position_ids"] = torch.arange(seq_len, device=input_ids.device).expand(input_ids.shape[0], seq_len)
-        for key, value in out.items():
-            if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == seq_len:
-                if documents is not None:
-                    out[key] = documents.shard(value.expand(input_ids.shape[0], *value.shape[1:]), cp_rank, hp=hp, hp_rank=hp_rank)
-                else:
-                    out[key] = shard_sequence(value, self.sp_mesh, dim=1, layout=self.layout)  # type: ignore[arg-type]
-        return type(batch)(out) if not isinstance(batch, dict) else out
+        """This rank's piece of a dict batch of full sequences: checked, padded with ``pad_to_multiple``,
+        compared across the sequence-parallel group with ``validate_batches``, split along the sequence
+        with the strategy's layout (or per document, the documents made current for attention).
+        See :func:`lightning_seqpar.batches.shard_batch`."""
+        check_batch(batch, owner=type(self).__name__)  # local: before anything else, even before the mesh exists
+        dims = self.parallel_dims
+        return shard_batch(batch, sp=dims.sp, sp_mesh=self.sp_mesh if dims.sp > 1 else None, device_mesh=self.device_mesh,
+                           layout=self.layout, attention=self.attention, pad_to_multiple=self.pad_to_multiple,
+                           validate_batches=self.validate_batches, owner=type(self).__name__, checked=True)
 
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The full sequences, on every rank, from this rank's piece of a per-token tensor of the current
-        batch (``(B, S_local, ...)``, e.g. predictions from the sharded ``input_ids``): the inverse of
-        :meth:`shard_batch` along dim 1, with its layout or per-document split (an all-gather over the
-        sequence-parallel ranks). Without sequence parallelism ``x`` itself. Padding that
-        ``pad_to_multiple`` added stays at the end."""
-        if self.parallel_dims.sp == 1:
-            return x
-        documents = current_documents()
-        if documents is None:
-            return unshard_sequence(x, self.sp_mesh, dim=1, layout=self.layout)  # type: ignore[arg-type]
-        hp, _, cp, _ = mesh_sizes(self.sp_mesh)
-        if hp > 1:  # Note [Sequence layouts]: the hp split of a cp shard is contiguous
-            x = gather_along(x, self.sp_mesh.get_group("hp"), dim=1)
-        if cp > 1:
-            group = self.sp_mesh.get_group("cp") if self.sp_mesh.ndim == 2 else self.sp_mesh.get_group()
-            x = documents.unshard(gather_along(x, group, dim=1).chunk(cp, dim=1), dim=1)
-        return x
-
-    def _documents(self, batch: dict, cp: int) -> PackedDocuments | None:
-        """The batch's packed documents (``document_ids``, or ``position_ids`` restarting at 0), made current for attention."""
-        documents = batch_documents(batch, world=cp)
-        if documents is not None and self.attention == "lasp":
-            raise documents_error(type(self).__name__, "which attention='lasp' (linear attention) does not mask; drop document_ids "
-                                  "and use plain position_ids")
-        if documents is not None and self.parallel_dims.sp > 1 and self.layout != "zigzag":
-            raise ValueError(
-                f"{type(self).__name__}: packed documents are split with the per-document zigzag; load_balance={self.layout!r} "
-                "must be 'zigzag' or 'auto'"
-            )
-        set_current_documents(documents)
-        return documents
+        batch: the inverse of :meth:`shard_batch` along dim 1 (:func:`lightning_seqpar.batches.gather_sequence`)."""
+        return gather_sequence(x, sp_mesh=self.sp_mesh if self.parallel_dims.sp > 1 else None, layout=self.layout)
 
     # Note [What a run releases]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -935,26 +816,6 @@ _PEER_LOST_PATTERN = re.compile(
     r"closed by peer|reset by peer|broken pipe|connection refused|connection closed|socket closed|remote process exited|"
     r"network error|ECONNRESET|EPIPE", re.IGNORECASE)
 _SILENCE_WAIT = 5.0  # seconds a rank waits for the others to answer after a failed collective (Note [Naming the rank that failed])
-
-
-def _replace(source: Path, target: Path) -> None:
-    """Put the folder or file ``source`` at ``target``, replacing what is there; ``target`` never holds a mix of both.
-
-    A file replaces a file in one ``os.replace``. A folder cannot replace a folder atomically: the old one is
-    renamed to ``TARGET.old`` first, so a kill between the two renames leaves the previous complete checkpoint
-    as ``TARGET.old`` (pass it as ckpt_path) and no ``TARGET``."""
-    if target.is_file() and source.is_file():
-        os.replace(source, target)
-        return
-    if target.exists():
-        old = target.with_name(target.name + ".old")
-        if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        os.replace(target, old)
-        os.replace(source, target)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    else:
-        os.replace(source, target)
 
 
 def _release_groups(meshes: list[DeviceMesh | None], *, owns_default_group: bool) -> None:
