@@ -53,8 +53,7 @@ from typing_extensions import override
 
 from lightning_seqpar import checkpoint_io
 from lightning_seqpar.attention import ALGORITHMS
-from lightning_seqpar.attention.cost import COST_ALGORITHMS, AttentionPlan, DeviceProfile, choose_attention
-from lightning_seqpar.attention.local import available_backends, resolve_backend
+from lightning_seqpar.attention.cost import AttentionPlan
 from lightning_seqpar.batches import check_batch, gather_sequence, shard_batch
 from lightning_seqpar.config import ActivationCheckpointingChoice, AttentionChoice, StrategyConfig
 from lightning_seqpar.cuda_warmup import warm_up_backward_handles
@@ -63,14 +62,13 @@ from lightning_seqpar.documents import set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
 from lightning_seqpar.lora import upcast_trainable
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
-from lightning_seqpar.models.registry import attention_heads, family_of
 from lightning_seqpar.parallelize import (
     find_blocks,
     host_optimizer_threads,
     parallelize,
-    uses_linear_attention,
     with_cpu_threads,
 )
+from lightning_seqpar.planning import RunSite, check_options_against_model, plan_mesh_sizes, resolve_auto_attention
 from lightning_seqpar.precision import scaler_free
 
 if TYPE_CHECKING:
@@ -263,24 +261,13 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         """The mesh sizes for this world (no communication). Raises ValueError naming the argument."""
         world_size = self.num_nodes * self.num_processes
         sp = self.num_processes if self.config.sequence_parallel_size == "auto" else self.config.sequence_parallel_size
-        hp = self.config.head_parallel_size
-        placement = self.config.placement
-        if hp == "auto" or placement == "auto":  # Note [Choosing attention automatically]: from the model's config, if it has one
-            module = self.lightning_module
-            linear = module is not None and _is_linear_attention_model(module)
-            fixed_hp = None if hp == "auto" else hp
-            plan = None
-            if not (linear or world_size % sp or (fixed_hp is not None and sp % fixed_hp)):
-                plan = self._plan_attention(_attention_shape(module), sp=sp, head_parallel_size=fixed_hp,
-                                            placement=None if placement == "auto" else placement)
-            if hp == "auto":
-                hp = plan.head_parallel_size if plan is not None else 1
-            if placement == "auto":
-                placement = plan.placement if plan is not None else "context-first"
+        # "auto": the cost model's choice for the LightningModule's config (Note [Choosing attention automatically])
+        hp, placement = plan_mesh_sizes(self.lightning_module, config=self.config, site=self._run_site(), world_size=world_size,
+                                        sp=sp, layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
         return ParallelDims.from_sizes(
             world_size=world_size,
             sequence_parallel_size=sp,
-            head_parallel_size=hp,
+            head_parallel_size=hp,  # type: ignore[arg-type]
             data_parallel_replicate_size=self.config.data_parallel_replicate_size,
             placement=placement,  # type: ignore[arg-type]
             node_size=self.num_processes,
@@ -383,9 +370,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._meshes_finalizer = weakref.finalize(module, _release_groups, [self._device_mesh, mesh_for_fsdp],
                                                   owns_default_group=self._owns_default_group)
         self._resolve_auto_attention(roots)
-        self._check_inner_ring_size()
-        self._check_head_chunks(roots)
-        self._check_attention_backend(roots)
+        self._check_options_against_model(roots)
         for root in roots:
             parallelize(
                 root,
@@ -407,120 +392,24 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 reduce_dtype=reduce_dtype,
             )
 
-    # Note [Choosing attention automatically]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # attention="auto" is resolved in setup(), when the model exists: LASP for a linear-attention
-    # model; for softmax attention with expected_seq_len, the cost model's choice
-    # (Note [Choosing the attention algorithm] in lightning_seqpar.attention.cost) for the model's
-    # (H_q, H_kv, D), sp ranks and this device, among the algorithms the mesh allows: with hp = 1
-    # ring, all-gather or Ulysses; with hp > 1, 2D. head_parallel_size="auto" must be known
-    # earlier, when the mesh is built (setup_environment, before configure_model): it is read
-    # from the LightningModule's ``config`` (CausalLMModule has one) and is 1 when there is none.
-    # The batches come later still, hence expected_seq_len; without it "auto" stays "2d" if
-    # hp > 1 else "ring". Across nodes (sp > devices per node) it also picks the rank order of the
-    # mesh (placement="auto": head-first or context-first, decided with hp when the mesh is built)
-    # and, unless inner_ring_size is set, the inner ring size; on one node no double ring is
-    # weighed (it only pays off when the outer hops cross nodes).
-
-    def _compute_dtype(self) -> torch.dtype:
-        """The dtype attention computes in under the Trainer's precision ("bf16-mixed" -> bf16, "32-true" -> fp32, ...)."""
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        return {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}.get(precision.split("-")[0], torch.float32)
-
-    def _check_attention_backend(self, roots: list[nn.Module]) -> None:
-        """A named attention_backend must run on this device (for the precision's dtype, or bf16 / fp16
-        under a user's own autocast): checked in setup, not in the first step."""
-        if self.attention_backend == "auto" or all(uses_linear_attention(root) for root in roots):
-            return
-        dtype = self._compute_dtype()
-        shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
-        head_dim = None if shape is None else shape[2]
-        runnable = {b for d in (dtype, torch.bfloat16, torch.float16) for b in available_backends(self.root_device, d, head_dim)}
-        if self.attention_backend not in runnable:
-            try:  # resolve_backend's message says why (install, device, dtype, head dim)
-                resolve_backend(self.attention_backend, self.root_device, dtype, head_dim)
-            except ValueError as error:
-                raise ValueError(f"{type(self).__name__}: attention_backend={self.attention_backend!r}: {error}") from error
-
-    def _check_inner_ring_size(self) -> None:
-        """inner_ring_size against the resolved attention and the context-parallel size (before any collective)."""
-        inner = self.inner_ring_size
-        if inner is None:
-            return
-        name = type(self).__name__
-        if self.attention not in ("ring", "2d"):
-            raise ValueError(f"{name}: inner_ring_size={inner} needs attention 'ring' or '2d', but attention resolved to {self.attention!r}")
-        self.parallel_dims.check_inner_ring(inner, owner=name)
-
-    def _check_head_chunks(self, roots: list[nn.Module]) -> None:
-        """head_chunks against the model's key/value heads (before any collective)."""
-        chunks = self.head_chunks
-        shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
-        if chunks == 1 or shape is None or shape[1] % chunks == 0:
-            return
-        h_kv = shape[1]
-        divisors = [d for d in range(1, h_kv + 1) if h_kv % d == 0]
-        raise ValueError(f"{type(self).__name__}: head_chunks={chunks} must divide the model's key/value heads ({h_kv}); "
-                         f"choose one of {divisors}")
-
     def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
-        """attention="auto": LASP on a linear-attention model, else the cost model's plan (Note [Choosing attention automatically])."""
-        if not (self.config.attention == "auto" and roots):
-            return
-        name = type(self).__name__
-        dims = self.parallel_dims
-        if not all(uses_linear_attention(root) for root in roots):
-            shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
-            plan = self._plan_attention(shape, sp=dims.sp, head_parallel_size=dims.hp, placement=dims.placement)
-            if plan is not None:
-                self.attention, self.attention_plan = plan.algorithm, plan
-                if self.inner_ring_size is None and plan.inner_ring_size is not None:  # chosen across nodes
-                    self.inner_ring_size = plan.inner_ring_size
-            return
-        if dims.hp != 1:
-            raise ValueError(f"{name}: the model uses linear attention (LASP), which needs head_parallel_size=1")
-        if self.layout != "contiguous" and self.config.load_balance != "auto":
-            raise ValueError(f"{name}: the model uses linear attention (LASP), which needs load_balance='contiguous' (or 'auto')")
-        self.attention, self.layout = "lasp", "contiguous"
+        """attention="auto": what the planner resolves it to for these roots (Note [Choosing attention automatically])."""
+        resolved = resolve_auto_attention(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
+                                          layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
+        if resolved is not None:
+            self.attention, self.layout, self.inner_ring_size = resolved.attention, resolved.layout, resolved.inner_ring_size
+            self.attention_plan = resolved.plan if resolved.plan is not None else self.attention_plan
 
-    def _auto_candidates(self) -> tuple[str, ...]:
-        """The algorithms attention="auto" may pick: those that take the options the user set
-        (head_chunks > 1: ring or all-gather; inner_ring_size: ring or 2D)."""
-        allowed = set(COST_ALGORITHMS)
-        if self.head_chunks > 1:
-            allowed &= {"ring", "allgather"}
-        if self.inner_ring_size is not None:
-            allowed &= {"ring", "2d"}
-        return tuple(a for a in COST_ALGORITHMS if a in allowed)
+    def _check_options_against_model(self, roots: list[nn.Module]) -> None:
+        """The options that need the model, mesh and device, before any collective (``planning.check_options_against_model``)."""
+        check_options_against_model(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
+                                    attention=self.attention, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
 
-    def _plan_attention(self, shape: tuple[int, int, int] | None, *, sp: int, head_parallel_size: int | None,
-                        placement: str | None = None) -> AttentionPlan | None:
-        """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks; None when not asked for or unknown."""
-        if self.config.attention != "auto" or self.config.expected_seq_len is None or shape is None or sp == 1:
-            return None
-        h_q, h_kv, head_dim = shape
-        device_name = ""
-        if self.parallel_devices and self.root_device.type == "cuda":
-            device_name = torch.cuda.get_device_name(self.root_device)
-        # the local kernel the attention will run (the cost model's rates differ per kernel)
+    def _run_site(self) -> RunSite:
+        """This run's device, precision and devices per node, for the planner."""
         device = self.root_device if self.parallel_devices else torch.device("cpu")
-        kernels = [b for d in (self._compute_dtype(), torch.bfloat16) for b in available_backends(device, d, head_dim)]
-        kernel = self.attention_backend if self.attention_backend != "auto" else (kernels[0] if kernels else "cudnn")
-        profile = DeviceProfile.for_device(device_name, backend=kernel, gpus_per_node=max(1, self.num_processes))
-        try:
-            return choose_attention(
-                seq_len=self.config.expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
-                layout=self.layout, dtype_bytes=4 if str(getattr(self.precision_plugin, "precision", "")).startswith("32") else 2, profile=profile,  # type: ignore[arg-type]
-                algorithms=self._auto_candidates(), head_parallel_size=head_parallel_size,
-                # inner rings pay off only across nodes (Note [Choosing attention automatically])
-                double_ring=self.inner_ring_size is None and sp > max(1, self.num_processes),
-                head_chunks=self.head_chunks if h_kv % self.head_chunks == 0 else 1, placement=placement,  # type: ignore[arg-type]
-            )
-        except ValueError as error:
-            raise ValueError(
-                f"{type(self).__name__}: attention='auto' with expected_seq_len={self.config.expected_seq_len}, "
-                f"head_parallel_size={self.config.head_parallel_size!r} and sequence_parallel_size={sp}: {error}"
-            ) from error
+        return RunSite(device=device, precision=str(getattr(self.precision_plugin, "precision", "32-true")),
+                       gpus_per_node=self.num_processes)
 
     # ----------------------------------------------------------------------------------------- steps
     # Note [Timeouts name themselves]: a rank that waits longer than `timeout` in a collective gets
@@ -834,17 +723,6 @@ def _launched_by_torchelastic() -> bool:
     init_process_group in the same process would collide with: the default group then stays for the
     process's lifetime (the mesh groups are still released)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def _attention_shape(module: nn.Module | None) -> tuple[int, int, int] | None:
-    """(H_q, H_kv, D) of the softmax attention of ``module``, from the model registry (Note [The model registry])."""
-    return attention_heads(module, complete=True)  # type: ignore[return-value]
-
-
-def _is_linear_attention_model(module: nn.Module) -> bool:
-    """A linear-attention (LASP) model, built (its blocks call LinearAttention) or still a config of a linear-attention family."""
-    family = family_of(getattr(module, "config", None))
-    return uses_linear_attention(module) or (family is not None and family.linear_attention)
 
 
 def _is_parallelized(module: nn.Module) -> bool:
