@@ -4,7 +4,11 @@ Note [What the strategy does, and where]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 It is Lightning's ``ModelParallelStrategy`` (process groups, launcher, FSDP2-aware checkpoint
 save/load through ``torch.distributed.checkpoint``) with its own mesh, batch hook and
-parallelization:
+parallelization. This module holds Lightning's hooks; what they call lives by concern in
+``lightning_seqpar.config`` (the options, checked once), ``lightning_seqpar.planning`` (attention="auto"
+and the checks against the model), ``lightning_seqpar.parallelize`` (the apply_* steps),
+``lightning_seqpar.batches`` (batch checks, padding, sharding, gathering) and
+``lightning_seqpar.checkpoint_io`` (checkpoint files and random state); docs/architecture.md maps them.
 
 * ``setup_environment``: check the sizes against the world size (before any communication),
   start the process group, build the 4-D mesh (``lightning_seqpar.mesh``) and hand it to the
@@ -28,8 +32,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
-import time
 import warnings
 import weakref
 from collections.abc import Generator
@@ -55,6 +57,7 @@ from lightning_seqpar import checkpoint_io
 from lightning_seqpar.attention import ALGORITHMS
 from lightning_seqpar.attention.cost import AttentionPlan
 from lightning_seqpar.batches import check_batch, gather_sequence, shard_batch
+from lightning_seqpar.collective_failures import explain_collective_failure
 from lightning_seqpar.config import ActivationCheckpointingChoice, AttentionChoice, StrategyConfig
 from lightning_seqpar.cuda_warmup import warm_up_backward_handles
 from lightning_seqpar.data.resumable import ResumableLoader
@@ -412,9 +415,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                        gpus_per_node=self.num_processes)
 
     # ----------------------------------------------------------------------------------------- steps
-    # Note [Timeouts name themselves]: a rank that waits longer than `timeout` in a collective gets
-    # the backend's error ("Timed out waiting 8000ms for recv operation", a NCCL watchdog abort);
-    # the step methods re-raise it as a TimeoutError that says what it means and what to do.
+    # Note [Timeouts name themselves] in lightning_seqpar.collective_failures: the step methods re-raise a
+    # collective's timeout or lost connection as an error that says what it means and what to do.
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -460,58 +462,12 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         try:
             yield
         except RuntimeError as error:  # torch.distributed.DistBackendError is a RuntimeError
-            timed_out, lost = _TIMEOUT_PATTERN.search(str(error)), _PEER_LOST_PATTERN.search(str(error))
-            if not (timed_out or lost):
+            trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+            explained = explain_collective_failure(error, owner=type(self).__name__, rank=self.global_rank, where=where,
+                                                   timeout=self.timeout, step=trainer.global_step if trainer is not None else 0)
+            if explained is None:
                 raise
-            silent = self._silent_ranks()
-            if timed_out:
-                raise TimeoutError(
-                    f"{type(self).__name__}: rank {self.global_rank} waited longer than timeout={self.timeout} in a "
-                    f"collective during {where}: another rank is stalled, has died, or runs a different sequence of "
-                    "collectives (e.g. a different number of batches). Raise the strategy's `timeout` if steps legitimately "
-                    f"take that long; otherwise see the other ranks' logs.{silent} ({error})"
-                ) from error
-            raise ConnectionError(
-                f"{type(self).__name__}: rank {self.global_rank} lost the connection to another rank in a collective during "
-                f"{where}: a rank died (killed, out of memory, a crash) or its host went away.{silent} The run cannot "
-                f"continue; resume from the last complete checkpoint (fit(ckpt_path='last')). ({error})"
-            ) from error
-
-    # Note [Naming the rank that failed]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # When a collective fails, the backend says how (gloo: "Connection closed by peer [addr]:port",
-    # a timeout; NCCL: the watchdog), not which rank is gone. Each rank that sees the failure
-    # writes ``seqpar/alive/<step>/<rank>`` into the default group's store (the rendezvous
-    # TCPStore: hosted by rank 0, or by torchrun's agent) and waits up to ``_SILENCE_WAIT``
-    # seconds (at most a quarter of the timeout) for the others' keys: the ranks whose key does
-    # not come are named as dead or stalled. A store that cannot be reached any more means its
-    # host is gone: rank 0 under Lightning's launcher or a plain ``init_process_group``. The
-    # store is torch's private ``_get_default_store``: torch has no public handle to it.
-
-    def _silent_ranks(self) -> str:
-        """' Ranks [..] did not answer ...' for the message of a failed collective (Note [Naming the rank that failed]), or ''."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return ""
-        world, rank = dist.get_world_size(), dist.get_rank()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        step = trainer.global_step if trainer is not None else 0
-        wait = min(_SILENCE_WAIT, self.timeout.total_seconds() / 4) if self.timeout is not None else _SILENCE_WAIT
-        keys = [f"seqpar/alive/{step}/{r}" for r in range(world)]
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(keys[rank], "1")
-            deadline = time.monotonic() + wait
-            silent = [r for r in range(world) if r != rank]
-            while silent and time.monotonic() < deadline:
-                time.sleep(0.05)
-                silent = [r for r in silent if not store.check([keys[r]])]
-        except Exception as error:  # noqa: BLE001 - the store's host is gone: that is the answer
-            return (f" The rendezvous store (hosted by rank 0 unless torchrun's agent hosts it) cannot be reached "
-                    f"either ({type(error).__name__}): rank 0 has died.")
-        if not silent:
-            return " Every rank answered afterwards (none of them died)."
-        return (f" Rank(s) {silent} did not answer within {wait:.0f}s of the failure: they died or are stalled; see "
-                "their logs (or the launcher's exit codes).")
+            raise explained from error
 
     # ----------------------------------------------------------------------------------------- checkpoints
     # Note [Checkpoint formats] and Note [Complete checkpoints only] in lightning_seqpar.checkpoint_io
@@ -698,13 +654,6 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             f"{type(self).__name__}(attention={self.attention!r}, layout={self.layout!r}, "
             f"activation_checkpointing={self.activation_checkpointing!r}, compile={self.compile_kwargs is not None}{dims})"
         )
-
-
-_TIMEOUT_PATTERN = re.compile(r"timed? ?out|watchdog", re.IGNORECASE)
-_PEER_LOST_PATTERN = re.compile(
-    r"closed by peer|reset by peer|broken pipe|connection refused|connection closed|socket closed|remote process exited|"
-    r"network error|ECONNRESET|EPIPE", re.IGNORECASE)
-_SILENCE_WAIT = 5.0  # seconds a rank waits for the others to answer after a failed collective (Note [Naming the rank that failed])
 
 
 def _release_groups(meshes: list[DeviceMesh | None], *, owns_default_group: bool) -> None:
