@@ -416,6 +416,43 @@ def apply_fsdp(
     return model
 
 
+def parallel_roots(module: nn.Module, *, owner: str) -> list[nn.Module]:
+    """The children of a LightningModule that hold transformer blocks (each is parallelized on its own), checked
+    before any collective: there is one, every parameter of ``module`` is inside them, none is on the meta device."""
+    roots = [child for child in module.children() if find_blocks(child)]
+    if not roots:
+        raise ValueError(
+            f"{owner}: found no transformer blocks in {type(module).__name__} "
+            "(a child module with an nn.ModuleList named 'layers', 'h' or 'blocks'); build the "
+            "model in __init__ or configure_model() as an attribute of the LightningModule"
+        )
+    in_roots = {id(p) for root in roots for p in root.parameters()}
+    outside = [n for n, p in module.named_parameters() if id(p) not in in_roots]
+    if outside:
+        raise ValueError(
+            f"{owner}: parameters {outside[:5]} of {type(module).__name__} are outside the "
+            "child module(s) with the transformer blocks and would be neither sharded nor synchronized; "
+            "move them into the model"
+        )
+    on_meta = [n for n, p in module.named_parameters() if p.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"{owner}: parameters {on_meta[:5]} are on the meta device; build the model in "
+            "configure_model() without a meta-device context (the strategy places it on this rank's device)"
+        )
+    return roots
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether ``parallelize`` already ran on ``module`` (a second fit/validate call on the same module)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return any(
+        isinstance(m, (FSDPModule, CheckpointWrapper)) or (isinstance(m, (Attention, LinearAttention)) and m.mesh is not None)
+        for m in module.modules()
+    )
+
+
 # --------------------------------------------------------------------------------------------- all of it
 
 

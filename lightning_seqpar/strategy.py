@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import gc
 import os
-import warnings
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -64,10 +63,11 @@ from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import set_current_documents
 from lightning_seqpar.loss import global_mean_loss_calls
 from lightning_seqpar.lora import upcast_trainable
-from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
+from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh, warn_if_ranks_not_by_node
 from lightning_seqpar.parallelize import (
-    find_blocks,
     host_optimizer_threads,
+    is_parallelized,
+    parallel_roots,
     parallelize,
     with_cpu_threads,
 )
@@ -290,8 +290,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         created = not (dist.is_available() and dist.is_initialized())
         self._setup_distributed()  # ModelParallelStrategy: ranks, seed, init_process_group
         self._owns_default_group = self._owns_default_group or created
-        _warn_if_ranks_not_by_node(self.global_rank, self.node_rank, self.local_rank, self.num_processes)
-        reuse = self._device_mesh is not None and self._parallel_dims == dims and self.model is not None and _is_parallelized(self.model)
+        warn_if_ranks_not_by_node(self.global_rank, self.node_rank, self.local_rank, self.num_processes)
+        reuse = self._device_mesh is not None and self._parallel_dims == dims and self.model is not None and is_parallelized(self.model)
         self._parallel_dims = dims
         if not reuse:  # a later run of the same parallelized module keeps its meshes (Note [What a run releases])
             self._device_mesh = dims.build_mesh(self.root_device.type, timeout=self.timeout)
@@ -322,7 +322,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not _is_parallelized(self.model):
+        if not is_parallelized(self.model):
             self.model = self.precision_plugin.convert_module(self.model)  # bf16-true: bf16 parameters
             upcast_trainable(self.model)  # LoRA: the adapters back in fp32, the base frozen in bf16 (Note [LoRA under the strategy])
             self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
@@ -340,27 +340,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
 
     def _parallelize(self, module: nn.Module) -> None:
-        roots = [child for child in module.children() if find_blocks(child)]
-        if not roots:
-            raise ValueError(
-                f"{type(self).__name__}: found no transformer blocks in {type(module).__name__} "
-                "(a child module with an nn.ModuleList named 'layers', 'h' or 'blocks'); build the "
-                "model in __init__ or configure_model() as an attribute of the LightningModule"
-            )
-        in_roots = {id(p) for root in roots for p in root.parameters()}
-        outside = [n for n, p in module.named_parameters() if id(p) not in in_roots]
-        if outside:
-            raise ValueError(
-                f"{type(self).__name__}: parameters {outside[:5]} of {type(module).__name__} are outside the "
-                "child module(s) with the transformer blocks and would be neither sharded nor synchronized; "
-                "move them into the model"
-            )
-        on_meta = [n for n, p in module.named_parameters() if p.is_meta]
-        if on_meta:
-            raise ValueError(
-                f"{type(self).__name__}: parameters {on_meta[:5]} are on the meta device; build the model in "
-                "configure_model() without a meta-device context (the strategy places it on this rank's device)"
-            )
+        roots = parallel_roots(module, owner=type(self).__name__)  # checked before any collective
         dims = self.parallel_dims
         # "bf16-true" / "16-true": parameters are already low precision (convert_module), FSDP2 keeps
         # them; "bf16-mixed": fp32 parameters, gathered in bf16 for compute, gradients reduced in fp32.
@@ -674,30 +654,4 @@ def _launched_by_torchelastic() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _is_parallelized(module: nn.Module) -> bool:
-    """Whether ``parallelize`` already ran on ``module`` (a second fit/validate call on the same module)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.fsdp import FSDPModule
-
-    from lightning_seqpar.attention import Attention, LinearAttention
-
-    return any(
-        isinstance(m, (FSDPModule, CheckpointWrapper)) or (isinstance(m, (Attention, LinearAttention)) and m.mesh is not None)
-        for m in module.modules()
-    )
-
-
 SequenceParallelStrategy.register_strategies(StrategyRegistry)
-
-
-def _warn_if_ranks_not_by_node(global_rank: int, node_rank: int, local_rank: int, per_node: int) -> None:
-    """Note [Node-aware placement] assumes global rank = node rank x devices per node + local rank
-    (torchrun; SLURM's block distribution). A launcher that numbers ranks otherwise keeps results
-    exact but puts the groups on other links than planned: say so on the rank that sees it."""
-    if global_rank != node_rank * per_node + local_rank:
-        warnings.warn(
-            f"SequenceParallelStrategy: global rank {global_rank} is not node_rank ({node_rank}) x devices per node "
-            f"({per_node}) + local_rank ({local_rank}); the mesh's node-aware placement assumes ranks numbered node by "
-            "node (torchrun, srun --distribution=block): its groups may cross nodes other than planned",
-            stacklevel=2,
-        )
