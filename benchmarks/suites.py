@@ -291,7 +291,7 @@ GPU_TESTS = Suite(
     runs={
         n: (Run(name="attention", kind="pytest", gpus=n, limit_s=240, args=("tests/test_attention_gpu.py",)),
             Run(name="documents", kind="pytest", gpus=n, limit_s=150, args=("tests/test_documents_gpu.py",)),
-            Run(name="checkpointing", kind="pytest", gpus=1, limit_s=150, args=("tests/test_checkpointing_gpu.py",)))
+            Run(name="checkpointing", kind="pytest", gpus=1, limit_s=150, args=("tests/test_activation_checkpointing_gpu.py",)))
         for n in (2, 4, 8)
     },
 )

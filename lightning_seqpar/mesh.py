@@ -60,6 +60,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Literal
@@ -493,3 +494,16 @@ def forget_cached_meshes() -> None:
     transform_infos = getattr(_redistribute, "_gen_transform_infos", None)
     if hasattr(transform_infos, "cache_clear"):
         transform_infos.cache_clear()
+
+
+def warn_if_ranks_not_by_node(global_rank: int, node_rank: int, local_rank: int, per_node: int) -> None:
+    """Note [Node-aware placement] assumes global rank = node rank x devices per node + local rank
+    (torchrun; SLURM's block distribution). A launcher that numbers ranks otherwise keeps results
+    exact but puts the groups on other links than planned: say so on the rank that sees it."""
+    if global_rank != node_rank * per_node + local_rank:
+        warnings.warn(
+            f"SequenceParallelStrategy: global rank {global_rank} is not node_rank ({node_rank}) x devices per node "
+            f"({per_node}) + local_rank ({local_rank}); the mesh's node-aware placement assumes ranks numbered node by "
+            "node (torchrun, srun --distribution=block): its groups may cross nodes other than planned",
+            stacklevel=2,
+        )

@@ -40,10 +40,9 @@ from lightning_seqpar.data.chars import BitsPerCharacter
 from lightning_seqpar.documents import batch_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import IGNORE_INDEX, chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
 from lightning_seqpar.mesh import MESH_AXES
-from lightning_seqpar.models.gpt import CONFIGS as GPT_CONFIGS
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.models.llama import Llama, LlamaConfig
-from lightning_seqpar.models.transnormer import CONFIGS as TNL_CONFIGS
+from lightning_seqpar.models.registry import build_model, family_of, is_named_config, resolve_config
 from lightning_seqpar.models.transnormer import TransNormer, TransNormerConfig
 from lightning_seqpar.parallelize import uses_linear_attention
 from lightning_seqpar.strategy import SequenceParallelStrategy
@@ -61,8 +60,8 @@ class CausalLMModule(L.LightningModule):
             (``LlamaConfig.from_name``: "tiny", "llama-7b", "llama-7b-gqa", "llama-33h", "llama3-8b", ...;
             ``TransNormerConfig.from_name``: "tnl-tiny", "tnl-385m", "tnl-1b", "tnl-7b";
             ``GPTConfig.from_name``: "lss-gpt-small", "lss-gpt-1.5b", "gpt-tiny", "gpt-tiny-mqa").
-            A dict of its fields is accepted too (a TransNormerConfig when it has "glu_dim", a
-            GPTConfig when it has "kv_comm"):
+            A dict of its fields is accepted too (the config class that has all of its keys as
+            fields, Note [The model registry] in ``lightning_seqpar.models.registry``):
             checkpoints store the config that way, so that ``torch.load(weights_only=True)`` reads
             them (the annotation leaves it out so that the CLI checks the keys of a config given in
             YAML against the config classes).
@@ -134,7 +133,7 @@ class CausalLMModule(L.LightningModule):
         # A Hugging Face model: a local folder, a transformers config / model, or a dict with "model_type".
         self._hf_source: Any = None
         given = None  # a transformers model instance, used as it is
-        if not (isinstance(model, str) and _is_named_config(model)) and hf.is_hf_source(model):
+        if not (isinstance(model, str) and is_named_config(model)) and hf.is_hf_source(model):
             config = hf.load_hf_config(model)
             given = model if isinstance(model, torch.nn.Module) else None
             self._hf_source = config if given is not None else model  # never an nn.Module attribute here
@@ -147,21 +146,15 @@ class CausalLMModule(L.LightningModule):
         if peft_given is not None:
             given = peft_given
         if isinstance(model, str):  # (a Hugging Face config is neither a str nor a Mapping)
-            if not _is_named_config(model) and (os.sep in model or os.path.exists(model)):
+            if not is_named_config(model) and (os.sep in model or os.path.exists(model)):
                 raise ValueError(
                     f"{name}: model={model!r} is neither a named config nor a local Hugging Face model folder "
                     "(a folder with config.json)"
                 )
-            if model in GPT_CONFIGS:
-                model = GPTConfig.from_name(model)
-            else:
-                model = TransNormerConfig.from_name(model) if model in TNL_CONFIGS else LlamaConfig.from_name(model)
+            model = resolve_config(model, owner=name)  # Note [The model registry]
         elif isinstance(model, Mapping):
-            if "kv_comm" in model:
-                model = GPTConfig(**model)
-            else:
-                model = TransNormerConfig(**model) if "glu_dim" in model else LlamaConfig(**model)
-        if self._hf_source is None and not isinstance(model, (LlamaConfig, TransNormerConfig, GPTConfig)):
+            model = resolve_config(model, owner=name)
+        if self._hf_source is None and family_of(model) is None:
             raise ValueError(
                 f"{name}: model must be a LlamaConfig, TransNormerConfig or GPTConfig, the name of one or a dict of its fields, "
                 f"or a Hugging Face model (local folder, transformers config, or dict with 'model_type'); got {type(model).__name__}"
@@ -217,10 +210,8 @@ class CausalLMModule(L.LightningModule):
                 if self._lora_config is not None:  # the adapters are drawn from init_seed too
                     model = lora_module.apply_lora(model, self._lora_config)
                 self.model = hf.HFCausalLM(model)
-            elif isinstance(self.config, GPTConfig):
-                self.model = GPT(self.config)
             else:
-                self.model = TransNormer(self.config) if isinstance(self.config, TransNormerConfig) else Llama(self.config)
+                self.model = build_model(self.config)  # type: ignore[assignment]
 
     def _require_model(self) -> Llama | TransNormer | GPT | hf.HFCausalLM:
         if self.model is None:
@@ -455,13 +446,6 @@ class CausalLMModule(L.LightningModule):
 
 def _under_sequence_parallel_strategy(module: L.LightningModule) -> bool:
     return module._trainer is not None and isinstance(module.trainer.strategy, SequenceParallelStrategy)
-
-
-def _is_named_config(name: str) -> bool:
-    """Whether ``name`` is one of the package's named configurations (they win over a folder of that name)."""
-    from lightning_seqpar.models.llama import CONFIGS as LLAMA_CONFIGS
-
-    return name in GPT_CONFIGS or name in TNL_CONFIGS or name in LLAMA_CONFIGS
 
 
 def warmup_cosine(*, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Any:

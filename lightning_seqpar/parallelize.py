@@ -29,6 +29,7 @@ of :data:`BLOCK_CONTAINERS` (``model.layers`` for Llama and Hugging Face Llama/M
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -37,11 +38,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lightning_seqpar.attention import ALGORITHMS, LASP_VARIANTS, Attention, LinearAttention
+from lightning_seqpar.attention import ALGORITHMS, Attention, LinearAttention
 from lightning_seqpar.attention.api import check_head_chunks
 from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.agreement import RankAgreement
-from lightning_seqpar.checkpointing import MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, tile_mlp
+from lightning_seqpar.config import check_lasp_variant, check_offload_checkpoints, check_uncheckpointed_blocks
+from lightning_seqpar.models.registry import attention_heads
+from lightning_seqpar.activation_checkpointing import MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, tile_mlp
 
 BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
 """Names of the ``nn.ModuleList`` attributes whose elements are transformer blocks."""
@@ -95,18 +98,12 @@ def config_value(config: Any, name: str) -> Any:
         return None
 
 
-def _head_counts(model: nn.Module) -> tuple[int, int] | None:
-    """(query heads, key/value heads) from a model config (ours or Hugging Face's), if there is one."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is None:
-            continue
-        for q_name, kv_name in (("n_head", "n_kv_head"), ("num_attention_heads", "num_key_value_heads")):
-            h_q = getattr(config, q_name, None)
-            if isinstance(h_q, int):
-                h_kv = getattr(config, kv_name, None)
-                return h_q, h_kv if isinstance(h_kv, int) else h_q
-    return None
+def _renamed(function: str, old: str, old_value: Any, new: str, new_value: Any) -> Any:
+    """The value of a keyword given under its deprecated old name (with a DeprecationWarning), else the new one's."""
+    if old_value is None:
+        return new_value
+    warnings.warn(f"{function}({old}=...) is deprecated; pass {new}= (the strategy's name for it)", DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 # --------------------------------------------------------------------------------------------- apply_*
@@ -122,33 +119,43 @@ def apply_attention(
     model: nn.Module,
     mesh: DeviceMesh | None,
     *,
-    algorithm: Literal["ring", "allgather", "ulysses", "2d", "lasp"],
+    attention: Literal["ring", "allgather", "ulysses", "2d", "lasp"] | None = None,
     layout: Literal["zigzag", "contiguous"] = "zigzag",
-    backend: str = "auto",
+    attention_backend: str = "auto",
     inner_ring_size: int | None = None,
     lasp_variant: Literal["p2p", "allgather"] = "p2p",
     head_chunks: int = 1,
+    algorithm: str | None = None,
+    backend: str | None = None,
 ) -> int:
     """Configure every :class:`~lightning_seqpar.attention.Attention` in ``model`` for ``mesh``, and every
     :class:`~lightning_seqpar.attention.recurrent.Recurrence` (the recurrent mixers of hybrid models,
     Note [Hybrid models under the strategy]: 1-D meshes only).
 
     ``mesh`` is the sequence-parallel mesh (1-D, or 2-D ("hp", "cp") for "2d"); None or one rank
-    gives local attention. Returns how many modules were configured.
+    gives local attention. Returns how many modules were configured. The keywords are the
+    strategy's (Note [One name per option] in ``lightning_seqpar.config``): ``attention`` is the
+    algorithm, ``attention_backend`` the local kernel; ``algorithm=`` and ``backend=`` are their
+    deprecated old names.
 
     Raises:
         ValueError: sequence parallelism over a model without ``Attention`` modules, an unknown
             algorithm, or query heads not divisible by the head-parallel degree (checked from the
             model's config, before any communication).
     """
+    attention = _renamed("apply_attention", "algorithm", algorithm, "attention", attention)
+    attention_backend = _renamed("apply_attention", "backend", backend, "attention_backend", attention_backend)
+    if attention is None:
+        raise TypeError("apply_attention() missing the keyword argument 'attention' (the algorithm)")
+    algorithm = attention
     if algorithm not in (*ALGORITHMS, "lasp"):
         raise ValueError(f"attention={algorithm!r} is not supported; expected one of {(*ALGORITHMS, 'lasp')}")
-    heads = _head_counts(model)
+    heads = attention_heads(model)  # Note [The model registry]
     check_head_chunks(head_chunks, None if heads is None else heads[1], algorithm)
     sp = 1 if mesh is None else mesh.size()
     linear = [m for m in model.modules() if isinstance(m, LinearAttention)]
     if algorithm == "lasp":
-        return _apply_lasp(model, linear, mesh if sp > 1 else None, layout=layout, variant=lasp_variant)
+        return _apply_lasp(model, linear, mesh if sp > 1 else None, layout=layout, lasp_variant=lasp_variant)
     if linear and sp > 1:
         raise ValueError(
             f"{type(model).__name__} calls LinearAttention, which only runs sequence-parallel with attention='lasp' "
@@ -187,7 +194,7 @@ def apply_attention(
             mesh=mesh if sp > 1 else None,
             algorithm=algorithm,
             layout=layout,
-            backend=backend,
+            backend=attention_backend,  # the attention module's own name for it (Note [One name per option])
             inner_ring_size=inner_ring_size,
             head_chunks=head_chunks if sp > 1 else 1,
             agreement=agreement,
@@ -197,10 +204,9 @@ def apply_attention(
     return len(modules) + len(recurrent)
 
 
-def _apply_lasp(model: nn.Module, modules: list[LinearAttention], mesh: DeviceMesh | None, *, layout: str, variant: str) -> int:
+def _apply_lasp(model: nn.Module, modules: list[LinearAttention], mesh: DeviceMesh | None, *, layout: str, lasp_variant: str) -> int:
     """attention='lasp': configure every LinearAttention (LASP needs a 1-D mesh and the contiguous layout)."""
-    if variant not in LASP_VARIANTS:
-        raise ValueError(f"lasp_variant={variant!r} is not supported; expected one of {LASP_VARIANTS}")
+    check_lasp_variant(lasp_variant)
     if layout != "contiguous":
         raise ValueError(f"attention='lasp' needs load_balance='contiguous' (LASP Alg. 1), got layout={layout!r}")
     if not modules:
@@ -213,7 +219,7 @@ def _apply_lasp(model: nn.Module, modules: list[LinearAttention], mesh: DeviceMe
     if mesh is not None and mesh.ndim != 1:
         raise ValueError(f"attention='lasp' needs head_parallel_size=1 (a 1-D sequence-parallel mesh), got a {mesh.ndim}-D mesh")
     for module in modules:
-        module.configure(mesh=mesh, algorithm="lasp", variant=variant, layout="contiguous")  # type: ignore[arg-type]
+        module.configure(mesh=mesh, algorithm="lasp", variant=lasp_variant, layout="contiguous")  # type: ignore[arg-type]
     return len(modules)
 
 
@@ -224,7 +230,8 @@ def apply_ac(
     block_classes: Sequence[type[nn.Module]] | None = None,
     save_ops: Sequence[Any] = SAVE_OPS,
     uncheckpointed_blocks: int = 0,
-    offload: bool = False,
+    offload_checkpoints: bool = False,
+    offload: bool | None = None,
 ) -> int:
     """Wrap the blocks of ``model`` for activation checkpointing (in place); returns how many were wrapped.
 
@@ -232,16 +239,13 @@ def apply_ac(
     rest (Note [Selective Checkpoint++]); "full" recomputes whole blocks; None does nothing.
     ``uncheckpointed_blocks``: the last this many blocks are left unwrapped — they keep every
     activation and are not recomputed (spend free memory on speed; torchtitan's per-layer AC idea).
-    ``offload``: the checkpointed blocks keep their inputs in pinned host memory (Note [Offloading
-    checkpoints to host memory]).
+    ``offload_checkpoints``: the checkpointed blocks keep their inputs in pinned host memory (Note
+    [Offloading checkpoints to host memory]); ``offload=`` is its deprecated old name.
     """
-    if not isinstance(uncheckpointed_blocks, int) or isinstance(uncheckpointed_blocks, bool) or uncheckpointed_blocks < 0:
-        raise ValueError(f"uncheckpointed_blocks must be an int >= 0, got {uncheckpointed_blocks!r}")
-    if not isinstance(offload, bool):
-        raise ValueError(f"offload must be True or False, got {offload!r}")
+    offload_checkpoints = _renamed("apply_ac", "offload", offload, "offload_checkpoints", offload_checkpoints)
+    check_uncheckpointed_blocks(uncheckpointed_blocks)
+    check_offload_checkpoints(offload_checkpoints, activation_checkpointing=mode, compiled=False)
     if mode is None:
-        if offload:
-            raise ValueError("offload=True offloads what checkpointed blocks keep; it needs activation_checkpointing, got None")
         return 0
     found = find_blocks(model, block_classes)
     if not found:
@@ -250,21 +254,21 @@ def apply_ac(
             f"(an nn.ModuleList named one of {BLOCK_CONTAINERS})"
         )
     wrapped = found[: max(len(found) - uncheckpointed_blocks, 0)]
-    host = HostOffload() if offload else None  # one side stream per device for all blocks
+    host = HostOffload() if offload_checkpoints else None  # one side stream per device for all blocks
     for parent, name in wrapped:
         parent.register_module(name, checkpoint_block(getattr(parent, name), mode, save_ops=save_ops, offload=host))
     return len(wrapped)
 
 
-def apply_mlp_tiles(model: nn.Module, chunk_size: int | None, *, block_classes: Sequence[type[nn.Module]] | None = None) -> int:
-    """Run each block's MLP over slices of ``chunk_size`` tokens, each checkpointed (Note [Sequence-tiled MLP]).
+def apply_mlp_tiles(model: nn.Module, mlp_chunk_size: int | None, *, block_classes: Sequence[type[nn.Module]] | None = None) -> int:
+    """Run each block's MLP over slices of ``mlp_chunk_size`` tokens, each checkpointed (Note [Sequence-tiled MLP]).
 
-    The MLP is the block's child named one of :data:`~lightning_seqpar.checkpointing.MLP_NAMES`;
-    returns how many were tiled. ``chunk_size=None`` does nothing.
+    The MLP is the block's child named one of :data:`~lightning_seqpar.activation_checkpointing.MLP_NAMES`;
+    returns how many were tiled. ``mlp_chunk_size=None`` does nothing.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    if chunk_size is None:
+    if mlp_chunk_size is None:
         return 0
     blocks = list(_blocks(model, block_classes))
     if not blocks:
@@ -275,12 +279,12 @@ def apply_mlp_tiles(model: nn.Module, chunk_size: int | None, *, block_classes: 
         name = next((n for n in MLP_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
         if name is None:
             raise ValueError(
-                f"mlp_chunk_size={chunk_size}: block {type(block).__name__} has no MLP child named one of {MLP_NAMES}; "
-                "tile it by hand with lightning_seqpar.checkpointing.tile_mlp, or leave mlp_chunk_size=None"
+                f"mlp_chunk_size={mlp_chunk_size}: block {type(block).__name__} has no MLP child named one of {MLP_NAMES}; "
+                "tile it by hand with lightning_seqpar.activation_checkpointing.tile_mlp, or leave mlp_chunk_size=None"
             )
         mlp = getattr(block, name)
         if not isinstance(mlp, CheckpointWrapper):  # tiled already (parallelize called again)
-            block.register_module(name, tile_mlp(mlp, chunk_size))
+            block.register_module(name, tile_mlp(mlp, mlp_chunk_size))
             tiled += 1
     return tiled
 
@@ -415,6 +419,43 @@ def apply_fsdp(
     return model
 
 
+def parallel_roots(module: nn.Module, *, owner: str) -> list[nn.Module]:
+    """The children of a LightningModule that hold transformer blocks (each is parallelized on its own), checked
+    before any collective: there is one, every parameter of ``module`` is inside them, none is on the meta device."""
+    roots = [child for child in module.children() if find_blocks(child)]
+    if not roots:
+        raise ValueError(
+            f"{owner}: found no transformer blocks in {type(module).__name__} "
+            "(a child module with an nn.ModuleList named 'layers', 'h' or 'blocks'); build the "
+            "model in __init__ or configure_model() as an attribute of the LightningModule"
+        )
+    in_roots = {id(p) for root in roots for p in root.parameters()}
+    outside = [n for n, p in module.named_parameters() if id(p) not in in_roots]
+    if outside:
+        raise ValueError(
+            f"{owner}: parameters {outside[:5]} of {type(module).__name__} are outside the "
+            "child module(s) with the transformer blocks and would be neither sharded nor synchronized; "
+            "move them into the model"
+        )
+    on_meta = [n for n, p in module.named_parameters() if p.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"{owner}: parameters {on_meta[:5]} are on the meta device; build the model in "
+            "configure_model() without a meta-device context (the strategy places it on this rank's device)"
+        )
+    return roots
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether ``parallelize`` already ran on ``module`` (a second fit/validate call on the same module)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return any(
+        isinstance(m, (FSDPModule, CheckpointWrapper)) or (isinstance(m, (Attention, LinearAttention)) and m.mesh is not None)
+        for m in module.modules()
+    )
+
+
 # --------------------------------------------------------------------------------------------- all of it
 
 
@@ -447,14 +488,13 @@ def parallelize(
     """
     if offload_params and fsdp_mesh is None:
         raise ValueError("offload_params=True offloads FSDP2's parameter shards; it needs an fsdp_mesh, got None")
-    if offload_checkpoints and compile_kwargs is not None:
-        raise ValueError("offload_checkpoints=True runs the blocks eagerly (saved-tensor hooks around the checkpoint); "
-                         "pass compile_kwargs=None")
-    apply_attention(model, sp_mesh, algorithm=attention, layout=layout, lasp_variant=lasp_variant, inner_ring_size=inner_ring_size,
-                    head_chunks=head_chunks, backend=attention_backend)
+    check_offload_checkpoints(offload_checkpoints, activation_checkpointing=activation_checkpointing,
+                              compiled=compile_kwargs is not None)
+    apply_attention(model, sp_mesh, attention=attention, layout=layout, lasp_variant=lasp_variant, inner_ring_size=inner_ring_size,
+                    head_chunks=head_chunks, attention_backend=attention_backend)
     apply_mlp_tiles(model, mlp_chunk_size, block_classes=block_classes)
     apply_ac(model, activation_checkpointing, block_classes=block_classes, uncheckpointed_blocks=uncheckpointed_blocks,
-             offload=offload_checkpoints)
+             offload_checkpoints=offload_checkpoints)
     if compile_kwargs is not None:
         apply_compile(model, compile_kwargs, block_classes=block_classes)
     if fsdp_mesh is not None:

@@ -1,4 +1,11 @@
-"""What ``attention="auto"`` picks on 8 to 1,024 GPUs, and a whole training step around it (``seqpar plan``).
+"""What ``attention="auto"`` picks: under the strategy (for the model it is given), on 8 to 1,024 GPUs, and a whole
+training step around it (``seqpar plan``).
+
+The strategy asks this module, beside the cost model (``lightning_seqpar.attention.cost``), for its
+decisions that need the model and the world: the mesh sizes it may choose (:func:`plan_mesh_sizes`,
+before the process group exists), the algorithm of ``attention="auto"`` (:func:`resolve_auto_attention`,
+in setup; Note [Choosing attention automatically]), and the checks of the options against the model's
+heads, the mesh and the device (:func:`check_options_against_model`).
 
 Note [Planning a step across nodes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,10 +36,199 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
+from torch import nn
+
+from lightning_seqpar.attention.algorithms import ALGORITHMS
 from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
+from lightning_seqpar.attention.local import available_backends, resolve_backend
+from lightning_seqpar.models.registry import attention_heads, family_of
+from lightning_seqpar.parallelize import uses_linear_attention
+
+if TYPE_CHECKING:
+    from lightning_seqpar.config import StrategyConfig
+    from lightning_seqpar.mesh import ParallelDims
 
 PEAK_BF16 = 989e12
+
+# --------------------------------------------------------------------------------------------- under the strategy
+
+# Note [Choosing attention automatically]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# attention="auto" is resolved in setup(), when the model exists: LASP for a linear-attention
+# model; for softmax attention with expected_seq_len, the cost model's choice
+# (Note [Choosing the attention algorithm] in lightning_seqpar.attention.cost) for the model's
+# (H_q, H_kv, D), sp ranks and this device, among the algorithms the mesh allows: with hp = 1
+# ring, all-gather or Ulysses; with hp > 1, 2D. head_parallel_size="auto" must be known
+# earlier, when the mesh is built (setup_environment, before configure_model): it is read
+# from the LightningModule's ``config`` (CausalLMModule has one) and is 1 when there is none.
+# The batches come later still, hence expected_seq_len; without it "auto" stays "2d" if
+# hp > 1 else "ring". Across nodes (sp > devices per node) it also picks the rank order of the
+# mesh (placement="auto": head-first or context-first, decided with hp when the mesh is built)
+# and, unless inner_ring_size is set, the inner ring size; on one node no double ring is
+# weighed (it only pays off when the outer hops cross nodes).
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSite:
+    """Where a run computes, as far as the planner needs it (the strategy fills it in)."""
+
+    device: torch.device
+    """This rank's device (the CPU while the devices are not known yet)."""
+    precision: str = "32-true"
+    """The Trainer's precision ("bf16-mixed", "32-true", ...)."""
+    gpus_per_node: int = 1
+    """Devices per node."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype attention computes in under the precision ("bf16-mixed" -> bf16, "32-true" -> fp32, ...)."""
+        return {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}.get(self.precision.split("-")[0], torch.float32)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.precision.startswith("32") else 2
+
+
+@dataclass(frozen=True)
+class ResolvedAttention:
+    """What ``attention="auto"`` became in setup: the algorithm, the layout, the inner ring size and the cost model's plan."""
+
+    attention: str
+    layout: str
+    inner_ring_size: int | None
+    plan: AttentionPlan | None = None
+
+
+def model_attention_shape(module: nn.Module | None) -> tuple[int, int, int] | None:
+    """(H_q, H_kv, D) of the softmax attention of ``module``, from the model registry (Note [The model registry])."""
+    return attention_heads(module, complete=True)  # type: ignore[return-value]
+
+
+def is_linear_attention_model(module: nn.Module) -> bool:
+    """A linear-attention (LASP) model, built (its blocks call LinearAttention) or still a config of a linear-attention family."""
+    family = family_of(getattr(module, "config", None))
+    return uses_linear_attention(module) or (family is not None and family.linear_attention)
+
+
+def _first_shape(roots: Sequence[nn.Module]) -> tuple[int, int, int] | None:
+    return next((s for s in map(model_attention_shape, roots) if s is not None), None)
+
+
+def auto_candidates(config: StrategyConfig, *, inner_ring_size: int | None) -> tuple[str, ...]:
+    """The algorithms attention="auto" may pick: those that take the options the user set
+    (head_chunks > 1: ring or all-gather; inner_ring_size: ring or 2D)."""
+    allowed = set(ALGORITHMS)
+    if config.head_chunks > 1:
+        allowed &= {"ring", "allgather"}
+    if inner_ring_size is not None:
+        allowed &= {"ring", "2d"}
+    return tuple(a for a in ALGORITHMS if a in allowed)
+
+
+def plan_attention(shape: tuple[int, int, int] | None, *, config: StrategyConfig, site: RunSite, sp: int,
+                   head_parallel_size: int | None, placement: str | None, layout: str, inner_ring_size: int | None,
+                   owner: str) -> AttentionPlan | None:
+    """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks; None when not asked for or unknown."""
+    if config.attention != "auto" or config.expected_seq_len is None or shape is None or sp == 1:
+        return None
+    h_q, h_kv, head_dim = shape
+    # the local kernel the attention will run (the cost model's rates differ per kernel)
+    kernels = [b for d in (site.compute_dtype, torch.bfloat16) for b in available_backends(site.device, d, head_dim)]
+    kernel = config.attention_backend if config.attention_backend != "auto" else (kernels[0] if kernels else "flash")
+    device_name = torch.cuda.get_device_name(site.device) if site.device.type == "cuda" else ""
+    profile = DeviceProfile.for_device(device_name, backend=kernel, gpus_per_node=max(1, site.gpus_per_node))
+    try:
+        return choose_attention(
+            seq_len=config.expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
+            layout=layout, dtype_bytes=site.dtype_bytes, profile=profile,  # type: ignore[arg-type]
+            algorithms=auto_candidates(config, inner_ring_size=inner_ring_size), head_parallel_size=head_parallel_size,
+            # inner rings pay off only across nodes (Note [Choosing attention automatically])
+            double_ring=inner_ring_size is None and sp > max(1, site.gpus_per_node),
+            head_chunks=config.head_chunks if h_kv % config.head_chunks == 0 else 1, placement=placement,  # type: ignore[arg-type]
+        )
+    except ValueError as error:
+        raise ValueError(
+            f"{owner}: attention='auto' with expected_seq_len={config.expected_seq_len}, "
+            f"head_parallel_size={config.head_parallel_size!r} and sequence_parallel_size={sp}: {error}"
+        ) from error
+
+
+def plan_mesh_sizes(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, world_size: int, sp: int,
+                    layout: str, inner_ring_size: int | None, owner: str) -> tuple[int | str, str]:
+    """(head_parallel_size, placement) for the mesh: the config's, or with "auto" the cost model's choice for the
+    model's heads (Note [Choosing attention automatically]: from the LightningModule's config, if it has one).
+    No communication; sizes that do not divide are left for ``ParallelDims.from_sizes`` to name."""
+    hp: int | str = config.head_parallel_size
+    placement: str = config.placement
+    if hp == "auto" or placement == "auto":
+        linear = module is not None and is_linear_attention_model(module)
+        fixed_hp = None if hp == "auto" else hp
+        plan = None
+        if not (linear or world_size % sp or (fixed_hp is not None and sp % fixed_hp)):  # type: ignore[operator]
+            plan = plan_attention(model_attention_shape(module), config=config, site=site, sp=sp,
+                                  head_parallel_size=fixed_hp, placement=None if placement == "auto" else placement,  # type: ignore[arg-type]
+                                  layout=layout, inner_ring_size=inner_ring_size, owner=owner)
+        if hp == "auto":
+            hp = plan.head_parallel_size if plan is not None else 1
+        if placement == "auto":
+            placement = plan.placement if plan is not None else "context-first"
+    return hp, placement
+
+
+def resolve_auto_attention(roots: Sequence[nn.Module], *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
+                           layout: str, inner_ring_size: int | None, owner: str) -> ResolvedAttention | None:
+    """attention="auto": LASP on a linear-attention model, else the cost model's plan (Note [Choosing attention
+    automatically]); None when nothing changes (not "auto", no plan)."""
+    if not (config.attention == "auto" and roots):
+        return None
+    if not all(uses_linear_attention(root) for root in roots):
+        plan = plan_attention(_first_shape(roots), config=config, site=site, sp=dims.sp, head_parallel_size=dims.hp,
+                              placement=dims.placement, layout=layout, inner_ring_size=inner_ring_size, owner=owner)
+        if plan is None:
+            return None
+        if inner_ring_size is None and plan.inner_ring_size is not None:  # chosen across nodes
+            inner_ring_size = plan.inner_ring_size
+        return ResolvedAttention(plan.algorithm, layout, inner_ring_size, plan)
+    if dims.hp != 1:
+        raise ValueError(f"{owner}: the model uses linear attention (LASP), which needs head_parallel_size=1")
+    if layout != "contiguous" and config.load_balance != "auto":
+        raise ValueError(f"{owner}: the model uses linear attention (LASP), which needs load_balance='contiguous' (or 'auto')")
+    return ResolvedAttention("lasp", "contiguous", inner_ring_size)
+
+
+def check_options_against_model(roots: Sequence[nn.Module], *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
+                                attention: str, inner_ring_size: int | None, owner: str) -> None:
+    """The options that need the model, the mesh or the device, checked in setup before any collective:
+    inner_ring_size against the resolved attention and the context-parallel size, head_chunks against the
+    model's key/value heads, and a named attention_backend against this device (for the precision's dtype,
+    or bf16 / fp16 under a user's own autocast)."""
+    if inner_ring_size is not None:
+        if attention not in ("ring", "2d"):
+            raise ValueError(f"{owner}: inner_ring_size={inner_ring_size} needs attention 'ring' or '2d', "
+                             f"but attention resolved to {attention!r}")
+        dims.check_inner_ring(inner_ring_size, owner=owner)
+    chunks = config.head_chunks
+    shape = _first_shape(roots)
+    if not (chunks == 1 or shape is None or shape[1] % chunks == 0):
+        h_kv = shape[1]
+        divisors = [d for d in range(1, h_kv + 1) if h_kv % d == 0]
+        raise ValueError(f"{owner}: head_chunks={chunks} must divide the model's key/value heads ({h_kv}); "
+                         f"choose one of {divisors}")
+    backend = config.attention_backend
+    if backend == "auto" or all(uses_linear_attention(root) for root in roots):
+        return
+    dtype = site.compute_dtype
+    head_dim = None if shape is None else shape[2]
+    runnable = {b for d in (dtype, torch.bfloat16, torch.float16) for b in available_backends(site.device, d, head_dim)}
+    if backend not in runnable:
+        try:  # resolve_backend's message says why (install, device, dtype, head dim)
+            resolve_backend(backend, site.device, dtype, head_dim)
+        except ValueError as error:
+            raise ValueError(f"{owner}: attention_backend={backend!r}: {error}") from error
+
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -157,37 +157,3 @@ def gather_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.T
     if isinstance(out, fc.AsyncCollectiveTensor):  # wait here: a caller may keep the result without computing on it
         out = out.trigger_wait()
     return out.movedim(0, dim)
-
-
-def pad_batch(batch: dict[str, torch.Tensor], *, multiple: int, ignore_index: int = -100) -> dict[str, torch.Tensor]:
-    """Right-pad the per-token tensors of ``batch`` to a sequence length that is a multiple of ``multiple``.
-
-    Per-token tensors are those with ``shape[1] == batch["input_ids"].shape[1]``. ``labels`` are
-    padded with ``ignore_index`` (the padding never counts in the loss), ``position_ids`` continue
-    the positions (``S, S+1, ...``), ``document_ids`` with a new id (the padding is a document of
-    its own), everything else (ids, masks) with 0. Under a
-    causal mask a token never attends to later ones, so the padding changes neither the logits of
-    the real tokens nor the loss. Local: no communication. Returns a new dict (``batch`` itself
-    when nothing needs padding).
-    """
-    if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
-        raise ValueError(f"multiple must be a positive int, got {multiple!r}")
-    seq_len = batch["input_ids"].shape[1]
-    pad = -seq_len % multiple
-    if pad == 0:
-        return batch
-    out = dict(batch)
-    for key, value in batch.items():
-        if not (isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == seq_len):
-            continue
-        if key == "position_ids":
-            tail = value[:, -1:] + torch.arange(1, pad + 1, device=value.device, dtype=value.dtype)  # (B, pad)
-            out[key] = torch.cat([value, tail], dim=1)
-            continue
-        shape = (value.shape[0], pad, *value.shape[2:])
-        if key == "document_ids":  # the padding is a document of its own
-            out[key] = torch.cat([value, (value.amax(dim=1, keepdim=True) + 1).expand(shape)], dim=1)
-            continue
-        fill = ignore_index if key == "labels" else 0
-        out[key] = torch.cat([value, value.new_full(shape, fill)], dim=1)
-    return out

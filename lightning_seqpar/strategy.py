@@ -4,7 +4,11 @@ Note [What the strategy does, and where]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 It is Lightning's ``ModelParallelStrategy`` (process groups, launcher, FSDP2-aware checkpoint
 save/load through ``torch.distributed.checkpoint``) with its own mesh, batch hook and
-parallelization:
+parallelization. This module holds Lightning's hooks; what they call lives by concern in
+``lightning_seqpar.config`` (the options, checked once), ``lightning_seqpar.planning`` (attention="auto"
+and the checks against the model), ``lightning_seqpar.parallelize`` (the apply_* steps),
+``lightning_seqpar.batches`` (batch checks, padding, sharding, gathering) and
+``lightning_seqpar.checkpoint_io`` (checkpoint files and random state); docs/architecture.md maps them.
 
 * ``setup_environment``: check the sizes against the world size (before any communication),
   start the process group, build the 4-D mesh (``lightning_seqpar.mesh``) and hand it to the
@@ -14,7 +18,7 @@ parallelization:
   of the LightningModule that holds transformer blocks (attention -> AC -> compile -> FSDP2 over
   dp_shard x hp x cp), then the optimizers (over the sharded parameters).
 * ``batch_to_device``: the one place where batches are checked, padded and sharded along the
-  sequence (Note [Validating batches without hanging] in ``lightning_seqpar.validation``).
+  sequence (Note [Validating batches without hanging] in ``lightning_seqpar.batches``).
 * ``distributed_sampler_kwargs``: the data-parallel rank and size only, so all ranks of one
   sequence-parallel group read the same sample.
 * ``process_dataloader``: training loaders become ``ResumableLoader`` s, so that checkpoints hold
@@ -28,10 +32,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
-import shutil
-import time
-import warnings
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -52,35 +52,30 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS, Algorithm
-from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
-from lightning_seqpar.attention.local import available_backends, resolve_backend
-from lightning_seqpar.checkpointing import AC_MODES
+from lightning_seqpar import checkpoint_io
+from lightning_seqpar.attention import ALGORITHMS
+from lightning_seqpar.attention.cost import AttentionPlan
+from lightning_seqpar.batches import check_batch, gather_sequence, shard_batch
+from lightning_seqpar.collective_failures import explain_collective_failure
+from lightning_seqpar.config import ActivationCheckpointingChoice, AttentionChoice, StrategyConfig
+from lightning_seqpar.cuda_warmup import warm_up_backward_handles
 from lightning_seqpar.data.resumable import ResumableLoader
-from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
+from lightning_seqpar.documents import set_current_documents
 from lightning_seqpar.loss import counting_global_mean_calls
 from lightning_seqpar.lora import upcast_trainable
-from lightning_seqpar.mesh import PLACEMENTS, ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh
+from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh, warn_if_ranks_not_by_node
 from lightning_seqpar.parallelize import (
-    config_value,
-    find_blocks,
     host_optimizer_threads,
+    is_parallelized,
+    parallel_roots,
     parallelize,
-    uses_linear_attention,
     with_cpu_threads,
 )
+from lightning_seqpar.planning import RunSite, check_options_against_model, plan_mesh_sizes, resolve_auto_attention
 from lightning_seqpar.precision import convert_module_keeping_rotary, scaler_free
-from lightning_seqpar.rng import get_rng_state, set_rng_state
-from lightning_seqpar.sharding import LAYOUTS, gather_along, mesh_sizes, pad_batch, required_multiple, shard_sequence, unshard_sequence
-from lightning_seqpar.validation import check_batch, check_same_batch
-from lightning_seqpar.warmup import warm_up_backward_handles
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-AttentionChoice = Literal[Algorithm, "lasp", "auto"]
-ActivationCheckpointingChoice = Literal["selective++", "full"]
-
 
 class SequenceParallelStrategy(ModelParallelStrategy):
     """Train a causal LM on sequences split across ranks: exact distributed attention + FSDP2.
@@ -136,7 +131,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         offload_checkpoints: keep the inputs that checkpointed blocks save in pinned host memory
             (copied on a side stream in forward, back in backward): for the longest contexts,
             where the saved inputs are what does not fit (Note [Offloading checkpoints to host
-            memory] in ``lightning_seqpar.checkpointing``). Needs activation_checkpointing.
+            memory] in ``lightning_seqpar.activation_checkpointing``). Needs activation_checkpointing.
         offload_params: keep the sharded parameters, their gradients and the optimizer state in
             host memory (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload style): each block's shard is
             copied to the GPU for its all-gather, gradients come back after the reduce-scatter
@@ -193,131 +188,30 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         pad_to_multiple: bool = False,
         validate_batches: bool = True,
     ) -> None:
-        name = type(self).__name__
-        if not (sequence_parallel_size == "auto" or _positive_int(sequence_parallel_size)):
-            raise ValueError(f"{name}: sequence_parallel_size must be a positive int or 'auto', got {sequence_parallel_size!r}")
-        if not (head_parallel_size == "auto" or _positive_int(head_parallel_size)):
-            raise ValueError(f"{name}: head_parallel_size must be a positive int or 'auto', got {head_parallel_size!r}")
-        if not _positive_int(data_parallel_replicate_size):
-            raise ValueError(f"{name}: data_parallel_replicate_size must be a positive int, got {data_parallel_replicate_size!r}")
-        if not (expected_seq_len is None or _positive_int(expected_seq_len)):
-            raise ValueError(f"{name}: expected_seq_len must be a positive int (the global sequence length) or None, got {expected_seq_len!r}")
-        if head_parallel_size == "auto" and attention != "auto":
-            raise ValueError(
-                f"{name}: head_parallel_size='auto' is chosen together with the algorithm and needs attention='auto'; "
-                f"got attention={attention!r} (give head_parallel_size as an int)"
-            )
-        choices = (*ALGORITHMS, "lasp", "auto")
-        if attention not in choices:
-            raise ValueError(f"{name}: attention={attention!r} is not supported; expected one of {choices}")
-        if lasp_variant not in LASP_VARIANTS:
-            raise ValueError(f"{name}: lasp_variant={lasp_variant!r} is not supported; expected one of {LASP_VARIANTS}")
-        if inner_ring_size is not None and not _positive_int(inner_ring_size):
-            raise ValueError(f"{name}: inner_ring_size must be a positive int or None, got {inner_ring_size!r}")
-        if inner_ring_size is not None and attention not in ("ring", "2d", "auto"):
-            raise ValueError(f"{name}: inner_ring_size is for attention='ring' or '2d' (the double ring), not attention={attention!r}")
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"{name}: attention_backend={attention_backend!r} is not supported; expected one of {BACKENDS}")
-        if not _positive_int(head_chunks):
-            raise ValueError(f"{name}: head_chunks must be a positive int, got {head_chunks!r}")
-        if head_chunks > 1 and attention not in ("ring", "allgather", "auto"):
-            raise ValueError(f"{name}: head_chunks={head_chunks} is for attention='ring' or 'allgather', not attention={attention!r}")
-        if head_chunks > 1 and head_parallel_size != "auto" and head_parallel_size > 1:
-            raise ValueError(f"{name}: head_chunks={head_chunks} is for attention='ring' or 'allgather' (head_parallel_size=1), "
-                             f"but head_parallel_size={head_parallel_size} means 2D attention")
-        # "auto" becomes "lasp" in setup() when the model's blocks call LinearAttention
-        # and to the cost model's choice when expected_seq_len is given (Note [Choosing attention automatically])
-        self._auto_attention = attention == "auto"
-        self._expected_seq_len = expected_seq_len
-        self.attention_plan: AttentionPlan | None = None
-        self._warned_loss = False
-        if attention == "auto":
-            attention = "2d" if head_parallel_size != "auto" and head_parallel_size > 1 else "ring"
-        if attention == "2d" and head_parallel_size == 1:
-            raise ValueError(
-                f"{name}: attention='2d' needs head_parallel_size > 1 (Ulysses over hp x ring over cp); "
-                "got head_parallel_size=1 (use attention='ring' for pure context parallelism)"
-            )
-        if attention != "2d" and head_parallel_size not in (1, "auto"):
-            raise ValueError(
-                f"{name}: head_parallel_size={head_parallel_size} needs attention='2d' (or 'auto'); "
-                f"attention={attention!r} runs over all sequence_parallel_size ranks with head_parallel_size=1"
-            )
-        self._auto_layout = load_balance == "auto"
-        if load_balance is True or load_balance is False:
-            layout = "zigzag" if load_balance else "contiguous"
-        elif load_balance in LAYOUTS:
-            layout = load_balance
-        elif load_balance == "auto":  # LASP needs contiguous; causal softmax attention is balanced by zigzag
-            layout = "contiguous" if attention == "lasp" else "zigzag"
-        else:
-            raise ValueError(f"{name}: load_balance={load_balance!r} is not supported; expected a bool, 'auto' or one of {LAYOUTS}")
-        if attention == "lasp" and layout != "contiguous":
-            raise ValueError(
-                f"{name}: attention='lasp' needs load_balance='contiguous' (or False / 'auto'): LASP passes the KV state "
-                f"from each rank's chunk to the next (LASP, arXiv:2404.02882, Alg. 1-2); got load_balance={load_balance!r}"
-            )
-        if activation_checkpointing is not None and activation_checkpointing not in AC_MODES:
-            raise ValueError(
-                f"{name}: activation_checkpointing={activation_checkpointing!r} is not supported; expected one of {AC_MODES} or None"
-            )
-        if not isinstance(uncheckpointed_blocks, int) or isinstance(uncheckpointed_blocks, bool) or uncheckpointed_blocks < 0:
-            raise ValueError(f"{name}: uncheckpointed_blocks must be an int >= 0, got {uncheckpointed_blocks!r}")
-        if not isinstance(compile, (bool, dict)):
-            raise ValueError(f"{name}: compile must be a bool or a dict of torch.compile keyword arguments, got {compile!r}")
-        if not isinstance(offload_checkpoints, bool):
-            raise ValueError(f"{name}: offload_checkpoints must be True or False, got {offload_checkpoints!r}")
-        if offload_checkpoints and activation_checkpointing is None:
-            raise ValueError(f"{name}: offload_checkpoints=True offloads what checkpointed blocks keep; "
-                             "set activation_checkpointing='selective++' or 'full'")
-        if offload_checkpoints and compile:
-            raise ValueError(f"{name}: offload_checkpoints=True runs the blocks eagerly (saved-tensor hooks around the "
-                             "checkpoint); set compile=False")
-        if not isinstance(offload_params, bool):
-            raise ValueError(f"{name}: offload_params must be True or False, got {offload_params!r}")
-        if offload_params and process_group_backend is not None and not _serves_cpu(process_group_backend):
-            raise ValueError(
-                f"{name}: offload_params=True keeps the parameters and gradients on the CPU, and gradient clipping "
-                f"reduces over CPU tensors, which process_group_backend={process_group_backend!r} cannot carry; "
-                "use 'cpu:gloo,cuda:nccl' (or None, which picks it on CUDA)"
-            )
-        if mlp_chunk_size is not None and not _positive_int(mlp_chunk_size):
-            raise ValueError(f"{name}: mlp_chunk_size must be a positive int (tokens per slice) or None, got {mlp_chunk_size!r}")
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = timedelta(seconds=timeout)
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise ValueError(f"{name}: timeout must be a timedelta, a number of seconds or None, got {timeout!r}")
-        if timeout is not None and timeout.total_seconds() <= 0:
-            raise ValueError(f"{name}: timeout must be positive, got {timeout!r}")
-        for arg, value in (("pad_to_multiple", pad_to_multiple), ("validate_batches", validate_batches)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}: {arg} must be True or False, got {value!r}")
+        self.config = StrategyConfig(
+            sequence_parallel_size=sequence_parallel_size, head_parallel_size=head_parallel_size, attention=attention,
+            expected_seq_len=expected_seq_len, load_balance=load_balance, lasp_variant=lasp_variant,
+            inner_ring_size=inner_ring_size, placement=placement, head_chunks=head_chunks, attention_backend=attention_backend,
+            data_parallel_replicate_size=data_parallel_replicate_size, activation_checkpointing=activation_checkpointing,
+            uncheckpointed_blocks=uncheckpointed_blocks, offload_checkpoints=offload_checkpoints, offload_params=offload_params,
+            mlp_chunk_size=mlp_chunk_size, compile=compile, save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend, timeout=timeout, pad_to_multiple=pad_to_multiple,
+            validate_batches=validate_batches,
+        )
+        """The options as given ("auto" included), checked (Note [One name per option] in ``lightning_seqpar.config``)."""
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=self.config.timeout,
         )
-        self._sequence_parallel_size = sequence_parallel_size
-        self._head_parallel_size = head_parallel_size
-        self._data_parallel_replicate_size = data_parallel_replicate_size
-        self.attention: str = attention
-        self.layout: str = layout
-        self.lasp_variant: str = lasp_variant
-        self.inner_ring_size: int | None = inner_ring_size
-        if placement not in ("auto", *PLACEMENTS):
-            raise ValueError(f"{type(self).__name__}: placement={placement!r} is not supported; expected 'auto' or one of {PLACEMENTS}")
-        self._placement = placement
-        self.head_chunks: int = head_chunks
-        self.attention_backend: str = attention_backend
-        self.activation_checkpointing = activation_checkpointing
-        self.uncheckpointed_blocks = uncheckpointed_blocks
-        self.offload_checkpoints = offload_checkpoints
-        self.offload_params = offload_params
-        self.mlp_chunk_size = mlp_chunk_size
-        self.compile_kwargs: dict[str, Any] | None = (dict(compile) if isinstance(compile, dict) else {}) if compile else None
-        self.timeout: timedelta | None = timeout
-        self.pad_to_multiple = pad_to_multiple
-        self.validate_batches = validate_batches
+        # What setup resolves: "auto" becomes "lasp" when the model's blocks call LinearAttention and the cost
+        # model's choice with expected_seq_len (Note [Choosing attention automatically]); until then "2d" with
+        # head_parallel_size > 1, else "ring".
+        self.attention: str = self.config.initial_attention
+        self.layout: str = self.config.layout
+        self.inner_ring_size: int | None = self.config.inner_ring_size
+        self.attention_plan: AttentionPlan | None = None
+        self._warned_loss = False
         self._parallel_dims: ParallelDims | None = None
         self._sp_mesh: DeviceMesh | None = None
         self._fsdp_mesh: DeviceMesh | None = None
@@ -325,6 +219,20 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._meshes_finalizer: weakref.finalize | None = None
         self._failed = False
         self._rng_state_to_restore: dict[str, Any] | None = None
+
+    # the options that setup does not resolve, read from the config
+    lasp_variant = property(lambda self: self.config.lasp_variant)
+    head_chunks = property(lambda self: self.config.head_chunks)
+    attention_backend = property(lambda self: self.config.attention_backend)
+    activation_checkpointing = property(lambda self: self.config.activation_checkpointing)
+    uncheckpointed_blocks = property(lambda self: self.config.uncheckpointed_blocks)
+    offload_checkpoints = property(lambda self: self.config.offload_checkpoints)
+    offload_params = property(lambda self: self.config.offload_params)
+    mlp_chunk_size = property(lambda self: self.config.mlp_chunk_size)
+    compile_kwargs = property(lambda self: self.config.compile_kwargs)
+    timeout = property(lambda self: self.config.timeout)
+    pad_to_multiple = property(lambda self: self.config.pad_to_multiple)
+    validate_batches = property(lambda self: self.config.validate_batches)
 
     # ----------------------------------------------------------------------------------------- mesh
 
@@ -355,26 +263,15 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     def resolve_parallel_dims(self) -> ParallelDims:
         """The mesh sizes for this world (no communication). Raises ValueError naming the argument."""
         world_size = self.num_nodes * self.num_processes
-        sp = self.num_processes if self._sequence_parallel_size == "auto" else self._sequence_parallel_size
-        hp = self._head_parallel_size
-        placement = self._placement
-        if hp == "auto" or placement == "auto":  # Note [Choosing attention automatically]: from the model's config, if it has one
-            module = self.lightning_module
-            linear = module is not None and _is_linear_attention_model(module)
-            fixed_hp = None if hp == "auto" else hp
-            plan = None
-            if not (linear or world_size % sp or (fixed_hp is not None and sp % fixed_hp)):
-                plan = self._plan_attention(_attention_shape(module), sp=sp, head_parallel_size=fixed_hp,
-                                            placement=None if placement == "auto" else placement)
-            if hp == "auto":
-                hp = plan.head_parallel_size if plan is not None else 1
-            if placement == "auto":
-                placement = plan.placement if plan is not None else "context-first"
+        sp = self.num_processes if self.config.sequence_parallel_size == "auto" else self.config.sequence_parallel_size
+        # "auto": the cost model's choice for the LightningModule's config (Note [Choosing attention automatically])
+        hp, placement = plan_mesh_sizes(self.lightning_module, config=self.config, site=self._run_site(), world_size=world_size,
+                                        sp=sp, layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
         return ParallelDims.from_sizes(
             world_size=world_size,
             sequence_parallel_size=sp,
-            head_parallel_size=hp,
-            data_parallel_replicate_size=self._data_parallel_replicate_size,
+            head_parallel_size=hp,  # type: ignore[arg-type]
+            data_parallel_replicate_size=self.config.data_parallel_replicate_size,
             placement=placement,  # type: ignore[arg-type]
             node_size=self.num_processes,
             owner=type(self).__name__,
@@ -394,8 +291,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         created = not (dist.is_available() and dist.is_initialized())
         self._setup_distributed()  # ModelParallelStrategy: ranks, seed, init_process_group
         self._owns_default_group = self._owns_default_group or created
-        _warn_if_ranks_not_by_node(self.global_rank, self.node_rank, self.local_rank, self.num_processes)
-        reuse = self._device_mesh is not None and self._parallel_dims == dims and self.model is not None and _is_parallelized(self.model)
+        warn_if_ranks_not_by_node(self.global_rank, self.node_rank, self.local_rank, self.num_processes)
+        reuse = self._device_mesh is not None and self._parallel_dims == dims and self.model is not None and is_parallelized(self.model)
         self._parallel_dims = dims
         if not reuse:  # a later run of the same parallelized module keeps its meshes (Note [What a run releases])
             self._device_mesh = dims.build_mesh(self.root_device.type, timeout=self.timeout)
@@ -426,7 +323,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not _is_parallelized(self.model):
+        if not is_parallelized(self.model):
             self.model = convert_module_keeping_rotary(self.precision_plugin, self.model)  # bf16-true: bf16 parameters (Note [Rotary frequencies under bf16-true])
             upcast_trainable(self.model)  # LoRA: the adapters back in fp32, the base frozen in bf16 (Note [LoRA under the strategy])
             self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
@@ -444,27 +341,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
 
     def _parallelize(self, module: nn.Module) -> None:
-        roots = [child for child in module.children() if find_blocks(child)]
-        if not roots:
-            raise ValueError(
-                f"{type(self).__name__}: found no transformer blocks in {type(module).__name__} "
-                "(a child module with an nn.ModuleList named 'layers', 'h' or 'blocks'); build the "
-                "model in __init__ or configure_model() as an attribute of the LightningModule"
-            )
-        in_roots = {id(p) for root in roots for p in root.parameters()}
-        outside = [n for n, p in module.named_parameters() if id(p) not in in_roots]
-        if outside:
-            raise ValueError(
-                f"{type(self).__name__}: parameters {outside[:5]} of {type(module).__name__} are outside the "
-                "child module(s) with the transformer blocks and would be neither sharded nor synchronized; "
-                "move them into the model"
-            )
-        on_meta = [n for n, p in module.named_parameters() if p.is_meta]
-        if on_meta:
-            raise ValueError(
-                f"{type(self).__name__}: parameters {on_meta[:5]} are on the meta device; build the model in "
-                "configure_model() without a meta-device context (the strategy places it on this rank's device)"
-            )
+        roots = parallel_roots(module, owner=type(self).__name__)  # checked before any collective
         dims = self.parallel_dims
         # "bf16-true" / "16-true": parameters are already low precision (convert_module), FSDP2 keeps
         # them; "bf16-mixed": fp32 parameters, gathered in bf16 for compute, gradients reduced in fp32.
@@ -477,9 +354,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._meshes_finalizer = weakref.finalize(module, _release_groups, [self._device_mesh, mesh_for_fsdp],
                                                   owns_default_group=self._owns_default_group)
         self._resolve_auto_attention(roots)
-        self._check_inner_ring_size()
-        self._check_head_chunks(roots)
-        self._check_attention_backend(roots)
+        self._check_options_against_model(roots)
         for root in roots:
             parallelize(
                 root,
@@ -501,125 +376,28 @@ class SequenceParallelStrategy(ModelParallelStrategy):
                 reduce_dtype=reduce_dtype,
             )
 
-    # Note [Choosing attention automatically]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # attention="auto" is resolved in setup(), when the model exists: LASP for a linear-attention
-    # model; for softmax attention with expected_seq_len, the cost model's choice
-    # (Note [Choosing the attention algorithm] in lightning_seqpar.attention.cost) for the model's
-    # (H_q, H_kv, D), sp ranks and this device, among the algorithms the mesh allows: with hp = 1
-    # ring, all-gather or Ulysses; with hp > 1, 2D. head_parallel_size="auto" must be known
-    # earlier, when the mesh is built (setup_environment, before configure_model): it is read
-    # from the LightningModule's ``config`` (CausalLMModule has one) and is 1 when there is none.
-    # The batches come later still, hence expected_seq_len; without it "auto" stays "2d" if
-    # hp > 1 else "ring". Across nodes (sp > devices per node) it also picks the rank order of the
-    # mesh (placement="auto": head-first or context-first, decided with hp when the mesh is built)
-    # and, unless inner_ring_size is set, the inner ring size; on one node no double ring is
-    # weighed (it only pays off when the outer hops cross nodes).
-
-    def _compute_dtype(self) -> torch.dtype:
-        """The dtype attention computes in under the Trainer's precision ("bf16-mixed" -> bf16, "32-true" -> fp32, ...)."""
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        return {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}.get(precision.split("-")[0], torch.float32)
-
-    def _check_attention_backend(self, roots: list[nn.Module]) -> None:
-        """A named attention_backend must run on this device (for the precision's dtype, or bf16 / fp16
-        under a user's own autocast): checked in setup, not in the first step."""
-        if self.attention_backend == "auto" or all(uses_linear_attention(root) for root in roots):
-            return
-        dtype = self._compute_dtype()
-        shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
-        head_dim = None if shape is None else shape[2]
-        runnable = {b for d in (dtype, torch.bfloat16, torch.float16) for b in available_backends(self.root_device, d, head_dim)}
-        if self.attention_backend not in runnable:
-            try:  # resolve_backend's message says why (install, device, dtype, head dim)
-                resolve_backend(self.attention_backend, self.root_device, dtype, head_dim)
-            except ValueError as error:
-                raise ValueError(f"{type(self).__name__}: attention_backend={self.attention_backend!r}: {error}") from error
-
-    def _check_inner_ring_size(self) -> None:
-        """inner_ring_size against the resolved attention and the context-parallel size (before any collective)."""
-        inner = self.inner_ring_size
-        if inner is None:
-            return
-        name = type(self).__name__
-        if self.attention not in ("ring", "2d"):
-            raise ValueError(f"{name}: inner_ring_size={inner} needs attention 'ring' or '2d', but attention resolved to {self.attention!r}")
-        self.parallel_dims.check_inner_ring(inner, owner=name)
-
-    def _check_head_chunks(self, roots: list[nn.Module]) -> None:
-        """head_chunks against the model's key/value heads (before any collective)."""
-        chunks = self.head_chunks
-        shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
-        if chunks == 1 or shape is None or shape[1] % chunks == 0:
-            return
-        h_kv = shape[1]
-        divisors = [d for d in range(1, h_kv + 1) if h_kv % d == 0]
-        raise ValueError(f"{type(self).__name__}: head_chunks={chunks} must divide the model's key/value heads ({h_kv}); "
-                         f"choose one of {divisors}")
-
     def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
-        """attention="auto": LASP on a linear-attention model, else the cost model's plan (Note [Choosing attention automatically])."""
-        if not (self._auto_attention and roots):
-            return
-        name = type(self).__name__
-        dims = self.parallel_dims
-        if not all(uses_linear_attention(root) for root in roots):
-            shape = next((s for s in map(_attention_shape, roots) if s is not None), None)
-            plan = self._plan_attention(shape, sp=dims.sp, head_parallel_size=dims.hp, placement=dims.placement)
-            if plan is not None:
-                self.attention, self.attention_plan = plan.algorithm, plan
-                if self.inner_ring_size is None and plan.inner_ring_size is not None:  # chosen across nodes
-                    self.inner_ring_size = plan.inner_ring_size
-            return
-        if dims.hp != 1:
-            raise ValueError(f"{name}: the model uses linear attention (LASP), which needs head_parallel_size=1")
-        if self.layout != "contiguous" and not self._auto_layout:
-            raise ValueError(f"{name}: the model uses linear attention (LASP), which needs load_balance='contiguous' (or 'auto')")
-        self.attention, self.layout = "lasp", "contiguous"
+        """attention="auto": what the planner resolves it to for these roots (Note [Choosing attention automatically])."""
+        resolved = resolve_auto_attention(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
+                                          layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
+        if resolved is not None:
+            self.attention, self.layout, self.inner_ring_size = resolved.attention, resolved.layout, resolved.inner_ring_size
+            self.attention_plan = resolved.plan if resolved.plan is not None else self.attention_plan
 
-    def _auto_candidates(self) -> tuple[str, ...]:
-        """The algorithms attention="auto" may pick: those that take the options the user set
-        (head_chunks > 1: ring or all-gather; inner_ring_size: ring or 2D)."""
-        allowed = set(ALGORITHMS)
-        if self.head_chunks > 1:
-            allowed &= {"ring", "allgather"}
-        if self.inner_ring_size is not None:
-            allowed &= {"ring", "2d"}
-        return tuple(a for a in ALGORITHMS if a in allowed)
+    def _check_options_against_model(self, roots: list[nn.Module]) -> None:
+        """The options that need the model, mesh and device, before any collective (``planning.check_options_against_model``)."""
+        check_options_against_model(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
+                                    attention=self.attention, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
 
-    def _plan_attention(self, shape: tuple[int, int, int] | None, *, sp: int, head_parallel_size: int | None,
-                        placement: str | None = None) -> AttentionPlan | None:
-        """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks; None when not asked for or unknown."""
-        if not self._auto_attention or self._expected_seq_len is None or shape is None or sp == 1:
-            return None
-        h_q, h_kv, head_dim = shape
-        device_name = ""
-        if self.parallel_devices and self.root_device.type == "cuda":
-            device_name = torch.cuda.get_device_name(self.root_device)
-        # the local kernel the attention will run (the cost model's rates differ per kernel)
+    def _run_site(self) -> RunSite:
+        """This run's device, precision and devices per node, for the planner."""
         device = self.root_device if self.parallel_devices else torch.device("cpu")
-        kernels = [b for d in (self._compute_dtype(), torch.bfloat16) for b in available_backends(device, d, head_dim)]
-        kernel = self.attention_backend if self.attention_backend != "auto" else (kernels[0] if kernels else "flash")
-        profile = DeviceProfile.for_device(device_name, backend=kernel, gpus_per_node=max(1, self.num_processes))
-        try:
-            return choose_attention(
-                seq_len=self._expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
-                layout=self.layout, dtype_bytes=4 if str(getattr(self.precision_plugin, "precision", "")).startswith("32") else 2, profile=profile,  # type: ignore[arg-type]
-                algorithms=self._auto_candidates(), head_parallel_size=head_parallel_size,
-                # inner rings pay off only across nodes (Note [Choosing attention automatically])
-                double_ring=self.inner_ring_size is None and sp > max(1, self.num_processes),
-                head_chunks=self.head_chunks if h_kv % self.head_chunks == 0 else 1, placement=placement,  # type: ignore[arg-type]
-            )
-        except ValueError as error:
-            raise ValueError(
-                f"{type(self).__name__}: attention='auto' with expected_seq_len={self._expected_seq_len}, "
-                f"head_parallel_size={self._head_parallel_size!r} and sequence_parallel_size={sp}: {error}"
-            ) from error
+        return RunSite(device=device, precision=str(getattr(self.precision_plugin, "precision", "32-true")),
+                       gpus_per_node=self.num_processes)
 
     # ----------------------------------------------------------------------------------------- steps
-    # Note [Timeouts name themselves]: a rank that waits longer than `timeout` in a collective gets
-    # the backend's error ("Timed out waiting 8000ms for recv operation", a NCCL watchdog abort);
-    # the step methods re-raise it as a TimeoutError that says what it means and what to do.
+    # Note [Timeouts name themselves] in lightning_seqpar.collective_failures: the step methods re-raise a
+    # collective's timeout or lost connection as an error that says what it means and what to do.
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -664,67 +442,15 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         try:
             yield
         except RuntimeError as error:  # torch.distributed.DistBackendError is a RuntimeError
-            timed_out, lost = _TIMEOUT_PATTERN.search(str(error)), _PEER_LOST_PATTERN.search(str(error))
-            if not (timed_out or lost):
+            trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+            explained = explain_collective_failure(error, owner=type(self).__name__, rank=self.global_rank, where=where,
+                                                   timeout=self.timeout, step=trainer.global_step if trainer is not None else 0)
+            if explained is None:
                 raise
-            silent = self._silent_ranks()
-            if timed_out:
-                raise TimeoutError(
-                    f"{type(self).__name__}: rank {self.global_rank} waited longer than timeout={self.timeout} in a "
-                    f"collective during {where}: another rank is stalled, has died, or runs a different sequence of "
-                    "collectives (e.g. a different number of batches). Raise the strategy's `timeout` if steps legitimately "
-                    f"take that long; otherwise see the other ranks' logs.{silent} ({error})"
-                ) from error
-            raise ConnectionError(
-                f"{type(self).__name__}: rank {self.global_rank} lost the connection to another rank in a collective during "
-                f"{where}: a rank died (killed, out of memory, a crash) or its host went away.{silent} The run cannot "
-                f"continue; resume from the last complete checkpoint (fit(ckpt_path='last')). ({error})"
-            ) from error
-
-    # Note [Naming the rank that failed]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # When a collective fails, the backend says how (gloo: "Connection closed by peer [addr]:port",
-    # a timeout; NCCL: the watchdog), not which rank is gone. Each rank that sees the failure
-    # writes ``seqpar/alive/<step>/<rank>`` into the default group's store (the rendezvous
-    # TCPStore: hosted by rank 0, or by torchrun's agent) and waits up to ``_SILENCE_WAIT``
-    # seconds (at most a quarter of the timeout) for the others' keys: the ranks whose key does
-    # not come are named as dead or stalled. A store that cannot be reached any more means its
-    # host is gone: rank 0 under Lightning's launcher or a plain ``init_process_group``. The
-    # store is torch's private ``_get_default_store``: torch has no public handle to it.
-
-    def _silent_ranks(self) -> str:
-        """' Ranks [..] did not answer ...' for the message of a failed collective (Note [Naming the rank that failed]), or ''."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return ""
-        world, rank = dist.get_world_size(), dist.get_rank()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        step = trainer.global_step if trainer is not None else 0
-        wait = min(_SILENCE_WAIT, self.timeout.total_seconds() / 4) if self.timeout is not None else _SILENCE_WAIT
-        keys = [f"seqpar/alive/{step}/{r}" for r in range(world)]
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(keys[rank], "1")
-            deadline = time.monotonic() + wait
-            silent = [r for r in range(world) if r != rank]
-            while silent and time.monotonic() < deadline:
-                time.sleep(0.05)
-                silent = [r for r in silent if not store.check([keys[r]])]
-        except Exception as error:  # noqa: BLE001 - the store's host is gone: that is the answer
-            return (f" The rendezvous store (hosted by rank 0 unless torchrun's agent hosts it) cannot be reached "
-                    f"either ({type(error).__name__}): rank 0 has died.")
-        if not silent:
-            return " Every rank answered afterwards (none of them died)."
-        return (f" Rank(s) {silent} did not answer within {wait:.0f}s of the failure: they died or are stalled; see "
-                "their logs (or the launcher's exit codes).")
+            raise explained from error
 
     # ----------------------------------------------------------------------------------------- checkpoints
-    # Note [Checkpoint formats]
-    # save_distributed_checkpoint=True: ModelParallelStrategy's folder of shards written by
-    # torch.distributed.checkpoint (plus meta.pt with the rest of the Lightning checkpoint).
-    # False: one file with the full model and optimizer state dicts of
-    # torch.distributed.checkpoint.state_dict, i.e. keyed by parameter names as the plain model
-    # has them (activation checkpointing and compile wrappers leave no trace in the names).
-    # Both load into any mesh layout: a full tensor is re-sharded on load.
+    # Note [Checkpoint formats] and Note [Complete checkpoints only] in lightning_seqpar.checkpoint_io
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -745,82 +471,41 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             self._save_checkpoint(checkpoint, filepath, storage_options)
 
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None) -> None:
-        checkpoint["rng_states"] = self._gather_rng_states()
-        # Note [Complete checkpoints only]: a checkpoint (a folder of shards, or one file) appears
-        # under its name only once it is complete (every rank has written its shards and rank 0
-        # meta.pt), so a run killed while saving leaves the previous checkpoint of that name (or
-        # none), never a half-written one; what was being written stays as NAME.partial, which
-        # Lightning's ckpt_path="last" never takes (it looks for last*.ckpt) and the next save
-        # of that name removes.
+        checkpoint["rng_states"] = checkpoint_io.gather_rng_states(self.root_device)
+        # Note [Complete checkpoints only]: written under NAME.partial, moved into place when complete
         path = Path(self.broadcast(str(filepath)))
-        partial = path.with_name(path.name + ".partial")
-        if self.global_rank == 0 and partial.exists():
-            shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
+        partial = checkpoint_io.partial_path(path)
+        if self.global_rank == 0:
+            checkpoint_io.remove(partial)
         self.barrier("seqpar_save_checkpoint_start")
         if not self._save_distributed_checkpoint:  # one file, written by rank 0 (the full state dicts are gathered first)
             super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
             if self.global_rank == 0:
-                _replace(partial, path)
+                checkpoint_io.replace(partial, path)
             self.barrier("seqpar_save_checkpoint_renamed")
             return
         super().save_checkpoint(checkpoint, partial, storage_options=storage_options)
         self.barrier("seqpar_save_checkpoint_written")
         if self.global_rank == 0:
-            _replace(partial, path)
+            checkpoint_io.replace(partial, path)
         self.barrier("seqpar_save_checkpoint_renamed")
-
-    def _gather_rng_states(self) -> list[dict[str, Any]]:
-        state = get_rng_state(self.root_device)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return [state]
-        states: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(states, state)
-        return states
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        if path.name.endswith(".partial"):  # Note [Complete checkpoints only]
-            raise ValueError(
-                f"{type(self).__name__}: {str(path)!r} is not a complete checkpoint: its save did not finish (was the run "
-                f"killed while saving?); resume from {str(path.with_name(path.name.removesuffix('.partial')))!r} if it "
-                "exists, or an earlier checkpoint (ckpt_path='last' never takes a .partial one)"
-            )
+        checkpoint_io.check_loadable(path, owner=type(self).__name__)  # Note [Complete checkpoints only]
         if path.is_dir():  # a folder of shards
-            missing = [name for name in (".metadata", "meta.pt") if not (path / name).is_file()]
-            if missing:
-                raise ValueError(
-                    f"{type(self).__name__}: {str(path)!r} is not a complete distributed checkpoint (no {missing}): "
-                    "its save did not finish (was the run killed while saving?); resume from an earlier checkpoint"
-                )
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)
-        elif not path.is_file():
-            raise FileNotFoundError(f"{type(self).__name__}: no checkpoint at {str(path)!r}")
         else:
-            checkpoint = self._load_full_checkpoint(path, weights_only)
-        self._stash_rng_state(checkpoint.pop("rng_states", None))
-        return checkpoint
-
-    def _load_full_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-        assert self.model is not None and self.lightning_module is not None
-        # Every rank reads the (memory-mapped) file and keeps its own shard of each full tensor.
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
-        optimizer_states = checkpoint.pop("optimizer_states", [])
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            for optimizer, state in zip(self.optimizers, optimizer_states):
-                set_optimizer_state_dict(self.model, optimizer, state, options=options)
-        return checkpoint
-
-    def _stash_rng_state(self, states: list[dict[str, Any]] | None) -> None:
-        """Keep this rank's random state for :meth:`on_train_start` (rank r of a smaller saved world: r mod its size)."""
-        self._rng_state_to_restore = None
+            assert self.model is not None and self.lightning_module is not None
+            checkpoint = checkpoint_io.load_full_checkpoint(
+                path, self.model, self.optimizers, strict=self.lightning_module.strict_loading,
+                fitting=self.lightning_module.trainer.state.fn == TrainerFn.FITTING, weights_only=weights_only)
+        # this rank's random state, restored in on_train_start when fitting
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if states and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._rng_state_to_restore = states[self.global_rank % len(states)]
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        self._rng_state_to_restore = checkpoint_io.rng_state_of_rank(checkpoint.pop("rng_states", None), self.global_rank) if fitting else None
+        return checkpoint
 
     @override
     def on_train_start(self) -> None:
@@ -828,7 +513,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         # they did at the start of the epoch in the run that saved) and before the first step.
         super().on_train_start()
         if self._rng_state_to_restore is not None:
-            set_rng_state(self._rng_state_to_restore, self.root_device)
+            checkpoint_io.set_rng_state(self._rng_state_to_restore, self.root_device)
             self._rng_state_to_restore = None
 
     # ----------------------------------------------------------------------------------------- data
@@ -849,90 +534,20 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         return self.shard_batch(batch)
 
     def shard_batch(self, batch: Any) -> Any:
-        """This rank's piece of a dict batch of full sequences (Note [What the strategy does, and where]).
-
-        First the local checks (``lightning_seqpar.validation.check_batch``, the sequence length
-        against the layout, padding with ``pad_to_multiple``): no communication, so a wrong batch
-        raises before any collective. Then, with ``validate_batches`` and sequence parallelism,
-        one all-gather compares the batch across the ranks of each sequence-parallel group. Then
-        every tensor with ``shape[1] == input_ids.shape[1]`` (input ids, labels, position ids,
-        loss masks, document ids, ...) is split along dim 1 with the strategy's layout. Missing
-        ``position_ids`` are created first as the global positions ``0..S-1``.
-
-        Packed documents (``document_ids``, or ``position_ids`` that restart at 0): the batch is
-        split with the per-document zigzag instead, ``position_ids`` become the positions inside
-        each document, and the documents are made current for every ``Attention`` module, so
-        attention never crosses a document boundary (Note [Packed documents and per-document zigzag]).
-        """
-        name = type(self).__name__
-        check_batch(batch, owner=name)
-        sp = self.parallel_dims.sp
-        if sp > 1:
-            multiple = required_multiple(self.sp_mesh, self.layout)
-            if batch["input_ids"].shape[1] % multiple:
-                if not self.pad_to_multiple:
-                    seq_len = batch["input_ids"].shape[1]
-                    raise ValueError(
-                        f"{name}: sequence length {seq_len} of batch['input_ids'] must be a multiple of {multiple} "
-                        f"(sequence_parallel_size={sp}, load_balance={self.layout!r}); set "
-                        f"pad_to_multiple=True (pads with ignored labels, the loss does not change) or choose seq_len as a "
-                        f"multiple of {multiple}"
-                    )
-                batch = pad_batch(dict(batch), multiple=multiple)
-        hp, hp_rank, cp, cp_rank = mesh_sizes(self.sp_mesh) if sp > 1 else (1, 0, 1, 0)
-        documents = self._documents(batch, cp)
-        out = dict(batch)
-        if documents is not None:  # Note [Packed documents and per-document zigzag]: positions restart per document
-            out["position_ids"] = documents.position_ids(batch["input_ids"].device)
-        if sp == 1:
-            return type(batch)(out) if not isinstance(batch, dict) else out
-        if self.validate_batches:
-            groups = self.device_mesh.mesh.reshape(-1, sp).tolist()
-            check_same_batch(batch, groups=groups, owner=name)
-        input_ids = batch["input_ids"]
-        seq_len = input_ids.shape[1]
-        if out.get("position_ids") is None:
-            out["position_ids"] = torch.arange(seq_len, device=input_ids.device).expand(input_ids.shape[0], seq_len)
-        for key, value in out.items():
-            if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == seq_len:
-                if documents is not None:
-                    out[key] = documents.shard(value.expand(input_ids.shape[0], *value.shape[1:]), cp_rank, hp=hp, hp_rank=hp_rank)
-                else:
-                    out[key] = shard_sequence(value, self.sp_mesh, dim=1, layout=self.layout)  # type: ignore[arg-type]
-        return type(batch)(out) if not isinstance(batch, dict) else out
+        """This rank's piece of a dict batch of full sequences: checked, padded with ``pad_to_multiple``,
+        compared across the sequence-parallel group with ``validate_batches``, split along the sequence
+        with the strategy's layout (or per document, the documents made current for attention).
+        See :func:`lightning_seqpar.batches.shard_batch`."""
+        check_batch(batch, owner=type(self).__name__)  # local: before anything else, even before the mesh exists
+        dims = self.parallel_dims
+        return shard_batch(batch, sp=dims.sp, sp_mesh=self.sp_mesh if dims.sp > 1 else None, device_mesh=self.device_mesh,
+                           layout=self.layout, attention=self.attention, pad_to_multiple=self.pad_to_multiple,
+                           validate_batches=self.validate_batches, owner=type(self).__name__, checked=True)
 
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The full sequences, on every rank, from this rank's piece of a per-token tensor of the current
-        batch (``(B, S_local, ...)``, e.g. predictions from the sharded ``input_ids``): the inverse of
-        :meth:`shard_batch` along dim 1, with its layout or per-document split (an all-gather over the
-        sequence-parallel ranks). Without sequence parallelism ``x`` itself. Padding that
-        ``pad_to_multiple`` added stays at the end."""
-        if self.parallel_dims.sp == 1:
-            return x
-        documents = current_documents()
-        if documents is None:
-            return unshard_sequence(x, self.sp_mesh, dim=1, layout=self.layout)  # type: ignore[arg-type]
-        hp, _, cp, _ = mesh_sizes(self.sp_mesh)
-        if hp > 1:  # Note [Sequence layouts]: the hp split of a cp shard is contiguous
-            x = gather_along(x, self.sp_mesh.get_group("hp"), dim=1)
-        if cp > 1:
-            group = self.sp_mesh.get_group("cp") if self.sp_mesh.ndim == 2 else self.sp_mesh.get_group()
-            x = documents.unshard(gather_along(x, group, dim=1).chunk(cp, dim=1), dim=1)
-        return x
-
-    def _documents(self, batch: dict, cp: int) -> PackedDocuments | None:
-        """The batch's packed documents (``document_ids``, or ``position_ids`` restarting at 0), made current for attention."""
-        documents = batch_documents(batch, world=cp)
-        if documents is not None and self.attention == "lasp":
-            raise documents_error(type(self).__name__, "which attention='lasp' (linear attention) does not mask; drop document_ids "
-                                  "and use plain position_ids")
-        if documents is not None and self.parallel_dims.sp > 1 and self.layout != "zigzag":
-            raise ValueError(
-                f"{type(self).__name__}: packed documents are split with the per-document zigzag; load_balance={self.layout!r} "
-                "must be 'zigzag' or 'auto'"
-            )
-        set_current_documents(documents)
-        return documents
+        batch: the inverse of :meth:`shard_batch` along dim 1 (:func:`lightning_seqpar.batches.gather_sequence`)."""
+        return gather_sequence(x, sp_mesh=self.sp_mesh if self.parallel_dims.sp > 1 else None, layout=self.layout)
 
     # Note [What a run releases]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -1017,33 +632,6 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         )
 
 
-_TIMEOUT_PATTERN = re.compile(r"timed? ?out|watchdog", re.IGNORECASE)
-_PEER_LOST_PATTERN = re.compile(
-    r"closed by peer|reset by peer|broken pipe|connection refused|connection closed|socket closed|remote process exited|"
-    r"network error|ECONNRESET|EPIPE", re.IGNORECASE)
-_SILENCE_WAIT = 5.0  # seconds a rank waits for the others to answer after a failed collective (Note [Naming the rank that failed])
-
-
-def _replace(source: Path, target: Path) -> None:
-    """Put the folder or file ``source`` at ``target``, replacing what is there; ``target`` never holds a mix of both.
-
-    A file replaces a file in one ``os.replace``. A folder cannot replace a folder atomically: the old one is
-    renamed to ``TARGET.old`` first, so a kill between the two renames leaves the previous complete checkpoint
-    as ``TARGET.old`` (pass it as ckpt_path) and no ``TARGET``."""
-    if target.is_file() and source.is_file():
-        os.replace(source, target)
-        return
-    if target.exists():
-        old = target.with_name(target.name + ".old")
-        if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        os.replace(target, old)
-        os.replace(source, target)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    else:
-        os.replace(source, target)
-
-
 def _empty_device_caches(device: torch.device) -> None:
     """Give the CUDA caching allocator's free blocks, and the caching host allocator's pinned ones, back."""
     if device.type == "cuda" and torch.cuda.is_initialized():
@@ -1071,71 +659,4 @@ def _launched_by_torchelastic() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _serves_cpu(backend: str) -> bool:
-    """Whether a ``torch.distributed`` backend string carries CPU tensors ("nccl" alone does not;
-    "cpu:gloo,cuda:nccl" does)."""
-    backend = backend.lower().replace(" ", "")
-    if ":" in backend:
-        return any(part.startswith("cpu:") for part in backend.split(","))
-    return backend != "nccl"
-
-
-def _attention_shape(module: nn.Module | None) -> tuple[int, int, int] | None:
-    """(H_q, H_kv, D) of the softmax attention of ``module``, from the first ``config`` on it or a
-    submodule that has them (ours: n_head, n_kv_head, head_dim or n_embd; Hugging Face:
-    num_attention_heads, num_key_value_heads, head_dim or hidden_size)."""
-    if module is None:
-        return None
-    for config in (getattr(m, "config", None) for m in module.modules()):
-        for q_name, kv_name, width_name in (("n_head", "n_kv_head", "n_embd"), ("num_attention_heads", "num_key_value_heads", "hidden_size")):
-            h_q = getattr(config, q_name, None)
-            if config is None or not _positive_int(h_q):
-                continue
-            h_kv = getattr(config, kv_name, None)
-            h_kv = h_kv if _positive_int(h_kv) else h_q
-            head_dim, width = config_value(config, "head_dim"), getattr(config, width_name, None)
-            if not _positive_int(head_dim):
-                head_dim = width // h_q if _positive_int(width) and width % h_q == 0 else None
-            if head_dim is not None and h_q % h_kv == 0:
-                return h_q, h_kv, head_dim
-    return None
-
-
-def _is_linear_attention_model(module: nn.Module) -> bool:
-    """A linear-attention (LASP) model, built (its blocks call LinearAttention) or still a config."""
-    from lightning_seqpar.models import TransNormerConfig
-
-    return uses_linear_attention(module) or isinstance(getattr(module, "config", None), TransNormerConfig)
-
-
-def _is_parallelized(module: nn.Module) -> bool:
-    """Whether ``parallelize`` already ran on ``module`` (a second fit/validate call on the same module)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.fsdp import FSDPModule
-
-    from lightning_seqpar.attention import Attention, LinearAttention
-
-    return any(
-        isinstance(m, (FSDPModule, CheckpointWrapper)) or (isinstance(m, (Attention, LinearAttention)) and m.mesh is not None)
-        for m in module.modules()
-    )
-
-
 SequenceParallelStrategy.register_strategies(StrategyRegistry)
-
-
-def _warn_if_ranks_not_by_node(global_rank: int, node_rank: int, local_rank: int, per_node: int) -> None:
-    """Note [Node-aware placement] assumes global rank = node rank x devices per node + local rank
-    (torchrun; SLURM's block distribution). A launcher that numbers ranks otherwise keeps results
-    exact but puts the groups on other links than planned: say so on the rank that sees it."""
-    if global_rank != node_rank * per_node + local_rank:
-        warnings.warn(
-            f"SequenceParallelStrategy: global rank {global_rank} is not node_rank ({node_rank}) x devices per node "
-            f"({per_node}) + local_rank ({local_rank}); the mesh's node-aware placement assumes ranks numbered node by "
-            "node (torchrun, srun --distribution=block): its groups may cross nodes other than planned",
-            stacklevel=2,
-        )

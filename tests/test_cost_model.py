@@ -306,7 +306,7 @@ def test_strategy_auto_picks_among_algorithms_that_take_the_users_options(option
     assert choose_attention(head_parallel_size=1, **kw).algorithm == "ulysses"
     strategy = _strategy(4, ParallelDims(cp=4, world_size=4), expected_seq_len=32768, **option)
     strategy._resolve_auto_attention([_llama(32, 8)])
-    strategy._check_inner_ring_size()  # what setup() runs next: no error
+    strategy._check_options_against_model([_llama(32, 8)])  # what setup() runs next: no error
     assert strategy.attention in allowed
     assert strategy.attention_plan.label == choose_attention(head_parallel_size=1, algorithms=allowed, **kw).label
 
@@ -478,6 +478,6 @@ def test_strategy_auto_across_nodes_sets_placement_and_inner_ring():
     strategy._parallel_dims = dims
     strategy._resolve_auto_attention([_llama(32, 32)])
     assert strategy.attention_plan.label == plan.label and strategy.inner_ring_size == plan.inner_ring_size
-    strategy._check_inner_ring_size()
+    strategy._check_options_against_model([_llama(32, 32)])
     with pytest.raises(ValueError, match="placement='sideways' is not supported"):
         SequenceParallelStrategy(placement="sideways")  # type: ignore[arg-type]

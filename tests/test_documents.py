@@ -250,7 +250,7 @@ def test_checkpoint_recomputes_with_the_forwards_documents(mode):
     runs in another thread (a GPU's autograd threads), where the context has no documents."""
     import threading
 
-    from lightning_seqpar.checkpointing import checkpoint_block
+    from lightning_seqpar.activation_checkpointing import checkpoint_block
     from lightning_seqpar.documents import PackedDocuments, current_documents, packed_documents
 
     torch.manual_seed(0)

@@ -177,7 +177,7 @@ def test_apply_attention_reaches_the_fused_module():
     model = _gpt()
     cores = [m for m in model.modules() if isinstance(m, Attention)]
     assert cores == [block.attn.attn_core.core for block in model.layers]
-    assert apply_attention(model, None, algorithm="allgather") == SMALL["n_layer"]
+    assert apply_attention(model, None, attention="allgather") == SMALL["n_layer"]
     assert {block.attn.attn_core.mode() for block in model.layers} == {"local"}
 
 
@@ -238,7 +238,7 @@ def _distributed(model, mesh, layout: str, algorithm: str = "allgather", **confi
 
     twin = GPT(GPTConfig(**{**vars(model.config), **config}))
     twin.load_state_dict(model.state_dict())
-    assert apply_attention(twin, mesh, algorithm=algorithm, layout=layout) == twin.config.n_layer
+    assert apply_attention(twin, mesh, attention=algorithm, layout=layout) == twin.config.n_layer
     return twin
 
 
@@ -365,7 +365,7 @@ def _input_with_2d_worker(rank: int, world: int) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("hp", "cp"))
     model = _gpt(kv_comm="input")
-    apply_attention(model, mesh, algorithm="2d", layout="zigzag")
+    apply_attention(model, mesh, attention="2d", layout="zigzag")
     ids = torch.zeros(1, SEQ // world, dtype=torch.long)
     with pytest.raises(ValueError, match="kv_comm='input'"):
         model(ids, torch.arange(SEQ // world)[None])
@@ -423,7 +423,7 @@ def _train_worker(rank: int, world: int, sp: int, path: str) -> None:
             label = f"dp={dp} sp={sp} {layout} kv_comm={kv_comm} rank={rank}"
             model = GPT(GPTConfig(**TRAIN, kv_comm=kv_comm))
             model.load_state_dict(initial)
-            apply_attention(model, sp_mesh(mesh), algorithm="allgather", layout=layout)
+            apply_attention(model, sp_mesh(mesh), attention="allgather", layout=layout)
             apply_fsdp(model, fsdp_mesh(mesh), gradient_reduction="sum")
             optimizer = _adamw(model)
             losses = []

@@ -71,7 +71,7 @@ def seqpar_model(model, mesh, layout):
 
     model = copy.deepcopy(model)
     apply_hf_attention(model)
-    apply_attention(model, mesh, algorithm="ring", layout=layout)
+    apply_attention(model, mesh, attention="ring", layout=layout)
     recurrent = [m for m in model.modules() if isinstance(m, Recurrence)]
     assert len(recurrent) == 1 and all(m.mesh is mesh and m.layout == layout for m in recurrent)
     return model
@@ -195,7 +195,7 @@ def test_two_d_attention_and_packed_documents_are_refused_by_name():
     fake = types.SimpleNamespace(ndim=2, size=lambda *a: 4, mesh_dim_names=("hp", "cp"),
                                  get_group=lambda *a: pytest.fail("communicated"))
     with pytest.raises(ValueError, match=r"recurrent token mixers .* attention='2d' over a 2-D mesh .* head_parallel_size=1"):
-        apply_attention(wrapped, fake, algorithm="2d")
+        apply_attention(wrapped, fake, attention="2d")
     ids = torch.randint(0, 97, (1, 8))
     documents = PackedDocuments.from_document_ids(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), world=1)
     with packed_documents(documents), pytest.raises(ValueError, match=r"packed documents.*SeqparShortConv.*unpacked sequences"):

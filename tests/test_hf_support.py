@@ -112,7 +112,7 @@ def _sp_step(model, mesh, algorithm, data):
 
     hf_support.check_model_supported(model, max_seq_len=hf_support.SEQ_LEN)
     wrapped = HFCausalLM(model)
-    apply_attention(wrapped, mesh, algorithm=algorithm, layout="zigzag")
+    apply_attention(wrapped, mesh, attention=algorithm, layout="zigzag")
     wrapped.train()
     ids, pos, labels = (shard_sequence(data[k], mesh, dim=1, layout="zigzag") for k in ("input_ids", "position_ids", "labels"))
     logits = wrapped(ids, pos)

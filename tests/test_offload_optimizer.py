@@ -1,7 +1,7 @@
 """The CPU optimizer step of ``offload_params`` (Note [Offloading parameters to host memory]):
 fused AdamW chosen for offloaded parameters, the step's thread count raised and restored, and the
 fused CPU kernel's arithmetic against torch's default on FSDP2's DTensor shards. The whole path
-on a GPU: tests/test_checkpointing_gpu.py::test_offload_params_on_gpu_matches_and_frees_the_model_states."""
+on a GPU: tests/test_activation_checkpointing_gpu.py::test_offload_params_on_gpu_matches_and_frees_the_model_states."""
 
 from __future__ import annotations
 

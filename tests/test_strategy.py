@@ -312,8 +312,8 @@ def _no_attention_module(rank: int, world_size: int) -> str:
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     with pytest.raises(ValueError) as info:
-        apply_attention(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh, algorithm="ring")
-    assert apply_attention(torch.nn.Sequential(torch.nn.Linear(2, 2)), None, algorithm="ring") == 0  # one rank: fine
+        apply_attention(torch.nn.Sequential(torch.nn.Linear(2, 2)), mesh, attention="ring")
+    assert apply_attention(torch.nn.Sequential(torch.nn.Linear(2, 2)), None, attention="ring") == 0  # one rank: fine
     return str(info.value)
 
 

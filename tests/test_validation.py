@@ -134,7 +134,7 @@ def _heads(rank: int, world_size: int) -> list[str]:
         meshes.append(("2d", mesh_2d(("hp", "cp"), (2, 2))))
     for algorithm, mesh in meshes:
         with no_collectives(), pytest.raises(ValueError) as info:
-            apply_attention(model, mesh, algorithm=algorithm)
+            apply_attention(model, mesh, attention=algorithm)
         out.append(str(info.value))
     # dtype mismatch of the attention inputs
     q = torch.randn(1, 8, 4, 8)
@@ -202,7 +202,7 @@ def _edge_cases(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
     def model_on(mesh):
         torch.manual_seed(0)
         model = Llama(config)
-        apply_attention(model, mesh, algorithm="ring")
+        apply_attention(model, mesh, attention="ring")
         return model
 
     def loss_and_grads(model, batch, group, chunk: int | None):

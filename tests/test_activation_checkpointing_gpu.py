@@ -1,6 +1,6 @@
 """Offloading to host memory on a GPU; skipped on CPU.
 
-    pytest -s tests/test_checkpointing_gpu.py
+    pytest -s tests/test_activation_checkpointing_gpu.py
 
 (one process: not under torchrun)
 
@@ -61,7 +61,7 @@ def test_offload_on_gpu_is_exact_and_frees_the_inputs(mode, piece_bytes, chunk):
     apply_ac(plain, mode, uncheckpointed_blocks=1)
     offloaded = copy.deepcopy(base)
     apply_mlp_tiles(offloaded, chunk)
-    apply_ac(offloaded, mode, uncheckpointed_blocks=1, offload=True)
+    apply_ac(offloaded, mode, uncheckpointed_blocks=1, offload_checkpoints=True)
     host = offloaded.layers[0].checkpoint_fn.keywords["offload"]
     host.piece_bytes = piece_bytes
     loss_p, grads_p, held_p = _run(plain, ids)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
 from lightning_seqpar.attention import ATTENTION_OPS
-from lightning_seqpar.checkpointing import AC_MODES, SAVE_OPS, checkpoint_block, selective_checkpoint_policy
+from lightning_seqpar.activation_checkpointing import AC_MODES, SAVE_OPS, checkpoint_block, selective_checkpoint_policy
 from lightning_seqpar.models import Llama, LlamaConfig
 from lightning_seqpar.parallelize import apply_ac, apply_attention, find_blocks
 
@@ -91,7 +91,7 @@ def test_state_dict_keys_unchanged_by_checkpointing():
     assert len(find_blocks(wrapped)) == len(find_blocks(plain)) == 2
 
 
-def test_checkpointing_errors_name_the_argument():
+def test_activation_checkpointing_errors_name_the_argument():
     with pytest.raises(ValueError, match="activation_checkpointing='partial'"):
         checkpoint_block(torch.nn.Linear(2, 2), "partial")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="activation_checkpointing='full'.*no transformer blocks"):
@@ -108,7 +108,7 @@ def _distributed_counts(rank: int, world_size: int, mode: str | None, algorithm:
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     model = _model()
-    apply_attention(model, mesh, algorithm=algorithm, layout="zigzag")
+    apply_attention(model, mesh, attention=algorithm, layout="zigzag")
     apply_ac(model, mode)
     ids, pos = _batch()
     ids, pos = shard_sequence(ids, mesh), shard_sequence(pos, mesh)

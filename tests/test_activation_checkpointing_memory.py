@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_seqpar.checkpointing import HostOffload, checkpoint_block, tile_mlp
+from lightning_seqpar.activation_checkpointing import HostOffload, checkpoint_block, tile_mlp
 from lightning_seqpar.models import GPT, GPTConfig, Llama, LlamaConfig, TransNormer, TransNormerConfig
 from lightning_seqpar.models.llama import rope_freqs_cis
 from lightning_seqpar.parallelize import apply_ac, apply_mlp_tiles
@@ -48,7 +48,7 @@ def test_offload_and_tiles_match_the_plain_model(mode, chunk, offload):
     expected = _loss_and_grads(plain, ids)
     model = copy.deepcopy(plain)
     assert apply_mlp_tiles(model, chunk) == (0 if chunk is None else 3)
-    assert apply_ac(model, mode, offload=offload, uncheckpointed_blocks=1) == 2
+    assert apply_ac(model, mode, offload_checkpoints=offload, uncheckpointed_blocks=1) == 2
     assert set(model.state_dict()) == set(plain.state_dict())  # names unchanged by the wrappers
     _assert_same(_loss_and_grads(model, ids), expected)
     _assert_same(_loss_and_grads(model, ids), expected)  # a second step through the same wrappers
@@ -130,7 +130,7 @@ def test_mlp_tiles_need_an_mlp_child():
 
 def test_offload_needs_checkpointing():
     with pytest.raises(ValueError, match="needs activation_checkpointing"):
-        apply_ac(_model(), None, offload=True)
+        apply_ac(_model(), None, offload_checkpoints=True)
 
 
 @pytest.mark.parametrize("build", [
@@ -145,7 +145,7 @@ def test_other_models_tile_and_offload(build):
     expected = _loss_and_grads(plain, ids)
     model = copy.deepcopy(plain)
     assert apply_mlp_tiles(model, 4) == 2
-    assert apply_ac(model, "selective++", offload=True) == 2
+    assert apply_ac(model, "selective++", offload_checkpoints=True) == 2
     _assert_same(_loss_and_grads(model, ids), expected)
 
 

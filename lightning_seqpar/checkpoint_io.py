@@ -1,0 +1,167 @@
+"""Checkpoint files and folders of ``SequenceParallelStrategy``, and the random state they hold.
+
+Note [Checkpoint formats]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+save_distributed_checkpoint=True: ModelParallelStrategy's folder of shards written by
+torch.distributed.checkpoint (plus meta.pt with the rest of the Lightning checkpoint).
+False: one file with the full model and optimizer state dicts of
+torch.distributed.checkpoint.state_dict, i.e. keyed by parameter names as the plain model
+has them (activation checkpointing and compile wrappers leave no trace in the names)
+(:func:`load_full_checkpoint`). Both load into any mesh layout: a full tensor is re-sharded on load.
+
+Note [Complete checkpoints only]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A checkpoint (a folder of shards, or one file) appears under its name only once it is complete
+(every rank has written its shards and rank 0 meta.pt), so a run killed while saving leaves the
+previous checkpoint of that name (or none), never a half-written one: the strategy writes to
+:func:`partial_path` and rank 0 moves it into place with :func:`replace` after a barrier. What
+was being written stays as NAME.partial, which Lightning's ckpt_path="last" never takes (it
+looks for last*.ckpt) and the next save of that name removes; :func:`check_loadable` refuses it,
+and a folder without its ``.metadata`` / ``meta.pt``, by name.
+
+The random state of a process is kept as plain values a checkpoint can hold
+(``torch.load(weights_only=True)``). A resumed run continues the random streams where the
+stopped one left them: the strategy gathers every rank's state into the checkpoint
+(:func:`gather_rng_states`) and each rank puts its own back (:func:`rng_state_of_rank`,
+:func:`set_rng_state`) before the first training step after the resume (Note [Exact mid-epoch
+resume] in ``lightning_seqpar.data.resumable`` for why that moment).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "check_loadable",
+    "gather_rng_states",
+    "get_rng_state",
+    "load_full_checkpoint",
+    "partial_path",
+    "remove",
+    "replace",
+    "rng_state_of_rank",
+    "set_rng_state",
+]
+
+# --------------------------------------------------------------------------------------------- files
+
+
+def partial_path(path: Path) -> Path:
+    """Where a checkpoint is written until it is complete (Note [Complete checkpoints only])."""
+    return path.with_name(path.name + ".partial")
+
+
+def remove(path: Path) -> None:
+    """Remove a file or folder if it exists."""
+    if path.exists():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def replace(source: Path, target: Path) -> None:
+    """Put the folder or file ``source`` at ``target``, replacing what is there; ``target`` never holds a mix of both.
+
+    A file replaces a file in one ``os.replace``. A folder cannot replace a folder atomically: the old one is
+    renamed to ``TARGET.old`` first, so a kill between the two renames leaves the previous complete checkpoint
+    as ``TARGET.old`` (pass it as ckpt_path) and no ``TARGET``."""
+    if target.is_file() and source.is_file():
+        os.replace(source, target)
+        return
+    if target.exists():
+        old = target.with_name(target.name + ".old")
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        os.replace(target, old)
+        os.replace(source, target)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        os.replace(source, target)
+
+
+def check_loadable(path: Path, *, owner: str) -> None:
+    """Raise naming ``path`` when it is not a complete checkpoint (Note [Complete checkpoints only])."""
+    if path.name.endswith(".partial"):
+        raise ValueError(
+            f"{owner}: {str(path)!r} is not a complete checkpoint: its save did not finish (was the run "
+            f"killed while saving?); resume from {str(path.with_name(path.name.removesuffix('.partial')))!r} if it "
+            "exists, or an earlier checkpoint (ckpt_path='last' never takes a .partial one)"
+        )
+    if path.is_dir():  # a folder of shards
+        missing = [name for name in (".metadata", "meta.pt") if not (path / name).is_file()]
+        if missing:
+            raise ValueError(
+                f"{owner}: {str(path)!r} is not a complete distributed checkpoint (no {missing}): "
+                "its save did not finish (was the run killed while saving?); resume from an earlier checkpoint"
+            )
+    elif not path.is_file():
+        raise FileNotFoundError(f"{owner}: no checkpoint at {str(path)!r}")
+
+
+def load_full_checkpoint(path: Path, model: nn.Module, optimizers: list[Any], *, strict: bool, fitting: bool,
+                         weights_only: bool | None) -> dict[str, Any]:
+    """Load a one-file checkpoint (Note [Checkpoint formats]) into the sharded ``model`` (and ``optimizers``
+    when ``fitting``); returns the rest of the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    # Every rank reads the (memory-mapped) file and keeps its own shard of each full tensor.
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
+    optimizer_states = checkpoint.pop("optimizer_states", [])
+    if fitting:
+        for optimizer, state in zip(optimizers, optimizer_states):
+            set_optimizer_state_dict(model, optimizer, state, options=options)
+    return checkpoint
+
+
+# --------------------------------------------------------------------------------------------- random state
+
+
+def gather_rng_states(device: torch.device) -> list[dict[str, Any]]:
+    """Every rank's :func:`get_rng_state`, in rank order (collective when a process group of several ranks exists)."""
+    state = get_rng_state(device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [state]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def rng_state_of_rank(states: list[dict[str, Any]] | None, rank: int) -> dict[str, Any] | None:
+    """The state rank ``rank`` restores from a checkpoint's states (rank r of a smaller saved world: r mod its size)."""
+    return states[rank % len(states)] if states else None
+
+
+def get_rng_state(device: torch.device) -> dict[str, Any]:
+    """Python's, NumPy's and torch's CPU generator states, and ``device``'s when it is a GPU."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (str(kind), torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Inverse of :func:`get_rng_state` (the GPU state only when both have one)."""
+    missing = {"python", "numpy", "torch"} - set(state)
+    if missing:
+        raise ValueError(f"set_rng_state: the state has no {sorted(missing)} generator; got {sorted(state)}")
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -1,0 +1,80 @@
+"""StrategyConfig: the strategy's options, frozen and checked once; the apply_* functions share its checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from datetime import timedelta
+
+import pytest
+import torch
+
+from lightning_seqpar import SequenceParallelStrategy
+from lightning_seqpar.config import StrategyConfig
+from lightning_seqpar.models import Llama, LlamaConfig
+from lightning_seqpar.parallelize import apply_ac, apply_attention, parallelize
+
+
+def test_the_config_mirrors_the_constructor():
+    """Same names and defaults as SequenceParallelStrategy.__init__ (LightningCLI parses the constructor)."""
+    params = {n: p.default for n, p in inspect.signature(SequenceParallelStrategy.__init__).parameters.items() if n != "self"}
+    fields = {f.name: f.default for f in dataclasses.fields(StrategyConfig)}
+    assert params == fields
+
+
+def test_the_config_is_frozen_and_resolves_derived_values():
+    config = StrategyConfig(sequence_parallel_size=2, load_balance=True, compile={"fullgraph": True}, timeout=30)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.attention = "ring"  # type: ignore[misc]
+    assert (config.initial_attention, config.layout, config.compile_kwargs) == ("ring", "zigzag", {"fullgraph": True})
+    assert config.timeout == timedelta(seconds=30)
+    assert StrategyConfig(attention="lasp").layout == "contiguous"  # load_balance="auto"
+    assert StrategyConfig(head_parallel_size=2).initial_attention == "2d"
+    assert StrategyConfig().compile_kwargs is None
+    strategy = SequenceParallelStrategy(attention="ulysses", mlp_chunk_size=64, offload_params=True)
+    assert strategy.config == StrategyConfig(attention="ulysses", mlp_chunk_size=64, offload_params=True)
+    assert (strategy.attention, strategy.mlp_chunk_size, strategy.offload_params) == ("ulysses", 64, True)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(uncheckpointed_blocks=-1), "SequenceParallelStrategy: uncheckpointed_blocks must be an int >= 0"),
+        (dict(lasp_variant="ring"), "SequenceParallelStrategy: lasp_variant='ring' is not supported"),
+        (dict(offload_checkpoints=True, compile=True), "SequenceParallelStrategy: offload_checkpoints=True runs the blocks eagerly"),
+        (dict(placement="rack-first"), "SequenceParallelStrategy: placement='rack-first' is not supported"),
+    ],
+)
+def test_the_config_raises_naming_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StrategyConfig(**kwargs)
+
+
+def _tiny() -> Llama:
+    return Llama(LlamaConfig(vocab_size=32, n_embd=16, n_layer=2, n_head=2, intermediate_size=32, max_seq_len=16))
+
+
+def test_apply_functions_check_with_the_config_helpers():
+    """The same messages as the strategy's, without its name (the functions are used on their own)."""
+    with pytest.raises(ValueError, match="^uncheckpointed_blocks must be an int >= 0"):
+        apply_ac(_tiny(), "full", uncheckpointed_blocks=-2)
+    with pytest.raises(ValueError, match="^offload_checkpoints=True offloads what checkpointed blocks keep"):
+        apply_ac(_tiny(), None, offload_checkpoints=True)
+    with pytest.raises(ValueError, match="^offload_checkpoints=True runs the blocks eagerly"):
+        parallelize(_tiny(), sp_mesh=None, fsdp_mesh=None, offload_checkpoints=True, compile_kwargs={})
+    with pytest.raises(ValueError, match="^lasp_variant='ring' is not supported"):
+        apply_attention(_tiny(), None, attention="lasp", layout="contiguous", lasp_variant="ring")
+
+
+def test_old_keyword_names_still_work_with_a_deprecation_warning():
+    model = _tiny()
+    with pytest.warns(DeprecationWarning, match=r"apply_attention\(algorithm=...\) is deprecated; pass attention="):
+        assert apply_attention(model, None, algorithm="allgather") == 2
+    with pytest.warns(DeprecationWarning, match=r"apply_attention\(backend=...\) is deprecated; pass attention_backend="):
+        apply_attention(model, None, attention="ring", backend="math")
+    assert all(m.backend == "math" for m in model.modules() if hasattr(m, "backend"))
+    with pytest.warns(DeprecationWarning, match=r"apply_ac\(offload=...\) is deprecated; pass offload_checkpoints="):
+        assert apply_ac(model, "full", offload=False) == 2
+    with pytest.raises(TypeError, match="attention"):
+        apply_attention(_tiny(), None)
+    assert torch.is_tensor(model(torch.zeros(1, 4, dtype=torch.long)))
