@@ -55,10 +55,10 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from lightning_seqpar.data.hf_text import load_tokenizer
-from lightning_seqpar.data.loaders import eval_loader, train_loader
+from lightning_seqpar.data.loaders import FileSplitLoaders
 from lightning_seqpar.loss import IGNORE_INDEX
 
 __all__ = ["ChatDataModule", "Conversation", "PackedChatDataset", "assistant_mask", "pack_conversations", "read_conversations"]
@@ -266,7 +266,7 @@ class PackedChatDataset(Dataset):
 # --------------------------------------------------------------------------------------------- datamodule
 
 
-class ChatDataModule(L.LightningDataModule):
+class ChatDataModule(FileSplitLoaders, L.LightningDataModule):
     """Chat / instruction tuning data: jsonl conversations rendered with the tokenizer's chat template,
     the loss on the assistant turns only, packed into samples of ``seq_len`` tokens with document
     boundaries (Note [Chat data: assistant masks and packing]).
@@ -355,15 +355,3 @@ class ChatDataModule(L.LightningDataModule):
             self.train_dataset = self._dataset(self.train_files, "train", self.samples_per_epoch)
         if self.val_dataset is None and self.val_files is not None and stage in (None, "fit", "validate"):
             self.val_dataset = self._dataset(self.val_files, "val", self.val_samples)
-
-    def train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            self.setup("fit")
-        return train_loader(self.train_dataset, batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers)
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val_files is None:
-            return []
-        if self.val_dataset is None:
-            self.setup("validate")
-        return eval_loader(self.val_dataset, batch_size=self.batch_size, num_workers=self.num_workers)

@@ -49,9 +49,9 @@ from typing import Any, Literal
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from lightning_seqpar.data.loaders import eval_loader, train_loader
+from lightning_seqpar.data.loaders import FileSplitLoaders
 
 from lightning_seqpar.loss import IGNORE_INDEX
 
@@ -185,7 +185,7 @@ def _builder(files: list[str], data_format: str) -> str:
     return kinds.pop()
 
 
-class HFTextDataModule(L.LightningDataModule):
+class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
     """Local text / jsonl / parquet documents, tokenized with a local tokenizer and packed into
     sequences of ``seq_len`` tokens with document boundaries kept (Note [Packed documents]).
 
@@ -311,15 +311,3 @@ class HFTextDataModule(L.LightningDataModule):
         if self.val_dataset is None and self.val_files is not None and stage in (None, "fit", "validate"):
             self.val_dataset = PackedDocumentDataset(self.tokenized(self.val_files), seq_len=self.seq_len,
                                                      num_samples=self.val_samples)
-
-    def train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            self.setup("fit")
-        return train_loader(self.train_dataset, batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers)
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val_files is None:
-            return []
-        if self.val_dataset is None:
-            self.setup("validate")
-        return eval_loader(self.val_dataset, batch_size=self.batch_size, num_workers=self.num_workers)

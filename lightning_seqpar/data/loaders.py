@@ -25,3 +25,29 @@ def train_loader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: i
 
 def eval_loader(dataset: Dataset, *, batch_size: int, num_workers: int = 0) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, num_workers=num_workers)
+
+
+class FileSplitLoaders:
+    """``train_dataloader`` / ``val_dataloader`` of a datamodule whose ``setup`` builds ``train_dataset``
+    and (when ``val_files`` is given) ``val_dataset``, with ``batch_size``, ``seed`` and ``num_workers``."""
+
+    train_dataset: Dataset | None
+    val_dataset: Dataset | None
+    val_files: object
+    batch_size: int
+    seed: int
+    num_workers: int
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            self.setup("fit")
+        assert self.train_dataset is not None
+        return train_loader(self.train_dataset, batch_size=self.batch_size, seed=self.seed, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_files is None:
+            return []
+        if self.val_dataset is None:
+            self.setup("validate")
+        assert self.val_dataset is not None
+        return eval_loader(self.val_dataset, batch_size=self.batch_size, num_workers=self.num_workers)
