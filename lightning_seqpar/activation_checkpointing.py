@@ -58,6 +58,19 @@ its own non-reentrant checkpoint: only the slices' inputs are kept, and the back
 one slice at a time (ALST's "tiled MLP", arXiv:2506.13996 §3.2). Inside a checkpointed block the
 MLP forward then runs three times instead of two — a few percent of a long-context step, whose
 time is the attention's.
+
+Note [Recomputing under the forward's default dtype]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Lightning's "bf16-true" sets the default dtype to bf16 inside ``training_step`` only
+(``HalfPrecision.forward_context``); the backward, and so every checkpoint's recomputation, runs
+with fp32. A tensor the forward creates from the default dtype then comes back in another dtype.
+For a Hugging Face model with ``mlp_chunk_size`` on a GPU that stopped the first backward
+(``CheckpointError``: size-0 CPU tensors saved as bf16, recomputed as fp32; seen on one H100 and
+one H200 with a Llama-shaped model at 8K, not on the CPU). Every checkpoint of this module
+(blocks and MLP tiles) therefore recomputes under the default dtype and the packed documents of
+the forward it replays (:func:`_replay`). The backward thread waits for nothing else while it
+recomputes (the thread that called ``backward`` is blocked in it), so setting the process-wide
+default dtype for the duration of the replay changes nothing outside it.
 """
 
 from __future__ import annotations
@@ -161,11 +174,22 @@ class HostOffload:
         return flat.view(shape)
 
 
+def _replay(dtype: torch.dtype, documents: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under the default dtype and packed documents of the forward it recomputes
+    (Note [Recomputing under the forward's default dtype]; Note [Per-call state] in ``lightning_seqpar.documents``)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return run_with_documents(documents, fn, *args, **kwargs)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _checkpoint(fn: Callable[..., Any], *args: Any, offload: HostOffload | None = None, **kwargs: Any) -> Any:
-    """Non-reentrant ``checkpoint`` of ``fn`` whose recomputation runs with this forward's packed documents
-    (Note [Per-call state] in ``lightning_seqpar.documents``: backward may run in another thread)."""
+    """Non-reentrant ``checkpoint`` of ``fn`` whose recomputation runs with this forward's default dtype and
+    packed documents (backward may run in another thread, outside Lightning's precision context)."""
     with offload.hooks() if offload is not None else contextlib.nullcontext():
-        return checkpoint(run_with_documents, current_documents(), fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(_replay, torch.get_default_dtype(), current_documents(), fn, *args, use_reentrant=False, **kwargs)
 
 
 def checkpoint_block(
@@ -194,7 +218,8 @@ def _sequence_tiles(fn: Callable[..., Any], x: torch.Tensor, *, chunk_size: int)
     dim = 1 if x.dim() >= 3 else 0
     pieces = x.split(chunk_size, dim=dim)
     if torch.is_grad_enabled():
-        outs = [checkpoint(fn, p, use_reentrant=False) for p in pieces]
+        dtype, documents = torch.get_default_dtype(), current_documents()  # Note [Recomputing under the forward's default dtype]
+        outs = [checkpoint(_replay, dtype, documents, fn, p, use_reentrant=False) for p in pieces]
     else:
         outs = [fn(p) for p in pieces]
     if not all(isinstance(o, torch.Tensor) and o.shape[: dim + 1] == p.shape[: dim + 1] for o, p in zip(outs, pieces)):

@@ -151,3 +151,42 @@ def test_uncheckpointed_blocks_keep_their_activations(skip):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
     with pytest.raises(ValueError, match="uncheckpointed_blocks"):
         apply_ac(_model(1), "full", uncheckpointed_blocks=-1)
+
+
+@pytest.mark.parametrize("wrap", ["block", "tile"])
+def test_recomputation_runs_under_the_forward_default_dtype(wrap):
+    """Note [Recomputing under the forward's default dtype]: "bf16-true" sets the default dtype to bf16 for
+    the forward only; a tensor the forward makes from the default dtype (here a scale factor that the
+    multiplication saves for backward) must come back the same when a checkpoint recomputes it in backward
+    (it was a CheckpointError on GPUs with mlp_chunk_size)."""
+    from lightning_seqpar.activation_checkpointing import tile_mlp
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8, dtype=torch.bfloat16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) * torch.full((8,), 0.5)  # the default dtype
+
+    torch.manual_seed(0)
+    plain = Scaled()
+    wrapped = tile_mlp(copy.deepcopy(plain), 3) if wrap == "tile" else checkpoint_block(copy.deepcopy(plain), "full")
+    x = torch.randn(2, 7, 8, dtype=torch.bfloat16)
+    grads = []
+    for module in (plain, wrapped):
+        leaf = x.clone().requires_grad_()
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # as Lightning's forward_context does
+        try:
+            out = module(leaf)
+        finally:
+            torch.set_default_dtype(previous)
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()  # outside it, with fp32 as the default
+        grads.append(leaf.grad)
+    if wrap == "block":
+        torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    else:  # slices of 3 tokens: other matmul shapes, so bf16 rounding may differ in the last bit
+        torch.testing.assert_close(grads[1], grads[0], rtol=1.6e-2, atol=2e-3)  # one bf16 ulp at |x| ~ 0.25-0.5
+    assert torch.get_default_dtype() == torch.float32

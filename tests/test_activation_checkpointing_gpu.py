@@ -165,3 +165,41 @@ def test_offload_params_on_gpu_matches_and_frees_the_model_states():
     print(f"[offload-params-gpu] peak after {OFFLOAD_STEPS} steps {plain['peak'] / 2**20:.0f} MiB -> "
           f"{off['peak'] / 2**20:.0f} MiB (model states {states / 2**20:.0f} MiB); losses {off['losses']}", flush=True)
     assert plain["peak"] - off["peak"] >= states / 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_hf_model_with_mlp_tiles_in_bf16_true_trains_as_without(tmp_path):
+    """A Hugging Face Llama (tiny, S = 8192) under the strategy with ``mlp_chunk_size=2048`` and
+    ``precision="bf16-true"``: two steps train (the first backward stopped with a CheckpointError before
+    Note [Recomputing under the forward's default dtype]) to the losses of the untiled run (bf16 tolerance)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        pytest.skip("one process (run without torchrun)")
+    transformers = pytest.importorskip("transformers")
+    import lightning as L
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+
+    S = 8192
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=S)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "llama")
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            t = torch.randint(0, 256, (S + 1,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": t[:-1], "labels": t[1:]}
+
+    losses = {}
+    for tiles in (None, 2048):
+        torch.manual_seed(0)
+        trainer = L.Trainer(accelerator="cuda", devices=1, strategy=SequenceParallelStrategy(mlp_chunk_size=tiles),
+                            precision="bf16-true", max_steps=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+        trainer.fit(CausalLMModule(str(tmp_path / "llama"), lr=1e-3, warmup_steps=0, max_steps=2),
+                    torch.utils.data.DataLoader(Data(), batch_size=1))
+        losses[tiles] = float(trainer.callback_metrics["train/loss"])
+    assert losses[2048] == pytest.approx(losses[None], rel=1e-3), losses
