@@ -18,7 +18,7 @@ replaced at set-up, once, by modules of this file (no transformers class is patc
     transformers class                      replaced by            token mixing (Note in attention/recurrent.py)
     Qwen3NextGatedDeltaNet, Qwen3_5(Moe)-   SeqparGatedDeltaNet    causal conv (q|k|v) + gated delta rule
       GatedDeltaNet
-    BambaMixer                              SeqparMamba2Mixer      causal conv (x|B|C) + SSD scan
+    BambaMixer, GraniteMoeHybridMambaLayer  SeqparMamba2Mixer      causal conv (x|B|C) + SSD scan
     Lfm2ShortConv, Lfm2MoeShortConv,        SeqparShortConv        gated causal conv
       Lfm3ShortConv
 
@@ -198,6 +198,7 @@ HYBRID_MIXERS: dict[str, type[nn.Module]] = {
     "Qwen3_5GatedDeltaNet": SeqparGatedDeltaNet,
     "Qwen3_5MoeGatedDeltaNet": SeqparGatedDeltaNet,
     "BambaMixer": SeqparMamba2Mixer,
+    "GraniteMoeHybridMambaLayer": SeqparMamba2Mixer,  # Bamba's mixer under another name (same __init__ and forward)
     "Lfm2ShortConv": SeqparShortConv,
     "Lfm2MoeShortConv": SeqparShortConv,
     "Lfm3ShortConv": SeqparShortConv,
