@@ -18,13 +18,14 @@ replaced at set-up, once, by modules of this file (no transformers class is patc
     transformers class                      replaced by            token mixing (Note in attention/recurrent.py)
     Qwen3NextGatedDeltaNet, Qwen3_5(Moe)-   SeqparGatedDeltaNet    causal conv (q|k|v) + gated delta rule
       GatedDeltaNet
-    BambaMixer, GraniteMoeHybridMambaLayer  SeqparMamba2Mixer      causal conv (x|B|C) + SSD scan
+    BambaMixer, GraniteMoeHybrid-           SeqparMamba2Mixer      causal conv (x|B|C) + SSD scan
+      MambaLayer, NemotronHMamba2Mixer
     Lfm2ShortConv, Lfm2MoeShortConv,        SeqparShortConv        gated causal conv
       Lfm3ShortConv
 
 Only these classes, whose forward this file follows line by line (the support sweep checks each
 architecture against the unmodified model); other recurrent mixers (Mamba / Mamba2 models,
-Jamba, Nemotron-H, Falcon-H1, Zamba, OLMo-hybrid, ...) stay refused by name
+Jamba, Falcon-H1, Zamba, OLMo-hybrid, ...) stay refused by name
 (``lightning_seqpar.hf.support.refuse_token_mixers``).
 
 Where it happens: ``apply_hf_attention`` (and so ``HFCausalLM`` / ``CausalLMModule``) replaces
@@ -199,6 +200,7 @@ HYBRID_MIXERS: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeGatedDeltaNet": SeqparGatedDeltaNet,
     "BambaMixer": SeqparMamba2Mixer,
     "GraniteMoeHybridMambaLayer": SeqparMamba2Mixer,  # Bamba's mixer under another name (same __init__ and forward)
+    "NemotronHMamba2Mixer": SeqparMamba2Mixer,  # Bamba's forward; its __init__ reads other config names
     "Lfm2ShortConv": SeqparShortConv,
     "Lfm2MoeShortConv": SeqparShortConv,
     "Lfm3ShortConv": SeqparShortConv,

@@ -137,6 +137,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": {"mamba_d_head": 16},  # mamba_n_heads * mamba_d_head == mamba_expand * hidden_size
     "granitemoehybrid": {"mamba_d_head": 16, "layer_types": ["linear_attention", "full_attention"],
                          "num_hidden_layers": 2},  # Bamba's rule (its Mamba2 layer is Bamba's); one layer of each kind
+    "nemotron_h": {"n_groups": 2},  # the Mamba2 groups must divide mamba_num_heads (4 in the tiny config)
     "dots3_note_text": {"num_key_value_heads": 4},
 }
 

@@ -215,7 +215,7 @@ def test_mixers_the_package_cannot_shard_are_refused_by_name():
     found = " ".join(find_token_mixers(model))
     assert "config.layer_types[0]='linear_attention'" in found and "JambaMambaDecoderLayer" in found, found
     with pytest.raises(ValueError, match=r"mixes tokens with layers other than attention.*JambaMambaDecoderLayer.*only for "
-                                         r"BambaMixer, Lfm2MoeShortConv"):
+                                         r"BambaMixer, GraniteMoeHybridMambaLayer, Lfm2MoeShortConv"):
         HFCausalLM(model)
     assert model.config._attn_implementation != "seqpar"  # refused before anything changed
 

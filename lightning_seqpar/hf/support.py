@@ -41,6 +41,11 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 """``config.layer_types`` values that are softmax attention through the AttentionInterface (windows and
 chunks are then checked against the length); any other value is a token mixer :func:`refuse_token_mixers` refuses."""
 
+POSITIONWISE_LAYER_TYPES = frozenset({"mlp", "moe"})
+"""``config.layer_types`` values of decoder layers that hold only a feed-forward block (Nemotron-H's
+"mlp" / "moe" layers): each token's row depends on that row only, so they need nothing under sharding
+(a mixture of experts' router loss is checked on its own: ``lightning_seqpar.hf.moe``)."""
+
 # class names of token mixers that are not attention (matched case-insensitively against every submodule's class)
 _MIXER_CLASS_NAMES = re.compile(
     r"mamba|mixer|deltanet|linearattention|linearattn|lightningattention|recurrent|rglru|rwkv|xlstm|mlstm|slstm|"
@@ -63,7 +68,8 @@ def find_token_mixers(model: nn.Module) -> list[str]:
     field that makes it one. Local metadata only. Mixers of ``HYBRID_MIXERS`` (and their twins) are
     not listed, nor the ``config.layer_types`` entries of the layers that hold them.
 
-    Found structurally: ``config.layer_types`` entries outside :data:`ATTENTION_LAYER_TYPES`,
+    Found structurally: ``config.layer_types`` entries outside :data:`ATTENTION_LAYER_TYPES` and
+    :data:`POSITIONWISE_LAYER_TYPES`,
     ``torch.nn.Conv1d`` modules of kernel size > 1 (a causal depthwise convolution over the
     sequence, as in LFM2's short convolutions and every Mamba / DeltaNet block), and modules whose class name says Mamba,
     SSM, mixer, DeltaNet, linear / lightning attention, recurrent, RG-LRU, RWKV, xLSTM, Hyena,
@@ -77,7 +83,7 @@ def find_token_mixers(model: nn.Module) -> list[str]:
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, (list, tuple)):
         for i, kind in enumerate(layer_types):
-            if kind not in ATTENTION_LAYER_TYPES and i not in exact_layers:
+            if kind not in ATTENTION_LAYER_TYPES and kind not in POSITIONWISE_LAYER_TYPES and i not in exact_layers:
                 found.append(f"decoder layer {i}: config.layer_types[{i}]={kind!r}")
     seen_inside: list[str] = [name for name, _ in exact]  # nothing of an exact mixer is listed
     for name, module in model.named_modules():
