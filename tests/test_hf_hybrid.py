@@ -94,7 +94,7 @@ def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
             torch.testing.assert_close(grads[n], g, atol=ATOL, rtol=1e-5, msg=lambda m, n=n: f"{kind} d{n}: {m}")
 
 
-def test_cache_and_packed_documents_are_refused_by_name():
+def test_cache_padding_and_packed_kwargs_are_refused_by_name():
     from lightning_seqpar.hf_hybrid import apply_hf_hybrid
 
     model = build("lfm2")
@@ -103,7 +103,7 @@ def test_cache_and_packed_documents_are_refused_by_name():
     x = torch.randn(1, 4, 32)
     with pytest.raises(ValueError, match="cache"):
         mixer(x, cache=object())
-    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+    with pytest.raises(ValueError, match="cu_seq_lens_q=.*document_ids"):
         mixer(x, cu_seq_lens_q=torch.tensor([0, 2, 4]))
     with pytest.raises(ValueError, match="padding"):
         mixer(x, attention_mask=torch.tensor([[1, 1, 0, 0]]))
@@ -180,13 +180,12 @@ def test_hybrid_models_train_exactly_under_the_strategy(world, attention, layout
             torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
 
 
-def test_two_d_attention_and_packed_documents_are_refused_by_name():
-    """Before any communication: a 2-D (hp x cp) mesh, and packed documents (no state reset at a boundary)."""
+def test_two_d_attention_is_refused_by_name():
+    """Before any communication: a 2-D (hp x cp) mesh (its head-parallel axis does not apply to a recurrence)."""
     import types
 
     from hf_testing import tiny_config
 
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
     from lightning_seqpar.parallelize import apply_attention
 
@@ -196,8 +195,66 @@ def test_two_d_attention_and_packed_documents_are_refused_by_name():
                                  get_group=lambda *a: pytest.fail("communicated"))
     with pytest.raises(ValueError, match=r"recurrent token mixers .* attention='2d' over a 2-D mesh .* head_parallel_size=1"):
         apply_attention(wrapped, fake, attention="2d")
-    ids = torch.randint(0, 97, (1, 8))
-    documents = PackedDocuments.from_document_ids(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), world=1)
-    with packed_documents(documents), pytest.raises(ValueError, match=r"packed documents.*SeqparShortConv.*unpacked sequences"):
-        wrapped(ids, torch.arange(8)[None])
-    assert wrapped(ids, torch.arange(8)[None]).shape == (1, 8, 97)  # and without documents it runs
+
+
+# ------------------------------------------------------------------------------------- packed documents
+
+
+def test_packed_documents_reset_the_state_on_one_device():
+    """HFCausalLM with the batch's documents current (no strategy, one device): every hybrid's logits and
+    gradients equal each document run alone through the unmodified model (Note [Documents in a recurrence])."""
+    from hf_testing import tiny_config
+    from test_hf_documents import LENGTHS
+
+    from lightning_seqpar.documents import PackedDocuments, packed_documents
+    from lightning_seqpar.hf import HFCausalLM
+
+    lengths = LENGTHS[1]  # one sample: documents of 1, 2, 3 and 16 tokens
+    ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    documents = PackedDocuments.from_lengths([lengths])
+    for kind in STRATEGY_KINDS:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation="eager",
+                                                              dtype=torch.float32).train()
+        reference = copy.deepcopy(model)
+        ref = torch.cat([reference(input_ids=part, position_ids=torch.arange(part.shape[1])[None], use_cache=False).logits
+                         for part in ids.split(list(lengths), dim=1)], dim=1)
+        (ref * ref.detach().sin()).sum().backward()
+        wrapped = HFCausalLM(model)
+        with packed_documents(documents):
+            logits = wrapped(ids, documents.position_ids())
+        (logits * logits.detach().sin()).sum().backward()
+        torch.testing.assert_close(logits, ref, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        grads = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """{kind: (folder, per-document reference logits, loss, gradients)} and the packed batch of tests/test_hf_documents.py."""
+    from hf_testing import save_tiny_model
+    from test_hf_documents import packed_batch, per_document_reference
+
+    root = tmp_path_factory.mktemp("hf-hybrid-docs")
+    data = packed_batch()
+    return {kind: (path, *per_document_reference(path, data)) for kind in STRATEGY_KINDS
+            for path in [save_tiny_model(kind, str(root / kind))]}, data
+
+
+@pytest.mark.parametrize("world,attention", [(2, "ring"), (4, "allgather")])
+def test_packed_documents_train_exactly_under_the_strategy(world, attention, packed):
+    """Trainer + strategy on a batch of packed documents (document_ids; documents of 1 token, shorter than a piece,
+    and spanning every rank): logits, loss and every gradient equal each document alone in the unmodified model."""
+    from hf_testing import train_each
+
+    refs, data = packed
+    results = run_distributed(train_each, world, [refs[k][0] for k in STRATEGY_KINDS], data, timeout=300,
+                              strategy_kwargs={"attention": attention})[0]
+    for kind, result in zip(STRATEGY_KINDS, results):
+        _, logits, loss, grads = refs[kind]
+        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        assert result["grads"].keys() == grads.keys(), kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
