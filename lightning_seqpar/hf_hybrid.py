@@ -30,9 +30,10 @@ Jamba, Nemotron-H, Falcon-H1, Zamba, OLMo-hybrid, ...) stay refused by name
 Where it happens: ``apply_hf_attention`` (and so ``HFCausalLM`` / ``CausalLMModule``) replaces
 the mixers after its checks pass; the strategy's ``apply_attention`` gives every
 ``Recurrence`` the 1-D sequence-parallel mesh and the batch's layout (attention="2d" is refused
-for such models: its head-parallel axis does not apply to a recurrence). Packed documents are
-refused by ``HFCausalLM.forward`` before any communication (the state reset at a document
-boundary is not implemented).
+for such models: its head-parallel axis does not apply to a recurrence). Packed documents: each
+twin reads the batch's documents (``current_documents()``) at forward time and passes them to its
+recurrence, which resets the state and the convolution history at every document start (Note
+[Documents in a recurrence] in ``lightning_seqpar.attention.recurrent``).
 
 The twin takes over the original's submodules and parameters under the same names (so the
 state dict, FSDP2 wrapping and ``save_pretrained`` see the same model), recomputes the layer's
@@ -40,8 +41,8 @@ forward with the same projections / norms / output projection, and runs its sequ
 through a parameter-free ``seqpar_recurrence`` child (:class:`Recurrence`), which
 the strategy's ``apply_attention`` (or :func:`configure_recurrence`) points at the mesh. The forward follows transformers' torch path
 (the reference); no cache: KV/state caches (generation) are refused by name, as are padding
-masks and packed-document kwargs (``cu_seq_lens_*``, ``seq_idx``): the state reset at a document
-boundary is not implemented yet.
+masks and packed-document kwargs (``cu_seq_lens_*``, ``seq_idx``: the twins take documents from
+the batch's ``document_ids`` / ``position_ids`` through ``current_documents()``, not from these).
 """
 
 from __future__ import annotations

@@ -66,8 +66,49 @@ message of [B, k-1, C] from the owner of the previous piece, all posted at once 
 backward sends the gradient of the halo back to its owner, which adds it to the gradient of its
 last k-1 inputs. Pieces shorter than k-1 tokens would need several predecessors and are refused.
 
-Packed documents (a state reset at document starts) are not implemented: :class:`Recurrence`
-refuses them by name (``document_ids``).
+Note [Documents in a recurrence]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With packed documents every document must run as if alone: the state (and the convolution's
+history) is zero at each document's first token, in the middle of a rank's shard as at its start,
+and a document that spans several ranks keeps its own chain. The functions take the batch's
+``PackedDocuments`` (the twins read ``current_documents()`` at forward time and pass them; the
+piece lengths are bound into the chain's autograd Function then, so the backward, which may run
+on another thread, reads nothing: Note [Per-call state] in ``lightning_seqpar.documents``).
+
+Packed batches are sharded with the per-document zigzag (Note [Packed documents and per-document
+zigzag]): global piece p is piece p of EVERY document, end to end, and rank r holds pieces r and
+2W-1-r. So a piece of a sample is a run of segments, one per document (pieces[b, n, p] tokens,
+possibly none), and the pieces are visited in the same chain as above (Note [State chain under
+the zigzag layout]). What travels is one state PER DOCUMENT, [B, N, H, Dk, Dv] (N: documents of
+the widest sample): document n's state after its tokens so far, zero before its first one. A
+piece starts each segment from its document's entering state, runs it, and hands on every
+document's state (an empty segment passes its state through). States never mix across
+documents, so nothing leaks from one document into the next, whichever rank either starts on.
+The backward chain is the same Function's (LASP Alg. 3): d(state) per document. With documents
+the layout must be "zigzag" (the per-document split; "contiguous" is refused by name, as the
+attention op and the strategy refuse it).
+
+Inside a piece, chunked kernels (Note [Chunked gated recurrences]): every segment starts a fresh
+chunk, padded at its end to a multiple of c with no-op tokens (g = 0: no decay; k = v = q = 0 and
+beta = 0: no write), so no chunk holds a boundary, the chunk formulas are unchanged, and the
+state after a segment's last chunk is the state after its last token. A per-token reset inside a
+chunk (the decay multiplied to zero at a document start, g = -inf) is exact in the token
+recurrence but makes the chunk's cumulative log decays -inf (their differences NaN) and needs a
+mid-chunk injection of the entering state; the padding keeps the kernel as it is for at most
+c - 1 idle tokens per segment. fla-core's varlen API (``cu_seqlens`` with one initial and one
+final state per sequence) fits this segment form but is not wired yet: kernel="fla" is refused
+with documents and kernel="auto" runs the torch kernels for them.
+
+The short convolution's "state" is a document's last k-1 inputs (zeros before its start). With
+documents it travels along the same chain, [B, N, k-1, C] per hop, instead of the one-shot halo:
+pieces of short documents hold fewer than k-1 tokens (often none), so a window may reach back over
+several ranks, which a chain covers exactly. Each segment is convolved over [its history; its
+tokens] only, so no window crosses a document boundary; the backward sends d(history) back.
+
+Communication is still independent of S but grows with the number of documents (every document
+of 2W tokens or more crosses every hop under the per-document zigzag); for many short documents
+re-laying the recurrent layers' activations out per rank (O(S) per layer) would be cheaper:
+open, unmeasured.
 """
 
 from __future__ import annotations
