@@ -258,3 +258,54 @@ def test_packed_documents_train_exactly_under_the_strategy(world, attention, pac
         assert result["grads"].keys() == grads.keys(), kind
         for name, grad in grads.items():
             torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
+PACKED_36 = ((1, 6, 17, 12), (3, 1, 1, 31))  # S = 36: divisible by 2 x 3 (zigzag over 3 ranks)
+
+
+@pytest.fixture(scope="module")
+def saved_36(tmp_path_factory):
+    """A plain and a packed batch of 36 tokens, with the references of every hybrid (sp = 3 needs 6 | S)."""
+    from hf_testing import reference, save_tiny_model
+
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 97, (2, 37), generator=g)
+    plain = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": torch.arange(36).expand(2, 36).contiguous()}
+    doc = torch.stack([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)) for lens in PACKED_36])
+    labels = torch.where(doc[:, 1:] == doc[:, :-1], plain["input_ids"][:, 1:], -100)
+    packed = {"input_ids": plain["input_ids"], "labels": torch.cat([labels, torch.full((2, 1), -100)], dim=1),
+              "document_ids": doc, "position_ids": plain["position_ids"]}
+    root = tmp_path_factory.mktemp("hf-hybrid-36")
+    paths = {kind: save_tiny_model(kind, str(root / kind)) for kind in STRATEGY_KINDS}
+    refs_plain = {kind: reference(paths[kind], plain) for kind in STRATEGY_KINDS}
+    refs_packed = {kind: _per_document_reference(paths[kind], packed, PACKED_36) for kind in STRATEGY_KINDS}
+    return paths, (plain, refs_plain), (packed, refs_packed)
+
+
+def _per_document_reference(path, data, lengths):
+    """Every document alone through the unmodified model: full logits, mean loss over the batch's labels, gradients."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).train()
+    logits = torch.cat([torch.cat([model(input_ids=part, position_ids=torch.arange(part.shape[1])[None], use_cache=False).logits
+                                   for part in data["input_ids"][b:b + 1].split(list(lens), dim=1)], dim=1)
+                        for b, lens in enumerate(lengths)])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["plain", "packed"])
+def test_hybrid_models_train_exactly_at_sp_3(case, saved_36):
+    """sp = 3 (ring, zigzag: the state chain 0 -> 1 -> 2 -> 2 -> 1 -> 0), a plain batch and packed documents."""
+    from hf_testing import train_each
+
+    paths, plain, packed = saved_36
+    data, refs = plain if case == "plain" else packed
+    results = run_distributed(train_each, 3, [paths[k] for k in STRATEGY_KINDS], data, timeout=300,
+                              strategy_kwargs={"attention": "ring"})[0]
+    for kind, result in zip(STRATEGY_KINDS, results):
+        logits, loss, grads = refs[kind]
+        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
