@@ -358,3 +358,33 @@ def test_documents_errors_name_the_argument():
         gated_delta_rule(**{n: t[:1] for n, t in d.items()}, documents=docs)
     with pytest.raises(ValueError, match="documents must be"):
         causal_conv1d(torch.randn(2, 24, 3), torch.randn(3, 4), documents=[[24], [24]])
+
+
+def _documents_traffic_worker(rank: int, world_size: int) -> list:
+    from lightning_seqpar.documents import PackedDocuments
+
+    mesh = mesh_1d(world_size)
+    shapes = []
+    for T in (32, 64):  # the same documents, twice as long
+        docs = PackedDocuments.from_lengths([[T // 4, T // 2, T // 4], [T // 8, 7 * T // 8]], world=world_size)
+        d = {n: docs.shard(t, rank).requires_grad_() for n, t in delta_inputs(T=T).items()}
+        c = conv_inputs(T=T)
+        x = docs.shard(c["x"], rank).requires_grad_()
+        with record_p2p() as (rec, _):
+            gated_delta_rule(**d, mesh=mesh, chunk_size=4, documents=docs).sum().backward()
+            causal_conv1d(x, c["w"], c["b"], mesh=mesh, documents=docs).sum().backward()
+        shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received))))
+    return shapes
+
+
+def test_documents_communication_is_one_state_per_document_and_independent_of_the_length():
+    W = 4
+    results = run_distributed(_documents_traffic_worker, W)
+    state, history = (2, 3, 4, 8, 6), (2, 3, 3, 6)  # [B, N, H_v, Dk, Dv] states, [B, N, k-1, C] histories (N = 3)
+    n = 2 * W - 2  # messages per direction along the zigzag chain
+    sent = [s for rank in results for s in rank[0][0]]
+    assert sum(s == state for s in sent) == 2 * n  # forward states + backward state gradients
+    assert sum(s == history for s in sent) == 2 * n  # forward histories + their gradients
+    assert len(sent) == 4 * n
+    for rank in results:
+        assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"
