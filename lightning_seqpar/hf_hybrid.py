@@ -31,9 +31,10 @@ Jamba, Falcon-H1, Zamba, OLMo-hybrid, ...) stay refused by name
 Where it happens: ``apply_hf_attention`` (and so ``HFCausalLM`` / ``CausalLMModule``) replaces
 the mixers after its checks pass; the strategy's ``apply_attention`` gives every
 ``Recurrence`` the 1-D sequence-parallel mesh and the batch's layout (attention="2d" is refused
-for such models: its head-parallel axis does not apply to a recurrence). Packed documents are
-refused by ``HFCausalLM.forward`` before any communication (the state reset at a document
-boundary is not implemented).
+for such models: its head-parallel axis does not apply to a recurrence). Packed documents: each
+twin reads the batch's documents (``current_documents()``) at forward time and passes them to its
+recurrence, which resets the state and the convolution history at every document start (Note
+[Documents in a recurrence] in ``lightning_seqpar.attention.recurrent``).
 
 The twin takes over the original's submodules and parameters under the same names (so the
 state dict, FSDP2 wrapping and ``save_pretrained`` see the same model), recomputes the layer's
@@ -41,8 +42,8 @@ forward with the same projections / norms / output projection, and runs its sequ
 through a parameter-free ``seqpar_recurrence`` child (:class:`Recurrence`), which
 the strategy's ``apply_attention`` (or :func:`configure_recurrence`) points at the mesh. The forward follows transformers' torch path
 (the reference); no cache: KV/state caches (generation) are refused by name, as are padding
-masks and packed-document kwargs (``cu_seq_lens_*``, ``seq_idx``): the state reset at a document
-boundary is not implemented yet.
+masks and packed-document kwargs (``cu_seq_lens_*``, ``seq_idx``: the twins take documents from
+the batch's ``document_ids`` / ``position_ids`` through ``current_documents()``, not from these).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.recurrent import Recurrence
+from lightning_seqpar.documents import current_documents
 
 __all__ = ["HYBRID_MIXERS", "SeqparGatedDeltaNet", "SeqparMamba2Mixer", "SeqparShortConv", "apply_hf_hybrid",
            "configure_recurrence", "is_hybrid_twin"]
@@ -85,9 +87,10 @@ def _check_call(module: nn.Module, attention_mask: Tensor | None, kwargs: dict[s
                              "train / score without a cache (use_cache=False), generate with the unmodified model")
     for name in _PACKED_KWARGS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"{where}: packed documents ({name}=...) are not supported by the sequence-parallel recurrent "
-                             "layers yet (the state reset at a document boundary is not implemented); train on unpacked "
-                             "sequences")
+            raise ValueError(f"{where}: packed documents as {name}=... are not read by the sequence-parallel recurrent "
+                             "layers; give them as the batch's document_ids (or position_ids restarting at 0) to "
+                             "SequenceParallelStrategy / CausalLMModule, or wrap the call in "
+                             "lightning_seqpar.documents.packed_documents(...)")
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ValueError(f"{where}: an attention_mask with padding is not supported by the sequence-parallel recurrent "
                          "layers; pad on the right and set labels=-100 on the padding (exact for causal layers)")
@@ -129,17 +132,18 @@ class SeqparGatedDeltaNet(nn.Module):
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
         _check_call(self, attention_mask, kwargs)
+        documents = current_documents()  # read at forward time (Note [Per-call state])
         B, S, _ = hidden_states.shape
         mixed, z, b, a = self._project(hidden_states)  # (B, S, conv_dim), (B, S, H_v, Dv), (B, S, H_v) x 2
         conv = self.conv1d
-        mixed = self.seqpar_recurrence.conv(mixed, conv.weight[:, 0], conv.bias, self.activation)
+        mixed = self.seqpar_recurrence.conv(mixed, conv.weight[:, 0], conv.bias, self.activation, documents=documents)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, S, -1, self.head_k_dim)
         k = k.reshape(B, S, -1, self.head_k_dim)
         v = v.reshape(B, S, -1, self.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = self.seqpar_recurrence.delta_rule(q, k, v, g, beta, use_qk_l2norm=True)  # (B, S, H_v, Dv)
+        out = self.seqpar_recurrence.delta_rule(q, k, v, g, beta, use_qk_l2norm=True, documents=documents)  # (B, S, H_v, Dv)
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(B, S, -1))
 
@@ -157,11 +161,12 @@ class SeqparMamba2Mixer(nn.Module):
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
         _check_call(self, attention_mask, kwargs)
+        documents = current_documents()  # read at forward time (Note [Per-call state])
         Bsz, S, _ = hidden_states.shape
         dtype = hidden_states.dtype
         gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         conv = self.conv1d
-        xBC = self.seqpar_recurrence.conv(xBC, conv.weight[:, 0], conv.bias, self.activation)
+        xBC = self.seqpar_recurrence.conv(xBC, conv.weight[:, 0], conv.bias, self.activation, documents=documents)
         x, Bm, C = torch.split(xBC, [self.intermediate_size, self.n_groups * self.ssm_state_size,
                                      self.n_groups * self.ssm_state_size], dim=-1)
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
@@ -170,7 +175,7 @@ class SeqparMamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         y = self.seqpar_recurrence.ssd(x.reshape(Bsz, S, self.num_heads, self.head_dim), dt, A,
                                        Bm.reshape(Bsz, S, self.n_groups, self.ssm_state_size),
-                                       C.reshape(Bsz, S, self.n_groups, self.ssm_state_size), self.D)
+                                       C.reshape(Bsz, S, self.n_groups, self.ssm_state_size), self.D, documents=documents)
         y = self.norm(y.reshape(Bsz, S, -1), gate)
         return self.out_proj(y.to(dtype))
 
@@ -190,7 +195,7 @@ class SeqparShortConv(nn.Module):
             kwargs = {**kwargs, "past_key_values": args[0]}
         _check_call(self, attention_mask, kwargs)
         B, C, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # (B, S, H) each
-        y = self.seqpar_recurrence.conv(B * x, self.conv.weight[:, 0], self.conv.bias, None)
+        y = self.seqpar_recurrence.conv(B * x, self.conv.weight[:, 0], self.conv.bias, None, documents=current_documents())
         return self.out_proj((C * y).contiguous())
 
 

@@ -94,7 +94,7 @@ def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
             torch.testing.assert_close(grads[n], g, atol=ATOL, rtol=1e-5, msg=lambda m, n=n: f"{kind} d{n}: {m}")
 
 
-def test_cache_and_packed_documents_are_refused_by_name():
+def test_cache_padding_and_packed_kwargs_are_refused_by_name():
     from lightning_seqpar.hf_hybrid import apply_hf_hybrid
 
     model = build("lfm2")
@@ -103,7 +103,7 @@ def test_cache_and_packed_documents_are_refused_by_name():
     x = torch.randn(1, 4, 32)
     with pytest.raises(ValueError, match="cache"):
         mixer(x, cache=object())
-    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+    with pytest.raises(ValueError, match="cu_seq_lens_q=.*document_ids"):
         mixer(x, cu_seq_lens_q=torch.tensor([0, 2, 4]))
     with pytest.raises(ValueError, match="padding"):
         mixer(x, attention_mask=torch.tensor([[1, 1, 0, 0]]))
@@ -180,13 +180,12 @@ def test_hybrid_models_train_exactly_under_the_strategy(world, attention, layout
             torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
 
 
-def test_two_d_attention_and_packed_documents_are_refused_by_name():
-    """Before any communication: a 2-D (hp x cp) mesh, and packed documents (no state reset at a boundary)."""
+def test_two_d_attention_is_refused_by_name():
+    """Before any communication: a 2-D (hp x cp) mesh (its head-parallel axis does not apply to a recurrence)."""
     import types
 
     from hf_testing import tiny_config
 
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
     from lightning_seqpar.parallelize import apply_attention
 
@@ -196,8 +195,117 @@ def test_two_d_attention_and_packed_documents_are_refused_by_name():
                                  get_group=lambda *a: pytest.fail("communicated"))
     with pytest.raises(ValueError, match=r"recurrent token mixers .* attention='2d' over a 2-D mesh .* head_parallel_size=1"):
         apply_attention(wrapped, fake, attention="2d")
-    ids = torch.randint(0, 97, (1, 8))
-    documents = PackedDocuments.from_document_ids(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), world=1)
-    with packed_documents(documents), pytest.raises(ValueError, match=r"packed documents.*SeqparShortConv.*unpacked sequences"):
-        wrapped(ids, torch.arange(8)[None])
-    assert wrapped(ids, torch.arange(8)[None]).shape == (1, 8, 97)  # and without documents it runs
+
+
+# ------------------------------------------------------------------------------------- packed documents
+
+
+def test_packed_documents_reset_the_state_on_one_device():
+    """HFCausalLM with the batch's documents current (no strategy, one device): every hybrid's logits and
+    gradients equal each document run alone through the unmodified model (Note [Documents in a recurrence])."""
+    from hf_testing import tiny_config
+    from test_hf_documents import LENGTHS
+
+    from lightning_seqpar.documents import PackedDocuments, packed_documents
+    from lightning_seqpar.hf import HFCausalLM
+
+    lengths = LENGTHS[1]  # one sample: documents of 1, 2, 3 and 16 tokens
+    ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    documents = PackedDocuments.from_lengths([lengths])
+    for kind in STRATEGY_KINDS:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation="eager",
+                                                              dtype=torch.float32).train()
+        reference = copy.deepcopy(model)
+        ref = torch.cat([reference(input_ids=part, position_ids=torch.arange(part.shape[1])[None], use_cache=False).logits
+                         for part in ids.split(list(lengths), dim=1)], dim=1)
+        (ref * ref.detach().sin()).sum().backward()
+        wrapped = HFCausalLM(model)
+        with packed_documents(documents):
+            logits = wrapped(ids, documents.position_ids())
+        (logits * logits.detach().sin()).sum().backward()
+        torch.testing.assert_close(logits, ref, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        grads = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """{kind: (folder, per-document reference logits, loss, gradients)} and the packed batch of tests/test_hf_documents.py."""
+    from hf_testing import save_tiny_model
+    from test_hf_documents import packed_batch, per_document_reference
+
+    root = tmp_path_factory.mktemp("hf-hybrid-docs")
+    data = packed_batch()
+    return {kind: (path, *per_document_reference(path, data)) for kind in STRATEGY_KINDS
+            for path in [save_tiny_model(kind, str(root / kind))]}, data
+
+
+@pytest.mark.parametrize("world,attention", [(2, "ring"), (4, "allgather")])
+def test_packed_documents_train_exactly_under_the_strategy(world, attention, packed):
+    """Trainer + strategy on a batch of packed documents (document_ids; documents of 1 token, shorter than a piece,
+    and spanning every rank): logits, loss and every gradient equal each document alone in the unmodified model."""
+    from hf_testing import train_each
+
+    refs, data = packed
+    results = run_distributed(train_each, world, [refs[k][0] for k in STRATEGY_KINDS], data, timeout=300,
+                              strategy_kwargs={"attention": attention})[0]
+    for kind, result in zip(STRATEGY_KINDS, results):
+        _, logits, loss, grads = refs[kind]
+        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        assert result["grads"].keys() == grads.keys(), kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
+PACKED_36 = ((1, 6, 17, 12), (3, 1, 1, 31))  # S = 36: divisible by 2 x 3 (zigzag over 3 ranks)
+
+
+@pytest.fixture(scope="module")
+def saved_36(tmp_path_factory):
+    """A plain and a packed batch of 36 tokens, with the references of every hybrid (sp = 3 needs 6 | S)."""
+    from hf_testing import reference, save_tiny_model
+
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 97, (2, 37), generator=g)
+    plain = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": torch.arange(36).expand(2, 36).contiguous()}
+    doc = torch.stack([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)) for lens in PACKED_36])
+    labels = torch.where(doc[:, 1:] == doc[:, :-1], plain["input_ids"][:, 1:], -100)
+    packed = {"input_ids": plain["input_ids"], "labels": torch.cat([labels, torch.full((2, 1), -100)], dim=1),
+              "document_ids": doc, "position_ids": plain["position_ids"]}
+    root = tmp_path_factory.mktemp("hf-hybrid-36")
+    paths = {kind: save_tiny_model(kind, str(root / kind)) for kind in STRATEGY_KINDS}
+    refs_plain = {kind: reference(paths[kind], plain) for kind in STRATEGY_KINDS}
+    refs_packed = {kind: _per_document_reference(paths[kind], packed, PACKED_36) for kind in STRATEGY_KINDS}
+    return paths, (plain, refs_plain), (packed, refs_packed)
+
+
+def _per_document_reference(path, data, lengths):
+    """Every document alone through the unmodified model: full logits, mean loss over the batch's labels, gradients."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).train()
+    logits = torch.cat([torch.cat([model(input_ids=part, position_ids=torch.arange(part.shape[1])[None], use_cache=False).logits
+                                   for part in data["input_ids"][b:b + 1].split(list(lens), dim=1)], dim=1)
+                        for b, lens in enumerate(lengths)])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["plain", "packed"])
+def test_hybrid_models_train_exactly_at_sp_3(case, saved_36):
+    """sp = 3 (ring, zigzag: the state chain 0 -> 1 -> 2 -> 2 -> 1 -> 0), a plain batch and packed documents."""
+    from hf_testing import train_each
+
+    paths, plain, packed = saved_36
+    data, refs = plain if case == "plain" else packed
+    results = run_distributed(train_each, 3, [paths[k] for k in STRATEGY_KINDS], data, timeout=300,
+                              strategy_kwargs={"attention": "ring"})[0]
+    for kind, result in zip(STRATEGY_KINDS, results):
+        logits, loss, grads = refs[kind]
+        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")

@@ -242,3 +242,149 @@ def test_communication_is_independent_of_the_sequence_length(layout):
     assert len(sent) == 4 * n_state
     for rank in results:
         assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"
+
+
+# ----------------------------------------------------------------------------------------------
+# packed documents (Note [Documents in a recurrence]): every document alone, concatenated
+
+
+DOC_LENGTHS = [[5, 1, 11, 7], [2, 22]]  # S = 24: short documents leave pieces empty at W = 3, 4 (2W pieces each)
+
+
+def _per_document(fn, token_names):
+    """fn over every document of DOC_LENGTHS alone (no documents argument), outputs concatenated in place."""
+    def full(**args):
+        rows = []
+        for b, lengths in enumerate(DOC_LENGTHS):
+            outs, start = [], 0
+            for n in lengths:
+                part = {k: (t[b:b + 1, start:start + n] if k in token_names else t) for k, t in args.items()}
+                outs.append(fn(**part))
+                start += n
+            rows.append(torch.cat(outs, dim=1))
+        return torch.cat(rows)
+    return full
+
+
+def _check_documents(label, local_fn, full_fn, inputs, token_inputs, dout, documents, rank, failures):
+    ref_out, ref_grads = _grads_of(full_fn, inputs, dout)
+    local = {n: (documents.shard(t, rank) if n in token_inputs else t) for n, t in inputs.items()}
+    out, grads = _grads_of(local_fn, local, documents.shard(dout, rank))
+    checks = [("out", out, documents.shard(ref_out, rank))]
+    for n, gr in grads.items():
+        if n in token_inputs:
+            checks.append((f"d{n}", gr, documents.shard(ref_grads[n], rank)))
+        else:  # parameters: per-rank gradients add up to the full one
+            total = gr.clone()
+            torch.distributed.all_reduce(total)
+            checks.append((f"d{n}", total, ref_grads[n]))
+    for name, got, want in checks:
+        # atol relative to the tensor's largest entry: the chunks (and so the fp32 rounding) of a document cut into
+        # pieces are not those of the document alone (dt's gradient reaches 50 here; the reference's own chunkings
+        # differ by 1e-5 among themselves)
+        scale = max(1.0, float(want.abs().max()))
+        try:
+            torch.testing.assert_close(got.double(), want.double(), atol=ATOL * scale, rtol=RTOL,
+                                       msg=lambda m, name=name: f"{label} {name}: {m}")
+        except AssertionError as err:
+            failures.append(str(err))
+
+
+def _documents_worker(rank: int, world_size: int) -> int:
+    from lightning_seqpar.documents import PackedDocuments
+
+    mesh, layout, T = mesh_1d(world_size), "zigzag", 24
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS, world=world_size)
+    failures: list[str] = []
+    d = delta_inputs(T=T)
+    dout = torch.randn(2, T, 4, 6, generator=torch.Generator().manual_seed(5))
+    _check_documents(f"delta W={world_size}",
+                     lambda **a: gated_delta_rule(**a, mesh=mesh, layout=layout, chunk_size=4, documents=docs),
+                     _per_document(lambda **a: gated_delta_rule(**a, chunk_size=4), set(d)), d, set(d), dout, docs, rank,
+                     failures)
+    s = ssd_inputs(T=T)
+    dout = torch.randn(2, T, 4, 6, generator=torch.Generator().manual_seed(6))
+    tokens = {"x", "dt", "Bm", "C"}
+    _check_documents(f"ssd W={world_size}",
+                     lambda x, dt, A, Bm, C, D: ssd_scan(x, dt, A, Bm, C, D, mesh=mesh, layout=layout, chunk_size=4,
+                                                         documents=docs),
+                     _per_document(lambda x, dt, A, Bm, C, D: ssd_scan(x, dt, A, Bm, C, D, chunk_size=4), tokens), s, tokens,
+                     dout, docs, rank, failures)
+    c = conv_inputs(T=T)
+    dout = torch.randn(2, T, 6, generator=torch.Generator().manual_seed(7))
+    _check_documents(f"conv W={world_size}",
+                     lambda x, w, b: causal_conv1d(x, w, b, activation="silu", mesh=mesh, layout=layout, documents=docs),
+                     _per_document(lambda x, w, b: causal_conv1d(x, w, b, activation="silu"), {"x"}), c, {"x"}, dout, docs,
+                     rank, failures)
+    if world_size > 1:  # documents are sharded per document (zigzag); refused before any communication
+        with pytest.raises(ValueError, match="layout='contiguous' must be 'zigzag'"):
+            gated_delta_rule(**{n: docs.shard(t, rank) for n, t in d.items()}, mesh=mesh, layout="contiguous", documents=docs)
+    assert not failures, "\n".join(failures)
+    return 3
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_documents_reset_the_state_at_every_boundary(world_size):
+    """Packed documents (per-document zigzag, the strategy's sharding): outputs and every gradient equal every
+    document run alone, for the delta rule, the SSD scan and the conv; documents shorter than the 2W pieces too."""
+    assert run_distributed(_documents_worker, world_size) == [3] * world_size
+
+
+def test_documents_match_the_token_recurrence_on_one_device():
+    """One device, one chunk holding several documents and a chunk boundary inside one: the float64 token loop."""
+    from lightning_seqpar.documents import PackedDocuments
+
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS)
+    d = delta_inputs(T=24)
+    want = _per_document(naive_delta, set(d))(**d)
+    for chunk in (1, 5, 64):
+        close(gated_delta_rule(**d, chunk_size=chunk, documents=docs), want, f"delta chunk={chunk}")
+    s = ssd_inputs(T=24)
+    close(ssd_scan(s["x"], s["dt"], s["A"], s["Bm"], s["C"], s["D"], chunk_size=5, documents=docs),
+          _per_document(naive_ssd, {"x", "dt", "Bm", "C"})(**s), "ssd")
+    c = conv_inputs(T=24)
+    close(causal_conv1d(c["x"], c["w"], c["b"], activation="silu", documents=docs),
+          _per_document(lambda x, w, b: naive_conv(x, w, b, "silu"), {"x"})(**c), "conv")
+
+
+def test_documents_errors_name_the_argument():
+    from lightning_seqpar.documents import PackedDocuments
+
+    d = delta_inputs(T=24)
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS)
+    with pytest.raises(ValueError, match="kernel='fla' does not take packed documents"):
+        gated_delta_rule(**d, kernel="fla", documents=docs)
+    with pytest.raises(ValueError, match="documents were split for"):
+        gated_delta_rule(**{n: t[:1] for n, t in d.items()}, documents=docs)
+    with pytest.raises(ValueError, match="documents must be"):
+        causal_conv1d(torch.randn(2, 24, 3), torch.randn(3, 4), documents=[[24], [24]])
+
+
+def _documents_traffic_worker(rank: int, world_size: int) -> list:
+    from lightning_seqpar.documents import PackedDocuments
+
+    mesh = mesh_1d(world_size)
+    shapes = []
+    for T in (32, 64):  # the same documents, twice as long
+        docs = PackedDocuments.from_lengths([[T // 4, T // 2, T // 4], [T // 8, 7 * T // 8]], world=world_size)
+        d = {n: docs.shard(t, rank).requires_grad_() for n, t in delta_inputs(T=T).items()}
+        c = conv_inputs(T=T)
+        x = docs.shard(c["x"], rank).requires_grad_()
+        with record_p2p() as (rec, _):
+            gated_delta_rule(**d, mesh=mesh, chunk_size=4, documents=docs).sum().backward()
+            causal_conv1d(x, c["w"], c["b"], mesh=mesh, documents=docs).sum().backward()
+        shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received))))
+    return shapes
+
+
+def test_documents_communication_is_one_state_per_document_and_independent_of_the_length():
+    W = 4
+    results = run_distributed(_documents_traffic_worker, W)
+    state, history = (2, 3, 4, 8, 6), (2, 3, 3, 6)  # [B, N, H_v, Dk, Dv] states, [B, N, k-1, C] histories (N = 3)
+    n = 2 * W - 2  # messages per direction along the zigzag chain
+    sent = [s for rank in results for s in rank[0][0]]
+    assert sum(s == state for s in sent) == 2 * n  # forward states + backward state gradients
+    assert sum(s == history for s in sent) == 2 * n  # forward histories + their gradients
+    assert len(sent) == 4 * n
+    for rank in results:
+        assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"

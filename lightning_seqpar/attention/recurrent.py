@@ -66,8 +66,49 @@ message of [B, k-1, C] from the owner of the previous piece, all posted at once 
 backward sends the gradient of the halo back to its owner, which adds it to the gradient of its
 last k-1 inputs. Pieces shorter than k-1 tokens would need several predecessors and are refused.
 
-Packed documents (a state reset at document starts) are not implemented: :class:`Recurrence`
-refuses them by name (``document_ids``).
+Note [Documents in a recurrence]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With packed documents every document must run as if alone: the state (and the convolution's
+history) is zero at each document's first token, in the middle of a rank's shard as at its start,
+and a document that spans several ranks keeps its own chain. The functions take the batch's
+``PackedDocuments`` (the twins read ``current_documents()`` at forward time and pass them; the
+piece lengths are bound into the chain's autograd Function then, so the backward, which may run
+on another thread, reads nothing: Note [Per-call state] in ``lightning_seqpar.documents``).
+
+Packed batches are sharded with the per-document zigzag (Note [Packed documents and per-document
+zigzag]): global piece p is piece p of EVERY document, end to end, and rank r holds pieces r and
+2W-1-r. So a piece of a sample is a run of segments, one per document (pieces[b, n, p] tokens,
+possibly none), and the pieces are visited in the same chain as above (Note [State chain under
+the zigzag layout]). What travels is one state PER DOCUMENT, [B, N, H, Dk, Dv] (N: documents of
+the widest sample): document n's state after its tokens so far, zero before its first one. A
+piece starts each segment from its document's entering state, runs it, and hands on every
+document's state (an empty segment passes its state through). States never mix across
+documents, so nothing leaks from one document into the next, whichever rank either starts on.
+The backward chain is the same Function's (LASP Alg. 3): d(state) per document. With documents
+the layout must be "zigzag" (the per-document split; "contiguous" is refused by name, as the
+attention op and the strategy refuse it).
+
+Inside a piece, chunked kernels (Note [Chunked gated recurrences]): every segment starts a fresh
+chunk, padded at its end to a multiple of c with no-op tokens (g = 0: no decay; k = v = q = 0 and
+beta = 0: no write), so no chunk holds a boundary, the chunk formulas are unchanged, and the
+state after a segment's last chunk is the state after its last token. A per-token reset inside a
+chunk (the decay multiplied to zero at a document start, g = -inf) is exact in the token
+recurrence but makes the chunk's cumulative log decays -inf (their differences NaN) and needs a
+mid-chunk injection of the entering state; the padding keeps the kernel as it is for at most
+c - 1 idle tokens per segment. fla-core's varlen API (``cu_seqlens`` with one initial and one
+final state per sequence) fits this segment form but is not wired yet: kernel="fla" is refused
+with documents and kernel="auto" runs the torch kernels for them.
+
+The short convolution's "state" is a document's last k-1 inputs (zeros before its start). With
+documents it travels along the same chain, [B, N, k-1, C] per hop, instead of the one-shot halo:
+pieces of short documents hold fewer than k-1 tokens (often none), so a window may reach back over
+several ranks, which a chain covers exactly. Each segment is convolved over [its history; its
+tokens] only, so no window crosses a document boundary; the backward sends d(history) back.
+
+Communication is still independent of S but grows with the number of documents (every document
+of 2W tokens or more crosses every hop under the per-document zigzag); for many short documents
+re-laying the recurrent layers' activations out per rank (O(S) per layer) would be cheaper:
+open, unmeasured.
 """
 
 from __future__ import annotations
@@ -84,6 +125,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.comm import P2P, process_group
+from lightning_seqpar.documents import PackedDocuments, current_documents, exclusive_cumsum, segment_indices
 from lightning_seqpar.sharding import LAYOUTS, chunk_ids, num_chunks
 
 __all__ = [
@@ -127,6 +169,39 @@ def _chunk(x: Tensor, c: int) -> Tensor:
     return x.reshape(*x.shape[:2], n, c, *x.shape[3:])
 
 
+def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, c: int) -> dict[str, Tensor]:
+    """The per-chunk terms of Note [Chunked gated recurrences] (everything but the chunk-to-chunk recurrence).
+
+    q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; g: [B, T, H] log decay; beta: [B, T, H] or None (SSD).
+    """
+    qc, kc, vc = _chunk(q, c), _chunk(k, c), _chunk(v, c)  # (B, H, N, c, D)
+    gc = _chunk(g, c)  # (B, H, N, c); padding has g = 0 (no decay) and k = v = 0 (no update)
+    G = gc.cumsum(-1)
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~tri, float("-inf"))
+    decay = diff.exp()  # (B, H, N, c, c): e^{G_t - G_s}, s <= t
+    eG = G.exp()[..., None]  # (B, H, N, c, 1)
+    terms = {"q": qc * eG, "eG_last": eG[..., -1:, :],  # (B, H, N, 1, 1)
+             "k_out": kc * (G[..., -1:] - G).exp()[..., None],  # e^{G_c - G_s} k_s
+             "scores": (qc @ kc.transpose(-1, -2)) * decay}  # (B, H, N, c, c)
+    if beta is None:
+        terms["u"] = vc
+    else:
+        bc = _chunk(beta, c)[..., None]  # (B, H, N, c, 1)
+        strict = (kc @ kc.transpose(-1, -2)) * decay * bc
+        system = strict.tril(-1) + torch.eye(c, device=q.device)  # I + L (strictly lower L)
+        terms["u"] = torch.linalg.solve_triangular(system, bc * vc, upper=False, unitriangular=True)  # (B, H, N, c, Dv)
+        terms["wk"] = torch.linalg.solve_triangular(system, bc * eG * kc, upper=False, unitriangular=True)  # (B, H, N, c, Dk)
+    return terms
+
+
+def _chunk_step(terms: dict[str, Tensor], j: int, state: Tensor) -> tuple[Tensor, Tensor]:
+    """(out of chunk j [B, H, c, Dv], state after it) from the state [B, H, Dk, Dv] entering it."""
+    w = terms["u"][:, :, j] if "wk" not in terms else terms["u"][:, :, j] - terms["wk"][:, :, j] @ state
+    out = terms["scores"][:, :, j] @ w + terms["q"][:, :, j] @ state
+    return out, terms["eG_last"][:, :, j] * state + terms["k_out"][:, :, j].transpose(-1, -2) @ w
+
+
 def _chunked_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor | None,
                   chunk_size: int) -> tuple[Tensor, Tensor]:
     """(out [B, T, H, Dv] fp32, final state [B, H, Dk, Dv] fp32); differentiable by autograd.
@@ -135,31 +210,77 @@ def _chunked_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | Non
     """
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
-    c = chunk_size
-    qc, kc, vc = _chunk(q, c), _chunk(k, c), _chunk(v, c)  # (B, H, N, c, D)
-    gc = _chunk(g, c)  # (B, H, N, c); padding has g = 0 (no decay) and k = v = 0 (no update)
-    G = gc.cumsum(-1)
-    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~tri, float("-inf"))
-    decay = diff.exp()  # (B, H, N, c, c): e^{G_t - G_s}, s <= t
-    eG = G.exp()[..., None]  # (B, H, N, c, 1)
-    k_out = kc * (G[..., -1:] - G).exp()[..., None]  # e^{G_c - G_s} k_s
-    scores = (qc @ kc.transpose(-1, -2)) * decay  # (B, H, N, c, c)
-    n = qc.shape[2]
-    if beta is not None:
-        bc = _chunk(beta, c)[..., None]  # (B, H, N, c, 1)
-        strict = (kc @ kc.transpose(-1, -2)) * decay * bc
-        system = strict.tril(-1) + torch.eye(c, device=q.device)  # I + L (strictly lower L)
-        u = torch.linalg.solve_triangular(system, bc * vc, upper=False, unitriangular=True)  # (B, H, N, c, Dv)
-        wk = torch.linalg.solve_triangular(system, bc * eG * kc, upper=False, unitriangular=True)  # (B, H, N, c, Dk)
+    terms = _chunk_terms(q, k, v, g, beta, chunk_size)
     state = q.new_zeros(B, H, Dk, Dv, dtype=torch.float32) if initial is None else initial.float()
     outs = []
-    for j in range(n):  # the recurrence over chunks
-        w = vc[:, :, j] if beta is None else u[:, :, j] - wk[:, :, j] @ state
-        outs.append(scores[:, :, j] @ w + (qc[:, :, j] * eG[:, :, j]) @ state)
-        state = eG[:, :, j, -1:] * state + k_out[:, :, j].transpose(-1, -2) @ w
-    out = torch.stack(outs, dim=2).reshape(B, H, n * c, Dv)[:, :, :T].transpose(1, 2)
+    for j in range(terms["u"].shape[2]):  # the recurrence over chunks
+        out, state = _chunk_step(terms, j, state)
+        outs.append(out)
+    out = torch.stack(outs, dim=2).reshape(B, H, -1, Dv)[:, :, :T].transpose(1, 2)
     return out, state
+
+
+def _segment_layout(lengths: Tensor, T: int, c: int) -> dict[str, Tensor]:
+    """Where the tokens of each segment go when every segment starts a fresh chunk (Note [Documents in a recurrence]).
+
+    lengths: int64 [B, N] on the CPU, each row summing to T (segment n of sample b: the next lengths[b, n]
+    tokens of the piece). Returns ``gather`` [Tp] (the row of the flattened [B * T + 1] tokens, B * T
+    a zero row, that lands at each padded position), ``scatter`` [B * T] (the padded position of
+    every token), and per chunk of the padded sequence its segment (flat b * N + n), first / last flags.
+    """
+    B, N = lengths.shape
+    flat = lengths.reshape(-1)
+    n_chunks = -(-flat // c)  # (B N,)
+    starts = (torch.arange(B)[:, None] * T + exclusive_cumsum(lengths, 1)).reshape(-1)  # first flat token of each segment
+    pstarts = exclusive_cumsum(n_chunks, 0) * c  # first padded position of each segment
+    src = segment_indices(starts, flat)
+    dst = segment_indices(pstarts, flat)
+    Tp = int(n_chunks.sum()) * c
+    gather = torch.full((Tp,), B * T, dtype=torch.int64)
+    gather[dst] = src
+    scatter = torch.empty(B * T, dtype=torch.int64)
+    scatter[src] = dst
+    seg = torch.repeat_interleave(torch.arange(B * N), n_chunks)
+    first = torch.zeros(len(seg), dtype=torch.bool)
+    first[exclusive_cumsum(n_chunks, 0)[n_chunks > 0]] = True
+    last = torch.zeros(len(seg), dtype=torch.bool)
+    last[(torch.cumsum(n_chunks, 0) - 1)[n_chunks > 0]] = True
+    return {"gather": gather, "scatter": scatter, "seg": seg, "first": first, "last": last}
+
+
+def _chunked_scan_segments(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor | None,
+                           lengths: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The scan of every segment alone from its own entering state (Note [Documents in a recurrence]).
+
+    lengths: int64 [B, N] (CPU) segment lengths, rows summing to T; initial: [B, N, H, Dk, Dv] or None
+    (zero). Returns (out [B, T, H, Dv] fp32, the state after each segment [B, N, H, Dk, Dv] fp32;
+    an empty segment passes its entering state through).
+    """
+    B, T, H, Dk = q.shape
+    N, Dv, c = lengths.shape[1], v.shape[-1], chunk_size
+    lay = {name: x.to(q.device) for name, x in _segment_layout(lengths, T, c).items()}
+
+    def padded(x: Tensor) -> Tensor:  # [B, T, *D] -> [1, Tp, *D], each segment starting a chunk, zeros between
+        x = x.float().reshape(B * T, *x.shape[2:])
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[lay["gather"]][None]
+
+    terms = _chunk_terms(padded(q), padded(k), padded(v), padded(g), None if beta is None else padded(beta), c)
+    init = q.new_zeros(B * N, H, Dk, Dv, dtype=torch.float32) if initial is None else initial.float().reshape(B * N, H, Dk, Dv)
+    finals = list(init.unbind(0))
+    seg, first, last = lay["seg"].tolist(), lay["first"].tolist(), lay["last"].tolist()
+    outs, state = [], init[:1]
+    for j in range(len(seg)):  # the recurrence over chunks; a segment's first chunk starts from the segment's state
+        if first[j]:
+            state = init[seg[j]][None]
+        out, state = _chunk_step(terms, j, state)
+        outs.append(out)
+        if last[j]:
+            finals[seg[j]] = state[0]
+    if outs:
+        out = torch.stack(outs, dim=2).reshape(H, -1, Dv).transpose(0, 1)[lay["scatter"]]  # (B T, H, Dv)
+    else:
+        out = q.new_zeros(0, H, Dv, dtype=torch.float32)
+    return out.reshape(B, T, H, Dv), torch.stack(finals).reshape(B, N, H, Dk, Dv)
 
 
 # fla path: thin, marked, tested on GPU by tests/test_recurrent.py::test_fla_kernels_match_torch
@@ -188,9 +309,14 @@ def _fla_unusable(device_index: int | None) -> str | None:
     return None
 
 
-def _resolve_kernel(kernel: str, device: torch.device) -> str:
+def _resolve_kernel(kernel: str, device: torch.device, documents: bool = False) -> str:
     if kernel not in RECURRENT_KERNELS:
         raise ValueError(f"kernel={kernel!r} is not supported; expected one of {RECURRENT_KERNELS}")
+    if documents:  # Note [Documents in a recurrence]: the torch kernels only
+        if kernel == "fla":
+            raise ValueError("kernel='fla' does not take packed documents here (the per-document state reset runs in the "
+                             "package's torch kernels); use kernel='torch' or 'auto' (which runs them for packed documents)")
+        return "torch"
     usable = device.type == "cuda" and _fla_installed()
     why = _fla_unusable(device.index) if usable else None
     if kernel == "auto":
@@ -251,9 +377,9 @@ class _StateChain(torch.autograd.Function):
             elif _owner(p - 1, world, layout) == rank:
                 s_in = carried
             else:
-                s_in = inputs[0].new_zeros(state_shape, dtype=torch.float32)
+                s_in = inputs[0].new_zeros(state_shape)
                 comm.wait(comm.post([], [(s_in, _owner(p - 1, world, layout))]))
-            out, s_out = kernel(*(x[i] for x in split), s_in)
+            out, s_out = kernel(*(x[i] for x in split), s_in, piece=p)
             if p < n - 1 and _owner(p + 1, world, layout) != rank:
                 comm.wait(comm.post([(s_out.contiguous(), _owner(p + 1, world, layout))], []))
             carried = s_out
@@ -285,18 +411,20 @@ class _StateChain(torch.autograd.Function):
             elif _owner(p + 1, world, ctx.layout) == rank:
                 ds_out = carried
             else:
-                ds_out = dout.new_zeros(ctx.state_shape, dtype=torch.float32)
+                ds_out = inputs[0].new_zeros(ctx.state_shape)
                 comm.wait(comm.post([], [(ds_out, _owner(p + 1, world, ctx.layout))]))
             leaves = [x[i].detach().requires_grad_() for x in split]
             s_in = None if s_ins[i] is None else s_ins[i].detach().requires_grad_()
             with torch.enable_grad():
-                out, s_out = ctx.kernel(*leaves, s_in)
+                out, s_out = ctx.kernel(*leaves, s_in, piece=p)
                 targets, seeds = [out], [douts[i]]
                 if ds_out is not None:
                     targets.append(s_out)
                     seeds.append(ds_out)
                 wrt = leaves + ([s_in] if s_in is not None else [])
-                got = torch.autograd.grad(targets, wrt, seeds, allow_unused=True)
+                live = [(t, d) for t, d in zip(targets, seeds) if t.requires_grad]  # a first piece's zero state: none
+                got = (torch.autograd.grad([t for t, _ in live], wrt, [d for _, d in live], allow_unused=True) if live
+                       else [None] * len(wrt))
             for j in range(len(leaves)):
                 grads[j][i] = torch.zeros_like(leaves[j]) if got[j] is None else got[j]
             ds_in = got[len(leaves)] if s_in is not None else None
@@ -308,7 +436,7 @@ class _StateChain(torch.autograd.Function):
 
 def _chain(kernel, inputs: list[Tensor], state_shape: tuple[int, ...], mesh: DeviceMesh | None, layout: str) -> Tensor:
     if mesh is None or mesh.size() == 1:
-        return kernel(*inputs, None)[0]
+        return kernel(*inputs, None, piece=0)[0]
     return _StateChain.apply(kernel, mesh.get_group().group_name, layout, state_shape, *inputs)
 
 
@@ -379,7 +507,79 @@ def _tails_to_input(dtails: Tensor, T: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# the short convolution with packed documents (Note [Documents in a recurrence])
+
+
+def _extended_layout(lengths: Tensor, T: int, width: int) -> dict[str, Tensor]:
+    """Each segment's rows preceded by its ``width`` history rows, segments end to end.
+
+    lengths: int64 [B, N] (CPU), rows summing to T. Rows are numbered as in ``cat([x.reshape(B * T, C),
+    history.reshape(B * N * width, C)])``. Returns ``gather`` [E] (the row at each extended position),
+    ``token`` [B * T] (the extended position of every token) and ``tail`` [B * N * width] (the
+    extended positions of the last ``width`` rows of every segment: its history for what follows).
+    """
+    B, N = lengths.shape
+    flat = lengths.reshape(-1)
+    block = flat + width
+    estart = exclusive_cumsum(block, 0)  # (B N,)
+    starts = (torch.arange(B)[:, None] * T + exclusive_cumsum(lengths, 1)).reshape(-1)
+    j = torch.arange(width)
+    hist_pos = (estart[:, None] + j).reshape(-1)  # where each history row goes
+    tok_pos = segment_indices(estart + width, flat)
+    src = segment_indices(starts, flat)
+    gather = torch.empty(int(block.sum()), dtype=torch.int64)
+    gather[hist_pos] = B * T + torch.arange(B * N * width)
+    gather[tok_pos] = src
+    token = torch.empty(B * T, dtype=torch.int64)
+    token[src] = tok_pos
+    tail = (estart[:, None] + flat[:, None] + j).reshape(-1)
+    return {"gather": gather, "token": token, "tail": tail}
+
+
+def _extended(x: Tensor, history: Tensor, lengths: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """x [B, T, C], history [B, N, width, C] -> the extended rows [E, C] and their layout."""
+    B, T, C = x.shape
+    lay = {n: i.to(x.device) for n, i in _extended_layout(lengths, T, history.shape[2]).items()}
+    return torch.cat([x.reshape(B * T, C), history.reshape(-1, C)])[lay["gather"]], lay
+
+
+def _tail_kernel(x: Tensor, s_in: Tensor | None, *, piece: int, pieces: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """One piece of the convolution's history chain: (its entering histories [B, N * width, C], leaving histories
+    [B, N, width, C]); the history of a document is its last ``width`` inputs so far (zeros before its start)."""
+    B, _, C = x.shape
+    lengths = pieces[:, :, piece]
+    N = lengths.shape[1]
+    if s_in is None:
+        s_in = x.new_zeros(B, N, width, C)
+    rows, lay = _extended(x, s_in, lengths)
+    return s_in.reshape(B, N * width, C), rows[lay["tail"]].reshape(B, N, width, C)
+
+
+def _conv_segments(x: Tensor, history: Tensor, lengths: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The causal conv of every segment of x [B, T, C] over its own history [B, N, width, C] only."""
+    B, T, C = x.shape
+    rows, lay = _extended(x, history, lengths)  # (E, C)
+    out = F.conv1d(rows.t()[None], weight[:, None], bias, groups=C)[0].t()  # (E - width, C): row e ends at e + width
+    return out[lay["token"] - history.shape[2]].reshape(B, T, C)
+
+
+# ---------------------------------------------------------------------------------------------
 # validation (local metadata only, before any collective)
+
+
+def _check_documents(documents: PackedDocuments | None, batch: int, local_len: int, mesh: DeviceMesh | None,
+                     layout: str) -> Tensor | None:
+    """The documents' piece lengths [B, N, P] (CPU), after checking they fit this shard; None without documents."""
+    if documents is None:
+        return None
+    if not isinstance(documents, PackedDocuments):
+        raise ValueError(f"documents must be a lightning_seqpar.documents.PackedDocuments or None, got {type(documents).__name__}")
+    world = 1 if mesh is None else mesh.size()
+    if world > 1 and layout != "zigzag":
+        raise ValueError(f"documents are sharded with the per-document zigzag (PackedDocuments.shard); layout={layout!r} "
+                         "must be 'zigzag'")
+    documents.check(batch=batch, local_len=local_len, world=world)
+    return documents.pieces
 
 
 def _check_mesh_layout(mesh: DeviceMesh | None, layout: str) -> None:
@@ -414,7 +614,8 @@ def _check_tokens(name: str, x: Tensor, shape: tuple[int, ...]) -> None:
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, activation: str | None = None,
-                  mesh: DeviceMesh | None = None, layout: Literal["zigzag", "contiguous"] = "zigzag") -> Tensor:
+                  mesh: DeviceMesh | None = None, layout: Literal["zigzag", "contiguous"] = "zigzag",
+                  documents: PackedDocuments | None = None) -> Tensor:
     """Depthwise causal convolution of kernel k over the sequence (shards): ``out_t = act(bias +
     sum_j weight[:, j] x_{t-k+1+j})``, zero before the first token (Note [Halo exchange for the short
     convolution]).
@@ -423,6 +624,9 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, acti
         x: ``[B, T_local, C]`` — this rank's shard (``layout``); weight ``[C, k]``; bias ``[C]`` or None.
         activation: None or "silu".
         mesh: the sequence-parallel ranks (1-D), or None / one rank: the whole sequence on one device.
+        documents: packed documents (built with ``world`` = the mesh size; x sharded by
+            ``PackedDocuments.shard``, layout "zigzag"): no window reaches into the previous
+            document (Note [Documents in a recurrence]).
 
     Returns:
         ``[B, T_local, C]`` in x's dtype, computed in the weight's dtype as transformers does.
@@ -434,7 +638,22 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, acti
         raise ValueError(f"x must be [B, T, C] and weight [C, k] with the same C; got x={tuple(x.shape)}, weight={tuple(weight.shape)}")
     width = weight.shape[1] - 1
     P = _pieces_of(x.shape[1], mesh, layout)
+    pieces = _check_documents(documents, x.shape[0], x.shape[1], mesh, layout)
     xs = x.to(weight.dtype)
+    if pieces is not None and width:
+        B, T, C = xs.shape
+        N = pieces.shape[1]
+        if mesh is None or mesh.size() == 1:
+            history = xs.new_zeros(P, B, N * width, C)
+            ids = [0]
+        else:
+            kernel = functools.partial(_tail_kernel, pieces=pieces, width=width)
+            history = _StateChain.apply(kernel, mesh.get_group().group_name, layout, (B, N, width, C), xs)
+            history = torch.stack(history.chunk(P, dim=1))  # (P, B, N width, C)
+            ids = chunk_ids(mesh.get_local_rank(), mesh.size(), layout)
+        outs = [_conv_segments(part, history[i].reshape(B, N, width, C), pieces[:, :, ids[i]], weight, bias)
+                for i, part in enumerate(xs.chunk(P, dim=1))]
+        return _ACTIVATIONS[activation](torch.cat(outs, dim=1)).to(x.dtype)
     if P == 1 and (mesh is None or mesh.size() == 1):
         padded = [F.pad(xs, (0, 0, width, 0))]
     else:
@@ -480,13 +699,17 @@ def _check_scan(q, k, v, g, beta, chunk_size) -> None:
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
                      use_qk_l2norm: bool = True, mesh: DeviceMesh | None = None,
                      layout: Literal["zigzag", "contiguous"] = "zigzag", chunk_size: int = 64,
-                     kernel: Kernel = "auto") -> Tensor:
+                     kernel: Kernel = "auto", documents: PackedDocuments | None = None) -> Tensor:
     """The gated delta rule over sequence shards (Note [Linear recurrences under sequence sharding]).
 
     Conventions of transformers' Qwen3-Next and fla's ``chunk_gated_delta_rule``: q, k ``[B, T, H_k, Dk]``,
     v ``[B, T, H_v, Dv]`` with H_v a multiple of H_k (each q/k head serves H_v / H_k consecutive
     value heads), g ``[B, T, H_v]`` (log decay), beta ``[B, T, H_v]``; q and k l2-normalised in fp32
     (eps 1e-6 inside the square root) when ``use_qk_l2norm``, then q scaled by ``scale`` (default Dk^-1/2).
+
+    ``documents``: packed documents (built with ``world`` = the mesh size; the inputs sharded by
+    ``PackedDocuments.shard``, layout "zigzag"): the state is zero at every document's first token
+    (Note [Documents in a recurrence]); the torch kernels run (kernel="fla" is refused).
 
     Returns ``[B, T_local, H_v, Dv]`` in q's dtype; differentiable in q, k, v, g, beta.
     """
@@ -504,29 +727,37 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
         q, k = (x.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for x in (q, k))
     _check_scan(q, k, v, g, beta, chunk_size)
     _pieces_of(q.shape[1], mesh, layout)
-    ker = _resolve_kernel(kernel, q.device)
-    fn = functools.partial(_delta_kernel, chunk_size=chunk_size, kernel=ker)
+    pieces = _check_documents(documents, q.shape[0], q.shape[1], mesh, layout)
+    ker = _resolve_kernel(kernel, q.device, pieces is not None)
+    fn = functools.partial(_delta_kernel, chunk_size=chunk_size, kernel=ker, pieces=pieces)
     B, _, H, Dk = q.shape
-    out = _chain(fn, [q, k, v.float(), g.float(), beta.float()], (B, H, Dk, v.shape[-1]), mesh, layout)
+    docs = () if pieces is None else (pieces.shape[1],)  # a state per document
+    out = _chain(fn, [q, k, v.float(), g.float(), beta.float()], (B, *docs, H, Dk, v.shape[-1]), mesh, layout)
     return out.to(dtype)
 
 
-def _delta_kernel(q, k, v, g, beta, s_in, *, chunk_size, kernel):
-    return _scan(q, k, v, g, beta, s_in, chunk_size, kernel)
+def _delta_kernel(q, k, v, g, beta, s_in, *, piece, chunk_size, kernel, pieces=None):
+    """One piece of the chain: (out, state out); with documents (``pieces`` [B, N, P]) a state per document."""
+    if pieces is None:
+        return _scan(q, k, v, g, beta, s_in, chunk_size, kernel)
+    return _chunked_scan_segments(q, k, v, g, beta, s_in, pieces[:, :, piece], chunk_size)
 
 
-def _ssd_kernel(q, k, v, g, s_in, *, chunk_size, kernel):
-    return _scan(q, k, v, g, None, s_in, chunk_size, kernel)
+def _ssd_kernel(q, k, v, g, s_in, *, piece, chunk_size, kernel, pieces=None):
+    return _delta_kernel(q, k, v, g, None, s_in, piece=piece, chunk_size=chunk_size, kernel=kernel, pieces=pieces)
 
 
 def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, *, mesh: DeviceMesh | None = None,
-             layout: Literal["zigzag", "contiguous"] = "zigzag", chunk_size: int = 64, kernel: Kernel = "auto") -> Tensor:
+             layout: Literal["zigzag", "contiguous"] = "zigzag", chunk_size: int = 64, kernel: Kernel = "auto",
+             documents: PackedDocuments | None = None) -> Tensor:
     """Mamba2's selective scan over sequence shards (Note [Linear recurrences under sequence sharding]).
 
     Conventions of transformers' Mamba2 / Bamba chunked scan, after the discretisation of dt
     (softplus, bias and clamp are the caller's): x ``[B, T, H, P]``, dt ``[B, T, H]``, A ``[H]``
     (negative), B and C ``[B, T, G, N]`` with H a multiple of G (group g serves H / G consecutive
     heads), D ``[H]`` or None. ``y_t = sum_{s<=t} exp(sum_{s<u<=t} dt_u A) (C_t . B_s) dt_s x_s + D x_t``.
+
+    ``documents``: as for :func:`gated_delta_rule` (the state is zero at every document's first token).
 
     Returns ``[B, T_local, H, P]`` fp32; differentiable in every input.
     """
@@ -545,8 +776,11 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor |
     g = dt.float() * A.float()
     _check_scan(q, k, v, g, None, chunk_size)
     _pieces_of(T, mesh, layout)
-    fn = functools.partial(_ssd_kernel, chunk_size=chunk_size, kernel=_resolve_kernel(kernel, x.device))
-    y = _chain(fn, [q, k, v, g], (Bsz, H, k.shape[-1], P), mesh, layout)
+    pieces = _check_documents(documents, Bsz, T, mesh, layout)
+    fn = functools.partial(_ssd_kernel, chunk_size=chunk_size, kernel=_resolve_kernel(kernel, x.device, pieces is not None),
+                           pieces=pieces)
+    docs = () if pieces is None else (pieces.shape[1],)  # a state per document
+    y = _chain(fn, [q, k, v, g], (Bsz, *docs, H, k.shape[-1], P), mesh, layout)
     if D is not None:
         y = y + D.float()[:, None] * x.float()
     return y
@@ -578,16 +812,24 @@ class Recurrence(nn.Module):
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
         self.layout = layout
 
-    def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
-        return causal_conv1d(x, weight, bias, activation=activation, mesh=self.mesh, layout=self.layout)  # type: ignore[arg-type]
+    # ``documents``: packed documents to reset the state at, default the batch's (``current_documents()``,
+    # read here at forward time and bound into the autograd Functions: Note [Per-call state])
 
-    def delta_rule(self, q, k, v, g, beta, *, use_qk_l2norm: bool = True) -> Tensor:
+    def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None,
+             documents: PackedDocuments | None = None) -> Tensor:
+        documents = documents if documents is not None else current_documents()
+        return causal_conv1d(x, weight, bias, activation=activation, mesh=self.mesh, layout=self.layout,  # type: ignore[arg-type]
+                             documents=documents)
+
+    def delta_rule(self, q, k, v, g, beta, *, use_qk_l2norm: bool = True, documents: PackedDocuments | None = None) -> Tensor:
+        documents = documents if documents is not None else current_documents()
         return gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm, mesh=self.mesh, layout=self.layout,  # type: ignore[arg-type]
-                                chunk_size=self.chunk_size, kernel=self.kernel)  # type: ignore[arg-type]
+                                chunk_size=self.chunk_size, kernel=self.kernel, documents=documents)  # type: ignore[arg-type]
 
-    def ssd(self, x, dt, A, B, C, D) -> Tensor:
+    def ssd(self, x, dt, A, B, C, D, *, documents: PackedDocuments | None = None) -> Tensor:
+        documents = documents if documents is not None else current_documents()
         return ssd_scan(x, dt, A, B, C, D, mesh=self.mesh, layout=self.layout, chunk_size=self.chunk_size,  # type: ignore[arg-type]
-                        kernel=self.kernel)  # type: ignore[arg-type]
+                        kernel=self.kernel, documents=documents)  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
         where = "local" if self.mesh is None else f"layout={self.layout}, mesh={tuple(self.mesh.shape)}"

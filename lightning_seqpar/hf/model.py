@@ -171,12 +171,8 @@ class HFCausalLM(nn.Module):
             )
         # Note [Exact or refused: position-dependent layers of Hugging Face models]: local metadata, before any communication
         sp = max((m.mesh.size() for m in self._attention_modules if m.mesh is not None), default=1)
-        if self._recurrent_mixers and current_documents() is not None:
-            raise documents_error(
-                f"HFCausalLM ({type(self.hf).__name__})",
-                f"and its recurrent mixers ({', '.join(sorted(set(self._recurrent_mixers)))}) would carry their state across "
-                "document boundaries (the reset is not implemented): train this model on unpacked sequences (one document "
-                "per sample, no document_ids, position_ids 0..S-1)")
+        # recurrent mixers: their twins reset the state at every document start (Note [Documents in a recurrence]);
+        # mixers without a twin were refused at construction (refuse_token_mixers)
         if current_documents() is not None and getattr(self.hf, "is_gradient_checkpointing", False) and torch.is_grad_enabled():
             raise documents_error(  # Note [Per-call state]: its recomputation in backward would not see them
                 f"HFCausalLM ({type(self.hf).__name__})",
