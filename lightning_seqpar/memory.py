@@ -96,12 +96,12 @@ from typing import Any, Literal
 from lightning_seqpar.attention.cost import estimate_attention
 
 __all__ = [
+    "LADDER",
     "OVERHEAD_BYTES",
     "MemoryEstimate",
     "MemoryOptions",
     "MemoryPlan",
     "TransformerShape",
-    "LADDER",
     "estimate_memory",
     "ladder",
     "largest_fitting_seq_len",
@@ -193,7 +193,7 @@ class TransformerShape:
             def get(key: str, default: Any = None) -> Any:
                 try:
                     return getattr(config, key, default)
-                except Exception:  # noqa: BLE001 - per-layer attributes (Gemma 4) raise on a global read
+                except Exception:
                     return default
         else:
             raise ValueError(f"expected a Hugging Face config, a dict of its fields or a Llama / GPT config of the package, "
@@ -295,7 +295,7 @@ def estimate_memory(
     sp: int = 1,
     dp_shard: int = 1,
     precision: str = "bf16-true",
-    options: MemoryOptions = MemoryOptions(),  # noqa: B008 - frozen
+    options: MemoryOptions = MemoryOptions(),
     batch_size: int = 1,
     loss_chunk_size: int | None = None,
     trainable_params: int | None = None,
