@@ -5,7 +5,8 @@ The strategy asks this module, beside the cost model (``lightning_seqpar.attenti
 decisions that need the model and the world: the mesh sizes it may choose (:func:`plan_mesh_sizes`,
 before the process group exists), the algorithm of ``attention="auto"`` (:func:`resolve_auto_attention`,
 in setup; Note [Choosing attention automatically]), and the checks of the options against the model's
-heads, the mesh and the device (:func:`check_options_against_model`).
+heads, the mesh and the device (:func:`check_options_against_model`); and ``memory="auto"``'s options
+(:func:`plan_memory_options`, before the process group exists, with ``lightning_seqpar.memory``'s estimate).
 
 Note [Planning a step across nodes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
