@@ -5,7 +5,7 @@ Note [One name per option]
 Every option keeps the name the user gives the strategy from the constructor down to the
 ``apply_*`` function that uses it: ``attention``, ``attention_backend``, ``lasp_variant``,
 ``inner_ring_size``, ``head_chunks``, ``activation_checkpointing``, ``uncheckpointed_blocks``,
-``offload_checkpoints``, ``offload_params``, ``mlp_chunk_size``. Two values are derived, and
+``offload_checkpoints``, ``offload_params``, ``mlp_chunk_size``, ``memory``. Two values are derived, and
 named for what they are: ``layout`` (the split that ``load_balance`` asks for: True / "auto" ->
 "zigzag" unless the attention is LASP) and ``compile_kwargs`` (``compile``'s keyword arguments,
 None without compile). The one place where a name changes is the attention module's own public
@@ -43,6 +43,12 @@ __all__ = [
 
 AttentionChoice = Literal[Algorithm, "lasp", "auto"]
 ActivationCheckpointingChoice = Literal["selective++", "full"]
+
+MEMORY_CHOICES: tuple[str, ...] = ("manual", "auto")
+"""``memory``: "manual" (the options as given) or "auto" (Note [Planning memory] in ``lightning_seqpar.memory``)."""
+
+MEMORY_OPTIONS: tuple[str, ...] = ("offload_checkpoints", "head_chunks", "mlp_chunk_size", "offload_params")
+"""The options ``memory="auto"`` may set, where they are left at their defaults."""
 
 OWNER = "SequenceParallelStrategy"
 """The class whose options these are: every error of the config starts with it."""
@@ -128,6 +134,7 @@ class StrategyConfig:
     timeout: timedelta | float | None = default_pg_timeout
     pad_to_multiple: bool = False
     validate_batches: bool = True
+    memory: Literal["manual", "auto"] = "manual"
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
@@ -244,5 +251,10 @@ class StrategyConfig:
         for arg, value in (("pad_to_multiple", self.pad_to_multiple), ("validate_batches", self.validate_batches)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: {arg} must be True or False, got {value!r}")
+        if self.memory not in MEMORY_CHOICES:
+            raise ValueError(f"{name}: memory={self.memory!r} is not supported; expected one of {MEMORY_CHOICES}")
+        if self.memory == "auto" and self.expected_seq_len is None:
+            raise ValueError(f"{name}: memory='auto' plans the options for a sequence length; set expected_seq_len (the "
+                             "global sequence length of the training batches) or use memory='manual'")
         if self.placement not in ("auto", *PLACEMENTS):
             raise ValueError(f"{name}: placement={self.placement!r} is not supported; expected 'auto' or one of {PLACEMENTS}")

@@ -5,7 +5,8 @@ The strategy asks this module, beside the cost model (``lightning_seqpar.attenti
 decisions that need the model and the world: the mesh sizes it may choose (:func:`plan_mesh_sizes`,
 before the process group exists), the algorithm of ``attention="auto"`` (:func:`resolve_auto_attention`,
 in setup; Note [Choosing attention automatically]), and the checks of the options against the model's
-heads, the mesh and the device (:func:`check_options_against_model`).
+heads, the mesh and the device (:func:`check_options_against_model`); and ``memory="auto"``'s options
+(:func:`plan_memory_options`, before the process group exists, with ``lightning_seqpar.memory``'s estimate).
 
 Note [Planning a step across nodes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -36,7 +37,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,11 +45,12 @@ from torch import nn
 from lightning_seqpar.attention.algorithms import ALGORITHMS
 from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.attention.local import available_backends, resolve_backend
+from lightning_seqpar.config import MEMORY_OPTIONS, StrategyConfig, serves_cpu
+from lightning_seqpar.memory import MemoryPlan, TransformerShape, plan_memory
 from lightning_seqpar.models.registry import attention_heads, family_of
 from lightning_seqpar.parallelize import uses_linear_attention
 
 if TYPE_CHECKING:
-    from lightning_seqpar.config import StrategyConfig
     from lightning_seqpar.mesh import ParallelDims
 
 PEAK_BF16 = 989e12
@@ -229,6 +231,64 @@ def check_options_against_model(roots: Sequence[nn.Module], *, config: StrategyC
         except ValueError as error:
             raise ValueError(f"{owner}: attention_backend={backend!r}: {error}") from error
 
+
+
+# --------------------------------------------------------------------------------------------- memory="auto"
+
+LORA_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a Llama-style block, by their transformers names (what peft's target_modules names)."""
+
+
+def lora_trainable_params(shape: TransformerShape, lora_config: Any) -> int:
+    """Adapter parameters of a ``peft.LoraConfig`` on a Llama-style decoder: r x (in + out) per targeted linear
+    layer and block ("all-linear" or None: every one of :data:`LORA_LINEARS`)."""
+    d, D, I = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    sizes = {"q_proj": (d, shape.num_heads * D), "k_proj": (d, shape.num_kv_heads * D), "v_proj": (d, shape.num_kv_heads * D),
+             "o_proj": (shape.num_heads * D, d), "gate_proj": (d, I), "up_proj": (d, I), "down_proj": (I, d)}
+    targets = getattr(lora_config, "target_modules", None)
+    names = LORA_LINEARS if targets is None or targets == "all-linear" or isinstance(targets, str) and targets not in sizes else (
+        [targets] if isinstance(targets, str) else [t for t in targets if t in sizes])
+    r = int(getattr(lora_config, "r", 8))
+    return shape.num_layers * sum(r * sum(sizes[n]) for n in names)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of a CUDA device (``torch.cuda.get_device_properties``); None for any other device."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
+                        device_memory: int | None, owner: str) -> MemoryPlan | None:
+    """memory="auto": the options the planner chooses for the LightningModule's model on this device
+    (Note [Planning memory] in ``lightning_seqpar.memory``); None when ``device_memory`` is None (not a CUDA device)
+    or memory="manual". The options the user set (any value but the default) are fixed. Raises the planner's
+    ``ValueError`` when nothing fits, and one naming the model when its shape cannot be read."""
+    if config.memory != "auto" or device_memory is None:
+        return None
+    model_config = getattr(module, "config", None)
+    try:
+        shape = TransformerShape.from_config(model_config)
+    except ValueError as error:
+        raise ValueError(f"{owner}: memory='auto' needs the model's sizes from the LightningModule's `config` "
+                         f"(CausalLMModule has one): {error}") from error
+    defaults = StrategyConfig()
+    fixed: dict[str, Any] = {"activation_checkpointing": config.activation_checkpointing}
+    fixed.update({name: getattr(config, name) for name in MEMORY_OPTIONS if getattr(config, name) != getattr(defaults, name)})
+    if config.compile or config.activation_checkpointing is None:  # offload needs eager checkpointed blocks
+        fixed.setdefault("offload_checkpoints", False)
+    backend = config.process_group_backend
+    if backend is not None and not serves_cpu(backend):  # offload_params needs a CPU backend (config's check)
+        fixed.setdefault("offload_params", False)
+    lora = getattr(module, "_lora_config", None)
+    return plan_memory(
+        model_shape=shape, seq_len=config.expected_seq_len, device_memory=device_memory, sp=dims.sp,  # type: ignore[arg-type]
+        dp_shard=dims.dp_shard, precision=site.precision, fixed=fixed, batch_size=1,
+        loss_chunk_size=getattr(module, "loss_chunk_size", None),
+        trainable_params=None if lora is None else lora_trainable_params(shape, lora),
+        attention=config.initial_attention, head_parallel_size=dims.hp, owner=owner,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

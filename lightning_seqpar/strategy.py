@@ -30,6 +30,7 @@ and the checks against the model), ``lightning_seqpar.parallelize`` (the apply_*
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import weakref
@@ -47,7 +48,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -57,12 +58,13 @@ from lightning_seqpar.attention import ALGORITHMS
 from lightning_seqpar.attention.cost import AttentionPlan
 from lightning_seqpar.batches import check_batch, gather_sequence, shard_batch
 from lightning_seqpar.collective_failures import explain_collective_failure
-from lightning_seqpar.config import ActivationCheckpointingChoice, AttentionChoice, StrategyConfig
+from lightning_seqpar.config import MEMORY_OPTIONS, ActivationCheckpointingChoice, AttentionChoice, StrategyConfig
 from lightning_seqpar.cuda_warmup import warm_up_backward_handles
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import set_current_documents
 from lightning_seqpar.loss import counting_global_mean_calls
 from lightning_seqpar.lora import upcast_trainable
+from lightning_seqpar.memory import MemoryPlan
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh, warn_if_ranks_not_by_node
 from lightning_seqpar.parallelize import (
     host_optimizer_threads,
@@ -71,7 +73,14 @@ from lightning_seqpar.parallelize import (
     parallelize,
     with_cpu_threads,
 )
-from lightning_seqpar.planning import RunSite, check_options_against_model, plan_mesh_sizes, resolve_auto_attention
+from lightning_seqpar.planning import (
+    RunSite,
+    check_options_against_model,
+    device_memory_bytes,
+    plan_memory_options,
+    plan_mesh_sizes,
+    resolve_auto_attention,
+)
 from lightning_seqpar.precision import convert_module_keeping_rotary, scaler_free
 
 if TYPE_CHECKING:
@@ -158,6 +167,13 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         validate_batches: compare every batch across the ranks of each sequence-parallel group
             (one all-gather of 5 integers per rank and batch) and raise, naming the ranks, if they
             differ in shape, dtype or tokens.
+        memory: "manual" (the options as given) or "auto": before the process group exists, the
+            planner (``lightning_seqpar.memory.plan_memory``) estimates this rank's peak memory for
+            ``expected_seq_len`` (required) and sets offload_checkpoints, head_chunks,
+            mlp_chunk_size and offload_params, those left at their defaults only, to the set with
+            the least slowdown that fits the device's memory; it logs the choice and the estimate
+            (``memory_plan`` keeps them), or raises a ``ValueError`` with the longest length that
+            would fit. On a CPU device it does not plan (a log line says so). Note [Planning memory].
     """
 
     strategy_name = "seqpar"
@@ -187,6 +203,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         timeout: timedelta | float | None = default_pg_timeout,
         pad_to_multiple: bool = False,
         validate_batches: bool = True,
+        memory: Literal["manual", "auto"] = "manual",
     ) -> None:
         self.config = StrategyConfig(
             sequence_parallel_size=sequence_parallel_size, head_parallel_size=head_parallel_size, attention=attention,
@@ -196,7 +213,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             uncheckpointed_blocks=uncheckpointed_blocks, offload_checkpoints=offload_checkpoints, offload_params=offload_params,
             mlp_chunk_size=mlp_chunk_size, compile=compile, save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend, timeout=timeout, pad_to_multiple=pad_to_multiple,
-            validate_batches=validate_batches,
+            validate_batches=validate_batches, memory=memory,
         )
         """The options as given ("auto" included), checked (Note [One name per option] in ``lightning_seqpar.config``)."""
         super().__init__(
@@ -211,6 +228,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.layout: str = self.config.layout
         self.inner_ring_size: int | None = self.config.inner_ring_size
         self.attention_plan: AttentionPlan | None = None
+        self.memory_plan: MemoryPlan | None = None
+        """memory="auto": the planner's choice and estimate (Note [Planning memory])."""
         self._warned_loss = False
         self._parallel_dims: ParallelDims | None = None
         self._sp_mesh: DeviceMesh | None = None
@@ -280,6 +299,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         dims = self.resolve_parallel_dims()  # validated before the process group exists
+        self._plan_memory(dims)  # memory="auto": may set offload_params, which the process group's backend depends on
         if self.offload_params and self._process_group_backend is None and self.root_device.type == "cuda":
             # Note [Offloading parameters to host memory]: the CPU-resident gradients (clip_grad_norm_'s
             # per-rank norms) are reduced over the mesh's groups, so they need a CPU backend beside NCCL.
@@ -301,6 +321,25 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         # LightningModule.device_mesh is read-only and ModelParallelStrategy sets it this same way.
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _plan_memory(self, dims: ParallelDims) -> None:
+        """memory="auto": set the options the planner chooses for this device (``planning.plan_memory_options``)."""
+        if self.config.memory != "auto":
+            return
+        device = self.root_device if self.parallel_devices else torch.device("cpu")
+        plan = plan_memory_options(self.lightning_module, config=self.config, site=self._run_site(), dims=dims,
+                                   device_memory=self._device_memory_bytes(device), owner=type(self).__name__)
+        if plan is None:
+            rank_zero_info(f"{type(self).__name__}: memory='auto' plans for CUDA devices; on {device.type} the options stay as given")
+            return
+        self.memory_plan = plan
+        chosen = {name: getattr(plan.options, name) for name in MEMORY_OPTIONS}
+        self.config = dataclasses.replace(self.config, **chosen)  # checked again (Note [One name per option])
+        rank_zero_info(f"{type(self).__name__}: {plan.describe()}")
+
+    def _device_memory_bytes(self, device: torch.device) -> int | None:
+        """The memory memory="auto" plans for: the CUDA device's total (None elsewhere). Tests override it."""
+        return device_memory_bytes(device)
 
     @property
     @override

@@ -1,0 +1,527 @@
+"""GPU memory of one training step under the strategy, and ``memory="auto"``'s choice of options.
+
+:func:`estimate_memory` gives the peak bytes on one rank as named terms (:class:`MemoryEstimate`);
+:func:`plan_memory` tries the options that trade time for memory, in order of the time they cost,
+and returns the first set that fits the device (:class:`MemoryPlan`), or raises ``ValueError``
+with the largest sequence length that would fit. Pure arithmetic: no torch.distributed, no device.
+
+Note [Memory per token]
+~~~~~~~~~~~~~~~~~~~~~~~
+A Llama-style decoder (RMSNorm, GQA attention, gated MLP) of width d, L layers, H_q query / H_kv
+key-value heads of dimension D, MLP width I, vocabulary V, trained on N = B x S / sp tokens per
+rank; e bytes per activation element (2 under bf16, 4 under fp32), fp32 = 4. Per token and layer:
+
+    tensor (per token)                       bytes          1B shape, bf16     kept
+    ---------------------------------------  -------------  -----------------  ------------------------------
+    block input x (the checkpoint's input)   d e            4,096              until the block's backward;
+                                                                               host with offload_checkpoints
+    attention output + LSE (Selective++)     H_q D e + 4 H_q 4,096 + 128       until the block's backward
+    RMSNorm: fp32 input + normed output      d (4 + e)      12,288 (x 2 norms) the block's recompute
+    q, k, v after RoPE                       (H_q + 2 H_kv) D e  6,144         the block's recompute
+    MLP: gate, up, silu(gate), silu*up       4 I e          65,536             the block's recompute
+    MLP backward: two I-wide gradients       2 I e          32,768             transient
+    gradient flowing between blocks          d e            4,096              transient
+    block input copied back (offload)        d e            4,096              transient, with offload
+
+Selective Checkpoint++ keeps 8,320 B per token and layer (133,120 B per token over 16 layers of
+the 1B shape); ``offload_checkpoints`` moves the block input to the host (4,224 B stays). The
+backward of ONE block recomputes it, and its peak is the larger of two phases:
+
+* MLP phase (the MLP's backward runs first): both norms' state, q/k/v, the MLP's four saved
+  I-wide tensors and two I-wide gradients, the incoming gradient: 133,120 B per token for the 1B
+  shape (137,216 with offload). ``mlp_chunk_size=c`` replaces the MLP's 6 I e per token by the
+  same for c tokens (one tile at a time, Note [Sequence-tiled MLP]).
+* attention phase: norm 1's state, the incoming gradient and the attention's own working set on
+  this rank: the cost model's estimate (``attention.cost.estimate_attention(...).peak_memory_bytes``:
+  q, k, v, out, their gradients, the LSE, the kernel's fp32 dQ and the algorithm's buffers, the
+  latter divided by ``head_chunks``, Note [Head chunks]).
+
+For the 1B shape on one GPU the MLP phase is the larger (the attention's ~66 KB per token, 38 KB
+with head_chunks=4, is not): head chunks pay off where attention buffers dominate, on several
+ranks (the ring's travelling K/V, all-gather's full K/V). ``activation_checkpointing="full"``
+keeps only x per layer and adds the attention output to the recompute; ``None`` keeps the whole
+recompute state per layer.
+
+The loss runs before the backward (Note [Chunked cross entropy] in ``lightning_seqpar.loss``):
+its peak, which does not coexist with a block's backward, is the final norm's state, the hidden
+states and their gradient (d (4 + 3e) per token), one chunk's logits (n x V x (e + 4 + 4): the
+bf16 product, the fp32 logits, the fp32 log-softmax or softmax) and the fp32 (V, d) gradient of
+the head; without ``loss_chunk_size`` the logits of all N tokens (N x V x (e + 3 x 4)).
+
+Model states, per parameter, divided by dp_shard x sp (FSDP2 shards over both): "bf16-true" holds
+bf16 parameters, bf16 gradients and AdamW's two moments in the parameter's dtype (torch's AdamW
+allocates ``zeros_like(param)``): 2 + 2 + 4 = 8 B; "bf16-mixed" and "32-true" fp32 everywhere:
+4 + 4 + 8 = 16 B. LoRA: the frozen base holds its parameters only (in the precision's parameter
+dtype); the adapters are fp32 with fp32 gradients and moments, 16 B each (Note [LoRA under the
+strategy]). Gradients are counted in full although in the first step's backward they appear
+layer by layer: an upper bound, exact under gradient accumulation. ``offload_params`` moves all
+three to the host. FSDP2's unsharded parameters stay on the GPU: the root module's (embeddings,
+head, final norm; kept gathered through the step) and two blocks' (the one running and the one
+prefetched), in the compute dtype.
+
+Peak = model states + FSDP buffers + L x saved per layer x N + max(block phase, loss phase)
++ ``OVERHEAD_BYTES``. ``MemoryEstimate.allocated`` (without the overhead) is what
+``torch.cuda.max_memory_allocated`` measures. Calibration (one H200, the Llama-3.2-1B shape,
+bf16-true, batch 1, AdamW, selective++, chunked loss; issue #22): measured 44.7 / 80.7 GB at 128K /
+256K, and 118.4 GB at 512K with offload_checkpoints and head_chunks=4; the estimate is 45.6 / 80.5 /
+118.0 GB (tests/test_memory_plan.py holds it to 10%). The 36.0 GB measured between 128K and 256K are
+275 KB per token; the table's terms give 266 KB (133 KB kept + 133 KB of one block's backward).
+
+Note [Planning memory]
+~~~~~~~~~~~~~~~~~~~~~~
+``memory="auto"`` starts from the options as the user gave them and walks :data:`LADDER`, the
+changes that save memory in order of what they cost in time: ``offload_checkpoints`` (copies on
+a side stream that overlap the forward; ~2 GB / 25 GB/s per block in the backward), then
+``head_chunks`` 2, 4, 8 (more, smaller attention calls and messages), then ``mlp_chunk_size``
+(the MLP forward a third time), then ``offload_params`` (PCIe copies of every block's shard and
+the optimizer step on the CPU: the slowest). Each step is added to the ones before it (head_chunks
+replaces the smaller count) and the walk stops at the first set whose estimate fits
+``(1 - margin) x`` the device's memory; then what that set does not need is dropped again, the
+costliest first (offload_params, mlp_chunk_size, head_chunks down to the fewest that fit,
+offload_checkpoints): head chunks save nothing where the MLP phase is the larger one, but once the
+MLP is tiled the attention phase may be. An option the user set is never changed (its step is
+skipped). When nothing fits, the error names ``expected_seq_len``, the device
+memory, the least estimate with its largest term, and the longest length (a multiple of
+lcm(1024, 2 sp)) that every step together would fit, found by binary search over the estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from lightning_seqpar.attention.cost import estimate_attention
+
+__all__ = [
+    "LADDER",
+    "OVERHEAD_BYTES",
+    "MemoryEstimate",
+    "MemoryOptions",
+    "MemoryPlan",
+    "TransformerShape",
+    "estimate_memory",
+    "ladder",
+    "largest_fitting_seq_len",
+    "plan_memory",
+]
+
+OVERHEAD_BYTES = 1.5e9
+"""What a process holds on the GPU outside the caching allocator's tensors: the CUDA context and
+kernel images (~0.5-0.7 GB with torch's lazy module loading), NCCL's communicators and buffers,
+cuBLAS / cuDNN workspaces. Assumed, not measured per device."""
+
+DEFAULT_MARGIN = 0.10
+"""The share of device memory the planner leaves free: the caching allocator's fragmentation
+(``max_memory_reserved`` above ``max_memory_allocated``) and what the estimate leaves out."""
+
+MLP_TILE = 8192
+"""The ``mlp_chunk_size`` the planner picks (tokens per slice)."""
+
+PARAM_BYTES: dict[str, tuple[int, int, int, int]] = {
+    # precision: (parameter, gradient, optimizer state, activation element) bytes
+    "bf16-true": (2, 2, 4, 2), "16-true": (2, 2, 4, 2),
+    "bf16-mixed": (4, 4, 8, 2), "16-mixed": (4, 4, 8, 2),
+    "32-true": (4, 4, 8, 4), "32": (4, 4, 8, 4), "64-true": (8, 8, 16, 8),
+}
+"""Per-parameter bytes of a trained parameter by Trainer precision (Note [Memory per token])."""
+
+AcMode = Literal["selective++", "full"] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerShape:
+    """The sizes of a Llama-style decoder that the estimate needs (Note [Memory per token])."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool = False
+    gated_mlp: bool = True
+    """SwiGLU (gate, up, down: Llama) or two matrices (GELU: GPT)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"TransformerShape.{f.name} must be a positive int, got {value!r}")
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block: attention projections, MLP, two norms."""
+        d, D = self.hidden_size, self.head_dim
+        attention = d * D * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = (3 if self.gated_mlp else 2) * d * self.intermediate_size
+        return attention + mlp + 2 * d
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the blocks: embeddings, output head (unless tied), final norm."""
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2) + self.hidden_size
+
+    @property
+    def params(self) -> int:
+        return self.num_layers * self.block_params + self.root_params
+
+    @classmethod
+    def from_config(cls, config: Any) -> TransformerShape:
+        """The shape of a Hugging Face config (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+        ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size``, ``tie_word_embeddings``),
+        a dict of those fields, or one of the package's Llama / GPT configs. Raises ``ValueError`` naming what is
+        missing, and for a linear-attention (TransNormer) config, whose memory this module does not model."""
+        from lightning_seqpar.models.registry import family_of
+
+        family = family_of(config)
+        if family is not None:
+            if family.linear_attention:
+                raise ValueError(f"{type(config).__name__} is a linear-attention model: its memory is not modelled "
+                                 "(set offload_checkpoints / mlp_chunk_size / offload_params by hand)")
+            return cls(hidden_size=config.n_embd, num_layers=config.n_layer, num_heads=config.n_head,
+                       num_kv_heads=config.n_kv_head, head_dim=config.head_dim, intermediate_size=config.intermediate_size,
+                       vocab_size=config.vocab_size, tied_embeddings=bool(config.tie_embeddings),
+                       gated_mlp=family.name == "llama")
+        transformers = sys.modules.get("transformers")
+        if isinstance(config, Mapping):
+            get = config.get
+        elif transformers is not None and isinstance(config, transformers.PretrainedConfig):
+            def get(key: str, default: Any = None) -> Any:
+                try:
+                    return getattr(config, key, default)
+                except Exception:
+                    return default
+        else:
+            raise ValueError(f"expected a Hugging Face config, a dict of its fields or a Llama / GPT config of the package, "
+                             f"got {type(config).__name__}")
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+                   if not isinstance(get(k), int)]
+        if missing:
+            raise ValueError(f"the model config has no integer {missing}: its memory cannot be estimated")
+        heads = get("num_attention_heads")
+        head_dim = get("head_dim") if isinstance(get("head_dim"), int) else get("hidden_size") // heads
+        kv = get("num_key_value_heads")
+        return cls(hidden_size=get("hidden_size"), num_layers=get("num_hidden_layers"), num_heads=heads,
+                   num_kv_heads=kv if isinstance(kv, int) and kv >= 1 else heads, head_dim=head_dim,
+                   intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
+                   tied_embeddings=bool(get("tie_word_embeddings", False)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryOptions:
+    """The strategy options that trade time for memory (the strategy's names and meaning)."""
+
+    activation_checkpointing: AcMode = "selective++"
+    offload_checkpoints: bool = False
+    head_chunks: int = 1
+    mlp_chunk_size: int | None = None
+    offload_params: bool = False
+
+    def label(self) -> str:
+        parts = [f"activation_checkpointing={self.activation_checkpointing!r}"]
+        parts += [f"offload_checkpoints={self.offload_checkpoints}", f"head_chunks={self.head_chunks}",
+                  f"mlp_chunk_size={self.mlp_chunk_size}", f"offload_params={self.offload_params}"]
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Peak GPU bytes of one rank in one training step, by term (Note [Memory per token])."""
+
+    seq_len: int
+    tokens: int
+    """Tokens on this rank: batch x seq_len / sp."""
+    options: MemoryOptions
+    parameters: float
+    gradients: float
+    optimizer_states: float
+    fsdp_buffers: float
+    """Unsharded parameters: the root module's and two blocks'."""
+    saved_per_layer: float
+    """Bytes each layer keeps until its backward (for all of this rank's tokens)."""
+    saved_activations: float
+    """``saved_per_layer`` x layers."""
+    block_recompute: float
+    """The larger phase of one block's backward (its recompute and gradients)."""
+    attention_working: float
+    """The attention phase alone (the cost model's estimate, with ``head_chunks``), for reports."""
+    loss_working: float
+    """The chunked (or full) loss, which runs before the backward."""
+    overhead: float = OVERHEAD_BYTES
+
+    @property
+    def activations_peak(self) -> float:
+        return max(self.block_recompute, self.loss_working)
+
+    @property
+    def allocated(self) -> float:
+        """What ``torch.cuda.max_memory_allocated`` should read: every term but the overhead."""
+        return (self.parameters + self.gradients + self.optimizer_states + self.fsdp_buffers + self.saved_activations
+                + self.activations_peak)
+
+    @property
+    def total(self) -> float:
+        return self.allocated + self.overhead
+
+    def terms(self) -> dict[str, float]:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer_states": self.optimizer_states,
+                "fsdp_buffers": self.fsdp_buffers, "saved_activations": self.saved_activations,
+                "block_recompute": self.block_recompute, "loss_working": self.loss_working, "overhead": self.overhead}
+
+    def largest_term(self) -> str:
+        terms = self.terms()
+        return max(terms, key=terms.__getitem__)
+
+    def describe(self) -> str:
+        """One line: the total and every term, in GB."""
+        inner = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in self.terms().items())
+        return f"{self.total / 1e9:.1f} GB ({inner})"
+
+
+def _precision_bytes(precision: str) -> tuple[int, int, int, int]:
+    if precision not in PARAM_BYTES:
+        raise ValueError(f"precision={precision!r} is not modelled; expected one of {sorted(PARAM_BYTES)}")
+    return PARAM_BYTES[precision]
+
+
+def estimate_memory(
+    *,
+    model_shape: TransformerShape,
+    seq_len: int,
+    sp: int = 1,
+    dp_shard: int = 1,
+    precision: str = "bf16-true",
+    options: MemoryOptions = MemoryOptions(),
+    batch_size: int = 1,
+    loss_chunk_size: int | None = None,
+    trainable_params: int | None = None,
+    attention: str = "ring",
+    head_parallel_size: int = 1,
+) -> MemoryEstimate:
+    """Peak GPU memory of one rank for one training step (Note [Memory per token]).
+
+    Args:
+        model_shape: the decoder's sizes.
+        seq_len: the global sequence length; each of the ``sp`` ranks holds ``seq_len / sp`` tokens.
+        sp: sequence-parallel ranks; dp_shard: the data-parallel ranks FSDP2 shards over besides them.
+        precision: the Trainer's ("bf16-true", "bf16-mixed", "32-true", ...).
+        options: activation_checkpointing, offload_checkpoints, head_chunks, mlp_chunk_size, offload_params.
+        batch_size: sequences per step and rank (the micro-batch).
+        loss_chunk_size: ``CausalLMModule``'s; None: the full logits.
+        trainable_params: LoRA: the adapters' parameter count (fp32, with gradients and AdamW state);
+            the rest of the model is frozen. None: every parameter is trained.
+        attention: the algorithm ("ring", "allgather", "ulysses", "2d"; "auto" and "lasp" are estimated as
+            "ring"); head_parallel_size: hp of "2d".
+    """
+    for name, value in (("seq_len", seq_len), ("sp", sp), ("dp_shard", dp_shard), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"estimate_memory: {name} must be a positive int, got {value!r}")
+    if seq_len % sp:
+        raise ValueError(f"estimate_memory: seq_len={seq_len} must be a multiple of sp={sp}")
+    p_bytes, g_bytes, o_bytes, e = _precision_bytes(precision)
+    m = model_shape
+    d, L, Hq, Hkv, D, I, V = (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
+                              m.intermediate_size, m.vocab_size)
+    n = batch_size * seq_len // sp  # tokens on this rank
+    shards = sp * dp_shard
+
+    # model states (sharded over dp_shard x sp), on the host with offload_params
+    if trainable_params is None:
+        parameters, gradients, optimizer = m.params * p_bytes, m.params * g_bytes, m.params * o_bytes
+    else:  # LoRA: a frozen base in the parameter dtype, fp32 adapters with fp32 gradients and moments
+        parameters = m.params * p_bytes + trainable_params * 4
+        gradients, optimizer = trainable_params * 4, trainable_params * 8
+    on_host = options.offload_params
+    parameters, gradients, optimizer = (0.0, 0.0, 0.0) if on_host else (parameters / shards, gradients / shards, optimizer / shards)
+    # FSDP2 gathers into its own buffers (on one rank too): the root module's, kept through the step, and two blocks'
+    fsdp_buffers = (m.root_params + 2 * m.block_params) * e
+
+    # per token (Note [Memory per token])
+    x = d * e
+    attn_out = Hq * D * e + 4 * Hq
+    norm = d * (4 + e)
+    qkv = (Hq + 2 * Hkv) * D * e
+    mlp_saved = (4 if m.gated_mlp else 2) * I * e
+    mlp_grads = 2 * I * e
+    mode = options.activation_checkpointing
+    back = x if options.offload_checkpoints else 0  # the offloaded input copied back for the recompute
+
+    # the MLP's saved tensors and gradients: the whole rank's tokens, or one tile
+    if options.mlp_chunk_size is not None:
+        tile = min(options.mlp_chunk_size, n) * (mlp_saved + mlp_grads)
+        mlp_tokens = 0
+    else:
+        tile = 0
+        mlp_tokens = mlp_saved + mlp_grads
+    algorithm = attention if attention in ("ring", "allgather", "ulysses", "2d") else "ring"
+    attention_bytes = estimate_attention(
+        algorithm=algorithm,  # type: ignore[arg-type]
+        seq_len=seq_len, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, world_size=sp,
+        hp=head_parallel_size if algorithm == "2d" else None, batch=batch_size, dtype_bytes=e,
+        head_chunks=options.head_chunks if algorithm in ("ring", "allgather") else 1,
+    ).peak_memory_bytes
+
+    if mode == "selective++":
+        saved_token = (0 if options.offload_checkpoints else x) + attn_out
+        recompute_extra = 0
+    elif mode == "full":
+        saved_token = 0 if options.offload_checkpoints else x
+        recompute_extra = attn_out  # the recompute runs the attention again and keeps its output
+    else:  # no checkpointing: every layer keeps what its backward needs
+        saved_token = x + 2 * norm + qkv + attn_out + (mlp_saved if options.mlp_chunk_size is None else 0)
+        recompute_extra = 0
+    if mode is None:  # the saved tensors are in saved_token; the backward adds gradients
+        mlp_phase = n * ((mlp_grads if options.mlp_chunk_size is None else 0) + x) + tile
+        attention_phase = attention_bytes + n * x
+    else:
+        mlp_phase = n * (2 * norm + qkv + mlp_tokens + x + back + recompute_extra) + tile
+        attention_phase = n * (norm + x + back + recompute_extra) + attention_bytes
+    block = max(mlp_phase, attention_phase)
+
+    # the loss (before the backward)
+    head_grad = V * d * 4 if (trainable_params is None) else 0
+    if loss_chunk_size is None:
+        loss = n * V * (e + 3 * 4)
+    else:
+        loss = min(loss_chunk_size, n) * V * (e + 4 + 4) + head_grad
+    loss += n * (norm + 2 * x)
+
+    return MemoryEstimate(
+        seq_len=seq_len, tokens=n, options=options, parameters=float(parameters), gradients=float(gradients),
+        optimizer_states=float(optimizer), fsdp_buffers=float(fsdp_buffers), saved_per_layer=float(n * saved_token),
+        saved_activations=float(L * n * saved_token), block_recompute=float(block), attention_working=float(attention_phase),
+        loss_working=float(loss),
+    )
+
+
+# --------------------------------------------------------------------------------------------- the planner
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """What ``memory="auto"`` chose: the options, their estimate, and every estimate the planner made, in order."""
+
+    options: MemoryOptions
+    estimate: MemoryEstimate
+    device_memory: float
+    tried: tuple[MemoryEstimate, ...]
+
+    def describe(self) -> str:
+        return (f"memory='auto' for seq_len={self.estimate.seq_len}: {self.options.label()}; estimated peak "
+                f"{self.estimate.describe()} of {self.device_memory / 1e9:.1f} GB")
+
+
+LADDER: tuple[tuple[str, Any], ...] = (
+    ("offload_checkpoints", True), ("head_chunks", 2), ("head_chunks", 4), ("head_chunks", 8),
+    ("mlp_chunk_size", MLP_TILE), ("offload_params", True),
+)
+"""The changes ``memory="auto"`` tries, least slowdown first (Note [Planning memory])."""
+
+
+def ladder(*, fixed: Mapping[str, Any], num_kv_heads: int, head_chunks_allowed: bool = True) -> list[tuple[str, Any]]:
+    """The steps of :data:`LADDER` that apply: none for an option in ``fixed`` (the user's), no offload without
+    checkpointing, head_chunks only where it divides ``num_kv_heads`` and ``head_chunks_allowed`` (attention "ring" /
+    "allgather" with head_parallel_size 1)."""
+    unknown = set(fixed) - {f.name for f in fields(MemoryOptions)}
+    if unknown:
+        raise ValueError(f"plan_memory: {sorted(unknown)} are not options the planner knows")
+    steps = []
+    for name, value in LADDER:
+        if name in fixed:
+            continue
+        if name == "offload_checkpoints" and fixed.get("activation_checkpointing", "selective++") is None:
+            continue
+        if name == "head_chunks" and not (head_chunks_allowed and num_kv_heads % value == 0):
+            continue
+        steps.append((name, value))
+    return steps
+
+
+def largest_fitting_seq_len(budget: float, *, granule: int, upper: int, **kwargs: Any) -> int:
+    """The largest multiple of ``granule`` up to ``upper`` whose ``estimate_memory(**kwargs).total`` fits in
+    ``budget`` bytes; 0 when none does (binary search: the estimate grows with seq_len)."""
+    lo, hi = 0, max(upper // granule, 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate_memory(seq_len=mid * granule, **kwargs).total <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * granule
+
+
+def plan_memory(
+    *,
+    model_shape: TransformerShape,
+    seq_len: int,
+    device_memory: float,
+    sp: int = 1,
+    dp_shard: int = 1,
+    precision: str = "bf16-true",
+    fixed: Mapping[str, Any] | None = None,
+    batch_size: int = 1,
+    loss_chunk_size: int | None = None,
+    trainable_params: int | None = None,
+    attention: str = "ring",
+    head_parallel_size: int = 1,
+    margin: float = DEFAULT_MARGIN,
+    owner: str = "plan_memory",
+) -> MemoryPlan:
+    """The options with the least slowdown whose estimate fits ``(1 - margin) x device_memory`` (Note [Planning memory]).
+
+    ``fixed``: options the user set (``MemoryOptions`` field names), which every candidate keeps. Raises
+    ``ValueError`` naming ``expected_seq_len``, the device memory, the best estimate and the largest sequence
+    length that would fit with the most memory-saving options, when none fits."""
+    if not 0 <= margin < 1:
+        raise ValueError(f"{owner}: margin must be in [0, 1), got {margin!r}")
+    if not device_memory > 0:
+        raise ValueError(f"{owner}: device_memory must be positive, got {device_memory!r}")
+    fixed = dict(fixed or {})
+    budget = (1 - margin) * device_memory
+    common = dict(model_shape=model_shape, sp=sp, dp_shard=dp_shard, precision=precision, batch_size=batch_size,
+                  loss_chunk_size=loss_chunk_size, trainable_params=trainable_params, attention=attention,
+                  head_parallel_size=head_parallel_size)
+    allowed = attention in ("ring", "allgather", "auto") and head_parallel_size == 1
+    tried: list[MemoryEstimate] = []
+
+    def estimate(options: MemoryOptions) -> MemoryEstimate:
+        tried.append(estimate_memory(seq_len=seq_len, options=options, **common))
+        return tried[-1]
+
+    # the option sets in ladder order, each step added to the previous ones (head_chunks replaced)
+    steps = ladder(fixed=fixed, num_kv_heads=model_shape.num_kv_heads, head_chunks_allowed=allowed)  # checks `fixed`
+    sets = [MemoryOptions(**fixed)]
+    for name, value in steps:
+        sets.append(replace(sets[-1], **{name: value}))
+    chosen = next((e for e in map(estimate, sets) if e.total <= budget), None)
+    if chosen is not None:
+        # drop what the fitting set does not need, the costliest first; head_chunks to the fewest that fit
+        defaults = MemoryOptions()
+        for name in ("offload_params", "mlp_chunk_size", "head_chunks", "offload_checkpoints"):
+            if name in fixed or getattr(chosen.options, name) == getattr(defaults, name):
+                continue
+            lighter = [getattr(defaults, name)]
+            if name == "head_chunks":
+                lighter += [c for c in (2, 4) if c < chosen.options.head_chunks and model_shape.num_kv_heads % c == 0]
+            for value in lighter:
+                trial = estimate(replace(chosen.options, **{name: value}))
+                if trial.total <= budget:
+                    chosen = trial
+                    break
+        return MemoryPlan(options=chosen.options, estimate=chosen, device_memory=device_memory, tried=tuple(tried))
+    best = min(tried, key=lambda t: t.total)
+    granule = math.lcm(1024, 2 * sp)
+    longest = largest_fitting_seq_len(budget, granule=granule, upper=seq_len, options=best.options, **common)
+    where = (f"the largest that would fit with them is seq_len={longest}" if longest
+             else "no sequence length fits: the model states alone exceed it")
+    raise ValueError(
+        f"{owner}: memory='auto' found no options that fit expected_seq_len={seq_len} in {device_memory / 1e9:.1f} GB of "
+        f"device memory ({1 - margin:.0%} of it planned): with {best.options.label()} the estimate is {best.describe()}, "
+        f"its largest term {best.largest_term()}; {where}. Use more sequence-parallel ranks or a shorter expected_seq_len"
+        + ("" if loss_chunk_size is not None else ", or CausalLMModule(loss_chunk_size=...) (the full logits are counted)")
+    )
+

@@ -1,0 +1,204 @@
+"""The memory estimate and memory="auto" (Note [Memory per token], Note [Planning memory] in lightning_seqpar.memory)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from lightning_seqpar.memory import (
+    OVERHEAD_BYTES,
+    MemoryOptions,
+    TransformerShape,
+    estimate_memory,
+    largest_fitting_seq_len,
+    plan_memory,
+)
+
+# Llama-3.2-1B's shape (issue #22's measurements)
+LLAMA_1B = TransformerShape(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                            intermediate_size=8192, vocab_size=128256, tied_embeddings=True)
+H200 = 150e9  # torch.cuda.get_device_properties(...).total_memory of an H200 reads ~150.1e9 (141 GB marketed = 143,771 MiB)
+K = 1024
+
+
+def test_shape_from_hf_config_and_package_config():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                      head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
+    assert TransformerShape.from_config(config) == LLAMA_1B
+    assert LLAMA_1B.params == 1_235_814_400  # Llama-3.2-1B's parameter count
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == LLAMA_1B.params
+    from lightning_seqpar.models.llama import LlamaConfig
+
+    tiny = TransformerShape.from_config(LlamaConfig.from_name("tiny"))
+    assert (tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.num_kv_heads, tiny.head_dim) == (64, 2, 4, 2, 16)
+    from lightning_seqpar.models.transnormer import TransNormerConfig
+
+    with pytest.raises(ValueError, match="linear-attention model"):
+        TransformerShape.from_config(TransNormerConfig())
+
+
+def test_terms_scale_with_tokens_and_shards():
+    base = estimate_memory(model_shape=LLAMA_1B, seq_len=64 * K, loss_chunk_size=4096)
+    double = estimate_memory(model_shape=LLAMA_1B, seq_len=128 * K, loss_chunk_size=4096)
+    assert double.saved_activations == 2 * base.saved_activations
+    assert double.block_recompute == 2 * base.block_recompute
+    assert (double.parameters, double.optimizer_states) == (base.parameters, base.optimizer_states)
+    # per layer and token, selective++ keeps the block input and the attention output + LSE (bf16)
+    assert base.saved_per_layer == base.tokens * (2048 * 2 + 32 * 64 * 2 + 32 * 4)
+    sharded = estimate_memory(model_shape=LLAMA_1B, seq_len=128 * K, sp=4, dp_shard=2, loss_chunk_size=4096)
+    assert sharded.tokens == 32 * K
+    assert sharded.saved_activations == double.saved_activations / 4
+    for term in ("parameters", "gradients", "optimizer_states"):
+        assert getattr(sharded, term) == pytest.approx(getattr(double, term) / 8)
+    # bf16-true: 2 + 2 + 4 bytes per parameter; bf16-mixed: 4 + 4 + 8
+    mixed = estimate_memory(model_shape=LLAMA_1B, seq_len=64 * K, precision="bf16-mixed", loss_chunk_size=4096)
+    assert base.parameters + base.gradients + base.optimizer_states == 8 * LLAMA_1B.params
+    assert mixed.parameters + mixed.gradients + mixed.optimizer_states == 16 * LLAMA_1B.params
+    # LoRA: the frozen base holds parameters only, the adapters 16 bytes each
+    lora = estimate_memory(model_shape=LLAMA_1B, seq_len=64 * K, trainable_params=1000, loss_chunk_size=4096)
+    assert (lora.parameters, lora.gradients, lora.optimizer_states) == (2 * LLAMA_1B.params + 4000, 4000, 8000)
+    # offload_params: no model states on the GPU; offload_checkpoints: the block input leaves
+    off = estimate_memory(model_shape=LLAMA_1B, seq_len=64 * K, loss_chunk_size=4096,
+                          options=MemoryOptions(offload_checkpoints=True, offload_params=True))
+    assert off.parameters == off.gradients == off.optimizer_states == 0
+    assert off.saved_per_layer == base.saved_per_layer - base.tokens * 2048 * 2
+    # head chunks shrink the attention phase; MLP tiles the MLP phase
+    chunked = estimate_memory(model_shape=LLAMA_1B, seq_len=64 * K, loss_chunk_size=4096, options=MemoryOptions(head_chunks=4))
+    assert chunked.attention_working < base.attention_working
+    tiled = estimate_memory(model_shape=LLAMA_1B, seq_len=256 * K, loss_chunk_size=4096, options=MemoryOptions(mlp_chunk_size=8192))
+    assert tiled.block_recompute < estimate_memory(model_shape=LLAMA_1B, seq_len=256 * K, loss_chunk_size=4096).block_recompute
+    # full checkpointing keeps the block input only
+    full = estimate_memory(model_shape=LLAMA_1B, seq_len=64 * K, loss_chunk_size=4096,
+                           options=MemoryOptions(activation_checkpointing="full"))
+    assert full.saved_per_layer == base.tokens * 2048 * 2
+    assert base.total == base.allocated + OVERHEAD_BYTES
+
+
+# issue #22: one H200, the Llama-3.2-1B shape, random init, bf16-true, batch 1, AdamW, the strategy's defaults
+# (selective++, chunked loss); torch.cuda.max_memory_allocated in GB
+MEASURED = [
+    (128 * K, MemoryOptions(), 44.7),
+    (256 * K, MemoryOptions(), 80.7),
+    (512 * K, MemoryOptions(offload_checkpoints=True, head_chunks=4), 118.4),
+]
+TOLERANCE = 0.10
+
+
+@pytest.mark.parametrize("loss_chunk_size", [4096, 8192])
+@pytest.mark.parametrize(("seq_len", "options", "measured_gb"), MEASURED)
+def test_estimate_against_measured_h200_peaks(seq_len, options, measured_gb, loss_chunk_size):
+    estimate = estimate_memory(model_shape=LLAMA_1B, seq_len=seq_len, precision="bf16-true", options=options,
+                               loss_chunk_size=loss_chunk_size)
+    assert estimate.allocated / 1e9 == pytest.approx(measured_gb, rel=TOLERANCE), estimate.describe()
+
+
+def test_plan_no_offload_at_64k_offload_where_plain_does_not_fit():
+    plan = plan_memory(model_shape=LLAMA_1B, seq_len=64 * K, device_memory=H200, loss_chunk_size=8192)
+    assert plan.options == MemoryOptions()
+    assert len(plan.tried) == 1
+    plain = estimate_memory(model_shape=LLAMA_1B, seq_len=512 * K, loss_chunk_size=8192)
+    assert plain.total > 0.9 * H200
+    plan = plan_memory(model_shape=LLAMA_1B, seq_len=512 * K, device_memory=H200, loss_chunk_size=8192)
+    assert plan.options == MemoryOptions(offload_checkpoints=True)  # head chunks would save nothing here
+    assert plan.estimate.total <= 0.9 * H200
+    assert "offload_checkpoints=True" in plan.describe()
+    # 1M: offload, tiled MLP, host parameters, and then head chunks pay off (the attention phase is the larger)
+    plan = plan_memory(model_shape=LLAMA_1B, seq_len=1024 * K, device_memory=H200, loss_chunk_size=8192)
+    assert plan.options.offload_checkpoints and plan.options.mlp_chunk_size and plan.options.head_chunks > 1
+    assert plan.estimate.total <= 0.9 * H200
+
+
+def test_plan_keeps_fixed_options():
+    plan = plan_memory(model_shape=LLAMA_1B, seq_len=512 * K, device_memory=H200, loss_chunk_size=8192,
+                       fixed={"offload_checkpoints": False})
+    assert plan.options.offload_checkpoints is False
+    assert plan.options.mlp_chunk_size is not None  # the next step that saves memory
+    plan = plan_memory(model_shape=LLAMA_1B, seq_len=1024 * K, device_memory=H200, loss_chunk_size=8192, fixed={"head_chunks": 8})
+    assert plan.options.head_chunks == 8
+    with pytest.raises(ValueError, match="not options the planner knows"):
+        plan_memory(model_shape=LLAMA_1B, seq_len=K, device_memory=H200, fixed={"compile": True})
+
+
+def test_plan_refuses_with_the_longest_length_that_fits():
+    with pytest.raises(ValueError) as info:
+        plan_memory(model_shape=LLAMA_1B, seq_len=64 * 1024 * K, device_memory=H200, loss_chunk_size=8192)
+    message = str(info.value)
+    assert "expected_seq_len=67108864" in message and "150.0 GB" in message
+    longest = int(re.search(r"largest that would fit with them is seq_len=(\d+)", message).group(1))
+    best = MemoryOptions(offload_checkpoints=True, head_chunks=8, mlp_chunk_size=8192, offload_params=True)
+    assert f"with {best.label()}" in message
+    common = dict(model_shape=LLAMA_1B, options=best, loss_chunk_size=8192)
+    assert longest % K == 0
+    assert estimate_memory(seq_len=longest, **common).total <= 0.9 * H200 < estimate_memory(seq_len=longest + K, **common).total
+    assert largest_fitting_seq_len(0.9 * H200, granule=K, upper=64 * 1024 * K, **common) == longest
+    # the model states alone do not fit
+    with pytest.raises(ValueError, match="no sequence length fits"):
+        plan_memory(model_shape=LLAMA_1B, seq_len=K, device_memory=2e9, precision="bf16-mixed", loss_chunk_size=8192,
+                    fixed={"offload_params": False})
+
+
+# ---------------------------------------------------------------------------------------------- the strategy
+
+
+def test_strategy_memory_auto_needs_expected_seq_len():
+    from lightning_seqpar import SequenceParallelStrategy
+
+    with pytest.raises(ValueError, match=r"memory='auto'.*expected_seq_len"):
+        SequenceParallelStrategy(memory="auto")
+    with pytest.raises(ValueError, match=r"memory='sometimes' is not supported"):
+        SequenceParallelStrategy(memory="sometimes")
+    assert SequenceParallelStrategy(memory="auto", expected_seq_len=64).config.memory == "auto"
+
+
+def _fit_with_device_memory(device_memory: float | None, seq_len: int, **strategy_kwargs):
+    import lightning as L
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+
+    class FakeMemory(SequenceParallelStrategy):
+        def _device_memory_bytes(self, device):
+            return device_memory
+
+    strategy = FakeMemory(memory="auto", expected_seq_len=seq_len, attention_backend="math", **strategy_kwargs)
+    batch = {"input_ids": torch.randint(0, 256, (1, seq_len)), "labels": torch.randint(0, 256, (1, seq_len))}
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    module = CausalLMModule("tiny", warmup_steps=0, max_steps=1, loss_chunk_size=16)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
+    return strategy
+
+
+def _tiny_budget(seq_len: int, options: MemoryOptions) -> float:
+    from lightning_seqpar.models.llama import LlamaConfig
+
+    shape = TransformerShape.from_config(LlamaConfig.from_name("tiny"))
+    return estimate_memory(model_shape=shape, seq_len=seq_len, precision="32-true", options=options, loss_chunk_size=16).total / 0.9
+
+
+def test_strategy_memory_auto_sets_unset_options_only():
+    seq = 64
+    plain, offloaded = _tiny_budget(seq, MemoryOptions()), _tiny_budget(seq, MemoryOptions(offload_checkpoints=True))
+    assert offloaded < plain
+    device_memory = (plain + offloaded) / 2  # fits with offload, not without
+    strategy = _fit_with_device_memory(device_memory, seq)
+    assert strategy.memory_plan is not None and strategy.config.offload_checkpoints is True
+    assert strategy.offload_checkpoints is True and strategy.memory_plan.options.mlp_chunk_size is None
+    # a user-set option is fixed: mlp_chunk_size=16 stays, and the planner still adds the offload
+    tiled = _tiny_budget(seq, MemoryOptions(mlp_chunk_size=16))
+    strategy = _fit_with_device_memory((tiled + _tiny_budget(seq, MemoryOptions(mlp_chunk_size=16, offload_checkpoints=True))) / 2,
+                                       seq, mlp_chunk_size=16)
+    assert strategy.config.mlp_chunk_size == 16 and strategy.config.offload_checkpoints is True
+    # on a device whose memory is not known (the CPU), the options stay as given
+    strategy = _fit_with_device_memory(None, seq)
+    assert strategy.memory_plan is None and strategy.config.offload_checkpoints is False
+
+
+def test_strategy_memory_auto_refuses_before_training():
+    seq = 64
+    with pytest.raises(ValueError, match=r"FakeMemory: memory='auto' found no options that fit expected_seq_len=64 .*no sequence length fits"):
+        _fit_with_device_memory(OVERHEAD_BYTES * 1.01, seq)
