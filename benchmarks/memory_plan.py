@@ -66,7 +66,7 @@ def run(seq: int, steps: int, loss_chunk: int, row: dict) -> None:
     module = CausalLMModule(model=config, lr=1e-5, warmup_steps=1, weight_decay=0.0, loss_chunk_size=loss_chunk)
     torch.cuda.reset_peak_memory_stats()
     try:
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1))
     finally:  # the plan is known before the first step, also when a step runs out of memory
         plan = strategy.memory_plan
         if plan is not None:
