@@ -47,6 +47,27 @@ def append_records(path: str, rows: dict | list[dict]) -> None:
         json.dump(old + (rows if isinstance(rows, list) else [rows]), f, indent=1)
 
 
+def error_text(error: BaseException, limit: int = 300) -> str:
+    """A failed run's error for its record: the type and the first line of the message."""
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:limit] if str(error).strip() else ''}"
+
+
+def record_and_release(path: str | None, row: dict) -> None:
+    """After one measurement of a one-GPU script: append ``row`` to ``path`` (when given), then free what the
+    run left (collected objects, the CUDA cache, a default process group) before the next one."""
+    import gc
+
+    import torch
+
+    if path:
+        append_records(path, row)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def problems(row: Any) -> list[str]:
     """What is wrong with one record (empty when it is fine)."""
     if not isinstance(row, dict):

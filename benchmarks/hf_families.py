@@ -18,7 +18,6 @@ A run that does not fit is recorded with its error (``CUDA out of memory``).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from collect import append_records  # noqa: E402
+from collect import error_text, record_and_release  # noqa: E402
 
 # Gemma 3 12B's layer shape (hidden 3840, 16 / 8 heads of 256, FFN 15360, vocab 262144, window 1024,
 # 5 local layers per global one), 6 layers; gpt-oss-20b's (hidden 2880, 64 / 8 heads of 64, window 128
@@ -154,14 +153,9 @@ def main() -> None:
                       f"step {got['step_time_s']:.2f} s, peak {got['peak_mem_gb']:.1f} GB, losses "
                       f"{[round(x, 3) for x in got['losses']]}", flush=True)
             except Exception as error:  # noqa: BLE001 - record what did not run (OOM) and go on
-                row.update(error=f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}")
+                row.update(error=error_text(error))
                 print(f"[hf_family] {shape} {system} S={args.seq}: {row['error']}", flush=True)
-            if args.out:
-                append_records(args.out, row)
-            gc.collect()
-            torch.cuda.empty_cache()
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+            record_and_release(args.out, row)
 
 
 if __name__ == "__main__":

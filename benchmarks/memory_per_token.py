@@ -17,7 +17,6 @@ recorded with its error.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from collect import append_records  # noqa: E402
+from collect import error_text, record_and_release  # noqa: E402
 
 SHAPE = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=1 << 20,
@@ -108,12 +107,9 @@ def main() -> None:
                       f"{row['kept_gb']:.2f} GB = {row['kept_bytes_per_token_per_layer']:.0f} B/token/layer, peak "
                       f"{row['peak_gb']:.2f} GB (reserved {row['reserved_gb']:.2f}), {row['tokens_per_s']:.0f} tokens/s", flush=True)
             except Exception as error:  # noqa: BLE001 - record what did not run (OOM) and go on
-                row.update(error=f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}")
+                row.update(error=error_text(error))
                 print(f"[memory] {option} S={seq}: {row['error']}", flush=True)
-            if args.out:
-                append_records(args.out, row)
-            gc.collect()
-            torch.cuda.empty_cache()
+            record_and_release(args.out, row)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ a CUDA out-of-memory error) is recorded with its error and the run goes on; leng
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from collect import append_records  # noqa: E402
+from collect import error_text, record_and_release  # noqa: E402
 
 LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=1 << 21,
@@ -103,16 +102,11 @@ def main() -> None:
             try:
                 run(seq, args.steps, args.loss_chunk, row)
             except Exception as error:  # noqa: BLE001 - an OOM or the planner's refusal is a result: record it, go on
-                row.update(error=f"{type(error).__name__}: {str(error).strip().splitlines()[0][:600]}",
+                row.update(error=error_text(error, 600),
                            oom=isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error))
         print(f"[memory_plan] S={seq}: " + ", ".join(f"{k}={row[k]}" for k in ("plan", "estimate_allocated_gb", "peak_mem_gb",
               "peak_reserved_gb", "tokens_per_s", "error") if k in row), flush=True)
-        if args.out:
-            append_records(args.out, row)
-        gc.collect()
-        torch.cuda.empty_cache()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        record_and_release(args.out, row)
 
 
 if __name__ == "__main__":
