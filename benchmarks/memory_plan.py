@@ -1,16 +1,27 @@
-"""memory="auto" on one GPU: the planner's choice and estimate against the measured peak (issue #22).
+"""memory="auto" on one GPU: the planner's choice and estimate against the measured peak, and the longest
+context that trains against plain transformers (+ peft) on the same GPU (issue #22).
 
     PYTHONPATH=$PWD python benchmarks/memory_plan.py --seqs 32768,131072,262144 \
         --out benchmarks/results/DATE-DEVICE-memory-plan.json
+    PYTHONPATH=$PWD python benchmarks/memory_plan.py --model llama-3-8b --lora 16 --system transformers --seqs 32768,65536
 
-For each length: a Llama-3.2-1B-shaped ``transformers.LlamaForCausalLM`` (config, random init; hidden 2048, 16
-layers, 32 / 8 heads of 64, FFN 8192, vocab 128256, tied embeddings) trained 2 optimizer steps with
-``SequenceParallelStrategy(sequence_parallel_size=1, memory="auto", expected_seq_len=S)``, bf16-true, batch 1,
-``CausalLMModule(loss_chunk_size=--loss-chunk)``, AdamW. One record per length: the planner's options and
-estimate (every term, GB), ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over both steps, their
-ratio to the estimate, the second step's time and tokens/s. A length that does not fit (the planner's refusal or
-a CUDA out-of-memory error) is recorded with its error and the run goes on; lengths not started before
---max-minutes are recorded as skipped.
+--model: ``llama-3.2-1b`` (hidden 2048, 16 layers, 32 / 8 heads of 64, FFN 8192, vocab 128256, tied embeddings)
+or ``llama-3-8b`` (4096, 32 layers, 32 / 8 heads of 128, FFN 14336, vocab 128256); a
+``transformers.LlamaForCausalLM`` from the config, random init. --lora R: peft LoRA of rank R (alpha 2R) on
+every linear layer, the base frozen (0: full fine-tune). Each length trains --steps optimizer steps (AdamW),
+batch 1, bf16 weights:
+
+seqpar       ``SequenceParallelStrategy(sequence_parallel_size=1, memory="auto", expected_seq_len=S)``,
+             ``precision="bf16-true"`` (LoRA adapters fp32), ``CausalLMModule(loss_chunk_size=--loss-chunk)``;
+             the record has the planner's options and estimate (every term, GB) and measured / estimate.
+transformers the same model unmodified as a user runs it: bf16 weights (peft's adapters fp32), SDPA,
+             ``gradient_checkpointing_enable()`` (non-reentrant), transformers' own loss on the full logits,
+             torch AdamW over the trainable parameters.
+
+One record per length: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the steps, the last
+step's time and tokens/s. A length that does not fit (the planner's refusal or a CUDA out-of-memory error) is
+recorded with its error and the longer lengths are skipped; lengths not started before --max-minutes are
+recorded as skipped.
 """
 
 from __future__ import annotations
@@ -28,17 +39,39 @@ from collect import error_text, record_and_release  # noqa: E402
 LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=1 << 21,
                 rms_norm_eps=1e-5, tie_word_embeddings=True, attention_dropout=0.0)
+LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=1 << 21,
+                rms_norm_eps=1e-5, tie_word_embeddings=False, attention_dropout=0.0)
+SHAPES = {"llama-3.2-1b": LLAMA_1B, "llama-3-8b": LLAMA_8B}
 
 
-def run(seq: int, steps: int, loss_chunk: int, row: dict) -> None:
-    """Train ``steps`` steps at ``seq`` tokens; fills ``row`` (the plan first, so that it is kept when a step fails)."""
-    import lightning as L
+def _config(model: str):
     from transformers import AutoConfig
+
+    spec = dict(SHAPES[model])
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def _lora(rank: int) -> dict | None:
+    return None if rank == 0 else {"r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"}
+
+
+def _data(vocab: int, seq: int, steps: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (seq,), generator=g)
+        data.append({"input_ids": ids, "labels": torch.cat([ids[1:], torch.tensor([-100])])})
+    return data
+
+
+def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict) -> None:
+    """seqpar: train ``steps`` steps at ``seq`` tokens; fills ``row`` (the plan first, so that it is kept when a step fails)."""
+    import lightning as L
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
 
-    spec = dict(LLAMA_1B)
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    config = _config(model)
     times: list[float] = []
     losses: list[float] = []
 
@@ -53,16 +86,13 @@ def run(seq: int, steps: int, loss_chunk: int, row: dict) -> None:
             loss = trainer.callback_metrics.get("train/loss")
             losses.append(float(loss) if loss is not None else float("nan"))
 
-    g = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(steps):
-        ids = torch.randint(0, config.vocab_size, (seq,), generator=g)
-        data.append({"input_ids": ids, "labels": torch.cat([ids[1:], torch.tensor([-100])])})
+    data = _data(config.vocab_size, seq, steps)
     strategy = SequenceParallelStrategy(sequence_parallel_size=1, memory="auto", expected_seq_len=seq)
     trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-true", max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timer()])
-    module = CausalLMModule(model=config, lr=1e-5, warmup_steps=1, weight_decay=0.0, loss_chunk_size=loss_chunk)
+    module = CausalLMModule(model=config, lora=_lora(lora), lr=1e-5, warmup_steps=1, weight_decay=0.0,
+                            loss_chunk_size=loss_chunk)
     torch.cuda.reset_peak_memory_stats()
     try:
         trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1))
@@ -80,9 +110,49 @@ def run(seq: int, steps: int, loss_chunk: int, row: dict) -> None:
                measured_over_estimate=row["peak_mem_gb"] / row["estimate_allocated_gb"] if "estimate_allocated_gb" in row else None)
 
 
+def run_plain(model: str, lora: int, seq: int, steps: int, row: dict) -> None:
+    """transformers (+ peft) unmodified: ``steps`` steps at ``seq`` tokens; fills ``row``."""
+    from transformers import AutoModelForCausalLM
+
+    config = _config(model)
+    with torch.device("cuda"):
+        net = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    net.config.use_cache = False
+    if lora:
+        import peft
+
+        net = peft.get_peft_model(net, peft.LoraConfig(task_type="CAUSAL_LM", **_lora(lora)))  # adapters fp32 (peft's default)
+    net.train()
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+    times, losses = [], []
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        for item in _data(config.vocab_size, seq, steps):
+            ids, labels = item["input_ids"][None].cuda(), item["labels"][None].cuda()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = net(input_ids=ids, labels=labels, use_cache=False).loss  # transformers shifts: labels = ids
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+    finally:
+        row.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9,
+                   trainable_params=sum(p.numel() for p in params))
+        del net, opt, params
+    row.update(step_time_s=times[-1], tokens_per_s=seq / times[-1], losses=losses, attn="sdpa")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seqs", default="32768,131072,262144", help="comma-separated sequence lengths")
+    ap.add_argument("--seqs", default="32768,131072,262144", help="comma-separated sequence lengths, shortest first")
+    ap.add_argument("--model", default="llama-3.2-1b", choices=sorted(SHAPES))
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on every linear layer (0: full fine-tune)")
+    ap.add_argument("--system", default="seqpar", choices=("seqpar", "transformers"))
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=8192)
     ap.add_argument("--max-minutes", type=float, default=25.0, help="lengths not started by then are recorded as skipped")
@@ -92,19 +162,28 @@ def main() -> None:
     start = time.monotonic()
     device = torch.cuda.get_device_name()
     total = torch.cuda.get_device_properties(0).total_memory / 1e9
+    name = f"hf-{args.model}-shaped" + (f"-lora{args.lora}" if args.lora else "")
+    failed = None
     for seq in (int(s) for s in args.seqs.split(",")):
-        row = dict(bench="memory_plan", system="seqpar", model="hf-llama-3.2-1b-shaped", seq=seq, gpus=1, device=device,
-                   device_memory_gb=total, precision="bf16-true", loss_chunk_size=args.loss_chunk, torch=torch.__version__,
+        row = dict(bench="memory_plan", system=args.system, model=name, seq=seq, gpus=1, device=device,
+                   device_memory_gb=total, precision="bf16-true", lora_rank=args.lora, steps=args.steps,
+                   loss_chunk_size=args.loss_chunk if args.system == "seqpar" else None, torch=torch.__version__,
                    commit=args.commit)
-        if time.monotonic() - start > 60 * args.max_minutes:
+        if failed is not None:
+            row.update(error=f"skipped: {failed} did not fit")
+        elif time.monotonic() - start > 60 * args.max_minutes:
             row.update(error=f"skipped: --max-minutes {args.max_minutes} passed")
         else:
             try:
-                run(seq, args.steps, args.loss_chunk, row)
+                if args.system == "seqpar":
+                    run(args.model, args.lora, seq, args.steps, args.loss_chunk, row)
+                else:
+                    run_plain(args.model, args.lora, seq, args.steps, row)
             except Exception as error:  # noqa: BLE001 - an OOM or the planner's refusal is a result: record it, go on
                 row.update(error=error_text(error, 600),
                            oom=isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error))
-        print(f"[memory_plan] S={seq}: " + ", ".join(f"{k}={row[k]}" for k in ("plan", "estimate_allocated_gb", "peak_mem_gb",
+                failed = seq
+        print(f"[memory_plan] {args.system} {name} S={seq}: " + ", ".join(f"{k}={row[k]}" for k in ("plan", "estimate_allocated_gb", "peak_mem_gb",
               "peak_reserved_gb", "tokens_per_s", "error") if k in row), flush=True)
         record_and_release(args.out, row)
 

@@ -58,3 +58,42 @@ def test_fla_kernels_match_torch(which):
         err = ((a - r).norm() / r.norm()).item()
         print(f"[recurrent-gpu] {which} {name}: rel. L2 error {err:.2e}")
         assert err < 2e-3, f"{which} {name}: relative L2 error {err:.2e} (fla TF32 / fp32 accumulation vs torch fp32)"
+
+
+@pytest.mark.skipif(_fla_refused() is not None, reason=f"fla-core does not run here: {_fla_refused()}")
+@pytest.mark.parametrize("which", ["delta", "ssd"])
+def test_fla_kernels_take_packed_documents(which):
+    """kernel="fla" with packed documents (fla-core's varlen API, one state in and out per segment, empty
+    segments passing their state through) against the package's torch kernels; the state after every
+    document and every gradient, with entering states (the chain's hand-off) on every segment."""
+    from lightning_seqpar.attention.recurrent import _chunked_scan_segments, _fla_scan_segments
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    lengths = torch.tensor([[700, 0, 1, 323], [0, 1024, 0, 0]])  # rows sum to T; empty and one-token segments
+    B, N = lengths.shape
+    T, H, Dk, Dv = 1024, 4, 64, 64
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, Dk, device=dev), dim=-1) * Dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, Dk, device=dev), dim=-1)
+    v = torch.randn(B, T, H, Dv, device=dev)
+    g = -torch.rand(B, T, H, device=dev) * 0.1
+    beta = torch.rand(B, T, H, device=dev)
+    s0 = torch.randn(B, N, H, Dk, Dv, device=dev) * 0.1
+    dout, dstate = torch.randn(B, T, H, Dv, device=dev), torch.randn(B, N, H, Dk, Dv, device=dev)
+    inputs = [q, k, v, g, beta, s0] if which == "delta" else [q, k, v, g, s0]
+
+    def call(fn):
+        def run(*xs):
+            b = xs[4] if which == "delta" else None
+            args = (*xs[:4], b, xs[-1], lengths)
+            return fn(*args, 64) if fn is _chunked_scan_segments else fn(*args)
+        return run
+
+    ref = _run(call(_chunked_scan_segments), inputs, dout, dstate)
+    got = _run(call(_fla_scan_segments), inputs, dout, dstate)
+    names = ["out", "states", "dq", "dk", "dv", "dg", *(["dbeta"] if which == "delta" else []), "dstates"]
+    for name, a, r in zip(names, got, ref):
+        err = ((a - r).norm() / r.norm()).item()
+        print(f"[recurrent-gpu] documents {which} {name}: rel. L2 error {err:.2e}")
+        assert err < 2e-3, f"documents {which} {name}: relative L2 error {err:.2e}"
+    torch.testing.assert_close(got[1][1, 0], s0[1, 0])  # an empty segment hands on its entering state
