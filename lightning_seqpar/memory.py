@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -118,6 +118,9 @@ DEFAULT_MARGIN = 0.10
 (``max_memory_reserved`` above ``max_memory_allocated``) and what the estimate leaves out."""
 
 MLP_TILE = 8192
+LORA_ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+"""Adapted linear layers of the attention block (their fp32 input copies live through the whole block's
+backward); the MLP's (gate_proj, up_proj, down_proj) are tiled with ``mlp_chunk_size``."""
 """The ``mlp_chunk_size`` the planner picks (tokens per slice)."""
 
 PARAM_BYTES: dict[str, tuple[int, int, int, int]] = {
@@ -299,6 +302,7 @@ def estimate_memory(
     batch_size: int = 1,
     loss_chunk_size: int | None = None,
     trainable_params: int | None = None,
+    lora_targets: Collection[str] = (),
     attention: str = "ring",
     head_parallel_size: int = 1,
 ) -> MemoryEstimate:
@@ -314,6 +318,8 @@ def estimate_memory(
         loss_chunk_size: ``CausalLMModule``'s; None: the full logits.
         trainable_params: LoRA: the adapters' parameter count (fp32, with gradients and AdamW state);
             the rest of the model is frozen. None: every parameter is trained.
+        lora_targets: LoRA: the adapted linear layers of a block (names of :data:`LORA_LINEAR_INPUTS`);
+            each keeps an fp32 copy of its input for its backward (Note [Memory per token]).
         attention: the algorithm ("ring", "allgather", "ulysses", "2d"; "auto" and "lasp" are estimated as
             "ring"); head_parallel_size: hp of "2d".
     """
@@ -349,6 +355,21 @@ def estimate_memory(
     mlp_grads = 2 * I * e
     mode = options.activation_checkpointing
     back = x if options.offload_checkpoints else 0  # the offloaded input copied back for the recompute
+    # LoRA (peft casts each adapted layer's input to the fp32 adapter's dtype; lora_A keeps that copy), and the
+    # fp32 sum of base output and adapter output that the widest adapted attention projection forms
+    widths = {"q_proj": d, "k_proj": d, "v_proj": d, "o_proj": Hq * D, "gate_proj": d, "up_proj": d, "down_proj": I}
+    unknown = set(lora_targets) - set(widths)
+    if unknown:
+        raise ValueError(f"estimate_memory: lora_targets {sorted(unknown)} are not among {sorted(widths)}")
+    lora_attn = sum(4 * widths[t] for t in lora_targets if t in LORA_ATTENTION)
+    outputs = {"q_proj": Hq * D, "k_proj": Hkv * D, "v_proj": Hkv * D, "o_proj": d}
+    lora_attn += 8 * max((outputs[t] for t in lora_targets if t in LORA_ATTENTION), default=0)
+    lora_mlp = sum(4 * widths[t] for t in lora_targets if t not in LORA_ATTENTION)
+    if options.mlp_chunk_size is None:
+        mlp_saved += lora_mlp
+        lora_tile = 0
+    else:
+        lora_tile = min(options.mlp_chunk_size, n) * lora_mlp
 
     # the MLP's saved tensors and gradients: the whole rank's tokens, or one tile
     if options.mlp_chunk_size is not None:
@@ -375,11 +396,12 @@ def estimate_memory(
         saved_token = x + 2 * norm + qkv + attn_out + (mlp_saved if options.mlp_chunk_size is None else 0)
         recompute_extra = 0
     if mode is None:  # the saved tensors are in saved_token; the backward adds gradients
-        mlp_phase = n * ((mlp_grads if options.mlp_chunk_size is None else 0) + x) + tile
+        saved_token += lora_attn
+        mlp_phase = n * ((mlp_grads if options.mlp_chunk_size is None else 0) + x) + tile + lora_tile
         attention_phase = attention_bytes + n * x
     else:
-        mlp_phase = n * (2 * norm + qkv + mlp_tokens + x + back + recompute_extra) + tile
-        attention_phase = n * (norm + x + back + recompute_extra) + attention_bytes
+        mlp_phase = n * (2 * norm + qkv + mlp_tokens + x + back + recompute_extra + lora_attn) + tile + lora_tile
+        attention_phase = n * (norm + x + back + recompute_extra + lora_attn) + attention_bytes
     block = max(mlp_phase, attention_phase)
 
     # the loss (before the backward)
@@ -466,6 +488,7 @@ def plan_memory(
     batch_size: int = 1,
     loss_chunk_size: int | None = None,
     trainable_params: int | None = None,
+    lora_targets: Collection[str] = (),
     attention: str = "ring",
     head_parallel_size: int = 1,
     margin: float = DEFAULT_MARGIN,
@@ -483,7 +506,8 @@ def plan_memory(
     fixed = dict(fixed or {})
     budget = (1 - margin) * device_memory
     common = dict(model_shape=model_shape, sp=sp, dp_shard=dp_shard, precision=precision, batch_size=batch_size,
-                  loss_chunk_size=loss_chunk_size, trainable_params=trainable_params, attention=attention,
+                  loss_chunk_size=loss_chunk_size, trainable_params=trainable_params, lora_targets=tuple(lora_targets),
+                  attention=attention,
                   head_parallel_size=head_parallel_size)
     allowed = attention in ("ring", "allgather", "auto") and head_parallel_size == 1
     tried: list[MemoryEstimate] = []

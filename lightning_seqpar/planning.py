@@ -239,17 +239,22 @@ LORA_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 """The linear layers of a Llama-style block, by their transformers names (what peft's target_modules names)."""
 
 
+def lora_targets(lora_config: Any) -> tuple[str, ...]:
+    """The linear layers of :data:`LORA_LINEARS` a ``peft.LoraConfig`` adapts ("all-linear", None or a pattern: all)."""
+    targets = getattr(lora_config, "target_modules", None)
+    if targets is None or isinstance(targets, str) and targets not in LORA_LINEARS:
+        return LORA_LINEARS
+    return (targets,) if isinstance(targets, str) else tuple(t for t in LORA_LINEARS if t in set(targets))
+
+
 def lora_trainable_params(shape: TransformerShape, lora_config: Any) -> int:
     """Adapter parameters of a ``peft.LoraConfig`` on a Llama-style decoder: r x (in + out) per targeted linear
-    layer and block ("all-linear" or None: every one of :data:`LORA_LINEARS`)."""
+    layer and block (:func:`lora_targets`)."""
     d, D, I = shape.hidden_size, shape.head_dim, shape.intermediate_size
     sizes = {"q_proj": (d, shape.num_heads * D), "k_proj": (d, shape.num_kv_heads * D), "v_proj": (d, shape.num_kv_heads * D),
              "o_proj": (shape.num_heads * D, d), "gate_proj": (d, I), "up_proj": (d, I), "down_proj": (I, d)}
-    targets = getattr(lora_config, "target_modules", None)
-    names = LORA_LINEARS if targets is None or targets == "all-linear" or isinstance(targets, str) and targets not in sizes else (
-        [targets] if isinstance(targets, str) else [t for t in targets if t in sizes])
     r = int(getattr(lora_config, "r", 8))
-    return shape.num_layers * sum(r * sum(sizes[n]) for n in names)
+    return shape.num_layers * sum(r * sum(sizes[n]) for n in lora_targets(lora_config))
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -287,6 +292,7 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, sit
         dp_shard=dims.dp_shard, precision=site.precision, fixed=fixed, batch_size=1,
         loss_chunk_size=getattr(module, "loss_chunk_size", None),
         trainable_params=None if lora is None else lora_trainable_params(shape, lora),
+        lora_targets=() if lora is None else lora_targets(lora),
         attention=config.initial_attention, head_parallel_size=dims.hp, owner=owner,
     )
 

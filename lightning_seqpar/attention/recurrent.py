@@ -95,11 +95,9 @@ state after a segment's last chunk is the state after its last token. A per-toke
 chunk (the decay multiplied to zero at a document start, g = -inf) is exact in the token
 recurrence but makes the chunk's cumulative log decays -inf (their differences NaN) and needs a
 mid-chunk injection of the entering state; the padding keeps the kernel as it is for at most
-c - 1 idle tokens per segment. On the GPU, fla-core's varlen API takes the same segment form:
-the piece's rows flattened to one row of B x T tokens, ``cu_seqlens`` at the non-empty segments'
-ends, one initial state in and one final state out per segment (its kernels start a fresh chunk
-at every sequence start too); an empty segment passes its entering state through on the torch
-side (``index_copy``), so kernel="fla" (and "auto" where fla-core runs) takes documents.
+c - 1 idle tokens per segment. fla-core's varlen API (``cu_seqlens`` with one initial and one
+final state per sequence) fits this segment form but is not wired yet: kernel="fla" is refused
+with documents and kernel="auto" runs the torch kernels for them.
 
 The short convolution's "state" is a document's last k-1 inputs (zeros before its start). With
 documents it travels along the same chain, [B, N, k-1, C] per hop, instead of the one-shot halo:
@@ -311,9 +309,14 @@ def _fla_unusable(device_index: int | None) -> str | None:
     return None
 
 
-def _resolve_kernel(kernel: str, device: torch.device) -> str:
+def _resolve_kernel(kernel: str, device: torch.device, documents: bool = False) -> str:
     if kernel not in RECURRENT_KERNELS:
         raise ValueError(f"kernel={kernel!r} is not supported; expected one of {RECURRENT_KERNELS}")
+    if documents:  # Note [Documents in a recurrence]: the torch kernels only
+        if kernel == "fla":
+            raise ValueError("kernel='fla' does not take packed documents here (the per-document state reset runs in the "
+                             "package's torch kernels); use kernel='torch' or 'auto' (which runs them for packed documents)")
+        return "torch"
     usable = device.type == "cuda" and _fla_installed()
     why = _fla_unusable(device.index) if usable else None
     if kernel == "auto":
@@ -326,43 +329,20 @@ def _resolve_kernel(kernel: str, device: torch.device) -> str:
     return kernel
 
 
-def _fla_scan(q, k, v, g, beta, initial, cu_seqlens=None) -> tuple[Tensor, Tensor]:
-    """fla-core's chunked kernels (their own autograd Functions take the final-state gradient); fp32 out and state."""
-    if beta is None:
-        from fla.ops.simple_gla import chunk_simple_gla
-
-        out, state = chunk_simple_gla(q, k, v, g=g.float(), scale=1.0, initial_state=initial, output_final_state=True,
-                                      cu_seqlens=cu_seqlens)
-    else:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        out, state = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, scale=1.0, initial_state=initial,
-                                            output_final_state=True, cu_seqlens=cu_seqlens)
-    return out.float(), state.float()
-
-
 def _scan(q, k, v, g, beta, initial, chunk_size, kernel) -> tuple[Tensor, Tensor]:
     """Dispatch to the torch or the fla kernel; fp32 out and state."""
-    if kernel == "fla":
-        return _fla_scan(q, k, v, g, beta, initial)
+    if kernel == "fla":  # fla path: fla's own autograd Functions (they take the final-state gradient)
+        if beta is None:
+            from fla.ops.simple_gla import chunk_simple_gla
+
+            out, state = chunk_simple_gla(q, k, v, g=g.float(), scale=1.0, initial_state=initial, output_final_state=True)
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            out, state = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, scale=1.0, initial_state=initial,
+                                                output_final_state=True)
+        return out.float(), state.float()
     return _chunked_scan(q, k, v, g, beta, initial, chunk_size)
-
-
-def _fla_scan_segments(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor | None,
-                       lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`_chunked_scan_segments` with fla-core's varlen kernels (Note [Documents in a recurrence])."""
-    B, T, H, Dk = q.shape
-    N, Dv = lengths.shape[1], v.shape[-1]
-    init = q.new_zeros(B * N, H, Dk, Dv, dtype=torch.float32) if initial is None else initial.float().reshape(B * N, H, Dk, Dv)
-    flat = lengths.reshape(-1)  # (B N,) rows of B x T tokens, end to end
-    keep = (flat > 0).nonzero()[:, 0]
-    if len(keep) == 0:
-        return q.new_zeros(B, T, H, Dv, dtype=torch.float32), init.reshape(B, N, H, Dk, Dv)
-    cu = F.pad(flat[keep].cumsum(0), (1, 0)).to(q.device)
-    rows = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g)] + ([] if beta is None else [beta.reshape(1, B * T, H)])
-    out, state = _fla_scan(*rows[:4], None if beta is None else rows[4], init[keep.to(q.device)].contiguous(), cu_seqlens=cu)
-    finals = init.index_copy(0, keep.to(q.device), state)  # an empty segment hands on its entering state
-    return out.reshape(B, T, H, Dv), finals.reshape(B, N, H, Dk, Dv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -729,7 +709,7 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
 
     ``documents``: packed documents (built with ``world`` = the mesh size; the inputs sharded by
     ``PackedDocuments.shard``, layout "zigzag"): the state is zero at every document's first token
-    (Note [Documents in a recurrence]); fla-core's kernels take them through their varlen API.
+    (Note [Documents in a recurrence]); the torch kernels run (kernel="fla" is refused).
 
     Returns ``[B, T_local, H_v, Dv]`` in q's dtype; differentiable in q, k, v, g, beta.
     """
@@ -748,7 +728,7 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
     _check_scan(q, k, v, g, beta, chunk_size)
     _pieces_of(q.shape[1], mesh, layout)
     pieces = _check_documents(documents, q.shape[0], q.shape[1], mesh, layout)
-    ker = _resolve_kernel(kernel, q.device)
+    ker = _resolve_kernel(kernel, q.device, pieces is not None)
     fn = functools.partial(_delta_kernel, chunk_size=chunk_size, kernel=ker, pieces=pieces)
     B, _, H, Dk = q.shape
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
@@ -760,8 +740,6 @@ def _delta_kernel(q, k, v, g, beta, s_in, *, piece, chunk_size, kernel, pieces=N
     """One piece of the chain: (out, state out); with documents (``pieces`` [B, N, P]) a state per document."""
     if pieces is None:
         return _scan(q, k, v, g, beta, s_in, chunk_size, kernel)
-    if kernel == "fla":
-        return _fla_scan_segments(q, k, v, g, beta, s_in, pieces[:, :, piece])
     return _chunked_scan_segments(q, k, v, g, beta, s_in, pieces[:, :, piece], chunk_size)
 
 
@@ -799,7 +777,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor |
     _check_scan(q, k, v, g, None, chunk_size)
     _pieces_of(T, mesh, layout)
     pieces = _check_documents(documents, Bsz, T, mesh, layout)
-    fn = functools.partial(_ssd_kernel, chunk_size=chunk_size, kernel=_resolve_kernel(kernel, x.device),
+    fn = functools.partial(_ssd_kernel, chunk_size=chunk_size, kernel=_resolve_kernel(kernel, x.device, pieces is not None),
                            pieces=pieces)
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
     y = _chain(fn, [q, k, v, g], (Bsz, *docs, H, k.shape[-1], P), mesh, layout)
