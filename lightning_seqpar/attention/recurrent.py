@@ -7,6 +7,8 @@ Public names:
 * :func:`causal_conv1d` — depthwise causal convolution over sequence shards (halo exchange).
 * :func:`gated_delta_rule` — the gated delta rule over sequence shards (state passing).
 * :func:`ssd_scan` — Mamba2's selective scan (scalar decay per head and token) over sequence shards.
+* :func:`selective_scan` — Mamba1's selective scan (decay per channel and state index) over sequence
+  shards (Note [Mamba1's selective scan under sequence sharding]).
 * :func:`gated_delta_rule_chunked`, :func:`ssd_scan_chunked` — the one-device kernels (pure torch,
   chunked; ``fla-core`` on CUDA when installed), with an initial state in and the final state out.
 * :class:`Recurrence` — a parameter-free module that the model's token mixers call; ``configure``
@@ -134,6 +136,7 @@ __all__ = [
     "causal_conv1d",
     "gated_delta_rule",
     "gated_delta_rule_chunked",
+    "selective_scan",
     "ssd_scan",
     "ssd_scan_chunked",
 ]
@@ -786,10 +789,124 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor |
     return y
 
 
+# ---------------------------------------------------------------------------------------------
+# Mamba1's selective scan
+#
+# Note [Mamba1's selective scan under sequence sharding]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Mamba (Gu & Dao 2023, §3.2 and Alg. 2; transformers' MambaMixer / JambaMambaMixer /
+# FalconMambaMixer / ZambaMambaMixer, the torch path of ``mamba_selective_scan``) keeps, per
+# channel e of the d_inner channels, a state h[e, :] of N entries, each with its own decay:
+#
+#     h_t[e, n] = exp(dt_t[e] A[e, n]) h_{t-1}[e, n] + dt_t[e] x_t[e] B_t[n],
+#     y_t[e]    = sum_n h_t[e, n] C_t[n] + D[e] x_t[e]
+#
+# (B_t, C_t shared by the channels of a group: one group for Mamba / Jamba / Falcon-Mamba, one per
+# Mamba head for Zamba). It is the SSD recurrence of Note [Linear recurrences under sequence
+# sharding] with the scalar decay replaced by a diagonal one: still affine in the state, so the
+# same chain carries it, one [B, d_inner, N] state per hop (per document: [B, docs, d_inner, N]),
+# contiguous or zigzag (Note [State chain under the zigzag layout]), with the document resets of
+# Note [Documents in a recurrence].
+#
+# The local kernel is the token recurrence itself, in fp32, one step per token (the form of
+# transformers' torch path): the REFERENCE form, exact and simple, but a Python loop of T steps
+# (forward and recomputed in backward) whose autograd keeps O(T d_inner N) — as transformers' own
+# torch path does; it is not a fast kernel. A chunked form (per chunk a [c, c, d_inner, N] decay
+# tensor, or mamba_ssm's fused scan with an initial state) would be the fast path; not written yet.
+# With documents a token that starts a segment takes its document's entering state instead of the
+# running one (torch.where per step), and the state after a segment's last token is its document's
+# leaving state (an empty segment passes its entering state through).
+
+
+def _selective_kernel(g: Tensor, u: Tensor, B: Tensor, C: Tensor, s_in: Tensor | None, *, piece: int,
+                      pieces: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One piece of the chain: the token recurrence of Note [Mamba1's selective scan under sequence sharding].
+
+    g: [Bsz, T, E, N] log decays (dt A); u: [Bsz, T, E] written values (dt x); B, C: [Bsz, T, G, N];
+    s_in: [Bsz, E, N] (with documents [Bsz, docs, E, N]) or None (zero). Returns (y [Bsz, T, E] without
+    the D term, the leaving state(s) shaped as s_in), fp32.
+    """
+    Bsz, T, E, N = g.shape
+    G = B.shape[2]
+    if pieces is None:
+        lengths = torch.full((Bsz, 1), T, dtype=torch.int64)
+    else:
+        lengths = pieces[:, :, piece]
+    docs = lengths.shape[1]
+    init = g.new_zeros(Bsz, docs, E, N) if s_in is None else s_in.reshape(Bsz, docs, E, N)
+    ends = torch.cumsum(lengths, 1)  # (Bsz, docs): one past each segment's last token
+    starts = ends - lengths
+    doc_of = torch.stack([torch.repeat_interleave(torch.arange(docs), row) for row in lengths])  # (Bsz, T)
+    is_start = torch.zeros(Bsz, T, dtype=torch.bool)
+    for b in range(Bsz):
+        is_start[b, starts[b][lengths[b] > 0]] = True
+    rows = torch.arange(Bsz)
+    state = init[:, 0]
+    states, ys = [], []
+    for t in range(T):
+        first = is_start[:, t]
+        if bool(first.any()):  # a segment starts here: its document's entering state
+            entering = init[rows, doc_of[:, t].to(g.device)]
+            state = torch.where(first.to(g.device)[:, None, None], entering, state) if not bool(first.all()) else entering
+        write = (u[:, t].reshape(Bsz, G, E // G, 1) * B[:, t, :, None, :]).reshape(Bsz, E, N)
+        state = g[:, t].exp() * state + write  # (Bsz, E, N)
+        ys.append((state.reshape(Bsz, G, E // G, N) * C[:, t, :, None, :]).sum(-1).reshape(Bsz, E))
+        states.append(state)
+    y = torch.stack(ys, dim=1) if ys else g.new_zeros(Bsz, 0, E)
+    if pieces is None:
+        return y, (states[-1] if states else init[:, 0])
+    hs = torch.stack(states, dim=1)  # (Bsz, T, E, N)
+    last = (ends - 1).clamp(min=0).to(g.device)  # (Bsz, docs)
+    leaving = hs[rows.to(g.device)[:, None], last]  # (Bsz, docs, E, N)
+    nonempty = (lengths > 0).to(g.device)[:, :, None, None]
+    return y, torch.where(nonempty, leaving, init)
+
+
+def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, *,
+                   mesh: DeviceMesh | None = None, layout: Literal["zigzag", "contiguous"] = "zigzag",
+                   documents: PackedDocuments | None = None) -> Tensor:
+    """Mamba1's selective scan over sequence shards (Note [Mamba1's selective scan under sequence sharding]).
+
+    After the discretisation of dt (softplus and bias are the caller's): x and dt ``[B, T, E]``
+    (E = d_inner channels), A ``[E, N]`` (negative), B and C ``[B, T, G, N]`` with G dividing E
+    (group g serves the E / G consecutive channels g E/G ...), D ``[E]`` or None.
+    ``y_t[e] = sum_n h_t[e, n] C_t[n] + D[e] x_t[e]`` with
+    ``h_t[e, n] = exp(dt_t[e] A[e, n]) h_{t-1}[e, n] + dt_t[e] x_t[e] B_t[n]``, h zero before the first token.
+
+    ``documents``: as for :func:`gated_delta_rule` (the state is zero at every document's first token).
+    The local kernel is the token-by-token recurrence (the reference form; a Python loop over the tokens).
+
+    Returns ``[B, T_local, E]`` fp32 (without the gate); differentiable in every input.
+    """
+    _check_mesh_layout(mesh, layout)
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, E], got {tuple(x.shape)}")
+    Bsz, T, E = x.shape
+    _check_tokens("dt", dt, (Bsz, T, E))
+    if A.dim() != 2 or A.shape[0] != E:
+        raise ValueError(f"A must have shape [E, N] = ({E}, N), got {tuple(A.shape)}")
+    N = A.shape[1]
+    if B.dim() != 4 or C.shape != B.shape or B.shape[:2] != (Bsz, T) or B.shape[3] != N or E % B.shape[2]:
+        raise ValueError(f"B and C must be [B, T, G, N] with G dividing the {E} channels of x and N = {N} (A's); "
+                         f"got x={tuple(x.shape)}, B={tuple(B.shape)}, C={tuple(C.shape)}")
+    if D is not None and tuple(D.shape) != (E,):
+        raise ValueError(f"D must have shape [E] = ({E},) or be None, got {tuple(D.shape)}")
+    _pieces_of(T, mesh, layout)
+    pieces = _check_documents(documents, Bsz, T, mesh, layout)
+    g = dt.float()[..., None] * A.float()  # (B, T, E, N) log decays
+    u = dt.float() * x.float()  # (B, T, E)
+    fn = functools.partial(_selective_kernel, pieces=pieces)
+    docs = () if pieces is None else (pieces.shape[1],)  # a state per document
+    y = _chain(fn, [g, u, B.float(), C.float()], (Bsz, *docs, E, N), mesh, layout)
+    if D is not None:
+        y = y + D.float() * x.float()
+    return y
+
+
 class Recurrence(nn.Module):
     """The sequence-parallel forms of the recurrent token mixers, as one parameter-free module.
 
-    A model's token mixer calls :meth:`conv`, :meth:`delta_rule` or :meth:`ssd`; :meth:`configure`
+    A model's token mixer calls :meth:`conv`, :meth:`delta_rule`, :meth:`ssd` or :meth:`selective`; :meth:`configure`
     (the strategy's or the test's call) gives it the mesh and the layout of the batch. Unconfigured
     (or one rank) it computes the whole sequence on one device.
     """
@@ -830,6 +947,10 @@ class Recurrence(nn.Module):
         documents = documents if documents is not None else current_documents()
         return ssd_scan(x, dt, A, B, C, D, mesh=self.mesh, layout=self.layout, chunk_size=self.chunk_size,  # type: ignore[arg-type]
                         kernel=self.kernel, documents=documents)  # type: ignore[arg-type]
+
+    def selective(self, x, dt, A, B, C, D, *, documents: PackedDocuments | None = None) -> Tensor:
+        documents = documents if documents is not None else current_documents()
+        return selective_scan(x, dt, A, B, C, D, mesh=self.mesh, layout=self.layout, documents=documents)  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
         where = "local" if self.mesh is None else f"layout={self.layout}, mesh={tuple(self.mesh.shape)}"
