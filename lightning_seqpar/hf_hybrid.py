@@ -22,10 +22,13 @@ replaced at set-up, once, by modules of this file (no transformers class is patc
       MambaLayer, NemotronHMamba2Mixer
     Lfm2ShortConv, Lfm2MoeShortConv,        SeqparShortConv        gated causal conv
       Lfm3ShortConv
+    MambaMixer, FalconMambaMixer,           SeqparMambaMixer       causal conv (x) + Mamba1 selective scan
+      JambaMambaMixer
+    ZambaMambaMixer                         SeqparZambaMambaMixer  the same, multi-head (B, C per head)
 
 Only these classes, whose forward this file follows line by line (the support sweep checks each
-architecture against the unmodified model); other recurrent mixers (Mamba / Mamba2 models,
-Jamba, Falcon-H1, Zamba, OLMo-hybrid, ...) stay refused by name
+architecture against the unmodified model); other recurrent mixers (Mamba2 models,
+Falcon-H1, Zamba2, OLMo-hybrid, ...) stay refused by name
 (``lightning_seqpar.hf.support.refuse_token_mixers``).
 
 Where it happens: ``apply_hf_attention`` (and so ``HFCausalLM`` / ``CausalLMModule``) replaces
