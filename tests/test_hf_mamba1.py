@@ -155,3 +155,48 @@ def _worker(rank: int, world_size: int, layout: str, packed: bool) -> int:
                          [(2, "zigzag", False), (3, "contiguous", False), (4, "zigzag", False), (4, "zigzag", True)])
 def test_mamba1_models_match_the_unmodified_model(world_size, layout, packed):
     assert run_distributed(_worker, world_size, layout, packed) == [len(KINDS)] * world_size
+
+
+# ------------------------------------------------------------------------------------- under the strategy
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{kind: (folder, reference logits, loss, gradients)} of the support sweep's tiny Mamba1 models, one batch."""
+    from hf_testing import batch, reference
+
+    root, data, refs = tmp_path_factory.mktemp("hf-mamba1"), batch(), {}
+    for kind in KINDS:
+        path = str(root / kind)
+        build(kind).save_pretrained(path)
+        refs[kind] = (path, *reference(path, data))
+    return refs, data
+
+
+def test_mamba1_models_train_exactly_under_the_strategy(saved):
+    """Trainer + SequenceParallelStrategy (sp 2, ring, zigzag) + CausalLMModule(<folder>), one step with the default
+    activation checkpointing (the state chain also runs in the recomputation): logits, logged loss, every gradient."""
+    from hf_testing import train_each
+
+    refs, data = saved
+    results = run_distributed(train_each, 2, [refs[k][0] for k in KINDS], data, timeout=300,
+                              strategy_kwargs={"attention": "ring"})[0]
+    for kind, result in zip(KINDS, results):
+        _, logits, loss, grads = refs[kind]
+        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        assert result["grads"].keys() == grads.keys(), kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
+def test_blocks_that_share_parameters_form_one_fsdp_group():
+    """Zamba ties the shared attention block of its hybrid layers (FSDP2 refuses a parameter in two groups)."""
+    from lightning_seqpar.parallelize import _blocks, _sharing_groups
+
+    model = build("zamba")
+    blocks = _blocks(model, None)
+    assert [len(g) for g in _sharing_groups(blocks)] == [1, 2]  # layer 0 (Mamba), layers 1 and 2 (hybrid, tied)
+    assert [[blocks.index(b) for b in g] for g in _sharing_groups(blocks)] == [[0], [1, 2]]
+    lone = [torch.nn.Linear(2, 2) for _ in range(3)]
+    assert _sharing_groups(lone) == [[m] for m in lone]
