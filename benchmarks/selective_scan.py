@@ -5,8 +5,8 @@ backward, fp32, at a Mamba-130m layer's shape (d_inner 1536, state 16) by defaul
     python benchmarks/selective_scan.py --seqs 1024,4096 --out selective_scan.json
     python benchmarks/selective_scan.py --device cpu --seqs 64 --channels 64     (smoke)
 
-One record per (length, system) appended to ``--out``: bench "selective_scan", system "seqpar" / "transformers",
-seq (tokens on the device), channels, state, device, time_ms (median of ``--iters`` after ``--warmup``, forward
+One record per (length, system, chunk size) appended to ``--out``: bench "selective_scan", system "seqpar" /
+"transformers", seq (tokens on the device), channels, state, chunk_size (the package's kernel; null for transformers), device, time_ms (median of ``--iters`` after ``--warmup``, forward
 + backward of sum(y * dy)), tokens_per_s, peak_mem_gb (torch.cuda.max_memory_allocated in the timed calls;
 null on the CPU), error (the first line, when a run fails: out of memory, say), commit.
 """
@@ -30,12 +30,12 @@ def _inputs(T: int, E: int, N: int, device: torch.device) -> dict[str, torch.Ten
             "B": make(1, T, 1, N), "C": make(1, T, 1, N), "D": torch.ones(E, device=device)}
 
 
-def _step(system: str, inputs: dict[str, torch.Tensor], dy: torch.Tensor) -> None:
+def _step(system: str, inputs: dict[str, torch.Tensor], dy: torch.Tensor, chunk: int) -> None:
     leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()}
     if system == "seqpar":
         from lightning_seqpar.attention.recurrent import selective_scan
 
-        y = selective_scan(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], leaves["D"])
+        y = selective_scan(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], leaves["D"], chunk_size=chunk)
     else:
         from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--channels", type=int, default=1536, help="d_inner (Mamba-130m: 1536; Jamba: 8192)")
     ap.add_argument("--state", type=int, default=16)
     ap.add_argument("--systems", default="seqpar,transformers")
+    ap.add_argument("--chunks", default="8,16,32", help="chunk sizes of the package's kernel (comma list)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -60,22 +61,25 @@ def main() -> None:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     for T in (int(s) for s in args.seqs.split(",")):
-        for system in args.systems.split(","):
+        runs = [(system, int(c)) for system in args.systems.split(",")
+                for c in (args.chunks.split(",") if system == "seqpar" else [0])]
+        for system, chunk in runs:
             row = {"bench": "selective_scan", "system": system, "seq": T, "channels": args.channels, "state": args.state,
+                   "chunk_size": chunk or None,
                    "device": name, "time_ms": None, "tokens_per_s": None, "peak_mem_gb": None, "error": None,
                    "commit": args.commit}
             try:
                 inputs = _inputs(T, args.channels, args.state, device)
                 dy = torch.randn(1, T, args.channels, device=device)
                 for _ in range(args.warmup):
-                    _step(system, inputs, dy)
+                    _step(system, inputs, dy, chunk)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 times = []
                 for _ in range(args.iters):
                     start = time.perf_counter()
-                    _step(system, inputs, dy)
+                    _step(system, inputs, dy, chunk)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     times.append(time.perf_counter() - start)

@@ -415,8 +415,9 @@ def selective_inputs(B=2, T=24, E=8, G=2, N=5, seed=3):
                 Bm=r(B, T, G, N), C=r(B, T, G, N), D=r(E))
 
 
-def _selective(mesh=None, layout="zigzag", documents=None):
-    return lambda x, dt, A, Bm, C, D: selective_scan(x, dt, A, Bm, C, D, mesh=mesh, layout=layout, documents=documents)
+def _selective(mesh=None, layout="zigzag", documents=None, chunk_size=4):
+    return lambda x, dt, A, Bm, C, D: selective_scan(x, dt, A, Bm, C, D, mesh=mesh, layout=layout, documents=documents,
+                                                     chunk_size=chunk_size)
 
 
 SELECTIVE_TOKENS = {"x", "dt", "Bm", "C"}
@@ -424,7 +425,8 @@ SELECTIVE_TOKENS = {"x", "dt", "Bm", "C"}
 
 def test_selective_scan_matches_token_recurrence_and_transformers():
     s = selective_inputs(T=23)
-    close(_selective()(**s), naive_selective(**s), "vs float64 recurrence")
+    for chunk in (1, 5, 16, 64):
+        close(_selective(chunk_size=chunk)(**s), naive_selective(**s), f"vs float64 recurrence, chunk={chunk}")
     mamba = pytest.importorskip("transformers.models.mamba.modeling_mamba")
     one = selective_inputs(T=23, G=1)  # transformers' layout: x, dt [B, E, T], B, C [B, N, T]
     ref = mamba.mamba_selective_scan(one["x"].transpose(1, 2), one["dt"].transpose(1, 2), one["A"],
@@ -440,6 +442,7 @@ def test_selective_scan_errors_name_the_argument():
         (lambda: selective_scan(s["x"], s["dt"], s["A"], s["Bm"][:, :, :, :2], s["C"][:, :, :, :2]), "B and C must be"),
         (lambda: selective_scan(s["x"], s["dt"], s["A"], s["Bm"], s["C"], s["D"][:3]), "D must have shape"),
         (lambda: selective_scan(s["x"], s["dt"], s["A"], s["Bm"], s["C"], layout="ring"), "layout="),
+        (lambda: selective_scan(s["x"], s["dt"], s["A"], s["Bm"], s["C"], chunk_size=0), "chunk_size must be"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -475,7 +478,9 @@ def test_selective_scan_documents_match_the_token_recurrence_on_one_device():
 
     s = selective_inputs(T=24)
     docs = PackedDocuments.from_lengths(DOC_LENGTHS)
-    close(_selective(documents=docs)(**s), _per_document(naive_selective, SELECTIVE_TOKENS)(**s), "documents")
+    for chunk in (1, 5, 64):  # chunks holding several documents, documents spanning chunks
+        close(_selective(documents=docs, chunk_size=chunk)(**s), _per_document(naive_selective, SELECTIVE_TOKENS)(**s),
+              f"documents, chunk={chunk}")
 
 
 def _selective_traffic_worker(rank: int, world_size: int) -> list:

@@ -123,6 +123,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -808,63 +809,75 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor |
 # contiguous or zigzag (Note [State chain under the zigzag layout]), with the document resets of
 # Note [Documents in a recurrence].
 #
-# The local kernel is the token recurrence itself, in fp32, one step per token (the form of
-# transformers' torch path): the REFERENCE form, exact and simple, but a Python loop of T steps
-# (forward and recomputed in backward) whose autograd keeps O(T d_inner N) — as transformers' own
-# torch path does; it is not a fast kernel. A chunked form (per chunk a [c, c, d_inner, N] decay
-# tensor, or mamba_ssm's fused scan with an initial state) would be the fast path; not written yet.
-# With documents a token that starts a segment takes its document's entering state instead of the
-# running one (torch.where per step), and the state after a segment's last token is its document's
-# leaving state (an empty segment passes its entering state through).
+# The local kernel is chunked (the diagonal-decay form of Note [Chunked gated recurrences]): in a
+# chunk of c tokens entering with state S_0 and G_t = sum_{u<=t} dt_u A (per e, n),
+#
+#     h_t = e^{G_t} S_0 + sum_{s<=t} e^{G_t - G_s} (dt_s x_s B_s),     y_t = <h_t, C_t>,
+#
+# the decays e^{G_t - G_s} formed only for s <= t (masked before exp: at most 1, no overflow), a
+# [c, c, E, N] workspace per chunk; the chunks (of every sample, one sample after the other) run
+# in sequence (B T / c steps instead of T), each under activation checkpointing, so autograd keeps one chunk's workspace at a time and O(T E N)
+# inputs (transformers' torch path keeps its T per-token states as well). Every segment of a
+# piece (a document's tokens, or the whole piece) starts a fresh chunk, padded at its end with
+# no-op tokens (dt = 0: no decay, no write), as Note [Documents in a recurrence] does for the
+# chunked SSD: no chunk holds a document start, and the state after a segment's last chunk is its
+# document's leaving state (an empty segment passes its entering state through). Pure torch, fp32:
+# exact (tested against a float64 token loop), not a fused kernel (mamba_ssm's selective scan with
+# an initial state would be the fast path; not wired).
+
+
+def _selective_chunk(G: Tensor, w: Tensor, C: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """One chunk: G [c, E, N] cumulative log decays, w [c, E, N] writes (dt x B), C [c, E, N], state [E, N]
+    entering -> (y [c, E], state after the chunk)."""
+    c = G.shape[0]
+    tri = torch.ones(c, c, dtype=torch.bool, device=G.device).tril()[:, :, None, None]
+    decay = (G[:, None] - G[None, :]).masked_fill(~tri, float("-inf")).exp()  # (t, s, E, N): e^{G_t - G_s}, s <= t
+    h = G.exp() * state + torch.einsum("tsen,sen->ten", decay, w)  # (c, E, N): the state after each token
+    return (h * C).sum(-1), h[-1]
 
 
 def _selective_kernel(g: Tensor, u: Tensor, B: Tensor, C: Tensor, s_in: Tensor | None, *, piece: int,
-                      pieces: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """One piece of the chain: the token recurrence of Note [Mamba1's selective scan under sequence sharding].
+                      chunk_size: int, pieces: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One piece of the chain (Note [Mamba1's selective scan under sequence sharding]).
 
     g: [Bsz, T, E, N] log decays (dt A); u: [Bsz, T, E] written values (dt x); B, C: [Bsz, T, G, N];
     s_in: [Bsz, E, N] (with documents [Bsz, docs, E, N]) or None (zero). Returns (y [Bsz, T, E] without
     the D term, the leaving state(s) shaped as s_in), fp32.
     """
     Bsz, T, E, N = g.shape
-    G = B.shape[2]
-    if pieces is None:
-        lengths = torch.full((Bsz, 1), T, dtype=torch.int64)
-    else:
-        lengths = pieces[:, :, piece]
+    G, c = B.shape[2], chunk_size
+    lengths = torch.full((Bsz, 1), T, dtype=torch.int64) if pieces is None else pieces[:, :, piece]
     docs = lengths.shape[1]
-    init = g.new_zeros(Bsz, docs, E, N) if s_in is None else s_in.reshape(Bsz, docs, E, N)
-    ends = torch.cumsum(lengths, 1)  # (Bsz, docs): one past each segment's last token
-    starts = ends - lengths
-    doc_of = torch.stack([torch.repeat_interleave(torch.arange(docs), row) for row in lengths])  # (Bsz, T)
-    is_start = torch.zeros(Bsz, T, dtype=torch.bool)
-    for b in range(Bsz):
-        is_start[b, starts[b][lengths[b] > 0]] = True
-    rows = torch.arange(Bsz)
-    state = init[:, 0]
-    states, ys = [], []
-    for t in range(T):
-        first = is_start[:, t]
-        if bool(first.any()):  # a segment starts here: its document's entering state
-            entering = init[rows, doc_of[:, t].to(g.device)]
-            state = torch.where(first.to(g.device)[:, None, None], entering, state) if not bool(first.all()) else entering
-        write = (u[:, t].reshape(Bsz, G, E // G, 1) * B[:, t, :, None, :]).reshape(Bsz, E, N)
-        state = g[:, t].exp() * state + write  # (Bsz, E, N)
-        ys.append((state.reshape(Bsz, G, E // G, N) * C[:, t, :, None, :]).sum(-1).reshape(Bsz, E))
-        states.append(state)
-    y = torch.stack(ys, dim=1) if ys else g.new_zeros(Bsz, 0, E)
-    if pieces is None:
-        return y, (states[-1] if states else init[:, 0])
-    hs = torch.stack(states, dim=1)  # (Bsz, T, E, N)
-    last = (ends - 1).clamp(min=0).to(g.device)  # (Bsz, docs)
-    leaving = hs[rows.to(g.device)[:, None], last]  # (Bsz, docs, E, N)
-    nonempty = (lengths > 0).to(g.device)[:, :, None, None]
-    return y, torch.where(nonempty, leaving, init)
+    lay = {name: x.to(g.device) for name, x in _segment_layout(lengths, T, c).items()}
+
+    def padded(x: Tensor) -> Tensor:  # [Bsz, T, *D] -> [chunks, c, *D], each segment starting a chunk, zeros between
+        x = x.float().reshape(Bsz * T, *x.shape[2:])
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[lay["gather"]]
+        return x.reshape(-1, c, *x.shape[1:])
+
+    Gc = padded(g).cumsum(1)  # (chunks, c, E, N); padding: g = 0 (no decay), u = 0 (no write)
+    w = (padded(u).reshape(-1, c, G, E // G, 1) * padded(B)[:, :, :, None, :]).reshape(-1, c, E, N)
+    Cc = padded(C).repeat_interleave(E // G, dim=2)  # (chunks, c, E, N)
+    init = g.new_zeros(Bsz * docs, E, N) if s_in is None else s_in.float().reshape(Bsz * docs, E, N)
+    finals = list(init.unbind(0))
+    seg, first, last = lay["seg"].tolist(), lay["first"].tolist(), lay["last"].tolist()
+    ys, state = [], init[0]
+    for j in range(len(seg)):  # the recurrence over chunks; a segment's first chunk starts from its document's state
+        if first[j]:
+            state = init[seg[j]]
+        # recomputed in backward: autograd keeps one chunk's [c, c, E, N] decays at a time, not every chunk's
+        y, state = checkpoint(_selective_chunk, Gc[j], w[j], Cc[j], state, use_reentrant=False)
+        ys.append(y)
+        if last[j]:
+            finals[seg[j]] = state
+    y = torch.cat(ys)[lay["scatter"]].reshape(Bsz, T, E)
+    leaving = torch.stack(finals).reshape(Bsz, docs, E, N)
+    return y, (leaving[:, 0] if pieces is None else leaving)
 
 
 def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, *,
                    mesh: DeviceMesh | None = None, layout: Literal["zigzag", "contiguous"] = "zigzag",
-                   documents: PackedDocuments | None = None) -> Tensor:
+                   chunk_size: int = 16, documents: PackedDocuments | None = None) -> Tensor:
     """Mamba1's selective scan over sequence shards (Note [Mamba1's selective scan under sequence sharding]).
 
     After the discretisation of dt (softplus and bias are the caller's): x and dt ``[B, T, E]``
@@ -874,7 +887,7 @@ def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Te
     ``h_t[e, n] = exp(dt_t[e] A[e, n]) h_{t-1}[e, n] + dt_t[e] x_t[e] B_t[n]``, h zero before the first token.
 
     ``documents``: as for :func:`gated_delta_rule` (the state is zero at every document's first token).
-    The local kernel is the token-by-token recurrence (the reference form; a Python loop over the tokens).
+    ``chunk_size``: tokens per chunk of the local kernel (its workspace is [c, c, E, N] per sample).
 
     Returns ``[B, T_local, E]`` fp32 (without the gate); differentiable in every input.
     """
@@ -891,11 +904,13 @@ def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Te
                          f"got x={tuple(x.shape)}, B={tuple(B.shape)}, C={tuple(C.shape)}")
     if D is not None and tuple(D.shape) != (E,):
         raise ValueError(f"D must have shape [E] = ({E},) or be None, got {tuple(D.shape)}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     _pieces_of(T, mesh, layout)
     pieces = _check_documents(documents, Bsz, T, mesh, layout)
     g = dt.float()[..., None] * A.float()  # (B, T, E, N) log decays
     u = dt.float() * x.float()  # (B, T, E)
-    fn = functools.partial(_selective_kernel, pieces=pieces)
+    fn = functools.partial(_selective_kernel, chunk_size=chunk_size, pieces=pieces)
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
     y = _chain(fn, [g, u, B.float(), C.float()], (Bsz, *docs, E, N), mesh, layout)
     if D is not None:
@@ -948,9 +963,10 @@ class Recurrence(nn.Module):
         return ssd_scan(x, dt, A, B, C, D, mesh=self.mesh, layout=self.layout, chunk_size=self.chunk_size,  # type: ignore[arg-type]
                         kernel=self.kernel, documents=documents)  # type: ignore[arg-type]
 
-    def selective(self, x, dt, A, B, C, D, *, documents: PackedDocuments | None = None) -> Tensor:
+    def selective(self, x, dt, A, B, C, D, *, chunk_size: int = 16, documents: PackedDocuments | None = None) -> Tensor:
         documents = documents if documents is not None else current_documents()
-        return selective_scan(x, dt, A, B, C, D, mesh=self.mesh, layout=self.layout, documents=documents)  # type: ignore[arg-type]
+        return selective_scan(x, dt, A, B, C, D, mesh=self.mesh, layout=self.layout, chunk_size=chunk_size,  # type: ignore[arg-type]
+                              documents=documents)
 
     def extra_repr(self) -> str:
         where = "local" if self.mesh is None else f"layout={self.layout}, mesh={tuple(self.mesh.shape)}"
