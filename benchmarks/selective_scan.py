@@ -24,7 +24,7 @@ from collect import error_text, record_and_release  # benchmarks/ is on sys.path
 
 def _inputs(T: int, E: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(0)
-    make = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    make = lambda *s: torch.randn(*s, generator=g).to(device)
     return {"x": make(1, T, E), "dt": torch.nn.functional.softplus(make(1, T, E) - 4),
             "A": -torch.arange(1, N + 1, dtype=torch.float32).expand(E, N).contiguous().to(device),
             "B": make(1, T, 1, N), "C": make(1, T, 1, N), "D": torch.ones(E, device=device)}

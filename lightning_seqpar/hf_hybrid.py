@@ -243,7 +243,6 @@ class SeqparMambaMixer(nn.Module):
     def forward(self, hidden_states: Tensor, *args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
         _mixer_call(self, args, attention_mask, kwargs)
         documents = current_documents()  # read at forward time (Note [Per-call state])
-        Bsz, S, _ = hidden_states.shape
         dtype = hidden_states.dtype
         x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, S, E) each
         conv = self.conv1d
