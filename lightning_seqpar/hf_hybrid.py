@@ -22,10 +22,13 @@ replaced at set-up, once, by modules of this file (no transformers class is patc
       MambaLayer, NemotronHMamba2Mixer
     Lfm2ShortConv, Lfm2MoeShortConv,        SeqparShortConv        gated causal conv
       Lfm3ShortConv
+    MambaMixer, FalconMambaMixer,           SeqparMambaMixer       causal conv (x) + Mamba1 selective scan
+      JambaMambaMixer
+    ZambaMambaMixer                         SeqparZambaMambaMixer  the same, multi-head (B, C per head)
 
 Only these classes, whose forward this file follows line by line (the support sweep checks each
-architecture against the unmodified model); other recurrent mixers (Mamba / Mamba2 models,
-Jamba, Falcon-H1, Zamba, OLMo-hybrid, ...) stay refused by name
+architecture against the unmodified model); other recurrent mixers (Mamba2 models,
+Falcon-H1, Zamba2, OLMo-hybrid, ...) stay refused by name
 (``lightning_seqpar.hf.support.refuse_token_mixers``).
 
 Where it happens: ``apply_hf_attention`` (and so ``HFCausalLM`` / ``CausalLMModule``) replaces
@@ -58,8 +61,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.documents import current_documents
 
-__all__ = ["HYBRID_MIXERS", "SeqparGatedDeltaNet", "SeqparMamba2Mixer", "SeqparShortConv", "apply_hf_hybrid",
-           "configure_recurrence", "is_hybrid_twin"]
+__all__ = ["HYBRID_MIXERS", "SeqparGatedDeltaNet", "SeqparMamba2Mixer", "SeqparMambaMixer", "SeqparShortConv",
+           "SeqparZambaMambaMixer", "apply_hf_hybrid", "configure_recurrence", "is_hybrid_twin"]
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
@@ -199,6 +202,100 @@ class SeqparShortConv(nn.Module):
         return self.out_proj((C * y).contiguous())
 
 
+def _check_silu(module: nn.Module) -> None:
+    """Mamba1 mixers gate with SiLU whatever the config's activation (transformers' ``mamba_selective_scan``), and
+    convolve with the config's; only SiLU, the one every released checkpoint uses, is followed here."""
+    if getattr(module, "activation", "silu") not in ("silu", "swish"):
+        raise ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): activation "
+                         f"{module.activation!r} (config.hidden_act / hidden_mamba_act) is not supported by the "
+                         "sequence-parallel Mamba twin; expected 'silu'")
+
+
+def _mixer_call(module: nn.Module, args: tuple, attention_mask: Tensor | None, kwargs: dict[str, Any]) -> None:
+    """The Mamba1 mixers' call: ``(hidden_states, cache / cache_params, attention_mask)``; refuse what is not followed."""
+    if len(args) > 1:
+        raise ValueError(f"{type(module).__name__}: unexpected positional arguments after the cache ({len(args)} given); "
+                         "pass attention_mask by keyword")
+    if args and args[0] is not None:
+        kwargs = {**kwargs, "cache": args[0]}
+    _check_call(module, attention_mask, kwargs)
+
+
+class SeqparMambaMixer(nn.Module):
+    """Mamba's (and Jamba's, Falcon-Mamba's) Mamba1 mixer with a sequence-parallel conv and selective scan.
+
+    transformers' torch path (``MambaMixer.forward`` without kernels): in_proj -> x | gate; causal conv (SiLU)
+    over x; x_proj -> dt (rank R) | B | C, Jamba's RMS norms with weights and Falcon-Mamba's weightless ones on
+    dt, B, C (``dt_layernorm``, ``b_layernorm``, ``c_layernorm`` when the mixer has them); dt = softplus(dt_proj(dt));
+    the selective scan with D; times SiLU(gate); out_proj.
+    """
+
+    _ATTRIBUTES = ("config", "hidden_size", "ssm_state_size", "conv_kernel_size", "intermediate_size", "time_step_rank",
+                   "layer_idx", "use_conv_bias", "activation", "use_bias", "layer_type", "rms_eps", "use_mambapy",
+                   "use_associative_scan")
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        _adopt(self, original, tuple(a for a in self._ATTRIBUTES if hasattr(original, a)))
+        _check_silu(self)
+        self.seqpar_recurrence = Recurrence()
+
+    def forward(self, hidden_states: Tensor, *args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+        _mixer_call(self, args, attention_mask, kwargs)
+        documents = current_documents()  # read at forward time (Note [Per-call state])
+        dtype = hidden_states.dtype
+        x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, S, E) each
+        conv = self.conv1d
+        x = self.seqpar_recurrence.conv(x, conv.weight[:, 0], conv.bias, self.activation, documents=documents)
+        time_step, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
+        if hasattr(self, "b_layernorm"):  # Jamba, Falcon-Mamba
+            time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
+        dt = time_step @ self.dt_proj.weight.t()  # (B, S, E); the bias added in fp32 as transformers does
+        dt = F.softplus(dt + self.dt_proj.bias.float().to(dt.dtype))
+        A = -torch.exp(self.A_log.float())  # (E, N)
+        y = self.seqpar_recurrence.selective(x, dt, A, B[:, :, None], C[:, :, None], self.D.float(), documents=documents)
+        y = y * F.silu(gate)  # fp32 times the gate, as transformers (its scan output is fp32 after the D term)
+        return self.out_proj(y.to(dtype))
+
+
+class SeqparZambaMambaMixer(nn.Module):
+    """Zamba's multi-head Mamba1 mixer with a sequence-parallel conv and selective scan.
+
+    transformers' torch path: in_proj's output interleaves x and gate per channel ([..., E, 2]); one causal conv
+    over x; per Mamba head h (``n_mamba_heads``, E / H channels each) its own x_proj (``x_proj_weight[h]``) ->
+    dt | B | C and dt_proj (``dt_proj_weight[h]``, ``dt_proj_bias[h]``): one selective scan whose B, C have one
+    group per head; D; times SiLU(gate); out_proj over the heads in order.
+    """
+
+    _ATTRIBUTES = ("config", "hidden_size", "ssm_state_size", "conv_kernel_size", "intermediate_size", "time_step_rank",
+                   "n_mamba_heads", "mamba_head_dim", "layer_idx", "use_conv_bias", "activation", "use_bias", "layer_type",
+                   "use_associative_scan")
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        _adopt(self, original, tuple(a for a in self._ATTRIBUTES if hasattr(original, a)))
+        _check_silu(self)
+        self.seqpar_recurrence = Recurrence()
+
+    def forward(self, hidden_states: Tensor, *args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+        _mixer_call(self, args, attention_mask, kwargs)
+        documents = current_documents()  # read at forward time (Note [Per-call state])
+        Bsz, S, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        H, P, R, N = self.n_mamba_heads, self.mamba_head_dim, self.time_step_rank, self.ssm_state_size
+        x, gate = self.in_proj(hidden_states).view(Bsz, S, -1, 2).unbind(-1)  # (B, S, E) each: channels interleave x, gate
+        conv = self.conv1d
+        x = self.seqpar_recurrence.conv(x.contiguous(), conv.weight[:, 0], conv.bias, self.activation, documents=documents)
+        params = torch.einsum("bshp,hkp->bshk", x.reshape(Bsz, S, H, P), self.x_proj_weight)  # (B, S, H, R + 2N)
+        time_step, B, C = torch.split(params, [R, N, N], dim=-1)
+        dt = torch.einsum("bshr,hpr->bshp", time_step, self.dt_proj_weight)  # (B, S, H, P)
+        dt = F.softplus(dt + self.dt_proj_bias.float().to(dt.dtype)).reshape(Bsz, S, H * P)
+        A = -torch.exp(self.A_log.float()).reshape(H * P, N)
+        y = self.seqpar_recurrence.selective(x, dt, A, B, C, self.D.float().reshape(H * P), documents=documents)
+        y = y * F.silu(gate)  # fp32 times the gate, as transformers (its scan output is fp32 after the D term)
+        return self.out_proj(y.to(dtype))
+
+
 HYBRID_MIXERS: dict[str, type[nn.Module]] = {
     "Qwen3NextGatedDeltaNet": SeqparGatedDeltaNet,
     "Qwen3_5GatedDeltaNet": SeqparGatedDeltaNet,
@@ -209,6 +306,10 @@ HYBRID_MIXERS: dict[str, type[nn.Module]] = {
     "Lfm2ShortConv": SeqparShortConv,
     "Lfm2MoeShortConv": SeqparShortConv,
     "Lfm3ShortConv": SeqparShortConv,
+    "MambaMixer": SeqparMambaMixer,
+    "JambaMambaMixer": SeqparMambaMixer,  # Mamba's forward with RMS norms (weights) on dt, B, C
+    "FalconMambaMixer": SeqparMambaMixer,  # Mamba's forward with weightless RMS norms on dt, B, C
+    "ZambaMambaMixer": SeqparZambaMambaMixer,
 }
 """transformers class name -> its sequence-parallel twin (Note [Hybrid models under the strategy])."""
 

@@ -139,6 +139,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                          "num_hidden_layers": 2},  # Bamba's rule (its Mamba2 layer is Bamba's); one layer of each kind
     "nemotron_h": {"n_groups": 2},  # the Mamba2 groups must divide mamba_num_heads (4 in the tiny config)
     "dots3_note_text": {"num_key_value_heads": 4},
+    # Zamba ties the shared attention block of every hybrid layer to the first one's (a regex over the OTHER hybrid
+    # layers in ZambaModel._tied_weights_keys): with one hybrid layer it matches nothing and the model refuses to
+    # build, so two hybrid layers (each also holds a Mamba layer) after a plain Mamba one
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
 }
 
 

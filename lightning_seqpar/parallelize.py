@@ -89,6 +89,27 @@ def _blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]] | None) -
     return [getattr(parent, name) for parent, name in find_blocks(model, block_classes)]
 
 
+def _sharing_groups(blocks: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """``blocks`` grouped so that blocks sharing a parameter are in one group (in block order): FSDP2 refuses a
+    parameter managed by two groups (Zamba ties the shared attention block of all its hybrid layers)."""
+    parent = list(range(len(blocks)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for p in block.parameters():
+            j = owner.setdefault(id(p), i)
+            parent[root(i)] = root(j)
+    groups: dict[int, list[nn.Module]] = {}
+    for i, block in enumerate(blocks):
+        groups.setdefault(root(i), []).append(block)
+    return list(groups.values())
+
+
 def config_value(config: Any, name: str) -> Any:
     """``getattr(config, name, None)``, also None where the config refuses a global value (Gemma 4's
     per-layer ``head_dim`` raises on the global read)."""
@@ -406,8 +427,9 @@ def apply_fsdp(
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory only where there is a GPU to copy to and from (pinning needs CUDA).
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload_params else OffloadPolicy()
-    for block in _blocks(model, block_classes):
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy)
+    for group in _sharing_groups(_blocks(model, block_classes)):  # blocks that share parameters: one FSDP group
+        fully_shard(group[0] if len(group) == 1 else group, mesh=mesh, mp_policy=mp_policy,
+                    reshard_after_forward=reshard_after_forward, offload_policy=offload_policy)
     # The root keeps its parameters (embedding, final norm, head) gathered after forward: backward
     # needs them at once.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload_policy)

@@ -15,6 +15,7 @@ from lightning_seqpar.attention.recurrent import (
     causal_conv1d,
     gated_delta_rule,
     gated_delta_rule_chunked,
+    selective_scan,
     ssd_scan,
 )
 
@@ -386,5 +387,118 @@ def test_documents_communication_is_one_state_per_document_and_independent_of_th
     assert sum(s == state for s in sent) == 2 * n  # forward states + backward state gradients
     assert sum(s == history for s in sent) == 2 * n  # forward histories + their gradients
     assert len(sent) == 4 * n
+    for rank in results:
+        assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"
+
+
+# ----------------------------------------------------------------------------------------------
+# Mamba1's selective scan (Note [Mamba1's selective scan under sequence sharding])
+
+
+def naive_selective(x, dt, A, Bm, C, D):
+    """h_t = exp(dt_t A) h_{t-1} + (dt_t x_t) B_t per channel and state index, y_t = <h_t, C_t> + D x_t (float64)."""
+    x, dt, A, Bm, C, D = (t.double() for t in (x, dt, A, Bm, C, D))
+    rep = x.shape[2] // Bm.shape[2]
+    Bm, C = Bm.repeat_interleave(rep, 2), C.repeat_interleave(rep, 2)  # (B, T, E, N)
+    h = torch.zeros(x.shape[0], *A.shape, dtype=torch.float64)
+    outs = []
+    for t in range(x.shape[1]):
+        h = (dt[:, t, :, None] * A).exp() * h + (dt[:, t] * x[:, t])[..., None] * Bm[:, t]
+        outs.append((h * C[:, t]).sum(-1) + D * x[:, t])
+    return torch.stack(outs, 1)
+
+
+def selective_inputs(B=2, T=24, E=8, G=2, N=5, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(x=r(B, T, E), dt=torch.rand(B, T, E, generator=gen), A=-torch.rand(E, N, generator=gen) * 2 - 0.1,
+                Bm=r(B, T, G, N), C=r(B, T, G, N), D=r(E))
+
+
+def _selective(mesh=None, layout="zigzag", documents=None, chunk_size=4):
+    return lambda x, dt, A, Bm, C, D: selective_scan(x, dt, A, Bm, C, D, mesh=mesh, layout=layout, documents=documents,
+                                                     chunk_size=chunk_size)
+
+
+SELECTIVE_TOKENS = {"x", "dt", "Bm", "C"}
+
+
+def test_selective_scan_matches_token_recurrence_and_transformers():
+    s = selective_inputs(T=23)
+    for chunk in (1, 5, 16, 64):
+        close(_selective(chunk_size=chunk)(**s), naive_selective(**s), f"vs float64 recurrence, chunk={chunk}")
+    mamba = pytest.importorskip("transformers.models.mamba.modeling_mamba")
+    one = selective_inputs(T=23, G=1)  # transformers' layout: x, dt [B, E, T], B, C [B, N, T]
+    ref = mamba.mamba_selective_scan(one["x"].transpose(1, 2), one["dt"].transpose(1, 2), one["A"],
+                                     one["Bm"][:, :, 0].transpose(1, 2), one["C"][:, :, 0].transpose(1, 2), D=one["D"])
+    close(_selective()(**one), ref.transpose(1, 2), "vs transformers' mamba_selective_scan")
+
+
+def test_selective_scan_errors_name_the_argument():
+    s = selective_inputs()
+    cases = [
+        (lambda: selective_scan(s["x"], s["dt"][..., :3], s["A"], s["Bm"], s["C"]), "dt must be"),
+        (lambda: selective_scan(s["x"], s["dt"], s["A"][:3], s["Bm"], s["C"]), "A must have shape"),
+        (lambda: selective_scan(s["x"], s["dt"], s["A"], s["Bm"][:, :, :, :2], s["C"][:, :, :, :2]), "B and C must be"),
+        (lambda: selective_scan(s["x"], s["dt"], s["A"], s["Bm"], s["C"], s["D"][:3]), "D must have shape"),
+        (lambda: selective_scan(s["x"], s["dt"], s["A"], s["Bm"], s["C"], layout="ring"), "layout="),
+        (lambda: selective_scan(s["x"], s["dt"], s["A"], s["Bm"], s["C"], chunk_size=0), "chunk_size must be"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def _selective_worker(rank: int, world_size: int) -> int:
+    from lightning_seqpar.documents import PackedDocuments
+
+    mesh, T = mesh_1d(world_size), 24
+    failures: list[str] = []
+    s = selective_inputs(T=T)
+    dout = torch.randn(2, T, 8, generator=torch.Generator().manual_seed(8))
+    for layout in ("contiguous", "zigzag"):
+        _check(f"selective W={world_size} {layout}", _selective(mesh, layout), _selective(), s, SELECTIVE_TOKENS, dout,
+               expected_index(T, layout, world_size, rank), world_size, failures)
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS, world=world_size)
+    _check_documents(f"selective W={world_size} documents", _selective(mesh, "zigzag", docs),
+                     _per_document(_selective(), SELECTIVE_TOKENS), s, SELECTIVE_TOKENS, dout, docs, rank, failures)
+    assert not failures, "\n".join(failures)
+    return 3
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_selective_scan_chains_match_full_sequence(world_size):
+    """Contiguous, zigzag and packed documents (per-document zigzag; documents shorter than a piece): the output
+    and the gradient of every input (x, dt, A, B, C, D) against the whole sequence on one device."""
+    assert run_distributed(_selective_worker, world_size) == [3] * world_size
+
+
+def test_selective_scan_documents_match_the_token_recurrence_on_one_device():
+    from lightning_seqpar.documents import PackedDocuments
+
+    s = selective_inputs(T=24)
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS)
+    for chunk in (1, 5, 64):  # chunks holding several documents, documents spanning chunks
+        close(_selective(documents=docs, chunk_size=chunk)(**s), _per_document(naive_selective, SELECTIVE_TOKENS)(**s),
+              f"documents, chunk={chunk}")
+
+
+def _selective_traffic_worker(rank: int, world_size: int) -> list:
+    mesh = mesh_1d(world_size)
+    shapes = []
+    for T in (32, 64):
+        s = {n: (take(t, expected_index(T, "zigzag", world_size, rank)) if n in SELECTIVE_TOKENS else t).requires_grad_()
+             for n, t in selective_inputs(T=T).items()}
+        with record_p2p() as (rec, _):
+            _selective(mesh)(**s).sum().backward()
+        shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received))))
+    return shapes
+
+
+def test_selective_scan_communication_is_one_state_per_hop():
+    W = 3
+    results = run_distributed(_selective_traffic_worker, W)
+    sent = [s for rank in results for s in rank[0][0]]
+    assert sent == [(2, 8, 5)] * (2 * (2 * W - 2))  # [B, E, N] states, 2W - 2 hops per direction (zigzag)
     for rank in results:
         assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"

@@ -18,11 +18,12 @@ any communication, from local metadata that is equal on every rank:
   exact on one rank;
 * token mixers other than attention: those of ``lightning_seqpar.hf_hybrid.HYBRID_MIXERS``
   (gated DeltaNet of Qwen3-Next / Qwen3.5, Bamba's Mamba2 mixer, the short convolutions of
-  LFM2 / LFM2-MoE / LFM3) are replaced by sequence-parallel twins that pass their state between
-  ranks (Note [Hybrid models under the strategy]); every other one (causal depthwise
-  convolutions, Mamba / SSM mixers, other linear attention, recurrent blocks: Jamba, Nemotron-H,
-  RecurrentGemma, ...) would run on its shard alone: :func:`refuse_token_mixers` refuses it at
-  set-up (``apply_hf_attention``) by layer class and config field;
+  LFM2 / LFM2-MoE / LFM3, the Mamba1 mixers of Mamba, Falcon-Mamba, Jamba and Zamba) are
+  replaced by sequence-parallel twins that pass their state between ranks (Note [Hybrid models
+  under the strategy]); every other one (causal depthwise convolutions, other Mamba / SSM mixers,
+  other linear attention, recurrent blocks: RecurrentGemma, ...) would run on its shard alone:
+  :func:`refuse_token_mixers` refuses it at set-up (``apply_hf_attention``) by layer class and
+  config field;
 * MoE router auxiliary losses: ``lightning_seqpar.hf.moe``.
 """
 
@@ -54,6 +55,8 @@ _MIXER_CLASS_NAMES = re.compile(
 )
 # "SSM" case-sensitively: a case-insensitive "ssm" matches GptOssModel ("GptO-ssM-odel")
 _SSM_CLASS_NAMES = re.compile(r"SSM|Ssm")
+# normalisations, each token's row alone, whatever the model's name in front ("MambaRMSNorm", "MambaRMSNormGated")
+_NORM_CLASS_NAMES = re.compile(r"(RMS|Layer)Norm(Gated)?$")
 
 
 def _sequence_parallel_mixer(module: nn.Module) -> bool:
@@ -86,6 +89,9 @@ def find_token_mixers(model: nn.Module) -> list[str]:
             if kind not in ATTENTION_LAYER_TYPES and kind not in POSITIONWISE_LAYER_TYPES and i not in exact_layers:
                 found.append(f"decoder layer {i}: config.layer_types[{i}]={kind!r}")
     seen_inside: list[str] = [name for name, _ in exact]  # nothing of an exact mixer is listed
+    # the modules that hold an exact mixer (a MambaBlock, JambaMambaDecoderLayer): their name says Mamba because of
+    # it; every other module inside them is still walked and listed on its own
+    holders = {name.rsplit(".", i)[0] for name, _ in exact for i in range(1, name.count(".") + 1)} | ({""} if exact else set())
     for name, module in model.named_modules():
         if any(name == prefix or name.startswith(prefix + ".") for prefix in seen_inside):
             continue  # one entry per mixer, not one per submodule of it
@@ -95,6 +101,8 @@ def find_token_mixers(model: nn.Module) -> list[str]:
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
             found.append(f"{name!r} ({cls}: a convolution over the sequence, kernel {module.kernel_size[0]})")
             seen_inside.append(name)
+        elif name in holders or _NORM_CLASS_NAMES.search(cls):
+            continue  # a holder of an exact mixer, or a norm (position-wise: MambaRMSNorm, FalconMambaRMSNorm)
         elif _MIXER_CLASS_NAMES.search(cls) or _SSM_CLASS_NAMES.search(cls):
             found.append(f"{name!r} ({cls})")
             seen_inside.append(name)

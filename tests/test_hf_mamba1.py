@@ -1,0 +1,207 @@
+"""transformers' Mamba1 models (Mamba, Falcon-Mamba, Jamba, Zamba; tiny fp32 configs of the support sweep) with
+their mixers replaced by lightning_seqpar.hf_hybrid's SeqparMambaMixer / SeqparZambaMambaMixer and their attention
+by "seqpar" (ring), sharded over W gloo ranks: logits, loss and every gradient against the unmodified model on one
+device; packed documents against every document alone (Note [Mamba1's selective scan under sequence sharding])."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from seqpar_testing import expected_index, mesh_1d, take
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH = 24, 2
+ATOL = 1e-5
+KINDS = ("mamba", "falcon_mamba", "jamba", "zamba")
+LENGTHS = ((5, 1, 11, 7), (2, 22))  # packed documents of SEQ tokens: some shorter than a piece at W = 4
+
+
+def build(kind: str):
+    from lightning_seqpar import hf_support
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_support.tiny_config(kind), attn_implementation="eager",
+                                                          dtype=torch.float32)
+    with torch.no_grad():  # give the zero-initialised norms and biases some weight: a stronger test
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.train()
+
+
+def data(seed: int = 0):
+    from lightning_seqpar import hf_support
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, hf_support.VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def run_reference(model, ids, labels, lengths=None):
+    """The unmodified model on the whole sequence (or on every document alone): logits, summed loss, gradients."""
+    if lengths is None:
+        logits = model(input_ids=ids, position_ids=torch.arange(SEQ).expand(BATCH, SEQ), use_cache=False).logits
+    else:
+        logits = torch.cat([torch.cat([model(input_ids=part, position_ids=torch.arange(part.shape[1])[None],
+                                             use_cache=False).logits for part in ids[b:b + 1].split(list(lens), dim=1)], dim=1)
+                            for b, lens in enumerate(lengths)])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def seqpar_model(model, mesh, layout):
+    """What HFCausalLM and the strategy do: apply_hf_attention installs the twins, apply_attention configures them."""
+    from lightning_seqpar.attention.recurrent import Recurrence
+    from lightning_seqpar.hf import apply_hf_attention
+    from lightning_seqpar.parallelize import apply_attention
+
+    model = copy.deepcopy(model)
+    apply_hf_attention(model)
+    apply_attention(model, mesh, attention="ring", layout=layout)
+    recurrent = [m for m in model.modules() if isinstance(m, Recurrence)]
+    assert recurrent and all(m.mesh is mesh and m.layout == layout for m in recurrent)
+    return model
+
+
+def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
+    from lightning_seqpar.hf_hybrid import (
+        SeqparMambaMixer,
+        SeqparZambaMambaMixer,
+        apply_hf_hybrid,
+    )
+
+    ids, labels = data()
+    for kind in KINDS:
+        model = build(kind)
+        ref_logits, _, ref_grads = run_reference(model, ids, labels)
+        twin = copy.deepcopy(model)
+        twin.zero_grad()
+        mixers = sum(type(m).__name__ in ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer")
+                     for m in model.modules())
+        assert mixers >= 1 and apply_hf_hybrid(twin) == mixers, kind
+        assert all(isinstance(m, (SeqparMambaMixer, SeqparZambaMambaMixer)) for m in twin.modules() if "Mixer" in type(m).__name__)
+        assert list(twin.state_dict()) == list(model.state_dict()), kind
+        logits, _, grads = run_reference(twin, ids, labels)
+        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=1e-5, msg=lambda m, k=kind: f"{k} logits: {m}")
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(grads[n], g, atol=ATOL, rtol=1e-5, msg=lambda m, k=kind, n=n: f"{k} d{n}: {m}")
+
+
+def test_cache_and_packed_kwargs_and_other_activations_are_refused_by_name():
+    from lightning_seqpar.hf_hybrid import SeqparMambaMixer, apply_hf_hybrid
+
+    model = build("mamba")
+    apply_hf_hybrid(model)
+    mixer = model.backbone.layers[0].mixer
+    x = torch.randn(1, 4, 32)
+    with pytest.raises(ValueError, match="cache"):
+        mixer(x, object())
+    with pytest.raises(ValueError, match="cache"):
+        mixer(x, cache_params=object())
+    with pytest.raises(ValueError, match="seq_idx=.*document_ids"):
+        mixer(x, seq_idx=torch.zeros(1, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="padding"):
+        mixer(x, attention_mask=torch.tensor([[1, 1, 0, 0]]))
+    original = build("mamba").backbone.layers[0].mixer
+    original.activation = "gelu"
+    with pytest.raises(ValueError, match=r"activation 'gelu' \(config.hidden_act"):
+        SeqparMambaMixer(original)
+
+
+def _worker(rank: int, world_size: int, layout: str, packed: bool) -> int:
+    import torch.distributed as dist
+
+    from lightning_seqpar.documents import PackedDocuments, packed_documents
+
+    mesh = mesh_1d(world_size)
+    ids, labels = data()
+    if packed:
+        docs = PackedDocuments.from_lengths(LENGTHS, world=world_size)
+        shard = lambda x: docs.shard(x, rank)
+        positions = docs.position_ids()
+        labels = torch.where(torch.stack([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+                                          for lens in LENGTHS]).diff(dim=1, append=torch.full((BATCH, 1), -1)) == 0, labels, -100)
+    else:
+        docs = None
+        index = expected_index(SEQ, layout, world_size, rank)
+        shard = lambda x: take(x, index)
+        positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    failures = []
+    for kind in KINDS:
+        model = build(kind)
+        ref_logits, ref_loss, ref_grads = run_reference(copy.deepcopy(model), ids, labels, LENGTHS if packed else None)
+        sp = seqpar_model(model, mesh, layout)
+        with packed_documents(docs):
+            logits = sp(input_ids=shard(ids), position_ids=shard(positions), use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard(labels).flatten(), reduction="sum")
+            loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        checks = [("logits", logits.detach(), shard(ref_logits)), ("loss", total, ref_loss)]
+        for n, p in sp.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            checks.append((f"d{n}", g, ref_grads[n]))
+        for name, got, want in checks:
+            try:
+                torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+            except AssertionError as err:
+                failures.append(f"{kind} W={world_size} {layout} packed={packed} {name}: {err}")
+    assert not failures, "\n".join(failures)
+    return len(KINDS)
+
+
+@pytest.mark.parametrize(("world_size", "layout", "packed"),
+                         [(2, "zigzag", False), (3, "contiguous", False), (4, "zigzag", False), (4, "zigzag", True)])
+def test_mamba1_models_match_the_unmodified_model(world_size, layout, packed):
+    assert run_distributed(_worker, world_size, layout, packed) == [len(KINDS)] * world_size
+
+
+# ------------------------------------------------------------------------------------- under the strategy
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{kind: (folder, reference logits, loss, gradients)} of the support sweep's tiny Mamba1 models, one batch."""
+    from hf_testing import batch, reference
+
+    root, data, refs = tmp_path_factory.mktemp("hf-mamba1"), batch(), {}
+    for kind in KINDS:
+        path = str(root / kind)
+        build(kind).save_pretrained(path)
+        refs[kind] = (path, *reference(path, data))
+    return refs, data
+
+
+def test_mamba1_models_train_exactly_under_the_strategy(saved):
+    """Trainer + SequenceParallelStrategy (sp 2, ring, zigzag) + CausalLMModule(<folder>), one step with the default
+    activation checkpointing (the state chain also runs in the recomputation): logits, logged loss, every gradient."""
+    from hf_testing import train_each
+
+    refs, data = saved
+    results = run_distributed(train_each, 2, [refs[k][0] for k in KINDS], data, timeout=300,
+                              strategy_kwargs={"attention": "ring"})[0]
+    for kind, result in zip(KINDS, results):
+        _, logits, loss, grads = refs[kind]
+        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        assert result["grads"].keys() == grads.keys(), kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
+def test_blocks_that_share_parameters_form_one_fsdp_group():
+    """Zamba ties the shared attention block of its hybrid layers (FSDP2 refuses a parameter in two groups)."""
+    from lightning_seqpar.parallelize import _blocks, _sharing_groups
+
+    model = build("zamba")
+    blocks = _blocks(model, None)
+    assert [len(g) for g in _sharing_groups(blocks)] == [1, 2]  # layer 0 (Mamba), layers 1 and 2 (hybrid, tied)
+    assert [[blocks.index(b) for b in g] for g in _sharing_groups(blocks)] == [[0], [1, 2]]
+    lone = [torch.nn.Linear(2, 2) for _ in range(3)]
+    assert _sharing_groups(lone) == [[m] for m in lone]
