@@ -31,8 +31,9 @@ attention-agnostic memory savings (its section 3; Ulysses SP is its multi-GPU pa
   inputs to pinned host memory on a side stream and back in backward (the last layer's stays on the GPU). It is
   DeepSpeed's upstreaming of ArcticTraining's ``monkey_patch_checkpoint_function_with_cpu_offload``; while it is
   entered DeepSpeed wraps ``transformers.GradientCheckpointingLayer.__call__`` to mark the inputs, and restores
-  it on exit. With non-reentrant checkpointing the layer input is not saved through the outer hook, so nothing
-  would be offloaded: the recipe needs ``use_reentrant=True`` (the marked / offloaded counts are recorded).
+  it on exit. Reentrant checkpointing is used, as in ALST (ArcticTraining's patch is of the reentrant
+  ``CheckpointFunction``); the marked / offloaded / kept counts of the last step are recorded (on the CPU every
+  marked input is "skipped": DeepSpeed offloads from an accelerator only).
 * ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (ALST's fragmentation advice), set unless already set;
   the value in effect is recorded.
 
