@@ -69,9 +69,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from collect import error_text, record_and_release  # noqa: E402
-from hf_finetune import LLAMA3_8B  # noqa: E402
-from memory_plan import LLAMA_1B  # noqa: E402
+from collect import error_text, record_and_release
+from hf_finetune import LLAMA3_8B
+from memory_plan import LLAMA_1B
 
 MODELS = {
     # name -> (config dict, LoRA?, record's model name)
@@ -168,6 +168,24 @@ def offload_context():
     return get_checkpoint_hidden_states_offloading_ctx_manager()
 
 
+def host_memory_bytes() -> int:
+    """The host memory this process may use: physical memory, or the cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def offload_host_bytes(spec: dict, seq: int) -> int:
+    """Pinned host memory the checkpoint offload takes at ``seq``: every layer input but the last, (1, S, H) bf16."""
+    return (spec["num_hidden_layers"] - 1) * seq * spec["hidden_size"] * 2
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -209,7 +227,8 @@ def run(spec: dict, *, lora: bool, seq: int, steps: int, shard_gb: float, device
     row.update(step_time_s=times[-1], tokens_per_s=seq / times[-1], losses=losses,
                offload={"marked": stats.marked_tensors, "offloaded": stats.offloaded_tensors,
                         "kept_on_gpu": stats.kept_last_tensors, "skipped": stats.skipped_marked_tensors,
-                        "offloaded_gb": stats.offloaded_bytes / 1e9})
+                        "offloaded_gb": stats.offloaded_bytes / 1e9},
+               offload_host_gb_estimate=offload_host_bytes(spec, seq) / 1e9)
     if device == "cuda":
         row.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9)
     else:
@@ -229,7 +248,13 @@ def main() -> None:
     args = ap.parse_args()
     if not args.tiny:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first CUDA call
-    import deepspeed
+    try:
+        import deepspeed
+    except Exception as error:  # the answer to "does DeepSpeed run on this image" is a result too
+        for name in args.model.split(","):
+            record_and_release(args.out, dict(bench="alst", system="alst", model=MODELS.get(name, (None, None, name))[2],
+                                              gpus=1, commit=args.commit, error=f"import deepspeed: {error_text(error, 600)}"))
+        raise
 
     device = "cpu" if args.tiny else "cuda"
     start = time.monotonic()
@@ -251,8 +276,13 @@ def main() -> None:
                 recipe="TiledMLP+TiledFusedLogitsLoss+HF reentrant checkpointing+CheckpointHiddenStatesOffload, torch AdamW",
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), deepspeed=deepspeed.__version__,
                 torch=torch.__version__, commit=args.commit)
+            host = host_memory_bytes()
             if stop is not None:
                 row.update(error=f"skipped: {stop}")
+            elif device == "cuda" and offload_host_bytes(spec, seq) > 0.8 * host:
+                # the pinned copies alone would not fit in the host: refuse instead of being killed by the OOM killer
+                row.update(error=f"skipped: the checkpoint offload would pin {offload_host_bytes(spec, seq) / 1e9:.0f} GB of "
+                                 f"host memory, over 80% of the {host / 1e9:.0f} GB this process may use")
             elif time.monotonic() - start > 60 * args.max_minutes:
                 row.update(error=f"skipped: --max-minutes {args.max_minutes} passed")
             else:

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
-import alst  # noqa: E402
+import alst
 
 S = 200  # 4 MLP tiles of 50 (hidden 64); 7 uneven loss tiles
 
@@ -78,7 +78,7 @@ def test_alst_recipe_matches_plain_model(lora):
     for name, p in trained:
         q = ref_params[name.replace("mlp.mlp.", "mlp.")]
         assert p.grad is not None and q.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     if not lora:  # the tied embedding gets its lm_head part from the loss tiles and its lookup part from backward
         assert alst.causal_lm(model).lm_head.weight is alst.causal_lm(model).model.embed_tokens.weight
     # DeepSpeed's pack hook saw every checkpointed layer input (on the CPU it keeps them: no accelerator to copy from)
@@ -98,7 +98,7 @@ def test_tiny_run_writes_records(tmp_path):
     out = tmp_path / "alst.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.path.dirname(BENCH), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "alst.py"), "--tiny", "--model", "llama-1b",
-                           "--seqs", "48,96", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           "--seqs", "48,96", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["seq"] for r in rows] == [48, 96]
