@@ -369,8 +369,39 @@ def window_table(rows: list[dict]) -> str:
     return table(["device", "S", "window", "D", "kernel", "ms", "TFLOP/s", "time / causal", "goal (1.2 x FLOP share)", "commit, date"], out)
 
 
+_FINETUNE_SYSTEMS = {"seqpar": "**ours** (memory=\"auto\")", "transformers": "transformers + peft (SDPA, HF checkpointing)",
+                     "alst": "ALST (DeepSpeed 0.19.8, one GPU)"}
+
+
+def finetune_table(rows: list[dict]) -> str:
+    """benchmarks/memory_plan.py (ours with memory="auto", plain transformers + peft) and benchmarks/alst.py on one
+    GPU: the latest run of each (device, model, S, system), 2 optimizer steps each; ours with the planner's estimate."""
+    runs = last_by([r for r in rows if r.get("bench") in ("memory_plan", "alst")],
+                   lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
+    order = {"seqpar": 0, "transformers": 1, "alst": 2}
+    out = []
+    for (device, model, seq, system), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], order.get(kv[0][3], 9))):
+        error = r.get("error")
+        if error and error.startswith("skipped"):
+            continue
+        peer = runs.get((device, model, seq, "transformers")) if system != "transformers" else None
+        speed = ratio(_num(r, "tokens_per_s"), _num(peer, "tokens_per_s")) if peer and not peer.get("error") and not error else "·"
+        est = _num(r, "estimate_allocated_gb")
+        plan = r.get("plan") or {}
+        options = ", ".join(k if v is True else f"{k}={v}" for k, v in plan.items()
+                            if v is True or not isinstance(v, bool) and v not in (None, 1)) or (
+            "defaults" if plan else "")
+        tokens = "out of memory" if error and "out of memory" in error else (error[:40] if error else f(_num(r, "tokens_per_s"), ",.0f"))
+        per_gb = f(seq / _num(r, "peak_mem_gb"), ",.0f") if not error and _num(r, "peak_mem_gb") else "-"
+        out.append([model.removeprefix("hf-"), seq_k(seq), _FINETUNE_SYSTEMS.get(system, system), tokens,
+                    f(_num(r, "peak_mem_gb"), ".1f") if not error else f"> {_num(r, 'peak_mem_gb'):.1f}" if _num(r, "peak_mem_gb") else "-",
+                    f(est, ".1f") if est else "·", options or "·", per_gb, speed, f"{device}, {when(r)}"])
+    return table(["model", "S", "system", "tokens/s", "peak GB", "planner estimate GB", "planner's options", "tokens per GB",
+                  "tokens/s vs transformers", "device, commit, date"], out)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
-    "hf-family": hf_family_table, "window": window_table,
+    "hf-family": hf_family_table, "window": window_table, "finetune-one-gpu": finetune_table,
     "attention-grid": attention_grid,
     "suites": suites_table,
     "train": train_table, "longest": longest_table, "attention": attention_table, "scaling": scaling_table,

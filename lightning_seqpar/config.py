@@ -47,7 +47,7 @@ ActivationCheckpointingChoice = Literal["selective++", "full"]
 MEMORY_CHOICES: tuple[str, ...] = ("manual", "auto")
 """``memory``: "manual" (the options as given) or "auto" (Note [Planning memory] in ``lightning_seqpar.memory``)."""
 
-MEMORY_OPTIONS: tuple[str, ...] = ("offload_checkpoints", "head_chunks", "mlp_chunk_size", "offload_params")
+MEMORY_OPTIONS: tuple[str, ...] = ("offload_checkpoints", "head_chunks", "mlp_chunk_size", "offload_params", "activation_checkpointing")
 """The options ``memory="auto"`` may set, where they are left at their defaults."""
 
 OWNER = "SequenceParallelStrategy"

@@ -74,15 +74,31 @@ changes that save memory in order of what they cost in time: ``offload_checkpoin
 a side stream that overlap the forward; ~2 GB / 25 GB/s per block in the backward), then
 ``head_chunks`` 2, 4, 8 (more, smaller attention calls and messages), then ``mlp_chunk_size``
 (the MLP forward a third time), then ``offload_params`` (PCIe copies of every block's shard and
-the optimizer step on the CPU: the slowest). Each step is added to the ones before it (head_chunks
-replaces the smaller count) and the walk stops at the first set whose estimate fits
-``(1 - margin) x`` the device's memory; then what that set does not need is dropped again, the
-costliest first (offload_params, mlp_chunk_size, head_chunks down to the fewest that fit,
-offload_checkpoints): head chunks save nothing where the MLP phase is the larger one, but once the
-MLP is tiled the attention phase may be. An option the user set is never changed (its step is
-skipped). When nothing fits, the error names ``expected_seq_len``, the device
-memory, the least estimate with its largest term, and the longest length (a multiple of
-lcm(1024, 2 sp)) that every step together would fit, found by binary search over the estimate.
+the optimizer step on the CPU), and last ``activation_checkpointing="full"``: attention is
+recomputed (one more attention forward per layer, a quarter of a long step's time) only when
+memory, not time, binds, and its output is no longer kept (Selective Checkpoint++'s H_q D e + 4 H_q
+per token and layer). Each step is added to the ones before it (head_chunks replaces the smaller
+count; "full" is tried once without and once with offload_params, for where the host binds) and
+the walk stops at the first set that fits: its estimate within ``(1 - margin) x`` the device's
+memory AND its pinned host bytes (``MemoryEstimate.host``: the offloaded block inputs, L x N x d e,
+and the offloaded model states) within ``(1 - margin) x`` the host memory available to the rank
+(MemAvailable / GPUs per node; pinning more than the host has would stop the run far from the
+planner). Then what that set does not need is dropped again, the costliest first
+(activation_checkpointing, offload_params, mlp_chunk_size, head_chunks down to the fewest that
+fit, offload_checkpoints): head chunks save nothing where the MLP phase is the larger one, but
+once the MLP is tiled the attention phase may be. An option the user set is never changed (its
+step is skipped; "selective++", the default, counts as unset). When nothing fits, the error names
+``expected_seq_len``, the device memory, the estimate nearest to fitting with its largest term
+(and the host's share where the host binds), and the longest length (a multiple of lcm(1024,
+2 sp)) that set would fit, found by binary search over the estimate.
+
+LoRA (``trainable_params``, ``lora_targets``): peft casts each adapted layer's input to the fp32
+adapters' dtype and ``lora_A`` keeps that copy for its backward, so a block's recompute holds
+4 x (input width) bytes per token and adapted layer (the attention projections' through the whole
+block backward, the MLP's per tile), plus the fp32 sum of base and adapter outputs of the widest
+adapted attention projection. Measured on one H200 (Llama-3-8B shape, r = 16 on every linear
+layer): 49.4 GB at 32K (estimate 51.1), 112.8 GB at 192K (125.2); without these terms the estimate
+at 256K was 125.0 GB where the step ran out of memory above 143 GB.
 """
 
 from __future__ import annotations
@@ -254,6 +270,9 @@ class MemoryEstimate:
     """The attention phase alone (the cost model's estimate, with ``head_chunks``), for reports."""
     loss_working: float
     """The chunked (or full) loss, which runs before the backward."""
+    host: float = 0.0
+    """Pinned host bytes of this rank: the offloaded block inputs (``offload_checkpoints``) and the model states
+    (``offload_params``); not in :attr:`total`."""
     overhead: float = OVERHEAD_BYTES
 
     @property
@@ -282,7 +301,7 @@ class MemoryEstimate:
     def describe(self) -> str:
         """One line: the total and every term, in GB."""
         inner = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in self.terms().items())
-        return f"{self.total / 1e9:.1f} GB ({inner})"
+        return f"{self.total / 1e9:.1f} GB ({inner})" + (f", {self.host / 1e9:.1f} GB pinned on the host" if self.host else "")
 
 
 def _precision_bytes(precision: str) -> tuple[int, int, int, int]:
@@ -342,6 +361,7 @@ def estimate_memory(
         parameters = m.params * p_bytes + trainable_params * 4
         gradients, optimizer = trainable_params * 4, trainable_params * 8
     on_host = options.offload_params
+    host = (parameters + gradients + optimizer) / shards if on_host else 0.0
     parameters, gradients, optimizer = (0.0, 0.0, 0.0) if on_host else (parameters / shards, gradients / shards, optimizer / shards)
     # FSDP2 gathers into its own buffers (on one rank too): the root module's, kept through the step, and two blocks'
     fsdp_buffers = (m.root_params + 2 * m.block_params) * e
@@ -403,6 +423,8 @@ def estimate_memory(
         mlp_phase = n * (2 * norm + qkv + mlp_tokens + x + back + recompute_extra + lora_attn) + tile + lora_tile
         attention_phase = n * (norm + x + back + recompute_extra + lora_attn) + attention_bytes
     block = max(mlp_phase, attention_phase)
+    if options.offload_checkpoints and mode is not None:
+        host += L * n * x  # every block's input, pinned until its backward
 
     # the loss (before the backward)
     head_grad = V * d * 4 if (trainable_params is None) else 0
@@ -416,7 +438,7 @@ def estimate_memory(
         seq_len=seq_len, tokens=n, options=options, parameters=float(parameters), gradients=float(gradients),
         optimizer_states=float(optimizer), fsdp_buffers=float(fsdp_buffers), saved_per_layer=float(n * saved_token),
         saved_activations=float(L * n * saved_token), block_recompute=float(block), attention_working=float(attention_phase),
-        loss_working=float(loss),
+        loss_working=float(loss), host=float(host),
     )
 
 
@@ -439,7 +461,7 @@ class MemoryPlan:
 
 LADDER: tuple[tuple[str, Any], ...] = (
     ("offload_checkpoints", True), ("head_chunks", 2), ("head_chunks", 4), ("head_chunks", 8),
-    ("mlp_chunk_size", MLP_TILE), ("offload_params", True),
+    ("mlp_chunk_size", MLP_TILE), ("offload_params", True), ("activation_checkpointing", "full"),
 )
 """The changes ``memory="auto"`` tries, least slowdown first (Note [Planning memory])."""
 
@@ -457,19 +479,22 @@ def ladder(*, fixed: Mapping[str, Any], num_kv_heads: int, head_chunks_allowed: 
             continue
         if name == "offload_checkpoints" and fixed.get("activation_checkpointing", "selective++") is None:
             continue
+        if name == "activation_checkpointing" and fixed.get("offload_checkpoints") is False:
+            continue  # recomputing attention saves its output only next to the offloaded block inputs
         if name == "head_chunks" and not (head_chunks_allowed and num_kv_heads % value == 0):
             continue
         steps.append((name, value))
     return steps
 
 
-def largest_fitting_seq_len(budget: float, *, granule: int, upper: int, **kwargs: Any) -> int:
-    """The largest multiple of ``granule`` up to ``upper`` whose ``estimate_memory(**kwargs).total`` fits in
-    ``budget`` bytes; 0 when none does (binary search: the estimate grows with seq_len)."""
+def largest_fitting_seq_len(budget: float, *, granule: int, upper: int, host_budget: float = float("inf"), **kwargs: Any) -> int:
+    """The largest multiple of ``granule`` up to ``upper`` whose ``estimate_memory(**kwargs)`` fits in ``budget``
+    device bytes and ``host_budget`` host bytes; 0 when none does (binary search: the estimate grows with seq_len)."""
     lo, hi = 0, max(upper // granule, 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimate_memory(seq_len=mid * granule, **kwargs).total <= budget:
+        e = estimate_memory(seq_len=mid * granule, **kwargs)
+        if e.total <= budget and e.host <= host_budget:
             lo = mid
         else:
             hi = mid - 1
@@ -492,6 +517,7 @@ def plan_memory(
     attention: str = "ring",
     head_parallel_size: int = 1,
     margin: float = DEFAULT_MARGIN,
+    host_memory: float | None = None,
     owner: str = "plan_memory",
 ) -> MemoryPlan:
     """The options with the least slowdown whose estimate fits ``(1 - margin) x device_memory`` (Note [Planning memory]).
@@ -503,8 +529,15 @@ def plan_memory(
         raise ValueError(f"{owner}: margin must be in [0, 1), got {margin!r}")
     if not device_memory > 0:
         raise ValueError(f"{owner}: device_memory must be positive, got {device_memory!r}")
+    if host_memory is not None and not host_memory > 0:
+        raise ValueError(f"{owner}: host_memory must be positive or None, got {host_memory!r}")
     fixed = dict(fixed or {})
     budget = (1 - margin) * device_memory
+    host_budget = float("inf") if host_memory is None else (1 - margin) * host_memory
+
+    def fits(e: MemoryEstimate) -> bool:
+        return e.total <= budget and e.host <= host_budget
+
     common = dict(model_shape=model_shape, sp=sp, dp_shard=dp_shard, precision=precision, batch_size=batch_size,
                   loss_chunk_size=loss_chunk_size, trainable_params=trainable_params, lora_targets=tuple(lora_targets),
                   attention=attention,
@@ -520,12 +553,16 @@ def plan_memory(
     steps = ladder(fixed=fixed, num_kv_heads=model_shape.num_kv_heads, head_chunks_allowed=allowed)  # checks `fixed`
     sets = [MemoryOptions(**fixed)]
     for name, value in steps:
-        sets.append(replace(sets[-1], **{name: value}))
-    chosen = next((e for e in map(estimate, sets) if e.total <= budget), None)
+        previous = sets[-1]
+        if name == "activation_checkpointing" and previous.offload_params and "offload_params" not in fixed:
+            # recomputing attention without the model states on the host: where the host, not the device, binds
+            sets.append(replace(previous, offload_params=False, activation_checkpointing=value))
+        sets.append(replace(previous, **{name: value}))
+    chosen = next((e for e in map(estimate, sets) if fits(e)), None)
     if chosen is not None:
         # drop what the fitting set does not need, the costliest first; head_chunks to the fewest that fit
         defaults = MemoryOptions()
-        for name in ("offload_params", "mlp_chunk_size", "head_chunks", "offload_checkpoints"):
+        for name in ("activation_checkpointing", "offload_params", "mlp_chunk_size", "head_chunks", "offload_checkpoints"):
             if name in fixed or getattr(chosen.options, name) == getattr(defaults, name):
                 continue
             lighter = [getattr(defaults, name)]
@@ -533,19 +570,24 @@ def plan_memory(
                 lighter += [c for c in (2, 4) if c < chosen.options.head_chunks and model_shape.num_kv_heads % c == 0]
             for value in lighter:
                 trial = estimate(replace(chosen.options, **{name: value}))
-                if trial.total <= budget:
+                if fits(trial):
                     chosen = trial
                     break
         return MemoryPlan(options=chosen.options, estimate=chosen, device_memory=device_memory, tried=tuple(tried))
-    best = min(tried, key=lambda t: t.total)
+    best = min(tried, key=lambda t: max(t.total / budget, t.host / host_budget))  # the nearest to fitting
     granule = math.lcm(1024, 2 * sp)
-    longest = largest_fitting_seq_len(budget, granule=granule, upper=seq_len, options=best.options, **common)
+    longest = largest_fitting_seq_len(budget, granule=granule, upper=seq_len, host_budget=host_budget, options=best.options,
+                                      **common)
     where = (f"the largest that would fit with them is seq_len={longest}" if longest
              else "no sequence length fits: the model states alone exceed it")
+    host = ""
+    if best.total <= budget:  # the device would hold it: the host does not (offloaded block inputs, model states)
+        host = (f"; it fits the device but puts {best.host / 1e9:.1f} GB on the host, which has {host_memory / 1e9:.1f} GB "
+                f"available for this rank ({1 - margin:.0%} of it planned)")
     raise ValueError(
         f"{owner}: memory='auto' found no options that fit expected_seq_len={seq_len} in {device_memory / 1e9:.1f} GB of "
         f"device memory ({1 - margin:.0%} of it planned): with {best.options.label()} the estimate is {best.describe()}, "
-        f"its largest term {best.largest_term()}; {where}. Use more sequence-parallel ranks or a shorter expected_seq_len"
+        f"its largest term {best.largest_term()}{host}; {where}. Use more sequence-parallel ranks or a shorter expected_seq_len"
         + ("" if loss_chunk_size is not None else ", or CausalLMModule(loss_chunk_size=...) (the full logits are counted)")
     )
 

@@ -35,6 +35,7 @@ node); the linear rate, the FSDP overlap and the inter-node constants are assump
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -257,6 +258,18 @@ def lora_trainable_params(shape: TransformerShape, lora_config: Any) -> int:
     return shape.num_layers * sum(r * sum(sizes[n]) for n in lora_targets(lora_config))
 
 
+def host_memory_bytes() -> float:
+    """The host memory available to new allocations (``MemAvailable`` of /proc/meminfo; the free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
 def device_memory_bytes(device: torch.device) -> int | None:
     """Total memory of a CUDA device (``torch.cuda.get_device_properties``); None for any other device."""
     if device.type != "cuda":
@@ -279,8 +292,7 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, sit
         raise ValueError(f"{owner}: memory='auto' needs the model's sizes from the LightningModule's `config` "
                          f"(CausalLMModule has one): {error}") from error
     defaults = StrategyConfig()
-    fixed: dict[str, Any] = {"activation_checkpointing": config.activation_checkpointing}
-    fixed.update({name: getattr(config, name) for name in MEMORY_OPTIONS if getattr(config, name) != getattr(defaults, name)})
+    fixed: dict[str, Any] = {name: getattr(config, name) for name in MEMORY_OPTIONS if getattr(config, name) != getattr(defaults, name)}
     if config.compile or config.activation_checkpointing is None:  # offload needs eager checkpointed blocks
         fixed.setdefault("offload_checkpoints", False)
     backend = config.process_group_backend
@@ -293,6 +305,7 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, sit
         loss_chunk_size=getattr(module, "loss_chunk_size", None),
         trainable_params=None if lora is None else lora_trainable_params(shape, lora),
         lora_targets=() if lora is None else lora_targets(lora),
+        host_memory=host_memory_bytes() / max(site.gpus_per_node, 1),
         attention=config.initial_attention, head_parallel_size=dims.hp, owner=owner,
     )
 

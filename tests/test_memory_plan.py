@@ -130,7 +130,8 @@ def test_plan_refuses_with_the_longest_length_that_fits():
     message = str(info.value)
     assert "expected_seq_len=67108864" in message and "150.0 GB" in message
     longest = int(re.search(r"largest that would fit with them is seq_len=(\d+)", message).group(1))
-    best = MemoryOptions(offload_checkpoints=True, head_chunks=8, mlp_chunk_size=8192, offload_params=True)
+    best = MemoryOptions(activation_checkpointing="full", offload_checkpoints=True, head_chunks=8, mlp_chunk_size=8192,
+                         offload_params=True)
     assert f"with {best.label()}" in message
     common = dict(model_shape=LLAMA_1B, options=best, loss_chunk_size=8192)
     assert longest % K == 0
@@ -140,6 +141,73 @@ def test_plan_refuses_with_the_longest_length_that_fits():
     with pytest.raises(ValueError, match="no sequence length fits"):
         plan_memory(model_shape=LLAMA_1B, seq_len=K, device_memory=2e9, precision="bf16-mixed", loss_chunk_size=8192,
                     fixed={"offload_params": False})
+
+
+LLAMA3_8B = TransformerShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                             intermediate_size=14336, vocab_size=128256)
+LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+H200_MIB = 143771 * 2**20  # what the H200 runs of benchmarks/memory_plan.py planned for
+
+
+def _lora_8b(seq_len: int, options: MemoryOptions, targets=LORA_ALL):
+    from lightning_seqpar.planning import lora_trainable_params
+
+    class Config:
+        r, target_modules = 16, "all-linear"
+
+    return estimate_memory(model_shape=LLAMA3_8B, seq_len=seq_len, options=options, loss_chunk_size=8192,
+                           trainable_params=lora_trainable_params(LLAMA3_8B, Config()), lora_targets=targets)
+
+
+def test_lora_counts_the_adapters_fp32_input_copies():
+    """peft casts each adapted layer's input to the fp32 adapters' dtype and lora_A keeps that copy for its backward.
+    Measured on one H200 (benchmarks/memory_plan.py, Llama-3-8B shape, LoRA r = 16 on every linear layer, bf16-true):
+    32K with the defaults 49.4 GB; 192K with offload_checkpoints + mlp_chunk_size=8192 112.8 GB; 256K with
+    offload_checkpoints + head_chunks=2 + mlp_chunk_size=8192 ran out of memory holding 139.3 GB and asking 4.3 GB
+    more (an estimate without the copies said 125.0)."""
+    assert _lora_8b(32 * K, MemoryOptions()).allocated == pytest.approx(49.4e9, rel=0.10)
+    tiled = MemoryOptions(offload_checkpoints=True, mlp_chunk_size=8192)
+    assert 112.8e9 <= _lora_8b(192 * K, tiled).allocated <= 1.15 * 112.8e9  # never under the measured peak
+    assert _lora_8b(256 * K, MemoryOptions(offload_checkpoints=True, head_chunks=2, mlp_chunk_size=8192)).allocated > 143.6e9
+    # only q/v adapted: the copies of two layers' inputs, less than all seven
+    qv = _lora_8b(192 * K, tiled, targets=("q_proj", "v_proj"))
+    assert qv.block_recompute < _lora_8b(192 * K, tiled).block_recompute
+    with pytest.raises(ValueError, match="lora_targets"):
+        _lora_8b(K, MemoryOptions(), targets=("wq",))
+
+
+def test_plan_recomputes_attention_only_when_nothing_else_fits():
+    plan = plan_memory(model_shape=LLAMA_1B, seq_len=512 * K, device_memory=H200_MIB, loss_chunk_size=8192)
+    assert plan.options.activation_checkpointing == "selective++"  # measured: 118.4 GB, estimate 118.0
+    longer = plan_memory(model_shape=LLAMA_1B, seq_len=1280 * K, device_memory=H200_MIB, loss_chunk_size=8192)
+    assert longer.options.activation_checkpointing == "full" and longer.options.offload_checkpoints
+    # the user's choice is kept: selective++ fixed refuses the same length
+    with pytest.raises(ValueError, match="found no options"):
+        plan_memory(model_shape=LLAMA_1B, seq_len=1280 * K, device_memory=H200_MIB, loss_chunk_size=8192,
+                    fixed={"activation_checkpointing": "selective++"})
+
+
+def test_plan_keeps_the_offloaded_bytes_within_host_memory():
+    tiled = MemoryOptions(offload_checkpoints=True, mlp_chunk_size=8192)
+    assert _lora_8b(192 * K, tiled).host == 32 * 192 * K * 4096 * 2  # every block's bf16 input, pinned
+    assert _lora_8b(192 * K, MemoryOptions()).host == 0
+    common = dict(model_shape=LLAMA3_8B, device_memory=H200_MIB, loss_chunk_size=8192, trainable_params=41_943_040,
+                  lora_targets=LORA_ALL)
+    # 384K: recomputing attention with the block inputs on the host (103 GB) and the frozen base on the device
+    plan = plan_memory(seq_len=384 * K, host_memory=125e9, **common)
+    assert (plan.options.activation_checkpointing, plan.options.offload_params) == ("full", False)
+    assert plan.estimate.host <= 0.9 * 125e9
+    # 512K: the device would hold it, the host (137 GB of block inputs) would not: refused, naming the host
+    with pytest.raises(ValueError) as info:
+        plan_memory(seq_len=512 * K, host_memory=125e9, **common)
+    message = str(info.value)
+    assert "on the host, which has 125.0 GB available" in message
+    longest = int(re.search(r"largest that would fit with them is seq_len=(\d+)", message).group(1))
+    assert 384 * K <= longest < 512 * K
+    # without a host limit the same length plans
+    assert plan_memory(seq_len=512 * K, **common).estimate.host > 125e9
+    with pytest.raises(ValueError, match="host_memory must be positive"):
+        plan_memory(seq_len=K, host_memory=0, **common)
 
 
 # ---------------------------------------------------------------------------------------------- the strategy
