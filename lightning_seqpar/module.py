@@ -67,7 +67,8 @@ class CausalLMModule(L.LightningModule):
             YAML against the config classes).
             A Hugging Face causal LM (``lightning_seqpar.hf``, needs ``transformers``): the path of a
             local model folder (``from_pretrained``, weights included), a ``transformers.PretrainedConfig``
-            or a dict with ``"model_type"`` (``from_config``, random init from ``init_seed``), or a
+            or a dict with ``"model_type"`` or an :class:`~lightning_seqpar.hf.HFConfigSpec` (its form in a
+            recipe) (``from_config``, random init from ``init_seed``), or a
             ``PreTrainedModel``. It runs unchanged with the package's attention
             (Note [Hugging Face models under the strategy] in ``lightning_seqpar.hf``); ``self.model`` is
             then an :class:`~lightning_seqpar.hf.HFCausalLM` holding it as ``self.model.hf``.
@@ -101,7 +102,7 @@ class CausalLMModule(L.LightningModule):
 
     def __init__(
         self,
-        model: LlamaConfig | TransNormerConfig | GPTConfig | str = "tiny",
+        model: LlamaConfig | TransNormerConfig | GPTConfig | str | hf.HFConfigSpec = "tiny",
         *,
         lr: float = 3e-4,
         weight_decay: float = 0.1,

@@ -102,3 +102,22 @@ def test_bad_key_in_a_recipe_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse(["fit", "--config", str(bad)])
     assert "n_kv_heads" in capsys.readouterr().err
+
+
+def test_hybrid_cpu_recipe_builds_a_transformers_hybrid():
+    """recipes/hybrid_tiny_cpu.yaml gives the model as an HFConfigSpec (model_type + config): it parses, and the module
+    builds transformers' Qwen3-Next from it with its gated DeltaNet layers replaced by the sequence-parallel twins."""
+    pytest.importorskip("transformers")
+    from lightning_seqpar.hf import HFConfigSpec
+    from lightning_seqpar.hf_hybrid import is_hybrid_twin
+    from lightning_seqpar.module import CausalLMModule
+
+    config = parse(["fit", "--config", str(RECIPES[0].parent / "hybrid_tiny_cpu.yaml")]).fit
+    spec = config.model.model
+    assert spec.model_type == "qwen3_next" and spec.config["linear_conv_kernel_dim"] == 4
+    module = CausalLMModule(HFConfigSpec(model_type=spec.model_type, config=dict(spec.config)))
+    module.configure_model()
+    assert type(module.model.hf).__name__ == "Qwen3NextForCausalLM"
+    assert sum(is_hybrid_twin(m) for m in module.model.hf.modules()) == 3
+    with pytest.raises(ValueError, match="give model_type once"):
+        HFConfigSpec(model_type="llama", config={"model_type": "llama"}).as_dict()

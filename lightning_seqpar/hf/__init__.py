@@ -73,9 +73,10 @@ from lightning_seqpar.hf.attention import (
     seqpar_attention_forward,
     seqpar_attention_mask,
 )
-from lightning_seqpar.hf.model import HFCausalLM, build_hf_causal_lm, is_hf_source, load_hf_config, save_hf_pretrained
+from lightning_seqpar.hf.model import HFCausalLM, HFConfigSpec, build_hf_causal_lm, is_hf_source, load_hf_config, save_hf_pretrained
 
 __all__ = [
+    "HFConfigSpec",
     "ATTN_IMPLEMENTATION",
     "HFCausalLM",
     "MIN_TRANSFORMERS_VERSION",

@@ -6,6 +6,7 @@ import copy
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["HFCausalLM", "build_hf_causal_lm", "is_hf_source", "load_hf_config", "save_hf_pretrained"]
+__all__ = ["HFCausalLM", "HFConfigSpec", "build_hf_causal_lm", "is_hf_source", "load_hf_config", "save_hf_pretrained"]
 
 # config fields that change the logits after ``lm_head`` (the chunked loss computes hidden @ W^T only)
 # (final_logit_softcapping is applied by the chunked loss itself: HFCausalLM.logit_softcap)
@@ -36,11 +37,28 @@ _LOGIT_TRANSFORMS: tuple[tuple[str, object], ...] = (
 # --------------------------------------------------------------------------------------------- building
 
 
+@dataclass(frozen=True)
+class HFConfigSpec:
+    """A transformers config named by ``model_type`` with its ``config`` fields (random init): the form a recipe
+    gives ``CausalLMModule(model=...)``, e.g. ``{model_type: qwen3_next, config: {hidden_size: 64, ...}}``
+    (``AutoConfig.for_model(model_type, **config)``); the same as the dict ``{"model_type": ..., **config}``."""
+
+    model_type: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        if "model_type" in self.config:
+            raise ValueError(f"HFConfigSpec: give model_type once (model_type={self.model_type!r}, not in config)")
+        return {"model_type": self.model_type, **self.config}
+
+
 def is_hf_source(model: object) -> bool:
     """Whether ``model`` designates a transformers causal LM: a local folder with ``config.json``, a
     ``PretrainedConfig``, a ``PreTrainedModel`` or a mapping with a ``"model_type"`` key."""
     if isinstance(model, (str, os.PathLike)):
         return os.path.isfile(os.path.join(os.fspath(model), "config.json"))
+    if isinstance(model, HFConfigSpec):
+        return True
     if isinstance(model, Mapping):
         return "model_type" in model
     transformers = sys.modules.get("transformers")  # an object of transformers exists only once it is imported
@@ -54,6 +72,8 @@ def load_hf_config(source: Any) -> PretrainedConfig:
         return source.config
     if isinstance(source, transformers.PretrainedConfig):
         return source
+    if isinstance(source, HFConfigSpec):
+        source = source.as_dict()
     if isinstance(source, Mapping):
         fields = dict(source)
         return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
