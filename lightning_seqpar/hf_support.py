@@ -139,6 +139,11 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                          "num_hidden_layers": 2},  # Bamba's rule (its Mamba2 layer is Bamba's); one layer of each kind
     "nemotron_h": {"n_groups": 2},  # the Mamba2 groups must divide mamba_num_heads (4 in the tiny config)
     "dots3_note_text": {"num_key_value_heads": 4},
+    # Mamba2: num_heads * head_dim == expand * hidden_size (validated), groups dividing the heads, several chunks
+    "mamba2": {"head_dim": 16, "n_groups": 2, "chunk_size": 8},
+    "zamba2": {"chunk_size": 8},  # several chunks of the SSD scan in S
+    # the lightning attention first (its decay fades with the layer index), blocks shorter than S
+    "minimax": {"layer_types": ["linear_attention", "full_attention"], "block_size": 8},
 }
 
 

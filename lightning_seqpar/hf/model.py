@@ -128,13 +128,13 @@ class HFCausalLM(nn.Module):
         n = sum(p.numel() for p in model.parameters()) - (0 if excluded is None else excluded.numel())
         # frozen weights (LoRA's base) cost forward + input gradient (4 per weight), no weight gradient
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p is not excluded)
-        heads = config.num_attention_heads
+        heads = getattr(config, "num_attention_heads", None)  # None: no attention at all (Mamba2 models)
         head_dim = (config_value(config, "head_dim") or next((layer.head_dim for layer in self._attention_layers
                                                               if isinstance(getattr(layer, "head_dim", None), int)), None)
-                    or config.hidden_size // heads)
+                    or (config.hidden_size // heads if heads else 0))
         self._matmul_params = n
         self._frozen_params = frozen
-        self._attn_width = heads * head_dim
+        self._attn_width = heads * head_dim if heads else 0
         self._n_layers = config.num_hidden_layers
 
     @property

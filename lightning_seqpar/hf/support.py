@@ -92,6 +92,11 @@ def find_token_mixers(model: nn.Module) -> list[str]:
         cls = type(module).__name__
         if module is model or cls.endswith(("ForCausalLM", "Model", "LMHeadModel")):
             continue  # the model and its backbone (FalconMambaForCausalLM, MambaModel): name the layers inside
+        if cls.endswith(("RMSNorm", "LayerNorm")):
+            continue  # a norm over each token's features (Mamba2RMSNorm): position-wise, whatever its name says
+        if any(inner.startswith(name + ".") for inner, _ in exact):
+            continue  # a block named for the exact mixer it holds (Mamba2Block, Zamba2MambaDecoderLayer, ...): its own
+            # token mixing is that mixer's; any other mixer inside it is listed on its own
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
             found.append(f"{name!r} ({cls}: a convolution over the sequence, kernel {module.kernel_size[0]})")
             seen_inside.append(name)
