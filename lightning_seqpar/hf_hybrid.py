@@ -22,11 +22,19 @@ replaced at set-up, once, by modules of this file (no transformers class is patc
       MambaLayer, NemotronHMamba2Mixer
     Lfm2ShortConv, Lfm2MoeShortConv,        SeqparShortConv        gated causal conv
       Lfm3ShortConv
+    Mamba2Mixer, Zamba2MambaMixer           SeqparMamba2Mixer      as Bamba's (Zamba2: dt >= time_step_min)
+    FalconH1Mixer                           SeqparFalconH1Mixer    as Bamba's, muP multipliers, optional norm
+    OlmoHybridGatedDeltaNet                 SeqparOlmoHybrid-      causal conv (q|k|v) + gated delta rule
+                                              GatedDeltaNet          (beta doubled with allow_neg_eigval)
+    MiniMaxLightningAttention               SeqparLightning-       linear attention, fixed decay per head:
+                                              Attention              the SSD scan with dt = 1, A = -slope
 
 Only these classes, whose forward this file follows line by line (the support sweep checks each
-architecture against the unmodified model); other recurrent mixers (Mamba / Mamba2 models,
-Jamba, Falcon-H1, Zamba, OLMo-hybrid, ...) stay refused by name
-(``lightning_seqpar.hf.support.refuse_token_mixers``).
+architecture against the unmodified model); other recurrent mixers (Mamba (v1) models, Jamba,
+Zamba, Kimi-Linear's KDA, RWKV, ...) stay refused by name
+(``lightning_seqpar.hf.support.refuse_token_mixers``). Where two classes share a forward up to a
+detail, the twin is a subclass overriding a hook (``SeqparMamba2Mixer._in_projection`` /
+``_dt_limit`` / ``_gated_norm``, ``SeqparGatedDeltaNet._project`` / ``_beta`` / ``_output``).
 
 Where it happens: ``apply_hf_attention`` (and so ``HFCausalLM`` / ``CausalLMModule``) replaces
 the mixers after its checks pass; the strategy's ``apply_attention`` gives every

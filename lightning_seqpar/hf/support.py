@@ -17,12 +17,14 @@ any communication, from local metadata that is equal on every rank:
   NoPE layers: ``arange(local length)``) are refused when sharded (:func:`check_sharded_layer`);
   exact on one rank;
 * token mixers other than attention: those of ``lightning_seqpar.hf_hybrid.HYBRID_MIXERS``
-  (gated DeltaNet of Qwen3-Next / Qwen3.5, Bamba's Mamba2 mixer, the short convolutions of
-  LFM2 / LFM2-MoE / LFM3) are replaced by sequence-parallel twins that pass their state between
+  (gated DeltaNet of Qwen3-Next / Qwen3.5 / OLMo-hybrid, the Mamba2 mixers of Bamba, Granite 4,
+  Nemotron-H, Mamba2, Zamba2 and Falcon-H1, MiniMax's lightning attention, the short convolutions
+  of LFM2 / LFM2-MoE / LFM3) are replaced by sequence-parallel twins that pass their state between
   ranks (Note [Hybrid models under the strategy]); every other one (causal depthwise
-  convolutions, Mamba / SSM mixers, other linear attention, recurrent blocks: Jamba, Nemotron-H,
+  convolutions, Mamba / SSM mixers, other linear attention, recurrent blocks: Jamba, RWKV,
   RecurrentGemma, ...) would run on its shard alone: :func:`refuse_token_mixers` refuses it at
-  set-up (``apply_hf_attention``) by layer class and config field;
+  set-up (``apply_hf_attention``) by layer class and config field (a block whose class is named
+  for the exact mixer it holds, e.g. ``Mamba2Block``, and RMS / layer norms are not token mixers);
 * MoE router auxiliary losses: ``lightning_seqpar.hf.moe``.
 """
 
@@ -66,7 +68,8 @@ def find_token_mixers(model: nn.Module) -> list[str]:
     """Descriptions of the token mixers of ``model`` that are not attention and that the package does
     not make sequence-parallel (empty: none), each naming the module path, its class and the config
     field that makes it one. Local metadata only. Mixers of ``HYBRID_MIXERS`` (and their twins) are
-    not listed, nor the ``config.layer_types`` entries of the layers that hold them.
+    not listed, nor the ``config.layer_types`` entries of the layers that hold them, nor the
+    modules holding them (whose class names often say Mamba / linear attention).
 
     Found structurally: ``config.layer_types`` entries outside :data:`ATTENTION_LAYER_TYPES` and
     :data:`POSITIONWISE_LAYER_TYPES`,
