@@ -66,7 +66,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.documents import current_documents
 
-__all__ = ["HYBRID_MIXERS", "SeqparFalconH1Mixer", "SeqparGatedDeltaNet", "SeqparLightningAttention", "SeqparMamba2Mixer",
+__all__ = ["HYBRID_MIXERS", "SeqparFalconH1Mixer", "SeqparGatedDeltaNet", "SeqparKimiDeltaAttention", "SeqparLightningAttention",
+           "SeqparMamba2Mixer",
            "SeqparOlmoHybridGatedDeltaNet", "SeqparShortConv", "apply_hf_hybrid", "configure_recurrence", "is_hybrid_twin"]
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
@@ -150,12 +151,16 @@ class SeqparGatedDeltaNet(nn.Module):
         k = k.reshape(B, S, -1, self.head_k_dim)
         v = v.reshape(B, S, -1, self.head_v_dim)
         beta = self._beta(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = self._log_decay(hidden_states, a)
         out = self.seqpar_recurrence.delta_rule(q, k, v, g, beta, use_qk_l2norm=True, documents=documents)  # (B, S, H_v, Dv)
         return self._output(out, z)
 
     def _beta(self, b: Tensor) -> Tensor:
         return b.sigmoid()
+
+    def _log_decay(self, hidden_states: Tensor, a: Tensor) -> Tensor:
+        """g [B, S, H_v] (<= 0) from the a projection [B, S, H_v]."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
     def _output(self, out: Tensor, z: Tensor) -> Tensor:
         """out, z [B, S, H_v, Dv] -> the layer's output [B, S, d]: gated norm per head, output projection."""
@@ -255,6 +260,33 @@ class SeqparOlmoHybridGatedDeltaNet(SeqparGatedDeltaNet):
         return self.o_proj(out.reshape(B, S, -1))
 
 
+class SeqparKimiDeltaAttention(SeqparOlmoHybridGatedDeltaNet):
+    """Kimi Linear's KDA layer: OLMo-hybrid's layout (separate q / k / v projections, one causal conv over
+    q|k|v, ``o_norm`` / ``o_proj``) with a decay per key dimension (``forget_gate``: g [B, S, H, Dk],
+    Note [Chunked gated recurrences]), a low-rank output gate (``g_b_proj(g_a_proj(x))``, sigmoid in
+    ``o_norm``) and beta = sigmoid(b) (no doubling)."""
+
+    _ATTRIBUTES = ("hidden_size", "num_heads", "head_dim", "qkv_dim", "conv_kernel_size", "layer_idx", "activation",
+                   "layer_norm_epsilon", "conv_dim", "layer_type")
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__(original)
+        self.head_k_dim = self.head_v_dim = self.head_dim
+        self.key_dim = self.value_dim = self.qkv_dim
+
+    def _project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        B, S, _ = hidden_states.shape
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+        z = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(B, S, -1, self.head_v_dim)
+        return mixed, z, self.b_proj(hidden_states), hidden_states  # (the decay is computed from the hidden states)
+
+    def _beta(self, b: Tensor) -> Tensor:
+        return b.sigmoid()
+
+    def _log_decay(self, hidden_states: Tensor, a: Tensor) -> Tensor:
+        return self.forget_gate(hidden_states)  # (B, S, H, Dk) fp32
+
+
 class SeqparLightningAttention(nn.Module):
     """MiniMax's lightning attention (linear attention with a fixed decay per head) with a sequence-parallel scan.
 
@@ -322,6 +354,7 @@ HYBRID_MIXERS: dict[str, type[nn.Module]] = {
     "FalconH1Mixer": SeqparFalconH1Mixer,
     "OlmoHybridGatedDeltaNet": SeqparOlmoHybridGatedDeltaNet,
     "MiniMaxLightningAttention": SeqparLightningAttention,
+    "KimiLinearDeltaAttention": SeqparKimiDeltaAttention,
 }
 """transformers class name -> its sequence-parallel twin (Note [Hybrid models under the strategy])."""
 

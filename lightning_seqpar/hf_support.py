@@ -144,6 +144,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "zamba2": {"chunk_size": 8},  # several chunks of the SSD scan in S
     # the lightning attention first (its decay fades with the layer index), blocks shorter than S
     "minimax": {"layer_types": ["linear_attention", "full_attention"], "block_size": 8},
+    "kimi_linear": {"num_experts_per_token": 2},  # top-2 of the 4 experts (the default 8 does not fit)
 }
 
 

@@ -106,6 +106,7 @@ _SWEPT_HYBRIDS: dict[str, dict[str, Any]] = {
     "falcon_h1": {"ssm_multipliers": [0.5, 1.5, 0.7, 1.3, 0.9], "ssm_in_multiplier": 0.8, "mamba_rms_norm": True},
     "olmo_hybrid": {"linear_allow_neg_eigval": True},  # beta in (0, 2)
     "minimax": {"block_size": 8, "num_local_experts": 2},  # transformers' blocks shorter than S
+    "kimi_linear": {},  # KDA: a decay per key dimension
 }
 
 

@@ -313,12 +313,13 @@ def test_hybrid_models_train_exactly_at_sp_3(case, saved_36):
 
 # ------------------------------------------------------------------- more Mamba2 / linear-attention families (#23)
 
-MORE_KINDS = ("mamba2", "zamba2", "falcon_h1", "olmo_hybrid", "minimax")
+MORE_KINDS = ("mamba2", "zamba2", "falcon_h1", "olmo_hybrid", "minimax", "kimi_linear")
 
 
 def test_more_families_are_replaced_and_reset_at_documents_on_one_device():
     """Mamba2, Zamba2, Falcon-H1 (muP multipliers, gated norm), OLMo-hybrid (beta in (0, 2)), MiniMax (lightning
-    attention): the twins keep the state dict, and with packed documents every document equals it alone."""
+    attention), Kimi Linear (KDA): the twins keep the state dict, and with packed documents every document equals
+    it alone."""
     from hf_testing import tiny_config
     from test_hf_documents import LENGTHS
 

@@ -31,6 +31,7 @@ any communication, from local metadata that is equal on every rank:
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from torch import nn
 
@@ -103,10 +104,21 @@ def find_token_mixers(model: nn.Module) -> list[str]:
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
             found.append(f"{name!r} ({cls}: a convolution over the sequence, kernel {module.kernel_size[0]})")
             seen_inside.append(name)
-        elif _MIXER_CLASS_NAMES.search(cls) or _SSM_CLASS_NAMES.search(cls):
+        elif (_MIXER_CLASS_NAMES.search(cls) or _SSM_CLASS_NAMES.search(cls)) and not _softmax_attention(module, layer_types):
             found.append(f"{name!r} ({cls})")
             seen_inside.append(name)
     return found
+
+
+def _softmax_attention(module: nn.Module, layer_types: Any) -> bool:
+    """A softmax attention layer that ``apply_hf_attention`` computes with the package's ``Attention``, whatever its
+    class name says (Kimi Linear's ``KimiLinearAttention``): a transformers attention layer (softmax ``scaling``,
+    ``is_causal``, the config) on a layer that ``config.layer_types`` says is attention."""
+    from lightning_seqpar.hf.attention import _is_attention_layer  # here: that module imports this one
+
+    layer_idx = getattr(module, "layer_idx", None)
+    return (_is_attention_layer(module) and isinstance(layer_types, (list, tuple)) and isinstance(layer_idx, int)
+            and 0 <= layer_idx < len(layer_types) and layer_types[layer_idx] in ATTENTION_LAYER_TYPES)
 
 
 def refuse_token_mixers(model: nn.Module) -> None:
