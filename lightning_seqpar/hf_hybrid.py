@@ -28,13 +28,15 @@ replaced at set-up, once, by modules of this file (no transformers class is patc
                                               GatedDeltaNet          (beta doubled with allow_neg_eigval)
     MiniMaxLightningAttention               SeqparLightning-       linear attention, fixed decay per head:
                                               Attention              the SSD scan with dt = 1, A = -slope
+    KimiLinearDeltaAttention                SeqparKimiDelta-       causal conv (q|k|v) + delta rule with a
+                                              Attention              decay per key dimension (KDA)
 
 Only these classes, whose forward this file follows line by line (the support sweep checks each
 architecture against the unmodified model); other recurrent mixers (Mamba (v1) models, Jamba,
-Zamba, Kimi-Linear's KDA, RWKV, ...) stay refused by name
+Zamba, RWKV, ...) stay refused by name
 (``lightning_seqpar.hf.support.refuse_token_mixers``). Where two classes share a forward up to a
 detail, the twin is a subclass overriding a hook (``SeqparMamba2Mixer._in_projection`` /
-``_dt_limit`` / ``_gated_norm``, ``SeqparGatedDeltaNet._project`` / ``_beta`` / ``_output``).
+``_dt_limit`` / ``_gated_norm``, ``SeqparGatedDeltaNet._project`` / ``_beta`` / ``_log_decay`` / ``_output``).
 
 Where it happens: ``apply_hf_attention`` (and so ``HFCausalLM`` / ``CausalLMModule``) replaces
 the mixers after its checks pass; the strategy's ``apply_attention`` gives every

@@ -17,14 +17,15 @@ any communication, from local metadata that is equal on every rank:
   NoPE layers: ``arange(local length)``) are refused when sharded (:func:`check_sharded_layer`);
   exact on one rank;
 * token mixers other than attention: those of ``lightning_seqpar.hf_hybrid.HYBRID_MIXERS``
-  (gated DeltaNet of Qwen3-Next / Qwen3.5 / OLMo-hybrid, the Mamba2 mixers of Bamba, Granite 4,
-  Nemotron-H, Mamba2, Zamba2 and Falcon-H1, MiniMax's lightning attention, the short convolutions
-  of LFM2 / LFM2-MoE / LFM3) are replaced by sequence-parallel twins that pass their state between
+  (gated DeltaNet of Qwen3-Next / Qwen3.5 / OLMo-hybrid, Kimi Linear's KDA, the Mamba2 mixers of
+  Bamba, Granite 4, Nemotron-H, Mamba2, Zamba2 and Falcon-H1, MiniMax's lightning attention, the
+  short convolutions of LFM2 / LFM2-MoE / LFM3) are replaced by sequence-parallel twins that pass their state between
   ranks (Note [Hybrid models under the strategy]); every other one (causal depthwise
   convolutions, Mamba / SSM mixers, other linear attention, recurrent blocks: Jamba, RWKV,
   RecurrentGemma, ...) would run on its shard alone: :func:`refuse_token_mixers` refuses it at
   set-up (``apply_hf_attention``) by layer class and config field (a block whose class is named
-  for the exact mixer it holds, e.g. ``Mamba2Block``, and RMS / layer norms are not token mixers);
+  for the exact mixer it holds, e.g. ``Mamba2Block``, RMS / layer norms, and softmax attention layers
+  on attention-typed layers, e.g. ``KimiLinearAttention``, are not token mixers);
 * MoE router auxiliary losses: ``lightning_seqpar.hf.moe``.
 """
 
