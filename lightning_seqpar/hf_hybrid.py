@@ -25,11 +25,21 @@ replaced at set-up, once, by modules of this file (no transformers class is patc
     MambaMixer, FalconMambaMixer,           SeqparMambaMixer       causal conv (x) + Mamba1 selective scan
       JambaMambaMixer
     ZambaMambaMixer                         SeqparZambaMambaMixer  the same, multi-head (B, C per head)
+    Mamba2Mixer, Zamba2MambaMixer           SeqparMamba2Mixer      as Bamba's (Zamba2: dt >= time_step_min)
+    FalconH1Mixer                           SeqparFalconH1Mixer    as Bamba's, muP multipliers, optional norm
+    OlmoHybridGatedDeltaNet                 SeqparOlmoHybrid-      causal conv (q|k|v) + gated delta rule
+                                              GatedDeltaNet          (beta doubled with allow_neg_eigval)
+    MiniMaxLightningAttention               SeqparLightning-       linear attention, fixed decay per head:
+                                              Attention              the SSD scan with dt = 1, A = -slope
+    KimiLinearDeltaAttention                SeqparKimiDelta-       causal conv (q|k|v) + delta rule with a
+                                              Attention              decay per key dimension (KDA)
 
 Only these classes, whose forward this file follows line by line (the support sweep checks each
-architecture against the unmodified model); other recurrent mixers (Mamba2 models,
-Falcon-H1, Zamba2, OLMo-hybrid, ...) stay refused by name
-(``lightning_seqpar.hf.support.refuse_token_mixers``).
+architecture against the unmodified model); other recurrent mixers (RWKV, xLSTM,
+RecurrentGemma, ...) stay refused by name
+(``lightning_seqpar.hf.support.refuse_token_mixers``). Where two classes share a forward up to a
+detail, the twin is a subclass overriding a hook (``SeqparMamba2Mixer._in_projection`` /
+``_dt_limit`` / ``_gated_norm``, ``SeqparGatedDeltaNet._project`` / ``_beta`` / ``_log_decay`` / ``_output``).
 
 Where it happens: ``apply_hf_attention`` (and so ``HFCausalLM`` / ``CausalLMModule``) replaces
 the mixers after its checks pass; the strategy's ``apply_attention`` gives every
@@ -61,8 +71,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.documents import current_documents
 
-__all__ = ["HYBRID_MIXERS", "SeqparGatedDeltaNet", "SeqparMamba2Mixer", "SeqparMambaMixer", "SeqparShortConv",
-           "SeqparZambaMambaMixer", "apply_hf_hybrid", "configure_recurrence", "is_hybrid_twin"]
+__all__ = ["HYBRID_MIXERS", "SeqparFalconH1Mixer", "SeqparGatedDeltaNet", "SeqparKimiDeltaAttention", "SeqparLightningAttention",
+           "SeqparMamba2Mixer", "SeqparMambaMixer", "SeqparOlmoHybridGatedDeltaNet", "SeqparShortConv", "SeqparZambaMambaMixer",
+           "apply_hf_hybrid", "configure_recurrence", "is_hybrid_twin"]
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
@@ -74,8 +85,8 @@ def _adopt(new: nn.Module, old: nn.Module, attributes: tuple[str, ...]) -> None:
         new.add_module(name, child)
     for name, p in old.named_parameters(recurse=False):
         new.register_parameter(name, p)
-    for name, b in old.named_buffers(recurse=False):
-        new.register_buffer(name, b)
+    for name, b in old.named_buffers(recurse=False):  # non-persistent ones (Falcon-H1's mup_vector) stay out of the state dict
+        new.register_buffer(name, b, persistent=name not in old._non_persistent_buffers_set)
     for name in attributes:
         setattr(new, name, getattr(old, name))
     new.train(old.training)
@@ -144,9 +155,21 @@ class SeqparGatedDeltaNet(nn.Module):
         q = q.reshape(B, S, -1, self.head_k_dim)
         k = k.reshape(B, S, -1, self.head_k_dim)
         v = v.reshape(B, S, -1, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = self._beta(b)
+        g = self._log_decay(hidden_states, a)
         out = self.seqpar_recurrence.delta_rule(q, k, v, g, beta, use_qk_l2norm=True, documents=documents)  # (B, S, H_v, Dv)
+        return self._output(out, z)
+
+    def _beta(self, b: Tensor) -> Tensor:
+        return b.sigmoid()
+
+    def _log_decay(self, hidden_states: Tensor, a: Tensor) -> Tensor:
+        """g [B, S, H_v] (<= 0) from the a projection [B, S, H_v]."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def _output(self, out: Tensor, z: Tensor) -> Tensor:
+        """out, z [B, S, H_v, Dv] -> the layer's output [B, S, d]: gated norm per head, output projection."""
+        B, S = out.shape[:2]
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(B, S, -1))
 
@@ -155,7 +178,8 @@ class SeqparMamba2Mixer(nn.Module):
     """Bamba's Mamba2 mixer with sequence-parallel conv and SSD scan (transformers' torch path)."""
 
     _ATTRIBUTES = ("num_heads", "hidden_size", "ssm_state_size", "conv_kernel_size", "intermediate_size", "layer_idx",
-                   "activation", "n_groups", "head_dim", "chunk_size", "time_step_limit", "conv_dim", "layer_type")
+                   "activation", "n_groups", "head_dim", "chunk_size", "time_step_limit", "time_step_min", "conv_dim",
+                   "layer_type")
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
@@ -167,20 +191,138 @@ class SeqparMamba2Mixer(nn.Module):
         documents = current_documents()  # read at forward time (Note [Per-call state])
         Bsz, S, _ = hidden_states.shape
         dtype = hidden_states.dtype
-        gate, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        gate, xBC, dt = self._in_projection(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         conv = self.conv1d
         xBC = self.seqpar_recurrence.conv(xBC, conv.weight[:, 0], conv.bias, self.activation, documents=documents)
         x, Bm, C = torch.split(xBC, [self.intermediate_size, self.n_groups * self.ssm_state_size,
                                      self.n_groups * self.ssm_state_size], dim=-1)
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
-        lo, hi = getattr(self, "time_step_limit", (0.0, float("inf")))
+        lo, hi = self._dt_limit()
         dt = torch.clamp(dt, min=lo, max=hi)
         A = -torch.exp(self.A_log.float())
         y = self.seqpar_recurrence.ssd(x.reshape(Bsz, S, self.num_heads, self.head_dim), dt, A,
                                        Bm.reshape(Bsz, S, self.n_groups, self.ssm_state_size),
                                        C.reshape(Bsz, S, self.n_groups, self.ssm_state_size), self.D, documents=documents)
-        y = self.norm(y.reshape(Bsz, S, -1), gate)
+        y = self._gated_norm(y.reshape(Bsz, S, -1), gate)
         return self.out_proj(y.to(dtype))
+
+    # the hooks where the Mamba2 mixers of transformers differ (Falcon-H1: SeqparFalconH1Mixer)
+
+    def _in_projection(self, hidden_states: Tensor) -> Tensor:
+        """hidden [B, S, d] -> gate | x B C | dt [B, S, intermediate + conv_dim + H]."""
+        return self.in_proj(hidden_states)
+
+    def _dt_limit(self) -> tuple[float, float]:
+        """(min, max) of dt after the softplus: ``time_step_limit`` (Bamba, Mamba2, Falcon-H1; Zamba2 since
+        transformers 5.2x), else Zamba2's ``(time_step_min, inf)`` (older transformers), else no clamp."""
+        limit = getattr(self, "time_step_limit", None)
+        if limit is not None:
+            return tuple(limit)  # type: ignore[return-value]
+        return (getattr(self, "time_step_min", 0.0), float("inf"))
+
+    def _gated_norm(self, y: Tensor, gate: Tensor) -> Tensor:
+        """y (the scan's output) [B, S, intermediate] fp32, gate [B, S, intermediate] -> the out projection's input."""
+        return self.norm(y, gate)
+
+
+class SeqparFalconH1Mixer(SeqparMamba2Mixer):
+    """Falcon-H1's Mamba2 mixer: Bamba's forward with muP multipliers on the input (``ssm_in_multiplier``) and on
+    the in-projection (the ``mup_vector`` buffer, per block of gate | x | B | C | dt), and the gated RMS norm
+    optional (``config.mamba_rms_norm``; without it the scan's output is gated by silu(gate) alone)."""
+
+    _ATTRIBUTES = (*SeqparMamba2Mixer._ATTRIBUTES, "ssm_in_multiplier", "mamba_rms_norm", "groups_time_state_size",
+                   "use_bias", "use_conv_bias")
+
+    def _in_projection(self, hidden_states: Tensor) -> Tensor:
+        return self.in_proj(hidden_states * self.ssm_in_multiplier) * self.mup_vector
+
+    def _gated_norm(self, y: Tensor, gate: Tensor) -> Tensor:
+        if self.mamba_rms_norm:
+            return self.norm(y, gate)
+        return y * F.silu(gate)
+
+
+class SeqparOlmoHybridGatedDeltaNet(SeqparGatedDeltaNet):
+    """OLMo-hybrid's gated DeltaNet: Qwen3-Next's recurrence with separate q / k / v / a / b projections, its own
+    gate projection (``g_proj``), beta doubled when ``allow_neg_eigval`` (eigenvalues of the transition in
+    (-1, 1): the chunked kernel takes any beta), and ``o_norm`` / ``o_proj`` for the output."""
+
+    _ATTRIBUTES = (*SeqparGatedDeltaNet._ATTRIBUTES, "allow_neg_eigval", "eps")
+
+    def _project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        B, S, _ = hidden_states.shape
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+        z = self.g_proj(hidden_states).reshape(B, S, -1, self.head_v_dim)
+        return mixed, z, self.b_proj(hidden_states), self.a_proj(hidden_states)
+
+    def _beta(self, b: Tensor) -> Tensor:
+        beta = b.sigmoid()
+        return beta * 2.0 if self.allow_neg_eigval else beta
+
+    def _output(self, out: Tensor, z: Tensor) -> Tensor:
+        B, S = out.shape[:2]
+        out = self.o_norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.o_proj(out.reshape(B, S, -1))
+
+
+class SeqparKimiDeltaAttention(SeqparOlmoHybridGatedDeltaNet):
+    """Kimi Linear's KDA layer: OLMo-hybrid's layout (separate q / k / v projections, one causal conv over
+    q|k|v, ``o_norm`` / ``o_proj``) with a decay per key dimension (``forget_gate``: g [B, S, H, Dk],
+    Note [Chunked gated recurrences]), a low-rank output gate (``g_b_proj(g_a_proj(x))``, sigmoid in
+    ``o_norm``) and beta = sigmoid(b) (no doubling)."""
+
+    _ATTRIBUTES = ("hidden_size", "num_heads", "head_dim", "qkv_dim", "conv_kernel_size", "layer_idx", "activation",
+                   "layer_norm_epsilon", "conv_dim", "layer_type")
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__(original)
+        self.head_k_dim = self.head_v_dim = self.head_dim
+        self.key_dim = self.value_dim = self.qkv_dim
+
+    def _project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        B, S, _ = hidden_states.shape
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+        z = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(B, S, -1, self.head_v_dim)
+        return mixed, z, self.b_proj(hidden_states), hidden_states  # (the decay is computed from the hidden states)
+
+    def _beta(self, b: Tensor) -> Tensor:
+        return b.sigmoid()
+
+    def _log_decay(self, hidden_states: Tensor, a: Tensor) -> Tensor:
+        return self.forget_gate(hidden_states)  # (B, S, H, Dk) fp32
+
+
+class SeqparLightningAttention(nn.Module):
+    """MiniMax's lightning attention (linear attention with a fixed decay per head) with a sequence-parallel scan.
+
+    transformers computes it block by block (``block_size``); the recurrence it implements is
+    ``S_t = exp(-s_h) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t`` (no scaling of q; s_h the layer's
+    ``slope_rate``), i.e. the scalar-decay scan of Mamba2 (SSD) with q = C, k = B, v = x, dt = 1 and
+    A = -s_h, the block size only a schedule. Then RMS norm, sigmoid output gate, output projection.
+    """
+
+    _ATTRIBUTES = ("layer_idx", "head_dim", "num_attention_heads", "num_hidden_layers", "block_size", "act_fn",
+                   "layer_type")
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        _adopt(self, original, tuple(a for a in self._ATTRIBUTES if hasattr(original, a)))
+        self.seqpar_recurrence = Recurrence()
+
+    def forward(self, hidden_states: Tensor, position_embeddings: Any = None, attention_mask: Tensor | None = None,
+                **kwargs: Any) -> tuple[Tensor, None]:
+        _check_call(self, attention_mask, kwargs)
+        documents = current_documents()  # read at forward time (Note [Per-call state])
+        B, S, _ = hidden_states.shape
+        H, D = self.num_attention_heads, self.head_dim
+        qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(B, S, H, 3 * D)
+        q, k, v = torch.split(qkv, D, dim=3)  # (B, S, H, D) each
+        decay = -self.slope_rate.float().reshape(H)  # log decay per head and token
+        y = self.seqpar_recurrence.ssd(v, torch.ones(B, S, H, dtype=torch.float32, device=v.device), decay, k, q, None,
+                                       documents=documents)  # (B, S, H, D) fp32
+        y = self.norm(y.to(v.dtype).reshape(B, S, H * D))
+        y = torch.sigmoid(self.output_gate(hidden_states)) * y
+        return self.out_proj(y), None  # (out, attention weights): the state is not returned (no cache)
 
 
 class SeqparShortConv(nn.Module):
@@ -310,6 +452,12 @@ HYBRID_MIXERS: dict[str, type[nn.Module]] = {
     "JambaMambaMixer": SeqparMambaMixer,  # Mamba's forward with RMS norms (weights) on dt, B, C
     "FalconMambaMixer": SeqparMambaMixer,  # Mamba's forward with weightless RMS norms on dt, B, C
     "ZambaMambaMixer": SeqparZambaMambaMixer,
+    "Mamba2Mixer": SeqparMamba2Mixer,  # Bamba's forward (Mamba2 models)
+    "Zamba2MambaMixer": SeqparMamba2Mixer,  # Bamba's forward; dt clamped below at time_step_min
+    "FalconH1Mixer": SeqparFalconH1Mixer,
+    "OlmoHybridGatedDeltaNet": SeqparOlmoHybridGatedDeltaNet,
+    "MiniMaxLightningAttention": SeqparLightningAttention,
+    "KimiLinearDeltaAttention": SeqparKimiDeltaAttention,
 }
 """transformers class name -> its sequence-parallel twin (Note [Hybrid models under the strategy])."""
 

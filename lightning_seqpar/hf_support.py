@@ -143,6 +143,12 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # layers in ZambaModel._tied_weights_keys): with one hybrid layer it matches nothing and the model refuses to
     # build, so two hybrid layers (each also holds a Mamba layer) after a plain Mamba one
     "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    # Mamba2: num_heads * head_dim == expand * hidden_size (validated), groups dividing the heads, several chunks
+    "mamba2": {"head_dim": 16, "n_groups": 2, "chunk_size": 8},
+    "zamba2": {"chunk_size": 8},  # several chunks of the SSD scan in S
+    # the lightning attention first (its decay fades with the layer index), blocks shorter than S
+    "minimax": {"layer_types": ["linear_attention", "full_attention"], "block_size": 8},
+    "kimi_linear": {"num_experts_per_token": 2},  # top-2 of the 4 experts (the default 8 does not fit)
 }
 
 

@@ -84,11 +84,30 @@ def tiny_config(kind: str, **overrides: Any):
         return transformers.Qwen3_5TextConfig(**{**COMMON, "head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
                                                  "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
                                                  "linear_value_head_dim": 8, **overrides})
+    if kind in _SWEPT_HYBRIDS:  # the support sweep's tiny config, with the fields that make the test bite
+        from lightning_seqpar import hf_support
+
+        config = hf_support.tiny_config(kind)
+        for key, value in {**_SWEPT_HYBRIDS[kind], **overrides}.items():
+            setattr(config, key, value)
+        return config
     if kind == "jamba":  # Mamba (v1) mixers: refused
         return transformers.JambaConfig(**{**COMMON, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                                            "num_experts": 1, "mamba_d_state": 4, "mamba_d_conv": 4, "mamba_expand": 2,
                                            **overrides})
     raise ValueError(kind)
+
+
+# more Mamba2 / linear-attention hybrids (lightning_seqpar.hf_hybrid): fields set on the sweep's tiny config
+_SWEPT_HYBRIDS: dict[str, dict[str, Any]] = {
+    "mamba2": {},
+    "zamba2": {},
+    # muP multipliers (on the mixer's input and per block of its in-projection) and the gated RMS norm on
+    "falcon_h1": {"ssm_multipliers": [0.5, 1.5, 0.7, 1.3, 0.9], "ssm_in_multiplier": 0.8, "mamba_rms_norm": True},
+    "olmo_hybrid": {"linear_allow_neg_eigval": True},  # beta in (0, 2)
+    "minimax": {"block_size": 8, "num_local_experts": 2},  # transformers' blocks shorter than S
+    "kimi_linear": {},  # KDA: a decay per key dimension
+}
 
 
 def save_tiny_model(kind: str, path: str, seed: int = 0, **overrides: Any) -> str:

@@ -309,3 +309,77 @@ def test_hybrid_models_train_exactly_at_sp_3(case, saved_36):
         assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
         for name, grad in grads.items():
             torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
+# ------------------------------------------------------------------- more Mamba2 / linear-attention families (#23)
+
+MORE_KINDS = ("mamba2", "zamba2", "falcon_h1", "olmo_hybrid", "minimax", "kimi_linear")
+
+
+def test_more_families_are_replaced_and_reset_at_documents_on_one_device():
+    """Mamba2, Zamba2, Falcon-H1 (muP multipliers, gated norm), OLMo-hybrid (beta in (0, 2)), MiniMax (lightning
+    attention), Kimi Linear (KDA): the twins keep the state dict, and with packed documents every document equals
+    it alone."""
+    from hf_testing import tiny_config
+    from test_hf_documents import LENGTHS
+
+    from lightning_seqpar.documents import PackedDocuments, packed_documents
+    from lightning_seqpar.hf import HFCausalLM
+    from lightning_seqpar.hf_hybrid import HYBRID_MIXERS
+
+    lengths = LENGTHS[1]  # documents of 2, 3, 1, 1, 9 and 16 tokens
+    ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    documents = PackedDocuments.from_lengths([lengths])
+    for kind in MORE_KINDS:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind), attn_implementation="eager",
+                                                              dtype=torch.float32).train()
+        mixers = [name for name, m in model.named_modules() if type(m).__name__ in HYBRID_MIXERS]
+        reference = copy.deepcopy(model)
+        ref = torch.cat([reference(input_ids=part, position_ids=torch.arange(part.shape[1])[None], use_cache=False).logits
+                         for part in ids.split(list(lengths), dim=1)], dim=1)
+        (ref * ref.detach().sin()).sum().backward()
+        wrapped = HFCausalLM(model)
+        assert mixers and all(type(model.get_submodule(n)).__name__.startswith("Seqpar") for n in mixers), kind
+        assert list(model.state_dict()) == list(reference.state_dict()), kind
+        with packed_documents(documents):
+            logits = wrapped(ids, documents.position_ids())
+        (logits * logits.detach().sin()).sum().backward()
+        torch.testing.assert_close(logits, ref, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        grads = dict(reference.named_parameters())
+        for name, p in model.named_parameters():  # gradients up to ~1e2 here: atol + 1e-5 of the tensor's largest entry
+            want = grads[name].grad
+            err = float((p.grad - want).abs().max())
+            assert err <= ATOL + 1e-5 * float(want.abs().max()), f"{kind} {name}: off by {err:.2e} (largest {float(want.abs().max()):.2e})"
+
+
+@pytest.fixture(scope="module")
+def more_saved(tmp_path_factory):
+    """The tiny models of MORE_KINDS saved, with the references of a plain and of a packed batch."""
+    from hf_testing import batch, reference, save_tiny_model
+    from test_hf_documents import packed_batch, per_document_reference
+
+    root = tmp_path_factory.mktemp("hf-hybrid-more")
+    paths = {kind: save_tiny_model(kind, str(root / kind)) for kind in MORE_KINDS}
+    plain, packed = batch(), packed_batch()
+    return paths, {"plain": (plain, {k: reference(p, plain) for k, p in paths.items()}),
+                   "packed": (packed, {k: per_document_reference(p, packed) for k, p in paths.items()})}
+
+
+@pytest.mark.parametrize("world,attention,layout,case", [(2, "ring", "zigzag", "plain"), (4, "ring", "zigzag", "packed")])
+def test_more_families_train_exactly_under_the_strategy(world, attention, layout, case, more_saved):
+    """Trainer + SequenceParallelStrategy + CausalLMModule(<folder>), one step: logits, logged loss and every gradient
+    of the unmodified model (packed: of every document alone)."""
+    from hf_testing import train_each
+
+    paths, cases = more_saved
+    data, refs = cases[case]
+    results = run_distributed(train_each, world, [paths[k] for k in MORE_KINDS], data, timeout=300,
+                              strategy_kwargs={"attention": attention, "load_balance": layout})[0]
+    for kind, result in zip(MORE_KINDS, results):
+        logits, loss, grads = refs[kind]
+        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        assert result["grads"].keys() == grads.keys(), kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")

@@ -335,7 +335,7 @@ def test_the_table_is_generated_from_the_record():
 # --------------------------------------------------------------------------------------------- one process
 
 
-@pytest.mark.parametrize("arch", ["recurrent_gemma", "rwkv", "minimax", "olmo_hybrid"])
+@pytest.mark.parametrize("arch", ["recurrent_gemma", "rwkv"])
 def test_token_mixing_layers_are_refused_by_name(arch):
     model = hf_support.build_tiny_model(arch)
     with pytest.raises(ValueError, match=r"ForCausalLM mixes tokens with layers other than attention \(.*'[\w.]+\.(0|1)[\w.]*' "
@@ -343,7 +343,8 @@ def test_token_mixing_layers_are_refused_by_name(arch):
         hf_support.check_model_supported(model)
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next", "qwen3_5_text", "bamba", "mamba", "falcon_mamba", "jamba", "zamba"])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next", "qwen3_5_text", "bamba", "mamba", "falcon_mamba", "jamba", "zamba",
+                                  "mamba2", "zamba2", "falcon_h1", "olmo_hybrid", "minimax", "kimi_linear"])
 def test_hybrid_mixers_with_sequence_parallel_twins_pass_the_check(arch):
     """Note [Hybrid models under the strategy]: the sweep runs them exact at sp 2 and 4."""
     hf_support.check_model_supported(hf_support.build_tiny_model(arch), max_seq_len=hf_support.SEQ_LEN)
@@ -383,3 +384,18 @@ def test_tiny_configs_switch_the_feature_on():
         hf_support.tiny_config("llama", "softcap")
     with pytest.raises(hf_support.NotBuilt, match="encoder-decoder"):
         hf_support.tiny_config("bart")
+
+
+def test_minimax_full_attention_layers_take_the_config_window():
+    """MiniMax builds the masks of its "full_attention" layers with config.sliding_window (Mixtral's masking):
+    read as windowed (the sweep found the mismatch once its lightning attention ran exact); other models'
+    "full_attention" layers stay full whatever their config says."""
+    from lightning_seqpar.hf.features import attention_features
+
+    windowed = hf_support.build_tiny_model("minimax", "sliding_window").model.layers[1].self_attn
+    assert type(windowed).__name__ == "MiniMaxAttention"
+    assert attention_features(windowed).window == hf_support.WINDOW
+    assert attention_features(hf_support.build_tiny_model("minimax").model.layers[1].self_attn).window is None
+    qwen3_next = hf_support.build_tiny_model("qwen3_next").model.layers[1].self_attn  # layer_types[1] = "full_attention"
+    qwen3_next.config.sliding_window = hf_support.WINDOW
+    assert attention_features(qwen3_next).window is None

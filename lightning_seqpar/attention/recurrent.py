@@ -160,6 +160,13 @@ _ACTIVATIONS: dict[str | None, Callable[[Tensor], Tensor]] = {None: lambda x: x,
 #   i.e. (I + L) W = b V - (b e^{G} K) S_0 with L_ts = b_t e^{G_t-G_s} (k_t . k_s), s < t: one
 #   unit-lower-triangular solve per chunk (the UT transform of DeltaNet, Yang et al. 2024 §3).
 # The decays e^{G_t - G_s} are formed only for s <= t (masked before exp: no overflow).
+#
+# A decay per key dimension (Kimi Delta Attention, Kimi Linear §2: S_t = Diag(a_t) (I - b_t k_t k_t^T) S_{t-1}
+# + b_t k_t v_t^T with a_t = exp(g_t), g_t in R^Dk) is the same with G_t a vector: the scalar e^{G_t} S_0
+# becomes Diag(e^{G_t}) S_0 (q_t and k_t scaled per dimension), and every pair product
+# e^{G_t-G_s} (x_t . k_s) becomes sum_d x_td k_sd e^{G_td-G_sd}: a [c, c, Dk] tensor of decays per
+# chunk (still masked before exp). The state chain, the documents and the segment padding (g = 0)
+# are unchanged: only the per-chunk terms differ.
 
 
 def _chunk(x: Tensor, c: int) -> Tensor:
@@ -179,20 +186,35 @@ def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None
     q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; g: [B, T, H] log decay; beta: [B, T, H] or None (SSD).
     """
     qc, kc, vc = _chunk(q, c), _chunk(k, c), _chunk(v, c)  # (B, H, N, c, D)
-    gc = _chunk(g, c)  # (B, H, N, c); padding has g = 0 (no decay) and k = v = 0 (no update)
-    G = gc.cumsum(-1)
     tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~tri, float("-inf"))
-    decay = diff.exp()  # (B, H, N, c, c): e^{G_t - G_s}, s <= t
-    eG = G.exp()[..., None]  # (B, H, N, c, 1)
-    terms = {"q": qc * eG, "eG_last": eG[..., -1:, :],  # (B, H, N, 1, 1)
-             "k_out": kc * (G[..., -1:] - G).exp()[..., None],  # e^{G_c - G_s} k_s
-             "scores": (qc @ kc.transpose(-1, -2)) * decay}  # (B, H, N, c, c)
+    if g.dim() == 4:  # a decay per key dimension (Kimi Delta Attention)
+        G = _chunk(g, c).cumsum(3)  # (B, H, N, c, Dk); padding has g = 0 (no decay) and k = v = 0 (no update)
+        diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~tri[..., None], float("-inf"))
+        decay = diff.exp()  # (B, H, N, c, c, Dk): e^{G_t - G_s} per dimension, s <= t
+
+        def pairs(x: Tensor, y: Tensor) -> Tensor:  # sum_d x_td y_sd e^{G_td - G_sd}: (B, H, N, c, c)
+            return torch.einsum("bhntd,bhnsd,bhntsd->bhnts", x, y, decay)
+
+        eG = G.exp()  # (B, H, N, c, Dk)
+        terms = {"q": qc * eG, "eG_last": eG[..., -1, :, None],  # (B, H, N, Dk, 1): Diag(e^{G_c}) S
+                 "k_out": kc * (G[..., -1:, :] - G).exp()}  # e^{G_c - G_s} * k_s
+    else:
+        G = _chunk(g, c).cumsum(-1)  # (B, H, N, c)
+        diff = (G[..., :, None] - G[..., None, :]).masked_fill(~tri, float("-inf"))
+        decay = diff.exp()  # (B, H, N, c, c): e^{G_t - G_s}, s <= t
+
+        def pairs(x: Tensor, y: Tensor) -> Tensor:
+            return (x @ y.transpose(-1, -2)) * decay
+
+        eG = G.exp()[..., None]  # (B, H, N, c, 1)
+        terms = {"q": qc * eG, "eG_last": eG[..., -1:, :],  # (B, H, N, 1, 1)
+                 "k_out": kc * (G[..., -1:] - G).exp()[..., None]}  # e^{G_c - G_s} k_s
+    terms["scores"] = pairs(qc, kc)  # (B, H, N, c, c)
     if beta is None:
         terms["u"] = vc
     else:
         bc = _chunk(beta, c)[..., None]  # (B, H, N, c, 1)
-        strict = (kc @ kc.transpose(-1, -2)) * decay * bc
+        strict = pairs(kc, kc) * bc
         system = strict.tril(-1) + torch.eye(c, device=q.device)  # I + L (strictly lower L)
         terms["u"] = torch.linalg.solve_triangular(system, bc * vc, upper=False, unitriangular=True)  # (B, H, N, c, Dv)
         terms["wk"] = torch.linalg.solve_triangular(system, bc * eG * kc, upper=False, unitriangular=True)  # (B, H, N, c, Dk)
@@ -693,7 +715,10 @@ def _check_scan(q, k, v, g, beta, chunk_size) -> None:
         raise ValueError(f"q and k must be [B, T, H, Dk] of the same shape; got q={tuple(q.shape)}, k={tuple(k.shape)}")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must be [B, T, H, Dv] matching q; got q={tuple(q.shape)}, v={tuple(v.shape)}")
-    _check_tokens("g", g, tuple(q.shape[:3]))
+    if beta is not None and isinstance(g, Tensor) and g.dim() == 4:  # a decay per key dimension (delta rule only)
+        _check_tokens("g", g, tuple(q.shape))
+    else:
+        _check_tokens("g", g, tuple(q.shape[:3]))
     if beta is not None:
         _check_tokens("beta", beta, tuple(q.shape[:3]))
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
@@ -708,7 +733,9 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
 
     Conventions of transformers' Qwen3-Next and fla's ``chunk_gated_delta_rule``: q, k ``[B, T, H_k, Dk]``,
     v ``[B, T, H_v, Dv]`` with H_v a multiple of H_k (each q/k head serves H_v / H_k consecutive
-    value heads), g ``[B, T, H_v]`` (log decay), beta ``[B, T, H_v]``; q and k l2-normalised in fp32
+    value heads), g ``[B, T, H_v]`` (log decay) or ``[B, T, H_v, Dk]`` (a log decay per key
+    dimension: Kimi Delta Attention, Note [Chunked gated recurrences]; the torch kernels run,
+    kernel="fla" is refused), beta ``[B, T, H_v]``; q and k l2-normalised in fp32
     (eps 1e-6 inside the square root) when ``use_qk_l2norm``, then q scaled by ``scale`` (default Dk^-1/2).
 
     ``documents``: packed documents (built with ``world`` = the mesh size; the inputs sharded by
@@ -732,7 +759,10 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
     _check_scan(q, k, v, g, beta, chunk_size)
     _pieces_of(q.shape[1], mesh, layout)
     pieces = _check_documents(documents, q.shape[0], q.shape[1], mesh, layout)
-    ker = _resolve_kernel(kernel, q.device, pieces is not None)
+    if g.dim() == 4 and kernel == "fla":
+        raise ValueError("kernel='fla' does not take a decay per key dimension (g of shape [B, T, H, Dk]; fla-core's "
+                         "chunk_kda is not wired): use kernel='torch' or 'auto' (which runs the torch kernels for it)")
+    ker = _resolve_kernel(kernel, q.device, pieces is not None or g.dim() == 4)
     fn = functools.partial(_delta_kernel, chunk_size=chunk_size, kernel=ker, pieces=pieces)
     B, _, H, Dk = q.shape
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document

@@ -12,7 +12,8 @@ global positions), so :func:`attention_features` reads them as the reference app
 * window: with ``config.layer_types``, a ``"sliding_attention"`` layer has one (the call's
   ``sliding_window`` kwarg, else the layer's attribute, else ``config.sliding_window``) and any
   other layer none, whatever its attributes say (EXAONE 4 keeps ``sliding_window`` on its full
-  layers; Qwen2-MoE passes no kwarg and lets the mask apply it); without ``layer_types`` (Mistral),
+  layers; Qwen2-MoE passes no kwarg and lets the mask apply it), except in MiniMax, whose model
+  builds its "full_attention" masks with ``config.sliding_window``; without ``layer_types`` (Mistral),
   the kwarg, else the attribute, else ``config.sliding_window`` unless ``use_sliding_window`` is off;
 * chunk: the kwarg, else ``config.attention_chunk_size`` on ``"chunked_attention"`` layers (Llama 4);
 * softcap and sinks: the call's kwargs only (Gemma 3 keeps ``attn_logit_softcapping`` in its
@@ -43,6 +44,10 @@ from torch import Tensor, nn
 __all__ = ["AttentionFeatures", "attention_features", "attention_kwargs", "layer_name"]
 
 _WINDOWED_LAYER_TYPES = ("sliding_attention",)
+# model types whose model builds the mask of its "full_attention" layers with config.sliding_window (MiniMax:
+# Mixtral's masking, create_sliding_window_causal_mask whenever the field is set; its layer_types only tell the
+# lightning-attention layers from the softmax ones)
+_FULL_LAYERS_WINDOWED_BY_CONFIG = frozenset({"minimax"})
 _CHUNKED_LAYER_TYPES = ("chunked_attention",)
 
 
@@ -117,6 +122,8 @@ def attention_features(module: nn.Module, kwargs: Mapping[str, Any] | None = Non
     if layer_type is not None:
         if layer_type in _WINDOWED_LAYER_TYPES:
             window = next((int(w) for w in candidates if _positive(w)), None)
+        elif layer_type == "full_attention" and getattr(config, "model_type", None) in _FULL_LAYERS_WINDOWED_BY_CONFIG:
+            window = int(candidates[2]) if _positive(candidates[2]) else None
     elif _positive(candidates[0]):  # the field is named after the config, which is what users set
         window = int(candidates[0])
     elif _positive(candidates[1]):

@@ -17,19 +17,23 @@ any communication, from local metadata that is equal on every rank:
   NoPE layers: ``arange(local length)``) are refused when sharded (:func:`check_sharded_layer`);
   exact on one rank;
 * token mixers other than attention: those of ``lightning_seqpar.hf_hybrid.HYBRID_MIXERS``
-  (gated DeltaNet of Qwen3-Next / Qwen3.5, Bamba's Mamba2 mixer, the short convolutions of
-  LFM2 / LFM2-MoE / LFM3, the Mamba1 mixers of Mamba, Falcon-Mamba, Jamba and Zamba) are
-  replaced by sequence-parallel twins that pass their state between ranks (Note [Hybrid models
-  under the strategy]); every other one (causal depthwise convolutions, other Mamba / SSM mixers,
-  other linear attention, recurrent blocks: RecurrentGemma, ...) would run on its shard alone:
-  :func:`refuse_token_mixers` refuses it at set-up (``apply_hf_attention``) by layer class and
-  config field;
+  (gated DeltaNet of Qwen3-Next / Qwen3.5 / OLMo-hybrid, Kimi Linear's KDA, the Mamba2 mixers of
+  Bamba, Granite 4, Nemotron-H, Mamba2, Zamba2 and Falcon-H1, the Mamba1 mixers of Mamba,
+  Falcon-Mamba, Jamba and Zamba, MiniMax's lightning attention, the short convolutions of LFM2 /
+  LFM2-MoE / LFM3) are replaced by sequence-parallel twins that pass their state between
+  ranks (Note [Hybrid models under the strategy]); every other one (causal depthwise
+  convolutions, other SSM mixers, other linear attention, recurrent blocks: RWKV,
+  RecurrentGemma, xLSTM, ...) would run on its shard alone: :func:`refuse_token_mixers` refuses it at
+  set-up (``apply_hf_attention``) by layer class and config field (a block whose class is named
+  for the exact mixer it holds, e.g. ``Mamba2Block``, RMS / layer norms, and softmax attention layers
+  on attention-typed layers, e.g. ``KimiLinearAttention``, are not token mixers);
 * MoE router auxiliary losses: ``lightning_seqpar.hf.moe``.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from torch import nn
 
@@ -69,7 +73,8 @@ def find_token_mixers(model: nn.Module) -> list[str]:
     """Descriptions of the token mixers of ``model`` that are not attention and that the package does
     not make sequence-parallel (empty: none), each naming the module path, its class and the config
     field that makes it one. Local metadata only. Mixers of ``HYBRID_MIXERS`` (and their twins) are
-    not listed, nor the ``config.layer_types`` entries of the layers that hold them.
+    not listed, nor the ``config.layer_types`` entries of the layers that hold them, nor the
+    modules holding them (whose class names often say Mamba / linear attention).
 
     Found structurally: ``config.layer_types`` entries outside :data:`ATTENTION_LAYER_TYPES` and
     :data:`POSITIONWISE_LAYER_TYPES`,
@@ -89,24 +94,35 @@ def find_token_mixers(model: nn.Module) -> list[str]:
             if kind not in ATTENTION_LAYER_TYPES and kind not in POSITIONWISE_LAYER_TYPES and i not in exact_layers:
                 found.append(f"decoder layer {i}: config.layer_types[{i}]={kind!r}")
     seen_inside: list[str] = [name for name, _ in exact]  # nothing of an exact mixer is listed
-    # the modules that hold an exact mixer (a MambaBlock, JambaMambaDecoderLayer): their name says Mamba because of
-    # it; every other module inside them is still walked and listed on its own
-    holders = {name.rsplit(".", i)[0] for name, _ in exact for i in range(1, name.count(".") + 1)} | ({""} if exact else set())
     for name, module in model.named_modules():
         if any(name == prefix or name.startswith(prefix + ".") for prefix in seen_inside):
             continue  # one entry per mixer, not one per submodule of it
         cls = type(module).__name__
         if module is model or cls.endswith(("ForCausalLM", "Model", "LMHeadModel")):
             continue  # the model and its backbone (FalconMambaForCausalLM, MambaModel): name the layers inside
+        if _NORM_CLASS_NAMES.search(cls):
+            continue  # a norm over each token's features (Mamba2RMSNorm, MambaRMSNormGated): position-wise, whatever its name says
+        if any(inner.startswith(name + ".") for inner, _ in exact):
+            continue  # a block named for the exact mixer it holds (Mamba2Block, Zamba2MambaDecoderLayer, ...): its own
+            # token mixing is that mixer's; any other mixer inside it is listed on its own
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
             found.append(f"{name!r} ({cls}: a convolution over the sequence, kernel {module.kernel_size[0]})")
             seen_inside.append(name)
-        elif name in holders or _NORM_CLASS_NAMES.search(cls):
-            continue  # a holder of an exact mixer, or a norm (position-wise: MambaRMSNorm, FalconMambaRMSNorm)
-        elif _MIXER_CLASS_NAMES.search(cls) or _SSM_CLASS_NAMES.search(cls):
+        elif (_MIXER_CLASS_NAMES.search(cls) or _SSM_CLASS_NAMES.search(cls)) and not _softmax_attention(module, layer_types):
             found.append(f"{name!r} ({cls})")
             seen_inside.append(name)
     return found
+
+
+def _softmax_attention(module: nn.Module, layer_types: Any) -> bool:
+    """A softmax attention layer that ``apply_hf_attention`` computes with the package's ``Attention``, whatever its
+    class name says (Kimi Linear's ``KimiLinearAttention``): a transformers attention layer (softmax ``scaling``,
+    ``is_causal``, the config) on a layer that ``config.layer_types`` says is attention."""
+    from lightning_seqpar.hf.attention import _is_attention_layer  # here: that module imports this one
+
+    layer_idx = getattr(module, "layer_idx", None)
+    return (_is_attention_layer(module) and isinstance(layer_types, (list, tuple)) and isinstance(layer_idx, int)
+            and 0 <= layer_idx < len(layer_types) and layer_types[layer_idx] in ATTENTION_LAYER_TYPES)
 
 
 def refuse_token_mixers(model: nn.Module) -> None:
