@@ -400,7 +400,7 @@ class SeqparMambaMixer(nn.Module):
         return self.out_proj(y.to(dtype))
 
 
-class SeqparZambaMambaMixer(nn.Module):
+class SeqparZambaMambaMixer(SeqparMambaMixer):
     """Zamba's multi-head Mamba1 mixer with a sequence-parallel conv and selective scan.
 
     transformers' torch path: in_proj's output interleaves x and gate per channel ([..., E, 2]); one causal conv
@@ -412,12 +412,6 @@ class SeqparZambaMambaMixer(nn.Module):
     _ATTRIBUTES = ("config", "hidden_size", "ssm_state_size", "conv_kernel_size", "intermediate_size", "time_step_rank",
                    "n_mamba_heads", "mamba_head_dim", "layer_idx", "use_conv_bias", "activation", "use_bias", "layer_type",
                    "use_associative_scan")
-
-    def __init__(self, original: nn.Module) -> None:
-        super().__init__()
-        _adopt(self, original, tuple(a for a in self._ATTRIBUTES if hasattr(original, a)))
-        _check_silu(self)
-        self.seqpar_recurrence = Recurrence()
 
     def forward(self, hidden_states: Tensor, *args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
         _mixer_call(self, args, attention_mask, kwargs)
