@@ -450,58 +450,6 @@ def test_selective_scan_errors_name_the_argument():
 
 
 def _selective_worker(rank: int, world_size: int) -> int:
-
-
-# a decay per key dimension (Kimi Delta Attention; Note [Chunked gated recurrences])
-
-
-def naive_kda(q, k, v, g, beta):
-    """S_t = Diag(exp(g_t)) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T (g_t in R^Dk), o_t = S_t^T q_t (float64)."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    B, T, H, Dk = q.shape
-    S = torch.zeros(B, H, Dk, v.shape[-1], dtype=torch.float64)
-    outs = []
-    for t in range(T):
-        S = g[:, t].exp()[..., None] * S  # decay row d of the state by exp(g_t[d])
-        S = S + beta[:, t][..., None, None] * k[:, t][..., :, None] * (v[:, t] - (S * k[:, t][..., :, None]).sum(-2))[..., None, :]
-        outs.append((S * q[:, t][..., :, None]).sum(-2))
-    return torch.stack(outs, 1)
-
-
-def kda_inputs(B=2, T=24, H=3, Dk=8, Dv=6, seed=3):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    return dict(q=r(B, T, H, Dk), k=r(B, T, H, Dk), v=r(B, T, H, Dv), g=-torch.rand(B, T, H, Dk, generator=gen),
-                beta=torch.rand(B, T, H, generator=gen))
-
-
-@pytest.mark.parametrize("chunk_size", [1, 5, 64])
-def test_per_dimension_decay_matches_token_recurrence(chunk_size):
-    x = kda_inputs(T=23)
-    close(gated_delta_rule(**x, chunk_size=chunk_size), naive_kda(**x), f"chunk={chunk_size}")
-    from lightning_seqpar.documents import PackedDocuments
-
-    docs = PackedDocuments.from_lengths(DOC_LENGTHS)
-    x = kda_inputs(T=24)
-    close(gated_delta_rule(**x, chunk_size=chunk_size, documents=docs), _per_document(naive_kda, set(x))(**x),
-          f"documents chunk={chunk_size}")
-
-
-def test_per_dimension_decay_matches_transformers_kimi_linear():
-    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-    x = kda_inputs(T=23)
-    ref, _ = kimi.recurrent_kimi_delta_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], None, False,
-                                                 use_qk_l2norm_in_kernel=True)
-    close(gated_delta_rule(**x, chunk_size=8), ref, "vs transformers")
-    with pytest.raises(ValueError, match=r"kernel='fla' does not take a decay per key dimension"):
-        gated_delta_rule(**x, kernel="fla")
-    with pytest.raises(ValueError, match=r"g must be a floating-point tensor of shape \(2, 23, 3, 8\)"):
-        gated_delta_rule(**{**x, "g": x["g"][..., :4]})
-
-
-def _kda_worker(rank: int, world_size: int) -> int:
     from lightning_seqpar.documents import PackedDocuments
 
     mesh, T = mesh_1d(world_size), 24
@@ -556,6 +504,61 @@ def test_selective_scan_communication_is_one_state_per_hop():
         assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"
 
 
+# ----------------------------------------------------------------------------------------------
+# a decay per key dimension (Kimi Delta Attention; Note [Chunked gated recurrences])
+
+
+def naive_kda(q, k, v, g, beta):
+    """S_t = Diag(exp(g_t)) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T (g_t in R^Dk), o_t = S_t^T q_t (float64)."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    B, T, H, Dk = q.shape
+    S = torch.zeros(B, H, Dk, v.shape[-1], dtype=torch.float64)
+    outs = []
+    for t in range(T):
+        S = g[:, t].exp()[..., None] * S  # decay row d of the state by exp(g_t[d])
+        S = S + beta[:, t][..., None, None] * k[:, t][..., :, None] * (v[:, t] - (S * k[:, t][..., :, None]).sum(-2))[..., None, :]
+        outs.append((S * q[:, t][..., :, None]).sum(-2))
+    return torch.stack(outs, 1)
+
+
+def kda_inputs(B=2, T=24, H=3, Dk=8, Dv=6, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(q=r(B, T, H, Dk), k=r(B, T, H, Dk), v=r(B, T, H, Dv), g=-torch.rand(B, T, H, Dk, generator=gen),
+                beta=torch.rand(B, T, H, generator=gen))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+def test_per_dimension_decay_matches_token_recurrence(chunk_size):
+    x = kda_inputs(T=23)
+    close(gated_delta_rule(**x, chunk_size=chunk_size), naive_kda(**x), f"chunk={chunk_size}")
+    from lightning_seqpar.documents import PackedDocuments
+
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS)
+    x = kda_inputs(T=24)
+    close(gated_delta_rule(**x, chunk_size=chunk_size, documents=docs), _per_document(naive_kda, set(x))(**x),
+          f"documents chunk={chunk_size}")
+
+
+def test_per_dimension_decay_matches_transformers_kimi_linear():
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    x = kda_inputs(T=23)
+    ref, _ = kimi.recurrent_kimi_delta_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], None, False,
+                                                 use_qk_l2norm_in_kernel=True)
+    close(gated_delta_rule(**x, chunk_size=8), ref, "vs transformers")
+    with pytest.raises(ValueError, match=r"kernel='fla' does not take a decay per key dimension"):
+        gated_delta_rule(**x, kernel="fla")
+    with pytest.raises(ValueError, match=r"g must be a floating-point tensor of shape \(2, 23, 3, 8\)"):
+        gated_delta_rule(**{**x, "g": x["g"][..., :4]})
+
+
+def _kda_worker(rank: int, world_size: int) -> int:
+    from lightning_seqpar.documents import PackedDocuments
+
+    mesh, T = mesh_1d(world_size), 24
+    failures: list[str] = []
     x = kda_inputs(T=T)
     dout = torch.randn(2, T, 3, 6, generator=torch.Generator().manual_seed(8))
     _check(f"kda W={world_size} contiguous", lambda **a: gated_delta_rule(**a, mesh=mesh, layout="contiguous", chunk_size=4),
