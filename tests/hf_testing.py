@@ -91,7 +91,7 @@ def tiny_config(kind: str, **overrides: Any):
         for key, value in {**_SWEPT_HYBRIDS[kind], **overrides}.items():
             setattr(config, key, value)
         return config
-    if kind == "jamba":  # Mamba (v1) mixers: refused
+    if kind == "jamba":  # Mamba (v1) mixers and attention (the twin: SeqparMambaMixer)
         return transformers.JambaConfig(**{**COMMON, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                                            "num_experts": 1, "mamba_d_state": 4, "mamba_d_conv": 4, "mamba_expand": 2,
                                            **overrides})
@@ -281,3 +281,36 @@ def fit_on_text(rank: int, world_size: int, model: Any, datamodule_kwargs: dict[
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[first, capture])
     trainer.fit(module, datamodule=HFTextDataModule(**datamodule_kwargs))
     return {"losses": capture.losses, "batch": first.batch} if rank == 0 else None
+
+
+# --------------------------------------------------------------------------------------------- hybrid models
+
+
+def run_unmodified(model, ids, labels, lengths=None):
+    """The unmodified transformers model on the whole sequence (or on every packed document alone, ``lengths``
+    per sample): (logits, summed loss, every parameter's gradient)."""
+    batch, seq = ids.shape
+    if lengths is None:
+        logits = model(input_ids=ids, position_ids=torch.arange(seq).expand(batch, seq), use_cache=False).logits
+    else:
+        logits = torch.cat([torch.cat([model(input_ids=part, position_ids=torch.arange(part.shape[1])[None],
+                                             use_cache=False).logits for part in ids[b:b + 1].split(list(lens), dim=1)], dim=1)
+                            for b, lens in enumerate(lengths)])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def with_twins(model, mesh, layout: str):
+    """A copy of ``model`` as HFCausalLM and the strategy leave it: apply_hf_attention installs the recurrent twins,
+    apply_attention points them (and the attention) at ``mesh`` with ``layout``."""
+    from lightning_seqpar.attention.recurrent import Recurrence
+    from lightning_seqpar.hf import apply_hf_attention
+    from lightning_seqpar.parallelize import apply_attention
+
+    model = copy.deepcopy(model)
+    apply_hf_attention(model)
+    apply_attention(model, mesh, attention="ring", layout=layout)
+    recurrent = [m for m in model.modules() if isinstance(m, Recurrence)]
+    assert recurrent and all(m.mesh is mesh and m.layout == layout for m in recurrent)
+    return model

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from hf_testing import run_unmodified, with_twins
 from seqpar_testing import expected_index, mesh_1d, take
 
 transformers = pytest.importorskip("transformers")
@@ -56,39 +57,18 @@ def data(seed: int = 0):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def run_reference(model, ids, labels):
-    logits = model(input_ids=ids, position_ids=torch.arange(SEQ).expand(BATCH, SEQ), use_cache=False).logits
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-    loss.backward()
-    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def seqpar_model(model, mesh, layout):
-    """What HFCausalLM and the strategy do: apply_hf_attention installs the twins, apply_attention configures them."""
-    from lightning_seqpar.attention.recurrent import Recurrence
-    from lightning_seqpar.hf import apply_hf_attention
-    from lightning_seqpar.parallelize import apply_attention
-
-    model = copy.deepcopy(model)
-    apply_hf_attention(model)
-    apply_attention(model, mesh, attention="ring", layout=layout)
-    recurrent = [m for m in model.modules() if isinstance(m, Recurrence)]
-    assert len(recurrent) == 1 and all(m.mesh is mesh and m.layout == layout for m in recurrent)
-    return model
-
-
 def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
     from lightning_seqpar.hf_hybrid import apply_hf_hybrid
 
     for kind in KINDS:
         model = build(kind)
         ids, labels = data()
-        ref_logits, ref_loss, ref_grads = run_reference(model, ids, labels)
+        ref_logits, ref_loss, ref_grads = run_unmodified(model, ids, labels)
         twin = copy.deepcopy(model)
         twin.zero_grad()
         assert apply_hf_hybrid(twin) == 1
         assert list(twin.state_dict()) == list(model.state_dict()), kind
-        logits, loss, grads = run_reference(twin, ids, labels)
+        logits, loss, grads = run_unmodified(twin, ids, labels)
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=1e-5, msg=lambda m: f"{kind} logits: {m}")
         for n, g in ref_grads.items():
             torch.testing.assert_close(grads[n], g, atol=ATOL, rtol=1e-5, msg=lambda m, n=n: f"{kind} d{n}: {m}")
@@ -118,8 +98,8 @@ def _hf_worker(rank: int, world_size: int, layout: str) -> int:
     for kind in KINDS:
         model = build(kind)
         ids, labels = data()
-        ref_logits, ref_loss, ref_grads = run_reference(copy.deepcopy(model), ids, labels)
-        sp = seqpar_model(model, mesh, layout)
+        ref_logits, ref_loss, ref_grads = run_unmodified(copy.deepcopy(model), ids, labels)
+        sp = with_twins(model, mesh, layout)
         logits = sp(input_ids=take(ids, index), position_ids=take(torch.arange(SEQ).expand(BATCH, SEQ), index),
                     use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), take(labels, index).flatten(), reduction="sum")

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from dist_utils import run_distributed
+from hf_testing import run_unmodified, with_twins
 from seqpar_testing import expected_index, mesh_1d, take
 
 transformers = pytest.importorskip("transformers")
@@ -41,33 +42,6 @@ def data(seed: int = 0):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def run_reference(model, ids, labels, lengths=None):
-    """The unmodified model on the whole sequence (or on every document alone): logits, summed loss, gradients."""
-    if lengths is None:
-        logits = model(input_ids=ids, position_ids=torch.arange(SEQ).expand(BATCH, SEQ), use_cache=False).logits
-    else:
-        logits = torch.cat([torch.cat([model(input_ids=part, position_ids=torch.arange(part.shape[1])[None],
-                                             use_cache=False).logits for part in ids[b:b + 1].split(list(lens), dim=1)], dim=1)
-                            for b, lens in enumerate(lengths)])
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-    loss.backward()
-    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def seqpar_model(model, mesh, layout):
-    """What HFCausalLM and the strategy do: apply_hf_attention installs the twins, apply_attention configures them."""
-    from lightning_seqpar.attention.recurrent import Recurrence
-    from lightning_seqpar.hf import apply_hf_attention
-    from lightning_seqpar.parallelize import apply_attention
-
-    model = copy.deepcopy(model)
-    apply_hf_attention(model)
-    apply_attention(model, mesh, attention="ring", layout=layout)
-    recurrent = [m for m in model.modules() if isinstance(m, Recurrence)]
-    assert recurrent and all(m.mesh is mesh and m.layout == layout for m in recurrent)
-    return model
-
-
 def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
     from lightning_seqpar.hf_hybrid import (
         SeqparMambaMixer,
@@ -78,7 +52,7 @@ def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
     ids, labels = data()
     for kind in KINDS:
         model = build(kind)
-        ref_logits, _, ref_grads = run_reference(model, ids, labels)
+        ref_logits, _, ref_grads = run_unmodified(model, ids, labels)
         twin = copy.deepcopy(model)
         twin.zero_grad()
         mixers = sum(type(m).__name__ in ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer")
@@ -86,7 +60,7 @@ def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
         assert mixers >= 1 and apply_hf_hybrid(twin) == mixers, kind
         assert all(isinstance(m, (SeqparMambaMixer, SeqparZambaMambaMixer)) for m in twin.modules() if "Mixer" in type(m).__name__)
         assert list(twin.state_dict()) == list(model.state_dict()), kind
-        logits, _, grads = run_reference(twin, ids, labels)
+        logits, _, grads = run_unmodified(twin, ids, labels)
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=1e-5, msg=lambda m, k=kind: f"{k} logits: {m}")
         for n, g in ref_grads.items():
             torch.testing.assert_close(grads[n], g, atol=ATOL, rtol=1e-5, msg=lambda m, k=kind, n=n: f"{k} d{n}: {m}")
@@ -134,8 +108,8 @@ def _worker(rank: int, world_size: int, layout: str, packed: bool) -> int:
     failures = []
     for kind in KINDS:
         model = build(kind)
-        ref_logits, ref_loss, ref_grads = run_reference(copy.deepcopy(model), ids, labels, LENGTHS if packed else None)
-        sp = seqpar_model(model, mesh, layout)
+        ref_logits, ref_loss, ref_grads = run_unmodified(copy.deepcopy(model), ids, labels, LENGTHS if packed else None)
+        sp = with_twins(model, mesh, layout)
         with packed_documents(docs):
             logits = sp(input_ids=shard(ids), position_ids=shard(positions), use_cache=False).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard(labels).flatten(), reduction="sum")
