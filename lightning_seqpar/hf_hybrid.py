@@ -33,10 +33,12 @@ replaced at set-up, once, by modules of this file (no transformers class is patc
                                               Attention              the SSD scan with dt = 1, A = -slope
     KimiLinearDeltaAttention                SeqparKimiDelta-       causal conv (q|k|v) + delta rule with a
                                               Attention              decay per key dimension (KDA)
+    RecurrentGemmaRecurrentBlock            SeqparRecurrentGemma-  causal conv (x) + RG-LRU (diagonal
+                                              RecurrentBlock         recurrence; position-0 resets checked)
 
 Only these classes, whose forward this file follows line by line (the support sweep checks each
-architecture against the unmodified model); other recurrent mixers (RWKV, xLSTM,
-RecurrentGemma, ...) stay refused by name
+architecture against the unmodified model); other recurrent mixers (RWKV, xLSTM, ...) stay
+refused by name
 (``lightning_seqpar.hf.support.refuse_token_mixers``). Where two classes share a forward up to a
 detail, the twin is a subclass overriding a hook (``SeqparMamba2Mixer._in_projection`` /
 ``_dt_limit`` / ``_gated_norm``, ``SeqparGatedDeltaNet._project`` / ``_beta`` / ``_log_decay`` / ``_output``).

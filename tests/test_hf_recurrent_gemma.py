@@ -86,9 +86,9 @@ def test_resets_caches_and_packed_kwargs_are_refused_by_name():
     restart = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     with pytest.raises(ValueError, match=r"layer 0\).*position_ids == 0 .* not carried between ranks.*document_ids"):
         block(x, position_ids=restart)
-    with pytest.raises(ValueError, match=r"position_ids == 0"):  # documents that do not start where positions restart
-        with packed_documents(PackedDocuments.from_lengths([[4, 4]])):
-            block(x, position_ids=restart)
+    # documents that do not start where the positions restart
+    with pytest.raises(ValueError, match=r"position_ids == 0"), packed_documents(PackedDocuments.from_lengths([[4, 4]])):
+        block(x, position_ids=restart)
     with pytest.raises(ValueError, match=r"position_ids \[B, 8\] .* are required"):
         block(x, position_ids=None)
     with pytest.raises(ValueError, match="cache"):
@@ -117,14 +117,14 @@ def _worker(rank: int, world_size: int, layout: str, cases: tuple[bool, ...]) ->
         ids, labels = data()
         if packed:
             docs = PackedDocuments.from_lengths(LENGTHS, world=world_size)
-            shard = lambda x: docs.shard(x, rank)  # noqa: E731
+            shard = lambda x, docs=docs: docs.shard(x, rank)  # noqa: E731
             positions = docs.position_ids()
             doc_ids = torch.stack([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)) for lens in LENGTHS])
             labels = torch.where(doc_ids.diff(dim=1, append=torch.full((BATCH, 1), -1)) == 0, labels, -100)
         else:
             docs = None
             index = expected_index(SEQ, layout, world_size, rank)
-            shard = lambda x: take(x, index)  # noqa: E731
+            shard = lambda x, index=index: take(x, index)  # noqa: E731
             positions = torch.arange(SEQ).expand(BATCH, SEQ)
         model = build()
         ref_logits, ref_loss, ref_grads = run_reference(copy.deepcopy(model), ids, labels, LENGTHS if packed else None)

@@ -4,6 +4,8 @@ ranks (contiguous and zigzag) against the full sequence: outputs and every gradi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -627,7 +629,8 @@ def _diagonal_worker(rank: int, world_size: int) -> int:
     x = diagonal_inputs(T=T)
     dout = torch.randn(2, T, 6, generator=torch.Generator().manual_seed(9))
     for layout in ("contiguous", "zigzag"):
-        _check(f"diagonal W={world_size} {layout}", lambda **a: diagonal_recurrence(**a, mesh=mesh, layout=layout, chunk_size=4),
+        local = functools.partial(diagonal_recurrence, mesh=mesh, layout=layout, chunk_size=4)
+        _check(f"diagonal W={world_size} {layout}", local,
                lambda **a: diagonal_recurrence(**a, chunk_size=4), x, set(x), dout, expected_index(T, layout, world_size, rank),
                world_size, failures)
         starts = sequence_starts(2, T // world_size, mesh=mesh, layout=layout)

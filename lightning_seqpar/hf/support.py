@@ -20,10 +20,10 @@ any communication, from local metadata that is equal on every rank:
   (gated DeltaNet of Qwen3-Next / Qwen3.5 / OLMo-hybrid, Kimi Linear's KDA, the Mamba2 mixers of
   Bamba, Granite 4, Nemotron-H, Mamba2, Zamba2 and Falcon-H1, the Mamba1 mixers of Mamba,
   Falcon-Mamba, Jamba and Zamba, MiniMax's lightning attention, the short convolutions of LFM2 /
-  LFM2-MoE / LFM3) are replaced by sequence-parallel twins that pass their state between
-  ranks (Note [Hybrid models under the strategy]); every other one (causal depthwise
-  convolutions, other SSM mixers, other linear attention, recurrent blocks: RWKV,
-  RecurrentGemma, xLSTM, ...) would run on its shard alone: :func:`refuse_token_mixers` refuses it at
+  LFM2-MoE / LFM3, RecurrentGemma's RG-LRU blocks) are replaced by sequence-parallel twins that
+  pass their state between ranks (Note [Hybrid models under the strategy]); every other one (causal
+  depthwise convolutions, other SSM mixers, other linear attention, recurrent blocks: RWKV, xLSTM,
+  ...) would run on its shard alone: :func:`refuse_token_mixers` refuses it at
   set-up (``apply_hf_attention``) by layer class and config field (a block whose class is named
   for the exact mixer it holds, e.g. ``Mamba2Block``, RMS / layer norms, and softmax attention layers
   on attention-typed layers, e.g. ``KimiLinearAttention``, are not token mixers);
