@@ -33,10 +33,12 @@ replaced at set-up, once, by modules of this file (no transformers class is patc
                                               Attention              the SSD scan with dt = 1, A = -slope
     KimiLinearDeltaAttention                SeqparKimiDelta-       causal conv (q|k|v) + delta rule with a
                                               Attention              decay per key dimension (KDA)
+    RecurrentGemmaRecurrentBlock            SeqparRecurrentGemma-  causal conv (x) + RG-LRU (diagonal
+                                              RecurrentBlock         recurrence; position-0 resets checked)
 
 Only these classes, whose forward this file follows line by line (the support sweep checks each
-architecture against the unmodified model); other recurrent mixers (RWKV, xLSTM,
-RecurrentGemma, ...) stay refused by name
+architecture against the unmodified model); other recurrent mixers (RWKV, xLSTM, ...) stay
+refused by name
 (``lightning_seqpar.hf.support.refuse_token_mixers``). Where two classes share a forward up to a
 detail, the twin is a subclass overriding a hook (``SeqparMamba2Mixer._in_projection`` /
 ``_dt_limit`` / ``_gated_norm``, ``SeqparGatedDeltaNet._project`` / ``_beta`` / ``_log_decay`` / ``_output``).
@@ -72,8 +74,9 @@ from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.documents import current_documents
 
 __all__ = ["HYBRID_MIXERS", "SeqparFalconH1Mixer", "SeqparGatedDeltaNet", "SeqparKimiDeltaAttention", "SeqparLightningAttention",
-           "SeqparMamba2Mixer", "SeqparMambaMixer", "SeqparOlmoHybridGatedDeltaNet", "SeqparShortConv", "SeqparZambaMambaMixer",
-           "apply_hf_hybrid", "configure_recurrence", "is_hybrid_twin"]
+           "SeqparMamba2Mixer", "SeqparMambaMixer", "SeqparOlmoHybridGatedDeltaNet", "SeqparRecurrentGemmaRecurrentBlock",
+           "SeqparShortConv", "SeqparZambaMambaMixer",
+           "apply_hf_hybrid", "configure_recurrence", "decoder_layer_index", "is_hybrid_twin"]
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
@@ -432,6 +435,94 @@ class SeqparZambaMambaMixer(SeqparMambaMixer):
         return self.out_proj(y.to(dtype))
 
 
+class _SqrtClippedGradient(torch.autograd.Function):
+    """sqrt(x) whose derivative 1 / (2 sqrt(x)) is bounded by ``_MAX_SQRT_GRADIENT`` (RecurrentGemma's RG-LRU: the
+    gradient of sqrt(1 - a^2) as a -> 1 would overflow in bf16; transformers and Griffin's reference clip it so)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return torch.sqrt(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return grad / torch.sqrt(torch.clip(4.0 * x, min=1.0 / _MAX_SQRT_GRADIENT ** 2))
+
+
+_MAX_SQRT_GRADIENT = 1000.0
+
+
+class SeqparRecurrentGemmaRecurrentBlock(nn.Module):
+    """RecurrentGemma's (Griffin's) recurrent block with a sequence-parallel conv and RG-LRU.
+
+    transformers' torch path (``RecurrentGemmaRecurrentBlock.forward`` without a cache, ``RecurrentGemmaRglru``):
+    y = act(linear_y(x)); causal depthwise conv (``conv_1d``, width ``conv1d_width``, bias, no activation) over
+    linear_x(x); the RG-LRU over it: input gate i and recurrence gate r from block-diagonal weights per head,
+    log a = -8 r softplus(recurrent_param), h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t) (the square root's
+    gradient clipped), reset where position_ids == 0 (a_t -> 0, multiplier 1); times y; linear_out. The reset
+    is checked against the zero-state starts of the chain (Note [Diagonal linear recurrences under sequence
+    sharding]); the RG-LRU's parameters stay on its ``rg_lru`` child (same state dict), whose forward is not called.
+    """
+
+    _ATTRIBUTES = ("lru_width", "hidden_size", "conv1d_width", "act_fn", "layer_idx")
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        _adopt(self, original, tuple(a for a in self._ATTRIBUTES if hasattr(original, a)))
+        self.seqpar_recurrence = Recurrence()
+
+    def forward(self, input_states: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                use_cache: bool | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+        _check_call(self, attention_mask, kwargs)
+        documents = current_documents()  # read at forward time (Note [Per-call state])
+        B, T, _ = input_states.shape
+        reset = self._reset(position_ids, B, T, documents)  # (B, T, 1)
+        y_branch = self.act_fn(self.linear_y(input_states))
+        conv = self.conv_1d
+        x = self.seqpar_recurrence.conv(self.linear_x(input_states), conv.weight[:, 0], conv.bias, None, documents=documents)
+        x = self._rg_lru(x, reset, documents)  # (B, T, E)
+        return self.linear_out(x * y_branch), None
+
+    def _reset(self, position_ids: Tensor | None, B: int, T: int, documents: Any) -> Tensor:
+        """position_ids == 0 [B, T, 1], after checking that these are exactly the tokens where the chain's state is
+        zero (the first token of the sequence, or of every document); ValueError naming position_ids otherwise."""
+        where = f"{type(self).__name__} (layer {getattr(self, 'layer_idx', '?')})"
+        if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != T:
+            raise ValueError(f"{where}: position_ids [B, {T}] (the GLOBAL positions of the local tokens, 0 at every "
+                             f"document start) are required: the RG-LRU resets its state where position_ids == 0; "
+                             f"got {getattr(position_ids, 'shape', position_ids)}")
+        reset = (position_ids == 0).expand(B, T)
+        starts = self.seqpar_recurrence.starts(B, T, documents=documents)
+        if not torch.equal(reset.cpu(), starts):
+            raise ValueError(
+                f"{where}: position_ids == 0 (where the RG-LRU resets its state) at other tokens than the starts of the "
+                "sequence and of the batch's packed documents: a reset there is not carried between ranks. Give packed "
+                "documents as the batch's document_ids or position_ids restarting at 0 (SequenceParallelStrategy / "
+                "CausalLMModule), or wrap the call in lightning_seqpar.documents.packed_documents("
+                "PackedDocuments.from_position_ids(position_ids, world=...)); pass the global positions of the shard")
+        return reset[:, :, None]
+
+    def _rg_lru(self, x: Tensor, reset: Tensor, documents: Any) -> Tensor:
+        """The RG-LRU (transformers' ``RecurrentGemmaRglru.forward``) over x [B, T, E] -> [B, T, E] in x's dtype."""
+        lru = self.rg_lru
+        B, T, E = x.shape
+        H = lru.num_attention_heads
+        per_head = x.reshape(B * T, H, E // H).permute(1, 0, 2)  # (H, B T, E / H)
+
+        def gate(weight: Tensor, bias: Tensor) -> Tensor:  # block-diagonal linear per head, sigmoid: (B, T, E)
+            return torch.sigmoid(torch.baddbmm(bias[:, None, :], per_head, weight).transpose(0, 1).reshape(B, T, E))
+
+        input_gate = gate(lru.input_gate_weight, lru.input_gate_bias)
+        recurrent_gate = gate(lru.recurrent_gate_weight, lru.recurrent_gate_bias)
+        log_a = -8.0 * recurrent_gate * F.softplus(lru.recurrent_param)  # (B, T, E) <= 0
+        multiplier = _SqrtClippedGradient.apply(1 - torch.exp(2 * log_a))
+        multiplier = reset + ~reset * multiplier  # 1 at a reset (h_t = i_t x_t there)
+        u = x * input_gate * multiplier.type(x.dtype)
+        h = self.seqpar_recurrence.diagonal(log_a, u, documents=documents)  # (B, T, E) fp32
+        return h.to(x.dtype)
+
+
 HYBRID_MIXERS: dict[str, type[nn.Module]] = {
     "Qwen3NextGatedDeltaNet": SeqparGatedDeltaNet,
     "Qwen3_5GatedDeltaNet": SeqparGatedDeltaNet,
@@ -452,6 +543,7 @@ HYBRID_MIXERS: dict[str, type[nn.Module]] = {
     "OlmoHybridGatedDeltaNet": SeqparOlmoHybridGatedDeltaNet,
     "MiniMaxLightningAttention": SeqparLightningAttention,
     "KimiLinearDeltaAttention": SeqparKimiDeltaAttention,
+    "RecurrentGemmaRecurrentBlock": SeqparRecurrentGemmaRecurrentBlock,
 }
 """transformers class name -> its sequence-parallel twin (Note [Hybrid models under the strategy])."""
 
@@ -467,13 +559,22 @@ def apply_hf_hybrid(model: nn.Module) -> int:
     Returns how many were replaced. The twins are local until :func:`configure_recurrence`.
     """
     replaced = 0
-    for parent in list(model.modules()):
+    for path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             twin = HYBRID_MIXERS.get(type(child).__name__)
             if twin is not None:
-                setattr(parent, name, twin(child))
+                new = twin(child)
+                if getattr(new, "layer_idx", None) is None:  # RecurrentGemma's block does not keep its index
+                    new.layer_idx = decoder_layer_index(f"{path}.{name}")
+                setattr(parent, name, new)
                 replaced += 1
     return replaced
+
+
+def decoder_layer_index(path: str) -> int | None:
+    """The decoder layer index in a module path (the last integer component: ``model.layers.3.temporal_block`` -> 3)."""
+    numbers = [int(part) for part in path.split(".") if part.isdigit()]
+    return numbers[-1] if numbers else None
 
 
 def configure_recurrence(model: nn.Module, mesh: DeviceMesh | None, *,

@@ -84,7 +84,8 @@ class Feature:
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("sliding_window", f"sliding-window layers, window {WINDOW} < S={SEQ_LEN}", ("sliding_window", "use_sliding_window")),
+    Feature("sliding_window", f"sliding-window layers, window {WINDOW} < S={SEQ_LEN}",
+            ("sliding_window", "use_sliding_window", "attention_window_size")),  # the last: RecurrentGemma's
     Feature("softcap", "attention / final logit soft-capping", ("attn_logit_softcapping", "final_logit_softcapping")),
     Feature("chunked", f"chunked attention, chunk {WINDOW} < S", ("attention_chunk_size",)),
     Feature("rope_dynamic", "dynamic-NTK RoPE, original length 24 < S", ("rope_parameters",)),
@@ -149,6 +150,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # the lightning attention first (its decay fades with the layer index), blocks shorter than S
     "minimax": {"layer_types": ["linear_attention", "full_attention"], "block_size": 8},
     "kimi_linear": {"num_experts_per_token": 2},  # top-2 of the 4 experts (the default 8 does not fit)
+    # the default cycle (recurrent, recurrent, attention) leaves 2 layers without attention: one of each kind
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
 }
 
 
@@ -293,6 +296,8 @@ def tiny_config(model_type: str, feature: str | None = None) -> Any:
     kwargs.update(_OVERRIDES.get(model_type, {}))
     if feature == "sliding_window":
         kwargs["sliding_window"] = WINDOW
+        if "attention_window_size" in fields:  # RecurrentGemma's name for it (config.sliding_window maps to it)
+            kwargs["attention_window_size"] = WINDOW
         if "use_sliding_window" in fields:
             kwargs["use_sliding_window"] = True
         if "max_window_layers" in fields:

@@ -335,7 +335,7 @@ def test_the_table_is_generated_from_the_record():
 # --------------------------------------------------------------------------------------------- one process
 
 
-@pytest.mark.parametrize("arch", ["recurrent_gemma", "rwkv"])
+@pytest.mark.parametrize("arch", ["rwkv", "xlstm"])
 def test_token_mixing_layers_are_refused_by_name(arch):
     model = hf_support.build_tiny_model(arch)
     with pytest.raises(ValueError, match=r"ForCausalLM mixes tokens with layers other than attention \(.*'[\w.]+\.(0|1)[\w.]*' "
@@ -344,7 +344,8 @@ def test_token_mixing_layers_are_refused_by_name(arch):
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "qwen3_next", "qwen3_5_text", "bamba", "mamba", "falcon_mamba", "jamba", "zamba",
-                                  "mamba2", "zamba2", "falcon_h1", "olmo_hybrid", "minimax", "kimi_linear"])
+                                  "mamba2", "zamba2", "falcon_h1", "olmo_hybrid", "minimax", "kimi_linear",
+                                  "recurrent_gemma"])
 def test_hybrid_mixers_with_sequence_parallel_twins_pass_the_check(arch):
     """Note [Hybrid models under the strategy]: the sweep runs them exact at sp 2 and 4."""
     hf_support.check_model_supported(hf_support.build_tiny_model(arch), max_seq_len=hf_support.SEQ_LEN)

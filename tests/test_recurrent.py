@@ -4,6 +4,8 @@ ranks (contiguous and zigzag) against the full sequence: outputs and every gradi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -13,9 +15,11 @@ from seqpar_testing import expected_index, mesh_1d, record_p2p, take
 from lightning_seqpar.attention.recurrent import (
     Recurrence,
     causal_conv1d,
+    diagonal_recurrence,
     gated_delta_rule,
     gated_delta_rule_chunked,
     selective_scan,
+    sequence_starts,
     ssd_scan,
 )
 
@@ -504,7 +508,6 @@ def test_selective_scan_communication_is_one_state_per_hop():
         assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"
 
 
-# ----------------------------------------------------------------------------------------------
 # a decay per key dimension (Kimi Delta Attention; Note [Chunked gated recurrences])
 
 
@@ -578,3 +581,72 @@ def test_per_dimension_decay_chain_matches_full_sequence(world_size):
     """The state chain with a decay per key dimension: contiguous, and packed documents (zigzag), outputs and every
     gradient against the full sequence / every document alone."""
     assert run_distributed(_kda_worker, world_size) == [2] * world_size
+
+
+# ----------------------------------------------------------------------------------------------
+# a diagonal linear recurrence (RecurrentGemma's RG-LRU; Note [Diagonal linear recurrences under sequence sharding])
+
+
+def naive_diagonal(log_a, u):
+    """h_t = exp(log_a_t) h_{t-1} + u_t per channel (float64)."""
+    h, outs = torch.zeros(u.shape[0], u.shape[2], dtype=torch.float64), []
+    for t in range(u.shape[1]):
+        h = log_a[:, t].double().exp() * h + u[:, t].double()
+        outs.append(h)
+    return torch.stack(outs, 1)
+
+
+def diagonal_inputs(B=2, T=24, E=6, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    return dict(log_a=-torch.rand(B, T, E, generator=gen) * 0.9, u=torch.randn(B, T, E, generator=gen))
+
+
+def test_diagonal_recurrence_matches_token_recurrence_and_transformers_rnn_scan():
+    x = diagonal_inputs(T=23)
+    for chunk in (1, 5, 16, 64):
+        close(diagonal_recurrence(**x, chunk_size=chunk), naive_diagonal(**x), f"chunk={chunk}")
+    from lightning_seqpar.documents import PackedDocuments
+
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS)
+    x = diagonal_inputs(T=24)
+    close(diagonal_recurrence(**x, chunk_size=5, documents=docs), _per_document(naive_diagonal, set(x))(**x), "documents")
+    rg = pytest.importorskip("transformers.models.recurrent_gemma.modeling_recurrent_gemma")
+    reset = torch.zeros(2, 24, 1, dtype=torch.bool)
+    reset[:, 0] = True
+    ref, _ = rg.RecurrentGemmaRglru._rnn_scan(None, x["u"], x["log_a"].exp(), reset, None)
+    close(diagonal_recurrence(**x), ref, "vs transformers' _rnn_scan")
+    with pytest.raises(ValueError, match=r"log_a must be a floating-point tensor of shape \(2, 24, 6\)"):
+        diagonal_recurrence(x["log_a"][:, :3], x["u"])
+    with pytest.raises(ValueError, match="chunk_size must be"):
+        diagonal_recurrence(**x, chunk_size=0)
+
+
+def _diagonal_worker(rank: int, world_size: int) -> int:
+    from lightning_seqpar.documents import PackedDocuments
+
+    mesh, T = mesh_1d(world_size), 24
+    failures: list[str] = []
+    x = diagonal_inputs(T=T)
+    dout = torch.randn(2, T, 6, generator=torch.Generator().manual_seed(9))
+    for layout in ("contiguous", "zigzag"):
+        local = functools.partial(diagonal_recurrence, mesh=mesh, layout=layout, chunk_size=4)
+        _check(f"diagonal W={world_size} {layout}", local,
+               lambda **a: diagonal_recurrence(**a, chunk_size=4), x, set(x), dout, expected_index(T, layout, world_size, rank),
+               world_size, failures)
+        starts = sequence_starts(2, T // world_size, mesh=mesh, layout=layout)
+        assert starts.sum() == (2 if rank == 0 else 0) and bool(starts[:, 0].all()) == (rank == 0)
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS, world=world_size)
+    _check_documents(f"diagonal W={world_size} documents",
+                     lambda **a: diagonal_recurrence(**a, mesh=mesh, layout="zigzag", documents=docs),
+                     _per_document(lambda **a: diagonal_recurrence(**a), set(x)), x, set(x), dout, docs, rank, failures)
+    want = docs.shard(docs.position_ids(), rank) == 0  # the documents' first tokens held here
+    assert torch.equal(sequence_starts(2, T // world_size, mesh=mesh, documents=docs), want)
+    assert not failures, "\n".join(failures)
+    return 3
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_diagonal_recurrence_chains_match_full_sequence(world_size):
+    """Contiguous, zigzag and packed documents: the output and both gradients against the whole sequence / every
+    document alone; sequence_starts marks the zero-state tokens held by each rank."""
+    assert run_distributed(_diagonal_worker, world_size) == [3] * world_size

@@ -9,6 +9,9 @@ Public names:
 * :func:`ssd_scan` — Mamba2's selective scan (scalar decay per head and token) over sequence shards.
 * :func:`selective_scan` — Mamba1's selective scan (decay per channel and state index) over sequence
   shards (Note [Mamba1's selective scan under sequence sharding]).
+* :func:`diagonal_recurrence` — a diagonal linear recurrence (RecurrentGemma's RG-LRU) over sequence
+  shards, and :func:`sequence_starts` (where its state starts from zero: Note [Diagonal linear
+  recurrences under sequence sharding]).
 * :func:`gated_delta_rule_chunked`, :func:`ssd_scan_chunked` — the one-device kernels (pure torch,
   chunked; ``fla-core`` on CUDA when installed), with an initial state in and the final state out.
 * :class:`Recurrence` — a parameter-free module that the model's token mixers call; ``configure``
@@ -135,9 +138,11 @@ __all__ = [
     "RECURRENT_KERNELS",
     "Recurrence",
     "causal_conv1d",
+    "diagonal_recurrence",
     "gated_delta_rule",
     "gated_delta_rule_chunked",
     "selective_scan",
+    "sequence_starts",
     "ssd_scan",
     "ssd_scan_chunked",
 ]
@@ -948,10 +953,86 @@ def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Te
     return y
 
 
+# ---------------------------------------------------------------------------------------------
+# a diagonal linear recurrence (RecurrentGemma's RG-LRU)
+#
+# Note [Diagonal linear recurrences under sequence sharding]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Griffin's RG-LRU (De et al. 2024, §2.4; transformers' RecurrentGemmaRglru) keeps one number per
+# channel and decays each by its own gate:
+#
+#     h_t = a_t * h_{t-1} + u_t,    a_t = exp(log_a_t) in (0, 1],    u_t = sqrt(1 - a_t^2) (i_t * x_t)
+#
+# (the input term is the caller's). It is Mamba1's selective scan (Note [Mamba1's selective scan
+# under sequence sharding]) with one state entry per channel (N = 1), the decay log_a_t itself
+# (rather than dt_t A) and the write u_t itself (rather than dt_t x_t B_t) — so the same chunked
+# kernel and the same chain run it, with B = C = 1 and a [B, E] state per hop ([B, docs, E] with
+# documents), and no division by dt: expressing it through selective_scan's arguments would need
+# x = u / dt, which is neither exact nor defined at dt = 0.
+#
+# The RG-LRU also RESETS: where position_ids == 0 it multiplies a_t by 0 (h_t = u_t). Under
+# sharding a reset in the middle of a piece cannot be applied to a state that another rank holds
+# implicitly, but it need not be: the state is zero at every document's first token (Note
+# [Documents in a recurrence]) and at the sequence's first, so a reset there changes nothing
+# (and the gradient of a_t at such a token is zero either way: it multiplies a zero state).
+# :func:`sequence_starts` gives, per local token, whether it is such a start; the caller checks
+# that its resets are exactly those (and refuses by name where they are not, e.g. positions that
+# restart at 0 without the batch's documents), so no reset is silently dropped.
+
+
+def _diagonal_kernel(g: Tensor, u: Tensor, s_in: Tensor | None, *, piece: int, chunk_size: int,
+                     pieces: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One piece of the chain: g, u [Bsz, T, E]; s_in [Bsz, (docs,) E] or None -> (h [Bsz, T, E], the leaving state(s))."""
+    ones = g.new_ones(*g.shape[:2], 1, 1)  # B = C = 1 (one group, N = 1): the write is u, the read is h
+    y, s_out = _selective_kernel(g[..., None], u, ones, ones, None if s_in is None else s_in[..., None], piece=piece,
+                                 chunk_size=chunk_size, pieces=pieces)
+    return y, s_out[..., 0]
+
+
+def diagonal_recurrence(log_a: Tensor, u: Tensor, *, mesh: DeviceMesh | None = None,
+                        layout: Literal["zigzag", "contiguous"] = "zigzag", chunk_size: int = 16,
+                        documents: PackedDocuments | None = None) -> Tensor:
+    """``h_t = exp(log_a_t) * h_{t-1} + u_t`` per channel over sequence shards, h zero before the first token
+    (and, with ``documents``, before every document's first token): Note [Diagonal linear recurrences under
+    sequence sharding].
+
+    log_a, u: ``[B, T_local, E]`` (log_a <= 0 and finite). Returns h ``[B, T_local, E]`` fp32; differentiable in both.
+    """
+    _check_mesh_layout(mesh, layout)
+    if not isinstance(u, Tensor) or u.dim() != 3 or not u.is_floating_point():
+        raise ValueError(f"u must be a floating-point tensor [B, T, E], got {getattr(u, 'shape', type(u).__name__)}")
+    Bsz, T, E = u.shape
+    _check_tokens("log_a", log_a, (Bsz, T, E))
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _pieces_of(T, mesh, layout)
+    pieces = _check_documents(documents, Bsz, T, mesh, layout)
+    fn = functools.partial(_diagonal_kernel, chunk_size=chunk_size, pieces=pieces)
+    docs = () if pieces is None else (pieces.shape[1],)  # a state per document
+    return _chain(fn, [log_a.float(), u.float()], (Bsz, *docs, E), mesh, layout)
+
+
+def sequence_starts(batch: int, local_len: int, *, mesh: DeviceMesh | None = None,
+                    layout: Literal["zigzag", "contiguous"] = "zigzag", documents: PackedDocuments | None = None) -> Tensor:
+    """bool ``[B, T_local]`` (CPU): which of this rank's tokens start a recurrence from a zero state — the first
+    token of every document (``documents``), else the sequence's first token (rank 0's first, in both layouts)."""
+    _check_mesh_layout(mesh, layout)
+    _pieces_of(local_len, mesh, layout)
+    world = 1 if mesh is None else mesh.size()
+    rank = 0 if world == 1 else mesh.get_local_rank()  # type: ignore[union-attr]
+    if _check_documents(documents, batch, local_len, mesh, layout) is not None:
+        positions = documents.position_ids()  # type: ignore[union-attr]  # (B, S): 0 at every document start
+        return (positions if world == 1 else documents.shard(positions, rank)) == 0  # type: ignore[union-attr]
+    starts = torch.zeros(batch, local_len, dtype=torch.bool)
+    if rank == 0 and local_len:
+        starts[:, 0] = True
+    return starts
+
+
 class Recurrence(nn.Module):
     """The sequence-parallel forms of the recurrent token mixers, as one parameter-free module.
 
-    A model's token mixer calls :meth:`conv`, :meth:`delta_rule`, :meth:`ssd` or :meth:`selective`; :meth:`configure`
+    A model's token mixer calls :meth:`conv`, :meth:`delta_rule`, :meth:`ssd`, :meth:`selective` or :meth:`diagonal`; :meth:`configure`
     (the strategy's or the test's call) gives it the mesh and the layout of the batch. Unconfigured
     (or one rank) it computes the whole sequence on one device.
     """
@@ -997,6 +1078,16 @@ class Recurrence(nn.Module):
         documents = documents if documents is not None else current_documents()
         return selective_scan(x, dt, A, B, C, D, mesh=self.mesh, layout=self.layout, chunk_size=chunk_size,  # type: ignore[arg-type]
                               documents=documents)
+
+    def diagonal(self, log_a: Tensor, u: Tensor, *, chunk_size: int = 16, documents: PackedDocuments | None = None) -> Tensor:
+        documents = documents if documents is not None else current_documents()
+        return diagonal_recurrence(log_a, u, mesh=self.mesh, layout=self.layout, chunk_size=chunk_size,  # type: ignore[arg-type]
+                                   documents=documents)
+
+    def starts(self, batch: int, local_len: int, *, documents: PackedDocuments | None = None) -> Tensor:
+        """:func:`sequence_starts` on this module's mesh and layout."""
+        documents = documents if documents is not None else current_documents()
+        return sequence_starts(batch, local_len, mesh=self.mesh, layout=self.layout, documents=documents)  # type: ignore[arg-type]
 
     def extra_repr(self) -> str:
         where = "local" if self.mesh is None else f"layout={self.layout}, mesh={tuple(self.mesh.shape)}"

@@ -20,10 +20,10 @@ any communication, from local metadata that is equal on every rank:
   (gated DeltaNet of Qwen3-Next / Qwen3.5 / OLMo-hybrid, Kimi Linear's KDA, the Mamba2 mixers of
   Bamba, Granite 4, Nemotron-H, Mamba2, Zamba2 and Falcon-H1, the Mamba1 mixers of Mamba,
   Falcon-Mamba, Jamba and Zamba, MiniMax's lightning attention, the short convolutions of LFM2 /
-  LFM2-MoE / LFM3) are replaced by sequence-parallel twins that pass their state between
-  ranks (Note [Hybrid models under the strategy]); every other one (causal depthwise
-  convolutions, other SSM mixers, other linear attention, recurrent blocks: RWKV,
-  RecurrentGemma, xLSTM, ...) would run on its shard alone: :func:`refuse_token_mixers` refuses it at
+  LFM2-MoE / LFM3, RecurrentGemma's RG-LRU blocks) are replaced by sequence-parallel twins that
+  pass their state between ranks (Note [Hybrid models under the strategy]); every other one (causal
+  depthwise convolutions, other SSM mixers, other linear attention, recurrent blocks: RWKV, xLSTM,
+  ...) would run on its shard alone: :func:`refuse_token_mixers` refuses it at
   set-up (``apply_hf_attention``) by layer class and config field (a block whose class is named
   for the exact mixer it holds, e.g. ``Mamba2Block``, RMS / layer norms, and softmax attention layers
   on attention-typed layers, e.g. ``KimiLinearAttention``, are not token mixers);
@@ -38,7 +38,7 @@ from typing import Any
 from torch import nn
 
 from lightning_seqpar.hf.features import layer_name
-from lightning_seqpar.hf_hybrid import HYBRID_MIXERS, is_hybrid_twin
+from lightning_seqpar.hf_hybrid import HYBRID_MIXERS, decoder_layer_index, is_hybrid_twin
 
 __all__ = ["ATTENTION_LAYER_TYPES", "check_sharded_layer", "find_token_mixers", "refuse_token_mixers"]
 
@@ -87,7 +87,9 @@ def find_token_mixers(model: nn.Module) -> list[str]:
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config  # multimodal models keep the decoder's config there
     exact = [(name, m) for name, m in model.named_modules() if _sequence_parallel_mixer(m)]
-    exact_layers = {getattr(m, "layer_idx", None) for _, m in exact}
+    # (RecurrentGemma's recurrent block keeps no layer_idx: its index is in its path, model.layers.<i>.temporal_block)
+    exact_layers = {m.layer_idx if getattr(m, "layer_idx", None) is not None else decoder_layer_index(name) for name, m in exact}
+    family = _mixer_named_family(model)
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, (list, tuple)):
         for i, kind in enumerate(layer_types):
@@ -108,10 +110,27 @@ def find_token_mixers(model: nn.Module) -> list[str]:
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:  # kernel 1 is pointwise: mixes no tokens
             found.append(f"{name!r} ({cls}: a convolution over the sequence, kernel {module.kernel_size[0]})")
             seen_inside.append(name)
-        elif (_MIXER_CLASS_NAMES.search(cls) or _SSM_CLASS_NAMES.search(cls)) and not _softmax_attention(module, layer_types):
+        elif _says_mixer(cls.removeprefix(family)) and not _softmax_attention(module, layer_types):
             found.append(f"{name!r} ({cls})")
             seen_inside.append(name)
     return found
+
+
+def _says_mixer(cls: str) -> bool:
+    return bool(_MIXER_CLASS_NAMES.search(cls) or _SSM_CLASS_NAMES.search(cls))
+
+
+def _mixer_named_family(model: nn.Module) -> str:
+    """The model family's class-name prefix when the family's own name reads as a token mixer and the family's
+    mixer has a twin (``RecurrentGemma``: its ``RecurrentGemmaMlp``, ``RecurrentGemmaRotaryEmbedding`` and
+    ``RecurrentGemmaDecoderLayer`` are no mixers; its recurrent block is exact): the class names are then read
+    without it. "" otherwise (RWKV's name reads as a mixer but it has no twin: every ``Rwkv*`` class is matched)."""
+    for module in model.modules():
+        match = re.fullmatch(r"(\w+?)(ForCausalLM|LMHeadModel|Model)", type(module).__name__)
+        if match:
+            family = match.group(1)
+            return family if _says_mixer(family) and any(name.startswith(family) for name in HYBRID_MIXERS) else ""
+    return ""
 
 
 def _softmax_attention(module: nn.Module, layer_types: Any) -> bool:
