@@ -257,9 +257,10 @@ def saved_36(tmp_path_factory):
     packed = {"input_ids": plain["input_ids"], "labels": torch.cat([labels, torch.full((2, 1), -100)], dim=1),
               "document_ids": doc, "position_ids": plain["position_ids"]}
     root = tmp_path_factory.mktemp("hf-hybrid-36")
-    paths = {kind: save_tiny_model(kind, str(root / kind)) for kind in STRATEGY_KINDS}
+    kinds = (*STRATEGY_KINDS, *MORE_KINDS)
+    paths = {kind: save_tiny_model(kind, str(root / kind)) for kind in kinds}
     refs_plain = {kind: reference(paths[kind], plain) for kind in STRATEGY_KINDS}
-    refs_packed = {kind: _per_document_reference(paths[kind], packed, PACKED_36) for kind in STRATEGY_KINDS}
+    refs_packed = {kind: _per_document_reference(paths[kind], packed, PACKED_36) for kind in kinds}
     return paths, (plain, refs_plain), (packed, refs_packed)
 
 
@@ -274,16 +275,18 @@ def _per_document_reference(path, data, lengths):
     return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("case", ["plain", "packed"])
-def test_hybrid_models_train_exactly_at_sp_3(case, saved_36):
-    """sp = 3 (ring, zigzag: the state chain 0 -> 1 -> 2 -> 2 -> 1 -> 0), a plain batch and packed documents."""
+@pytest.mark.parametrize("case,group", [("plain", "first"), ("packed", "first"), ("packed", "more")])
+def test_hybrid_models_train_exactly_at_sp_3(case, group, saved_36):
+    """sp = 3 (ring, zigzag: the state chain 0 -> 1 -> 2 -> 2 -> 1 -> 0), a plain batch and packed documents; "more":
+    the Mamba2 / linear-attention families (MORE_KINDS) with packed documents."""
     from hf_testing import train_each
 
     paths, plain, packed = saved_36
     data, refs = plain if case == "plain" else packed
-    results = run_distributed(train_each, 3, [paths[k] for k in STRATEGY_KINDS], data, timeout=300,
+    kinds = STRATEGY_KINDS if group == "first" else MORE_KINDS
+    results = run_distributed(train_each, 3, [paths[k] for k in kinds], data, timeout=300,
                               strategy_kwargs={"attention": "ring"})[0]
-    for kind, result in zip(STRATEGY_KINDS, results):
+    for kind, result in zip(kinds, results):
         logits, loss, grads = refs[kind]
         torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
         assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
