@@ -21,7 +21,10 @@ transformers the same model unmodified as a user runs it: bf16 weights (peft's a
 One record per length: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the steps, the last
 step's time and tokens/s. A length that does not fit (the planner's refusal or a CUDA out-of-memory error) is
 recorded with its error and the longer lengths are skipped; lengths not started before --max-minutes are
-recorded as skipped.
+recorded as skipped. Steps longer than a device call allows (1M tokens: ~8 minutes each on an H200) run one
+call each: ``--ckpt-dir DIR --stop-after 1`` writes DIR/last.ckpt after this call's step and the next call
+resumes from it (the optimizer state included), e.g. twice
+``python benchmarks/memory_plan.py --seqs 1048576 --ckpt-dir /tmp/ck --stop-after 1 --out ...`` on a warm machine.
 """
 
 from __future__ import annotations
@@ -42,7 +45,21 @@ LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, nu
 LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=1 << 21,
                 rms_norm_eps=1e-5, tie_word_embeddings=False, attention_dropout=0.0)
-SHAPES = {"llama-3.2-1b": LLAMA_1B, "llama-3-8b": LLAMA_8B}
+SHAPES = {"llama-3.2-1b": LLAMA_1B, "llama-3-8b": LLAMA_8B,
+          "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True)}  # CPU smoke runs
+CUDA = torch.cuda.is_available()
+ACCELERATOR = "gpu" if CUDA else "cpu"  # the CPU for smoke runs of the script (--model tiny): no memory figures
+
+
+def _sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _peaks() -> dict:
+    return dict(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if CUDA else 0.0,
+                peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if CUDA else 0.0)
 
 
 def _config(model: str):
@@ -65,8 +82,13 @@ def _data(vocab: int, seq: int, steps: int) -> list[dict]:
     return data
 
 
-def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict) -> None:
-    """seqpar: train ``steps`` steps at ``seq`` tokens; fills ``row`` (the plan first, so that it is kept when a step fails)."""
+def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict, ckpt_dir: str | None = None,
+        stop_after: int | None = None) -> None:
+    """seqpar: train ``steps`` steps at ``seq`` tokens; fills ``row`` (the plan first, so that it is kept when a step fails).
+
+    ``ckpt_dir``: resume from ``ckpt_dir/last.ckpt`` when it exists (the optimizer state included) and, with
+    ``stop_after=n``, stop after n steps in this process and write it there: steps too long for one device call
+    run one call each (the record says which steps ran here)."""
     import lightning as L
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
@@ -77,37 +99,47 @@ def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict)
 
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            torch.cuda.synchronize()
+            _sync()
             self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            torch.cuda.synchronize()
+            _sync()
             times.append(time.perf_counter() - self.t0)
             loss = trainer.callback_metrics.get("train/loss")
             losses.append(float(loss) if loss is not None else float("nan"))
+            if stop_after is not None and len(times) >= stop_after and trainer.global_step < steps:
+                trainer.should_stop = True  # the rest in the next call, from the checkpoint written below
 
     data = _data(config.vocab_size, seq, steps)
+    resume = os.path.join(ckpt_dir, "last.ckpt") if ckpt_dir else None
+    resume = resume if resume and os.path.exists(resume) else None
     strategy = SequenceParallelStrategy(sequence_parallel_size=1, memory="auto", expected_seq_len=seq)
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-true", max_steps=steps, logger=False,
+    trainer = L.Trainer(accelerator=ACCELERATOR, devices=1, strategy=strategy, precision="bf16-true", max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timer()])
     module = CausalLMModule(model=config, lora=_lora(lora), lr=1e-5, warmup_steps=1, weight_decay=0.0,
                             loss_chunk_size=loss_chunk)
-    torch.cuda.reset_peak_memory_stats()
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
     try:
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1))
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=resume)
+        if ckpt_dir is not None and trainer.global_step < steps:
+            os.makedirs(ckpt_dir, exist_ok=True)
+            trainer.save_checkpoint(os.path.join(ckpt_dir, "last.ckpt"))
+        row.update(resumed_from_step=None if resume is None else trainer.global_step - len(times), global_step=trainer.global_step)
     finally:  # the plan is known before the first step, also when a step runs out of memory
         plan = strategy.memory_plan
         if plan is not None:
             est = plan.estimate
-            row.update(plan={k: getattr(plan.options, k) for k in ("offload_checkpoints", "head_chunks", "mlp_chunk_size",
-                                                                   "offload_params")},
+            row.update(plan={k: getattr(plan.options, k) for k in ("activation_checkpointing", "offload_checkpoints", "head_chunks",
+                                                                   "mlp_chunk_size", "offload_params")},
+                       estimate_host_gb=est.host / 1e9,
                        estimate_gb=est.total / 1e9, estimate_allocated_gb=est.allocated / 1e9,
                        estimate_terms_gb={k: v / 1e9 for k, v in est.terms().items()})
-        row.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9)
+        row.update(**_peaks())
     step = times[-1]
     row.update(step_time_s=step, tokens_per_s=seq / step, losses=losses,
-               measured_over_estimate=row["peak_mem_gb"] / row["estimate_allocated_gb"] if "estimate_allocated_gb" in row else None)
+               measured_over_estimate=row["peak_mem_gb"] / row["estimate_allocated_gb"] if row.get("estimate_allocated_gb") else None)
 
 
 def run_plain(model: str, lora: int, seq: int, steps: int, row: dict) -> None:
@@ -153,6 +185,8 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.2-1b", choices=sorted(SHAPES))
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on every linear layer (0: full fine-tune)")
     ap.add_argument("--system", default="seqpar", choices=("seqpar", "transformers"))
+    ap.add_argument("--ckpt-dir", default=None, help="seqpar: resume from DIR/last.ckpt if it exists; write it when stopping early")
+    ap.add_argument("--stop-after", type=int, default=None, help="seqpar: steps in this process (with --ckpt-dir)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=8192)
     ap.add_argument("--max-minutes", type=float, default=25.0, help="lengths not started by then are recorded as skipped")
@@ -160,8 +194,8 @@ def main() -> None:
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args()
     start = time.monotonic()
-    device = torch.cuda.get_device_name()
-    total = torch.cuda.get_device_properties(0).total_memory / 1e9
+    device = torch.cuda.get_device_name() if CUDA else "cpu"
+    total = torch.cuda.get_device_properties(0).total_memory / 1e9 if CUDA else 0.0
     name = f"hf-{args.model}-shaped" + (f"-lora{args.lora}" if args.lora else "")
     failed = None
     for seq in (int(s) for s in args.seqs.split(",")):
@@ -176,7 +210,7 @@ def main() -> None:
         else:
             try:
                 if args.system == "seqpar":
-                    run(args.model, args.lora, seq, args.steps, args.loss_chunk, row)
+                    run(args.model, args.lora, seq, args.steps, args.loss_chunk, row, args.ckpt_dir, args.stop_after)
                 else:
                     run_plain(args.model, args.lora, seq, args.steps, row)
             except Exception as error:  # noqa: BLE001 - an OOM or the planner's refusal is a result: record it, go on

@@ -389,7 +389,7 @@ def finetune_table(rows: list[dict]) -> str:
         est = _num(r, "estimate_allocated_gb")
         plan = r.get("plan") or {}
         options = ", ".join(k if v is True else f"{k}={v}" for k, v in plan.items()
-                            if v is True or not isinstance(v, bool) and v not in (None, 1)) or (
+                            if v is True or not isinstance(v, bool) and v not in (None, 1, "selective++")) or (
             "defaults" if plan else "")
         tokens = "out of memory" if error and "out of memory" in error else (error[:40] if error else f(_num(r, "tokens_per_s"), ",.0f"))
         per_gb = f(seq / _num(r, "peak_mem_gb"), ",.0f") if not error and _num(r, "peak_mem_gb") else "-"
