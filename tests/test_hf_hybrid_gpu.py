@@ -106,3 +106,45 @@ def test_twins_are_as_exact_as_the_unmodified_model_in_bf16(kind, backend):
               f"{plain[1].item():.5f}); closest to its bound: {worst[0]} {worst[1]:.2e} (transformers bf16 {worst[2]:.2e})")
         assert abs(ours[1].item() - ref[1].item()) <= 2 * abs(plain[1].item() - ref[1].item()) + 1e-3
     assert not failures, failures
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "bamba"])
+def test_twins_with_packed_documents_on_the_gpu(kind):
+    """Packed documents on one GPU (the per-document state reset of the torch kernels, Note [Documents in a
+    recurrence]), bf16 autocast: the twins' logits, loss and every gradient against every document run alone
+    through the unmodified model in fp32, within 2x (+ 2e-3) of that model's own bf16 error."""
+    from lightning_seqpar.documents import PackedDocuments, packed_documents
+    from lightning_seqpar.hf import HFCausalLM
+
+    lengths = [1000, 1, 2047, 48, 1000]  # S tokens: a one-token document, a document across chunk boundaries
+    assert sum(lengths) == S
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32).cuda().train()
+    ids = torch.randint(0, VOCAB, (1, S), device="cuda")
+    labels = torch.cat([torch.cat([part[:, 1:], torch.full((1, 1), -100, device="cuda")], dim=1)
+                        for part in ids.split(lengths, dim=1)], dim=1)  # no label across a document boundary
+
+    def alone(model, autocast: bool):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits = torch.cat([model(input_ids=part, position_ids=torch.arange(part.shape[1], device="cuda")[None],
+                                      use_cache=False).logits for part in ids.split(lengths, dim=1)], dim=1)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        return logits.float(), loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    ref, plain = alone(copy.deepcopy(base), False), alone(copy.deepcopy(base), True)
+    model = HFCausalLM(copy.deepcopy(base))
+    documents = PackedDocuments.from_lengths([lengths])
+    model.zero_grad(set_to_none=True)
+    with packed_documents(documents), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(ids, documents.position_ids().cuda())
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss.backward()
+    grads = {n.removeprefix("hf."): p.grad.float() for n, p in model.named_parameters()}
+    failures = [f"{kind} d{n}: {_rel(grads[n], g):.2e} > 2 x {_rel(plain[2][n], g):.2e} + 2e-3"
+                for n, g in ref[2].items() if _rel(grads[n], g) > 2 * _rel(plain[2][n], g) + 2e-3]
+    e, e_plain = _rel(logits.float(), ref[0]), _rel(plain[0], ref[0])
+    print(f"[hf-hybrid-gpu] {kind} packed documents: logits {e:.2e} (transformers bf16 {e_plain:.2e}), loss {loss.item():.5f} "
+          f"(fp32 {ref[1].item():.5f})")
+    assert e <= 2 * e_plain + 2e-3 and not failures, failures
