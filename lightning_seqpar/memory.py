@@ -42,6 +42,11 @@ ranks (the ring's travelling K/V, all-gather's full K/V). ``activation_checkpoin
 keeps only x per layer and adds the attention output to the recompute; ``None`` keeps the whole
 recompute state per layer.
 
+Only dense decoders are modelled: a config with experts (``num_local_experts`` and the like) or with
+recurrent / convolution layers (``layer_types`` other than attention, Mamba / LRU / conv fields) is
+refused by name (``TransformerShape.from_config``), since their memory per token differs; sliding-
+window layers count as full attention (an upper bound).
+
 The loss runs before the backward (Note [Chunked cross entropy] in ``lightning_seqpar.loss``):
 its peak, which does not coexist with a block's backward, is the final norm's state, the hidden
 states and their gradient (d (4 + 3e) per token), one chunk's logits (n x V x (e + 4 + 4): the
@@ -105,7 +110,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -221,6 +226,11 @@ class TransformerShape:
                    if not isinstance(get(k), int)]
         if missing:
             raise ValueError(f"the model config has no integer {missing}: its memory cannot be estimated")
+        unmodelled = _unmodelled_layers(get)
+        if unmodelled:
+            raise ValueError(f"the model's {unmodelled}: the estimate models dense attention + MLP decoders only, so its "
+                             "memory is not estimated (set offload_checkpoints / head_chunks / mlp_chunk_size / offload_params "
+                             "by hand)")
         heads = get("num_attention_heads")
         head_dim = get("head_dim") if isinstance(get("head_dim"), int) else get("hidden_size") // heads
         kv = get("num_key_value_heads")
@@ -228,6 +238,30 @@ class TransformerShape:
                    num_kv_heads=kv if isinstance(kv, int) and kv >= 1 else heads, head_dim=head_dim,
                    intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
                    tied_embeddings=bool(get("tie_word_embeddings", False)))
+
+
+_DECODER_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp"})
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+# fields of transformers configs that only hybrid / state-space / recurrent models have
+_RECURRENT_FIELDS = ("mamba_d_state", "ssm_state_size", "state_size", "mamba_n_heads", "linear_num_value_heads", "conv_L_cache",
+                     "block_types", "layers_block_type", "attn_layer_period", "attn_layer_indices", "hybrid_override_pattern",
+                     "lru_width", "linear_attn_config")
+
+
+def _unmodelled_layers(get: Callable[..., Any]) -> str | None:
+    """What of a Hugging Face config the estimate does not model (experts, recurrent / convolution layers), or None."""
+    for name in _EXPERT_FIELDS:
+        if isinstance(get(name), int) and get(name) > 1:
+            return f"mixture of experts (config.{name}={get(name)})"
+    layer_types = get("layer_types")
+    if isinstance(layer_types, (list, tuple)):
+        other = sorted({t for t in layer_types if isinstance(t, str) and t not in _DECODER_LAYER_TYPES})
+        if other:
+            return f"layers of type {other} (config.layer_types)"
+    for name in _RECURRENT_FIELDS:
+        if get(name) is not None:
+            return f"recurrent / state-space layers (config.{name})"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

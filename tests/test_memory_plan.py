@@ -42,6 +42,22 @@ def test_shape_from_hf_config_and_package_config():
         TransformerShape.from_config(TransNormerConfig())
 
 
+def test_models_the_estimate_does_not_model_are_refused_by_name():
+    """Experts and recurrent / convolution layers would make the dense estimate wrong: memory='auto' refuses them."""
+    pytest.importorskip("transformers")
+    from lightning_seqpar import hf_support
+
+    for arch, what in [("mixtral", "config.num_local_experts=4"), ("lfm2", "['conv'] (config.layer_types)"),
+                       ("falcon_h1", "['hybrid'] (config.layer_types)"), ("mamba", "no integer ['num_attention_heads']")]:
+        with pytest.raises(ValueError, match=re.escape(what)):
+            TransformerShape.from_config(hf_support.tiny_config(arch))
+    with pytest.raises(ValueError, match=r"recurrent / state-space layers \(config.mamba_d_state\)"):
+        TransformerShape.from_config({"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 16,
+                                      "vocab_size": 32, "mamba_d_state": 16})
+    for arch in ("llama", "gemma3_text", "qwen2"):  # sliding layers are attention: modelled (as full attention, an upper bound)
+        assert TransformerShape.from_config(hf_support.tiny_config(arch)).num_layers == 2
+
+
 def test_terms_scale_with_tokens_and_shards():
     base = estimate_memory(model_shape=LLAMA_1B, seq_len=64 * K, loss_chunk_size=4096)
     double = estimate_memory(model_shape=LLAMA_1B, seq_len=128 * K, loss_chunk_size=4096)
