@@ -5,6 +5,7 @@
     seqpar validate --config recipes/quickstart.yaml --ckpt_path ...
     seqpar export CHECKPOINT OUTPUT --format hf           (lightning_seqpar.export; not a Trainer command)
     seqpar plan --model llama3-8b --seq 128K,1M --gpus 8,64,1024   (lightning_seqpar.planning; no GPU needed)
+    seqpar memory --model llama3-8b --seq 512K,1M --device-memory 150.1   (memory="auto"'s choice; no GPU needed)
 
 Any LightningDataModule can be given as ``data.class_path`` (subclass mode), e.g.
 ``lightning_seqpar.data.LongRangeDataModule`` or ``lightning_seqpar.data.TokenFileDataModule``;
@@ -114,6 +115,11 @@ def main(args: Sequence[str] | None = None) -> None:
         from lightning_seqpar.planning import main as plan_main
 
         plan_main(argv[1:])
+        return
+    if argv[:1] == ["memory"]:
+        from lightning_seqpar.memory import main as memory_main
+
+        memory_main(argv[1:])
         return
     make_cli(args)
 

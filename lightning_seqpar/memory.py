@@ -110,7 +110,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -625,3 +625,61 @@ def plan_memory(
         + ("" if loss_chunk_size is not None else ", or CausalLMModule(loss_chunk_size=...) (the full logits are counted)")
     )
 
+
+
+# --------------------------------------------------------------------------------------------- the command
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``seqpar memory``: what ``memory="auto"`` would choose (or why it refuses) for a model, lengths and a device,
+    without a GPU: the same estimate and planner the strategy runs at set-up."""
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser(prog="seqpar memory", description=main.__doc__.split(":", 1)[0] + " (Note [Planning memory] "
+                                 "in lightning_seqpar.memory).")
+    ap.add_argument("--model", required=True, help="a config name of the package (llama3-8b, llama-7b, ...) or a local "
+                                                    "Hugging Face model folder (its config.json is read)")
+    ap.add_argument("--seq", required=True, help="sequence lengths, e.g. 128K,512K,1M")
+    ap.add_argument("--device-memory", type=float, required=True,
+                    help="GB per GPU as torch reports total_memory (an H200: 150.1, an H100 80GB: 85.0)")
+    ap.add_argument("--host-memory", type=float, default=None, help="GB of host memory available per GPU (default: unchecked)")
+    ap.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks")
+    ap.add_argument("--dp-shard", type=int, default=1, help="data-parallel ranks FSDP2 shards over besides them")
+    ap.add_argument("--precision", default="bf16-true")
+    ap.add_argument("--loss-chunk", type=int, default=8192, help="CausalLMModule's loss_chunk_size (0: the full logits)")
+    ap.add_argument("--lora-r", type=int, default=0, help="LoRA rank on every linear layer (0: full fine-tune)")
+    args = ap.parse_args(argv)
+    from lightning_seqpar.planning import _ints, lora_targets, lora_trainable_params
+
+    try:
+        seqs = _ints(args.seq)
+    except ValueError as error:
+        ap.error(f"--seq: {error}")
+    if os.path.isfile(os.path.join(args.model, "config.json")):
+        from transformers import AutoConfig
+
+        config: Any = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    else:
+        from lightning_seqpar.models.registry import is_named_config, resolve_config
+
+        if not is_named_config(args.model):
+            ap.error(f"--model: {args.model!r} is neither a local Hugging Face model folder (no config.json) nor a config name")
+        config = resolve_config(args.model, owner="--model")
+    try:
+        shape = TransformerShape.from_config(config)
+    except ValueError as error:
+        ap.error(f"--model: {error}")
+    lora = None
+    if args.lora_r:
+        lora = type("Lora", (), {"r": args.lora_r, "target_modules": "all-linear"})()
+    for seq in seqs:
+        try:
+            plan = plan_memory(model_shape=shape, seq_len=seq, device_memory=args.device_memory * 1e9, sp=args.sp,
+                               dp_shard=args.dp_shard, precision=args.precision, loss_chunk_size=args.loss_chunk or None,
+                               trainable_params=None if lora is None else lora_trainable_params(shape, lora),
+                               lora_targets=() if lora is None else lora_targets(lora),
+                               host_memory=None if args.host_memory is None else args.host_memory * 1e9, owner="seqpar memory")
+            print(plan.describe())
+        except ValueError as error:
+            print(f"seq_len={seq}: {error}")

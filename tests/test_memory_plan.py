@@ -286,3 +286,22 @@ def test_strategy_memory_auto_refuses_before_training():
     seq = 64
     with pytest.raises(ValueError, match=r"FakeMemory: memory='auto' found no options that fit expected_seq_len=64 .*no sequence length fits"):
         _fit_with_device_memory(OVERHEAD_BYTES * 1.01, seq)
+
+
+def test_seqpar_memory_command(tmp_path, capsys):
+    """`seqpar memory`: the planner's choice per length without a GPU, for a package config name or a local HF folder."""
+    from lightning_seqpar.cli import main
+
+    main(["memory", "--model", "llama3-8b", "--seq", "128K,4M", "--device-memory", "150.1", "--host-memory", "125"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("memory='auto' for seq_len=131072: activation_checkpointing='selective++'")
+    assert lines[1].startswith("seq_len=4194304: seqpar memory: memory='auto' found no options") and "largest that would fit" in lines[1]
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "model"
+    transformers.LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True).save_pretrained(folder)
+    main(["memory", "--model", str(folder), "--seq", "512K", "--device-memory", "150.1"])
+    assert "offload_checkpoints=True" in capsys.readouterr().out  # the H200 run's choice at 512K (118.4 GB measured)
+    with pytest.raises(SystemExit):
+        main(["memory", "--model", "no-such-model", "--seq", "1K", "--device-memory", "80"])
+    assert "--model: 'no-such-model' is neither" in capsys.readouterr().err
