@@ -159,9 +159,8 @@ class _List(torch.utils.data.Dataset):
 
 def _capture_callback():
     import lightning as L
-    from torch.distributed.tensor import DTensor
-
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from lightning_seqpar.documents import current_documents
     from lightning_seqpar.sharding import unshard_sequence
@@ -208,7 +207,10 @@ def train_under_strategy(rank: int, world_size: int, model: Any, data: dict[str,
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))
     import lightning as L
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
 
@@ -314,3 +316,49 @@ def with_twins(model, mesh, layout: str):
     recurrent = [m for m in model.modules() if isinstance(m, Recurrence)]
     assert recurrent and all(m.mesh is mesh and m.layout == layout for m in recurrent)
     return model
+
+
+def shard_case(ids, labels, *, lengths, layout: str, world: int, rank: int):
+    """What one rank holds of a batch, as the strategy shards it: (shard, position_ids, labels, documents). With
+    ``lengths`` (packed documents per sample) the per-document zigzag and no label across a document boundary."""
+    from seqpar_testing import expected_index, take
+
+    from lightning_seqpar.documents import PackedDocuments
+
+    batch, seq = ids.shape
+    if lengths is None:
+        index = expected_index(seq, layout, world, rank)
+        return (lambda x: take(x, index)), torch.arange(seq).expand(batch, seq), labels, None
+    docs = PackedDocuments.from_lengths(lengths, world=world)
+    doc_ids = torch.stack([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)) for lens in lengths])
+    labels = torch.where(doc_ids.diff(dim=1, append=torch.full((batch, 1), -1)) == 0, labels, -100)
+    return (lambda x: docs.shard(x, rank)), docs.position_ids(), labels, docs
+
+
+def sharded_failures(model, reference, ids, labels, positions, shard, documents=None, *, tag: str, atol: float = 1e-5):
+    """Run ``model`` (its twins and attention configured) on this rank's shard, sum the loss and every gradient over
+    the ranks and compare them and the logits with ``reference`` = (logits, summed loss, gradients) of the
+    unmodified model: the failures, one line each."""
+    import torch.distributed as dist
+
+    from lightning_seqpar.documents import packed_documents
+
+    ref_logits, ref_loss, ref_grads = reference
+    with packed_documents(documents):
+        logits = model(input_ids=shard(ids), position_ids=shard(positions), use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard(labels).flatten(), reduction="sum")
+        loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    checks = [("logits", logits.detach(), shard(ref_logits)), ("loss", total, ref_loss)]
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        checks.append((f"d{n}", g, ref_grads[n]))
+    failures = []
+    for name, got, want in checks:
+        try:
+            torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
+        except AssertionError as err:
+            failures.append(f"{tag} {name}: {err}")
+    return failures

@@ -8,10 +8,9 @@ import copy
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
-from hf_testing import run_unmodified, with_twins
-from seqpar_testing import expected_index, mesh_1d, take
+from hf_testing import run_unmodified, shard_case, sharded_failures, with_twins
+from seqpar_testing import mesh_1d
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,32 +89,16 @@ def test_cache_padding_and_packed_kwargs_are_refused_by_name():
 
 
 def _hf_worker(rank: int, world_size: int, layout: str) -> int:
-    import torch.distributed as dist
 
     mesh = mesh_1d(world_size)
-    index = expected_index(SEQ, layout, world_size, rank)
     failures = []
     for kind in KINDS:
         model = build(kind)
         ids, labels = data()
-        ref_logits, ref_loss, ref_grads = run_unmodified(copy.deepcopy(model), ids, labels)
-        sp = with_twins(model, mesh, layout)
-        logits = sp(input_ids=take(ids, index), position_ids=take(torch.arange(SEQ).expand(BATCH, SEQ), index),
-                    use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), take(labels, index).flatten(), reduction="sum")
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        checks = [("logits", logits.detach(), take(ref_logits, index)), ("loss", total, ref_loss)]
-        for n, p in sp.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            checks.append((f"d{n}", g, ref_grads[n]))
-        for name, got, want in checks:
-            try:
-                torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
-            except AssertionError as err:
-                failures.append(f"{kind} W={world_size} {layout} {name}: {err}")
+        shard, positions, labels, docs = shard_case(ids, labels, lengths=None, layout=layout, world=world_size, rank=rank)
+        reference = run_unmodified(copy.deepcopy(model), ids, labels)
+        failures += sharded_failures(with_twins(model, mesh, layout), reference, ids, labels, positions, shard, docs,
+                                     tag=f"{kind} W={world_size} {layout}", atol=ATOL)
     assert not failures, "\n".join(failures)
     return len(KINDS)
 

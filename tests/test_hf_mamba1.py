@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 from dist_utils import run_distributed
-from hf_testing import run_unmodified, with_twins
-from seqpar_testing import expected_index, mesh_1d, take
+from hf_testing import run_unmodified, shard_case, sharded_failures, with_twins
+from seqpar_testing import mesh_1d
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,44 +88,16 @@ def test_cache_and_packed_kwargs_and_other_activations_are_refused_by_name():
 
 
 def _worker(rank: int, world_size: int, layout: str, packed: bool) -> int:
-    import torch.distributed as dist
-
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
-
     mesh = mesh_1d(world_size)
     ids, labels = data()
-    if packed:
-        docs = PackedDocuments.from_lengths(LENGTHS, world=world_size)
-        shard = lambda x: docs.shard(x, rank)
-        positions = docs.position_ids()
-        labels = torch.where(torch.stack([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-                                          for lens in LENGTHS]).diff(dim=1, append=torch.full((BATCH, 1), -1)) == 0, labels, -100)
-    else:
-        docs = None
-        index = expected_index(SEQ, layout, world_size, rank)
-        shard = lambda x: take(x, index)
-        positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    shard, positions, labels, docs = shard_case(ids, labels, lengths=LENGTHS if packed else None, layout=layout,
+                                                world=world_size, rank=rank)
     failures = []
     for kind in KINDS:
         model = build(kind)
-        ref_logits, ref_loss, ref_grads = run_unmodified(copy.deepcopy(model), ids, labels, LENGTHS if packed else None)
-        sp = with_twins(model, mesh, layout)
-        with packed_documents(docs):
-            logits = sp(input_ids=shard(ids), position_ids=shard(positions), use_cache=False).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard(labels).flatten(), reduction="sum")
-            loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        checks = [("logits", logits.detach(), shard(ref_logits)), ("loss", total, ref_loss)]
-        for n, p in sp.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            checks.append((f"d{n}", g, ref_grads[n]))
-        for name, got, want in checks:
-            try:
-                torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
-            except AssertionError as err:
-                failures.append(f"{kind} W={world_size} {layout} packed={packed} {name}: {err}")
+        reference = run_unmodified(copy.deepcopy(model), ids, labels, LENGTHS if packed else None)
+        failures += sharded_failures(with_twins(model, mesh, layout), reference, ids, labels, positions, shard, docs,
+                                     tag=f"{kind} W={world_size} {layout} packed={packed}", atol=ATOL)
     assert not failures, "\n".join(failures)
     return len(KINDS)
 

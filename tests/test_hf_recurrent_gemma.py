@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 from dist_utils import run_distributed
-from seqpar_testing import expected_index, mesh_1d, take
+from hf_testing import run_unmodified, shard_case, sharded_failures, with_twins
+from seqpar_testing import mesh_1d
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,34 +41,24 @@ def data(seed: int = 0):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def run_reference(model, ids, labels, lengths=None):
-    """The unmodified model on the whole sequence (or on every document alone): logits, summed loss, gradients."""
-    if lengths is None:
-        logits = model(input_ids=ids, position_ids=torch.arange(SEQ).expand(BATCH, SEQ), use_cache=False).logits
-    else:
-        logits = torch.cat([torch.cat([model(input_ids=part, position_ids=torch.arange(part.shape[1])[None],
-                                             use_cache=False).logits for part in ids[b:b + 1].split(list(lens), dim=1)], dim=1)
-                            for b, lens in enumerate(lengths)])
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
-    loss.backward()
-    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
     from lightning_seqpar.hf.support import find_token_mixers
-    from lightning_seqpar.hf_hybrid import SeqparRecurrentGemmaRecurrentBlock, apply_hf_hybrid
+    from lightning_seqpar.hf_hybrid import (
+        SeqparRecurrentGemmaRecurrentBlock,
+        apply_hf_hybrid,
+    )
 
     model = build()
     assert find_token_mixers(model) == []  # the recurrent blocks have a twin; the Mlp / DecoderLayer names are no mixers
     ids, labels = data()
     twin = copy.deepcopy(model)  # before the reference runs: transformers' RG-LRU keeps its last state on the module
-    ref_logits, _, ref_grads = run_reference(model, ids, labels)
+    ref_logits, _, ref_grads = run_unmodified(model, ids, labels)
     assert apply_hf_hybrid(twin) == 2
     blocks = [m for m in twin.modules() if isinstance(m, SeqparRecurrentGemmaRecurrentBlock)]
     assert [b.layer_idx for b in blocks] == [0, 2]  # from the module path (the transformers block keeps no index)
     assert list(twin.state_dict()) == list(model.state_dict())
     assert find_token_mixers(twin) == []
-    logits, _, grads = run_reference(twin, ids, labels)
+    logits, _, grads = run_unmodified(twin, ids, labels)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=1e-5)
     for n, g in ref_grads.items():
         torch.testing.assert_close(grads[n], g, atol=ATOL, rtol=1e-5, msg=lambda m, n=n: f"d{n}: {m}")
@@ -104,51 +95,20 @@ def test_resets_caches_and_packed_kwargs_are_refused_by_name():
 
 
 def _worker(rank: int, world_size: int, layout: str, cases: tuple[bool, ...]) -> int:
-    import torch.distributed as dist
-
     from lightning_seqpar.attention.recurrent import Recurrence
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
-    from lightning_seqpar.hf import apply_hf_attention
-    from lightning_seqpar.parallelize import apply_attention
 
     mesh = mesh_1d(world_size)
     failures = []
     for packed in cases:
         ids, labels = data()
-        if packed:
-            docs = PackedDocuments.from_lengths(LENGTHS, world=world_size)
-            shard = lambda x, docs=docs: docs.shard(x, rank)  # noqa: E731
-            positions = docs.position_ids()
-            doc_ids = torch.stack([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)) for lens in LENGTHS])
-            labels = torch.where(doc_ids.diff(dim=1, append=torch.full((BATCH, 1), -1)) == 0, labels, -100)
-        else:
-            docs = None
-            index = expected_index(SEQ, layout, world_size, rank)
-            shard = lambda x, index=index: take(x, index)  # noqa: E731
-            positions = torch.arange(SEQ).expand(BATCH, SEQ)
+        shard, positions, labels, docs = shard_case(ids, labels, lengths=LENGTHS if packed else None, layout=layout,
+                                                    world=world_size, rank=rank)
         model = build()
-        ref_logits, ref_loss, ref_grads = run_reference(copy.deepcopy(model), ids, labels, LENGTHS if packed else None)
-        sp = copy.deepcopy(model)  # what HFCausalLM and the strategy do
-        apply_hf_attention(sp)
-        apply_attention(sp, mesh, attention="ring", layout=layout)
+        reference = run_unmodified(copy.deepcopy(model), ids, labels, LENGTHS if packed else None)
+        sp = with_twins(model, mesh, layout)  # what HFCausalLM and the strategy do
         assert sum(isinstance(m, Recurrence) and m.mesh is mesh for m in sp.modules()) == 2
-        with packed_documents(docs):
-            logits = sp(input_ids=shard(ids), position_ids=shard(positions), use_cache=False).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard(labels).flatten(), reduction="sum",
-                                                     ignore_index=-100)
-            loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        checks = [("logits", logits.detach(), shard(ref_logits)), ("loss", total, ref_loss)]
-        for n, p in sp.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            checks.append((f"d{n}", g, ref_grads[n]))
-        for name, got, want in checks:
-            try:
-                torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
-            except AssertionError as err:
-                failures.append(f"W={world_size} {layout} packed={packed} {name}: {err}")
+        failures += sharded_failures(sp, reference, ids, labels, positions, shard, docs,
+                                     tag=f"W={world_size} {layout} packed={packed}", atol=ATOL)
     assert not failures, "\n".join(failures)
     return len(cases)
 
