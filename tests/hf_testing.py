@@ -362,3 +362,32 @@ def sharded_failures(model, reference, ids, labels, positions, shard, documents=
         except AssertionError as err:
             failures.append(f"{tag} {name}: {err}")
     return failures
+
+
+def assert_trained_like(kinds, results, references, *, atol: float = 1e-5, same_keys: bool = True) -> None:
+    """Each kind's one-step result of :func:`train_each` (logits, logged loss, gradients) against its reference
+    (logits, loss, gradients) of the unmodified model; ``same_keys``: also the same gradient names."""
+    import pytest
+
+    for kind, result in zip(kinds, results):
+        logits, loss, grads = references[kind][-3:]
+        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=atol, msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        if same_keys:
+            assert result["grads"].keys() == grads.keys(), kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=atol, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
+def build_eager(config, seed: int = 0):
+    """A transformers causal LM from ``config`` (eager attention, fp32, random init from ``seed``) whose zero-initialised
+    norms and biases get some weight (a stronger test), in train mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.train()

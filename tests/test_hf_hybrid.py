@@ -9,7 +9,14 @@ import copy
 import pytest
 import torch
 from dist_utils import run_distributed
-from hf_testing import run_unmodified, shard_case, sharded_failures, with_twins
+from hf_testing import (
+    assert_trained_like,
+    build_eager,
+    run_unmodified,
+    shard_case,
+    sharded_failures,
+    with_twins,
+)
 from seqpar_testing import mesh_1d
 
 transformers = pytest.importorskip("transformers")
@@ -41,13 +48,7 @@ KINDS = ("qwen3_next", "bamba", "lfm2")
 
 
 def build(kind: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny(kind), attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():  # give the zero-initialised norms and biases some weight: a stronger test
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias") or "dt_bias" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model.train()
+    return build_eager(tiny(kind), seed)
 
 
 def data(seed: int = 0):
@@ -134,13 +135,7 @@ def test_hybrid_models_train_exactly_under_the_strategy(world, attention, layout
     refs, data = saved
     results = run_distributed(train_each, world, [refs[k][0] for k in STRATEGY_KINDS], data, timeout=300,
                               strategy_kwargs={"attention": attention, "load_balance": layout})[0]
-    for kind, result in zip(STRATEGY_KINDS, results):
-        _, logits, loss, grads = refs[kind]
-        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
-        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
-        assert result["grads"].keys() == grads.keys(), kind
-        for name, grad in grads.items():
-            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+    assert_trained_like(STRATEGY_KINDS, results, refs, atol=ATOL)
 
 
 def test_two_d_attention_is_refused_by_name():
@@ -214,13 +209,7 @@ def test_packed_documents_train_exactly_under_the_strategy(world, attention, pac
     refs, data = packed
     results = run_distributed(train_each, world, [refs[k][0] for k in STRATEGY_KINDS], data, timeout=300,
                               strategy_kwargs={"attention": attention})[0]
-    for kind, result in zip(STRATEGY_KINDS, results):
-        _, logits, loss, grads = refs[kind]
-        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
-        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
-        assert result["grads"].keys() == grads.keys(), kind
-        for name, grad in grads.items():
-            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+    assert_trained_like(STRATEGY_KINDS, results, refs, atol=ATOL)
 
 
 PACKED_36 = ((1, 6, 17, 12), (3, 1, 1, 31))  # S = 36: divisible by 2 x 3 (zigzag over 3 ranks)
@@ -269,12 +258,7 @@ def test_hybrid_models_train_exactly_at_sp_3(case, group, saved_36):
     kinds = STRATEGY_KINDS if group == "first" else MORE_KINDS
     results = run_distributed(train_each, 3, [paths[k] for k in kinds], data, timeout=300,
                               strategy_kwargs={"attention": "ring"})[0]
-    for kind, result in zip(kinds, results):
-        logits, loss, grads = refs[kind]
-        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
-        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
-        for name, grad in grads.items():
-            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+    assert_trained_like(kinds, results, refs, atol=ATOL, same_keys=False)
 
 
 # ------------------------------------------------------------------- more Mamba2 / linear-attention families (#23)
@@ -342,10 +326,4 @@ def test_more_families_train_exactly_under_the_strategy(world, attention, layout
     data, refs = cases[case]
     results = run_distributed(train_each, world, [paths[k] for k in MORE_KINDS], data, timeout=300,
                               strategy_kwargs={"attention": attention, "load_balance": layout})[0]
-    for kind, result in zip(MORE_KINDS, results):
-        logits, loss, grads = refs[kind]
-        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
-        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
-        assert result["grads"].keys() == grads.keys(), kind
-        for name, grad in grads.items():
-            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+    assert_trained_like(MORE_KINDS, results, refs, atol=ATOL)

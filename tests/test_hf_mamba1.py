@@ -10,7 +10,14 @@ import copy
 import pytest
 import torch
 from dist_utils import run_distributed
-from hf_testing import run_unmodified, shard_case, sharded_failures, with_twins
+from hf_testing import (
+    assert_trained_like,
+    build_eager,
+    run_unmodified,
+    shard_case,
+    sharded_failures,
+    with_twins,
+)
 from seqpar_testing import mesh_1d
 
 transformers = pytest.importorskip("transformers")
@@ -24,14 +31,7 @@ LENGTHS = ((5, 1, 11, 7), (2, 22))  # packed documents of SEQ tokens: some short
 def build(kind: str):
     from lightning_seqpar import hf_support
 
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_support.tiny_config(kind), attn_implementation="eager",
-                                                          dtype=torch.float32)
-    with torch.no_grad():  # give the zero-initialised norms and biases some weight: a stronger test
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model.train()
+    return build_eager(hf_support.tiny_config(kind))
 
 
 def data(seed: int = 0):
@@ -132,13 +132,7 @@ def test_mamba1_models_train_exactly_under_the_strategy(saved):
     refs, data = saved
     results = run_distributed(train_each, 2, [refs[k][0] for k in KINDS], data, timeout=300,
                               strategy_kwargs={"attention": "ring"})[0]
-    for kind, result in zip(KINDS, results):
-        _, logits, loss, grads = refs[kind]
-        torch.testing.assert_close(result["logits"], logits, rtol=0, atol=ATOL, msg=lambda m, k=kind: f"{k} logits: {m}")
-        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
-        assert result["grads"].keys() == grads.keys(), kind
-        for name, grad in grads.items():
-            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+    assert_trained_like(KINDS, results, refs, atol=ATOL)
 
 
 def test_blocks_that_share_parameters_form_one_fsdp_group():

@@ -10,7 +10,13 @@ import copy
 import pytest
 import torch
 from dist_utils import run_distributed
-from hf_testing import run_unmodified, shard_case, sharded_failures, with_twins
+from hf_testing import (
+    build_eager,
+    run_unmodified,
+    shard_case,
+    sharded_failures,
+    with_twins,
+)
 from seqpar_testing import mesh_1d
 
 transformers = pytest.importorskip("transformers")
@@ -26,13 +32,7 @@ def build():
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, lru_width=32, attention_window_size=6, conv1d_width=4,
         block_types=["recurrent", "attention", "recurrent"], logits_soft_cap=30.0)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():  # give the zero-initialised norms and biases some weight: a stronger test
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model.train()
+    return build_eager(config)
 
 
 def data(seed: int = 0):
