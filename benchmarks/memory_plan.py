@@ -83,12 +83,13 @@ def _data(vocab: int, seq: int, steps: int) -> list[dict]:
 
 
 def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict, ckpt_dir: str | None = None,
-        stop_after: int | None = None) -> None:
+        stop_after: int | None = None, plan_seq: int | None = None) -> None:
     """seqpar: train ``steps`` steps at ``seq`` tokens; fills ``row`` (the plan first, so that it is kept when a step fails).
 
     ``ckpt_dir``: resume from ``ckpt_dir/last.ckpt`` when it exists (the optimizer state included) and, with
     ``stop_after=n``, stop after n steps in this process and write it there: steps too long for one device call
-    run one call each (the record says which steps ran here)."""
+    run one call each (the record says which steps ran here). ``plan_seq``: the planner's expected_seq_len when it
+    differs from ``seq`` (a short run with a long run's options: checks those options and the resume quickly)."""
     import lightning as L
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
@@ -113,7 +114,7 @@ def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict,
     data = _data(config.vocab_size, seq, steps)
     resume = os.path.join(ckpt_dir, "last.ckpt") if ckpt_dir else None
     resume = resume if resume and os.path.exists(resume) else None
-    strategy = SequenceParallelStrategy(sequence_parallel_size=1, memory="auto", expected_seq_len=seq)
+    strategy = SequenceParallelStrategy(sequence_parallel_size=1, memory="auto", expected_seq_len=plan_seq or seq)
     trainer = L.Trainer(accelerator=ACCELERATOR, devices=1, strategy=strategy, precision="bf16-true", max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timer()])
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--system", default="seqpar", choices=("seqpar", "transformers"))
     ap.add_argument("--ckpt-dir", default=None, help="seqpar: resume from DIR/last.ckpt if it exists; write it when stopping early")
     ap.add_argument("--stop-after", type=int, default=None, help="seqpar: steps in this process (with --ckpt-dir)")
+    ap.add_argument("--plan-seq", type=int, default=None, help="seqpar: plan for this length instead (a quick check of a long plan)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=8192)
     ap.add_argument("--max-minutes", type=float, default=25.0, help="lengths not started by then are recorded as skipped")
@@ -210,7 +212,8 @@ def main() -> None:
         else:
             try:
                 if args.system == "seqpar":
-                    run(args.model, args.lora, seq, args.steps, args.loss_chunk, row, args.ckpt_dir, args.stop_after)
+                    run(args.model, args.lora, seq, args.steps, args.loss_chunk, row, args.ckpt_dir, args.stop_after, args.plan_seq)
+                    row.update(plan_seq=args.plan_seq)
                 else:
                     run_plain(args.model, args.lora, seq, args.steps, row)
             except Exception as error:  # noqa: BLE001 - an OOM or the planner's refusal is a result: record it, go on
