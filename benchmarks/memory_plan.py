@@ -83,13 +83,15 @@ def _data(vocab: int, seq: int, steps: int) -> list[dict]:
 
 
 def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict, ckpt_dir: str | None = None,
-        stop_after: int | None = None, plan_seq: int | None = None) -> None:
+        stop_after: int | None = None, plan_seq: int | None = None, options: dict | None = None, snapshot: bool = False) -> None:
     """seqpar: train ``steps`` steps at ``seq`` tokens; fills ``row`` (the plan first, so that it is kept when a step fails).
 
     ``ckpt_dir``: resume from ``ckpt_dir/last.ckpt`` when it exists (the optimizer state included) and, with
     ``stop_after=n``, stop after n steps in this process and write it there: steps too long for one device call
     run one call each (the record says which steps ran here). ``plan_seq``: the planner's expected_seq_len when it
-    differs from ``seq`` (a short run with a long run's options: checks those options and the resume quickly)."""
+    differs from ``seq`` (a short run with a long run's options: checks those options and the resume quickly).
+    ``options``: strategy options given by hand (the planner keeps them and plans the rest); ``snapshot``: record
+    the allocator's history and put the breakdown of the peak in the row (memory_snapshot.py)."""
     import lightning as L
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
@@ -114,7 +116,8 @@ def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict,
     data = _data(config.vocab_size, seq, steps)
     resume = os.path.join(ckpt_dir, "last.ckpt") if ckpt_dir else None
     resume = resume if resume and os.path.exists(resume) else None
-    strategy = SequenceParallelStrategy(sequence_parallel_size=1, memory="auto", expected_seq_len=plan_seq or seq)
+    strategy = SequenceParallelStrategy(sequence_parallel_size=1, memory="auto", expected_seq_len=plan_seq or seq,
+                                        **(options or {}))
     trainer = L.Trainer(accelerator=ACCELERATOR, devices=1, strategy=strategy, precision="bf16-true", max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Timer()])
@@ -123,7 +126,16 @@ def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict,
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
     try:
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=resume)
+        def fit() -> None:
+            trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=resume)
+
+        if snapshot and CUDA:
+            from memory_snapshot import peak_breakdown
+
+            row["peak_breakdown"] = peak_breakdown(fit)
+            print(row["peak_breakdown"], flush=True)
+        else:
+            fit()
         if ckpt_dir is not None and trainer.global_step < steps:
             os.makedirs(ckpt_dir, exist_ok=True)
             trainer.save_checkpoint(os.path.join(ckpt_dir, "last.ckpt"))
@@ -180,6 +192,17 @@ def run_plain(model: str, lora: int, seq: int, steps: int, row: dict) -> None:
     row.update(step_time_s=times[-1], tokens_per_s=seq / times[-1], losses=losses, attn="sdpa")
 
 
+def _options(text: str) -> dict:
+    """``"head_chunks=8,offload_params=true"`` -> ``{"head_chunks": 8, "offload_params": True}``."""
+    out: dict = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        low = value.strip().lower()
+        out[key.strip()] = (True if low == "true" else False if low == "false" else None if low == "none"
+                            else int(low) if low.lstrip("-").isdigit() else value.strip())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="32768,131072,262144", help="comma-separated sequence lengths, shortest first")
@@ -189,6 +212,8 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None, help="seqpar: resume from DIR/last.ckpt if it exists; write it when stopping early")
     ap.add_argument("--stop-after", type=int, default=None, help="seqpar: steps in this process (with --ckpt-dir)")
     ap.add_argument("--plan-seq", type=int, default=None, help="seqpar: plan for this length instead (a quick check of a long plan)")
+    ap.add_argument("--options", default="", help="seqpar: strategy options by hand, e.g. head_chunks=8,offload_params=true")
+    ap.add_argument("--snapshot", action="store_true", help="seqpar: the breakdown of the peak (the allocator's history)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=8192)
     ap.add_argument("--max-minutes", type=float, default=25.0, help="lengths not started by then are recorded as skipped")
@@ -212,8 +237,9 @@ def main() -> None:
         else:
             try:
                 if args.system == "seqpar":
-                    run(args.model, args.lora, seq, args.steps, args.loss_chunk, row, args.ckpt_dir, args.stop_after, args.plan_seq)
-                    row.update(plan_seq=args.plan_seq)
+                    row.update(plan_seq=args.plan_seq, options=_options(args.options))
+                    run(args.model, args.lora, seq, args.steps, args.loss_chunk, row, args.ckpt_dir, args.stop_after, args.plan_seq,
+                        row["options"], args.snapshot)
                 else:
                     run_plain(args.model, args.lora, seq, args.steps, row)
             except Exception as error:  # noqa: BLE001 - an OOM or the planner's refusal is a result: record it, go on
