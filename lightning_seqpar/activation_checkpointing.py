@@ -70,7 +70,11 @@ allocator's history on one H200 (Llama-3.2-1B shape, 256K tokens, the options th
 memory by ~8 GB. Each normalisation child of a checkpointed block therefore runs under its own
 non-reentrant checkpoint (nested, as the MLP tiles are): it keeps its input only (the block input
 or the residual stream, which the block keeps anyway) and recomputes the elementwise forward in
-its backward, where the fp32 copy lives for that op alone. The recompute is a few memory-bound
+its backward, where the fp32 copy lives for that op alone. That backward, as autograd runs
+Hugging Face's ops, holds five fp32 (S, d) tensors at once (the same measurement: 5 x 2.15 GB at 256K
+tokens, the largest part of the block's peak): with ``mlp_chunk_size`` the norms are tiled like
+the MLP (:func:`tile_mlp`: a norm is position-wise, each row normalised over its own channels, so
+the slices give the same rows bitwise), and the fp32 temporaries are those of one slice. The recompute is a few memory-bound
 passes over (S, d), negligible beside the block's matmuls and attention; the result is bitwise
 the same (the same ops on the same inputs).
 
@@ -235,9 +239,11 @@ def is_norm(module: nn.Module) -> bool:
 
 def checkpoint_norms(block: nn.Module) -> int:
     """Wrap ``block``'s normalisation children in their own checkpoints (Note [Checkpointed norms]); returns how many."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
     count = 0
     for name, child in list(block.named_children()):
-        if is_norm(child):
+        if is_norm(child) and not isinstance(child, CheckpointWrapper):  # tiled already: apply_mlp_tiles
             block.register_module(name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=_checkpoint))
             count += 1
     return count

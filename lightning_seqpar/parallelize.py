@@ -44,7 +44,8 @@ from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.agreement import RankAgreement
 from lightning_seqpar.config import check_lasp_variant, check_offload_checkpoints, check_uncheckpointed_blocks
 from lightning_seqpar.models.registry import attention_heads
-from lightning_seqpar.activation_checkpointing import MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, tile_mlp
+from lightning_seqpar.activation_checkpointing import (MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, is_norm,
+                                                       tile_mlp)
 
 BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
 """Names of the ``nn.ModuleList`` attributes whose elements are transformer blocks."""
@@ -282,7 +283,8 @@ def apply_ac(
 
 
 def apply_mlp_tiles(model: nn.Module, mlp_chunk_size: int | None, *, block_classes: Sequence[type[nn.Module]] | None = None) -> int:
-    """Run each block's MLP over slices of ``mlp_chunk_size`` tokens, each checkpointed (Note [Sequence-tiled MLP]).
+    """Run each block's MLP (and its normalisation layers) over slices of ``mlp_chunk_size`` tokens, each checkpointed
+    (Note [Sequence-tiled MLP], Note [Checkpointed norms]).
 
     The MLP is the block's child named one of :data:`~lightning_seqpar.activation_checkpointing.MLP_NAMES`;
     returns how many were tiled. ``mlp_chunk_size=None`` does nothing.
@@ -307,6 +309,9 @@ def apply_mlp_tiles(model: nn.Module, mlp_chunk_size: int | None, *, block_class
         if not isinstance(mlp, CheckpointWrapper):  # tiled already (parallelize called again)
             block.register_module(name, tile_mlp(mlp, mlp_chunk_size))
             tiled += 1
+        for norm_name, norm in list(block.named_children()):  # Note [Checkpointed norms]: their fp32 backward, one tile at a time
+            if is_norm(norm) and not isinstance(norm, CheckpointWrapper):
+                block.register_module(norm_name, tile_mlp(norm, mlp_chunk_size))
     return tiled
 
 
