@@ -376,7 +376,7 @@ _FINETUNE_SYSTEMS = {"seqpar": "**ours** (memory=\"auto\")", "transformers": "tr
 def finetune_table(rows: list[dict]) -> str:
     """benchmarks/memory_plan.py (ours with memory="auto", plain transformers + peft) and benchmarks/alst.py on one
     GPU: the latest run of each (device, model, S, system), 2 optimizer steps each; ours with the planner's estimate."""
-    runs = last_by([r for r in rows if r.get("bench") in ("memory_plan", "alst")],
+    runs = last_by([r for r in rows if r.get("bench") in ("memory_plan", "alst") and not r.get("plan_seq") and not r.get("options")],
                    lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
     order = {"seqpar": 0, "transformers": 1, "alst": 2}
     out = []
@@ -392,6 +392,9 @@ def finetune_table(rows: list[dict]) -> str:
                             if v is True or not isinstance(v, bool) and v not in (None, 1, "selective++")) or (
             "defaults" if plan else "")
         tokens = "out of memory" if error and "out of memory" in error else (error[:40] if error else f(_num(r, "tokens_per_s"), ",.0f"))
+        done, steps = r.get("global_step"), r.get("steps")
+        if not error and done is not None and steps and done < steps:  # a run split over device calls, not finished
+            tokens += f" ({done} of {steps} steps)"
         per_gb = f(seq / _num(r, "peak_mem_gb"), ",.0f") if not error and _num(r, "peak_mem_gb") else "-"
         out.append([model.removeprefix("hf-"), seq_k(seq), _FINETUNE_SYSTEMS.get(system, system), tokens,
                     f(_num(r, "peak_mem_gb"), ".1f") if not error else f"> {_num(r, 'peak_mem_gb'):.1f}" if _num(r, "peak_mem_gb") else "-",

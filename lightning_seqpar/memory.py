@@ -16,7 +16,9 @@ rank; e bytes per activation element (2 under bf16, 4 under fp32), fp32 = 4. Per
     block input x (the checkpoint's input)   d e            4,096              until the block's backward;
                                                                                host with offload_checkpoints
     attention output + LSE (Selective++)     H_q D e + 4 H_q 4,096 + 128       until the block's backward
-    RMSNorm: fp32 input + normed output      d (4 + e)      12,288 (x 2 norms) the block's recompute
+    RMSNorm output (norms checkpointed)      d e            4,096 (x 2 norms)  the block's recompute
+    RMSNorm backward: five fp32 (N, d)       20 d           40,960             transient, one norm (a tile of
+                                                                               it with mlp_chunk_size)
     q, k, v after RoPE                       (H_q + 2 H_kv) D e  6,144         the block's recompute
     MLP: gate, up, silu(gate), silu*up       4 I e          65,536             the block's recompute
     MLP backward: two I-wide gradients       2 I e          32,768             transient
@@ -27,11 +29,14 @@ Selective Checkpoint++ keeps 8,320 B per token and layer (133,120 B per token ov
 the 1B shape); ``offload_checkpoints`` moves the block input to the host (4,224 B stays). The
 backward of ONE block recomputes it, and its peak is the larger of two phases:
 
-* MLP phase (the MLP's backward runs first): both norms' state, q/k/v, the MLP's four saved
-  I-wide tensors and two I-wide gradients, the incoming gradient: 133,120 B per token for the 1B
-  shape (137,216 with offload). ``mlp_chunk_size=c`` replaces the MLP's 6 I e per token by the
+* MLP phase (the MLP's backward runs first): both norms' outputs, q/k/v, the MLP's four saved
+  I-wide tensors and two I-wide gradients, the incoming gradient: 116,736 B per token for the 1B
+  shape (120,832 with offload). ``mlp_chunk_size=c`` replaces the MLP's 6 I e per token by the
   same for c tokens (one tile at a time, Note [Sequence-tiled MLP]).
-* attention phase: norm 1's state, the incoming gradient and the attention's own working set on
+* norm phase: one RMSNorm's backward (Note [Checkpointed norms] in
+  ``lightning_seqpar.activation_checkpointing``) beside the block's input and gradients; with
+  ``mlp_chunk_size`` the norms are tiled too and its fp32 tensors are one tile's.
+* attention phase: norm 1's output, the incoming gradient and the attention's own working set on
   this rank: the cost model's estimate (``attention.cost.estimate_attention(...).peak_memory_bytes``:
   q, k, v, out, their gradients, the LSE, the kernel's fp32 dQ and the algorithm's buffers, the
   latter divided by ``head_chunks``, Note [Head chunks]).
@@ -67,10 +72,12 @@ prefetched), in the compute dtype.
 Peak = model states + FSDP buffers + L x saved per layer x N + max(block phase, loss phase)
 + ``OVERHEAD_BYTES``. ``MemoryEstimate.allocated`` (without the overhead) is what
 ``torch.cuda.max_memory_allocated`` measures. Calibration (one H200, the Llama-3.2-1B shape,
-bf16-true, batch 1, AdamW, selective++, chunked loss; issue #22): measured 44.7 / 80.7 GB at 128K /
-256K, and 118.4 GB at 512K with offload_checkpoints and head_chunks=4; the estimate is 45.6 / 80.5 /
-118.0 GB (tests/test_memory_plan.py holds it to 10%). The 36.0 GB measured between 128K and 256K are
-275 KB per token; the table's terms give 266 KB (133 KB kept + 133 KB of one block's backward).
+bf16-true, batch 1, AdamW, selective++, loss chunks of 8192; issue #22), with checkpointed norms:
+35.3 GB at 256K with the options the planner picks for 1M (the loss phase is the peak), 109.8 GB
+at 512K with offload_checkpoints and 123.8 GB at 1M (offload_checkpoints, head_chunks=4,
+mlp_chunk_size=8192, offload_params); the estimate is 35.4 / 109.4 / 124.4 GB (tests/test_memory_plan.py
+holds it to 5%). Before the norms were checkpointed their fp32 state was 12,288 B per token and
+layer at the block's peak and the 1M step ran out of memory above 143 GB.
 
 Note [Planning memory]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -137,6 +144,10 @@ cuBLAS / cuDNN workspaces. Assumed, not measured per device."""
 DEFAULT_MARGIN = 0.10
 """The share of device memory the planner leaves free: the caching allocator's fragmentation
 (``max_memory_reserved`` above ``max_memory_allocated``) and what the estimate leaves out."""
+
+NORM_BACKWARD = 5 * 4
+"""Bytes per token and channel that one RMSNorm's backward holds at once as autograd runs Hugging Face's ops:
+five fp32 (N, d) tensors (measured with the allocator's history, Note [Checkpointed norms])."""
 
 MLP_TILE = 8192
 LORA_ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
@@ -453,10 +464,13 @@ def estimate_memory(
         saved_token += lora_attn
         mlp_phase = n * ((mlp_grads if options.mlp_chunk_size is None else 0) + x) + tile + lora_tile
         attention_phase = attention_bytes + n * x
-    else:
-        mlp_phase = n * (2 * norm + qkv + mlp_tokens + x + back + recompute_extra + lora_attn) + tile + lora_tile
-        attention_phase = n * (norm + x + back + recompute_extra + lora_attn) + attention_bytes
-    block = max(mlp_phase, attention_phase)
+        norm_phase = 0
+    else:  # the norms run under their own checkpoints (Note [Checkpointed norms]): their outputs are what stays
+        mlp_phase = n * (2 * x + qkv + mlp_tokens + x + back + recompute_extra + lora_attn) + tile + lora_tile
+        attention_phase = n * (x + x + back + recompute_extra + lora_attn) + attention_bytes
+        rows = n if options.mlp_chunk_size is None else min(options.mlp_chunk_size, n)  # tiled with the MLP
+        norm_phase = n * (3 * x + back) + rows * NORM_BACKWARD * d
+    block = max(mlp_phase, attention_phase, norm_phase)
     if options.offload_checkpoints and mode is not None:
         host += L * n * x  # every block's input, pinned until its backward
 

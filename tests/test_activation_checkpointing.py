@@ -190,3 +190,37 @@ def test_recomputation_runs_under_the_forward_default_dtype(wrap):
     else:  # slices of 3 tokens: other matmul shapes, so bf16 rounding may differ in the last bit
         torch.testing.assert_close(grads[1], grads[0], rtol=1.6e-2, atol=2e-3)  # one bf16 ulp at |x| ~ 0.25-0.5
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize(("mode", "tiles"), [("selective++", None), ("full", None), ("selective++", 16)])
+def test_norms_are_checkpointed_and_exact(mode, tiles):
+    """Note [Checkpointed norms]: each norm of a checkpointed block (Hugging Face's LlamaRMSNorm here) runs under its
+    own checkpoint, tiled with the MLP; parameter names and every gradient bitwise unchanged (with MLP tiles: to
+    rounding, the tiles' matmuls sum in another order)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    from lightning_seqpar.parallelize import apply_mlp_tiles
+
+    torch.manual_seed(0)
+    config = HFLlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=64, attn_implementation="eager")
+    plain = LlamaForCausalLM(config)
+    model = copy.deepcopy(plain)
+    apply_mlp_tiles(model, tiles)
+    assert apply_ac(model, mode) == 2
+    for layer in model.model.layers:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            assert isinstance(getattr(layer._checkpoint_wrapped_module, name), CheckpointWrapper)
+    assert not isinstance(model.model.norm, CheckpointWrapper)  # outside the blocks: the loss phase's
+    assert list(model.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(0, 64, (1, 48))
+    for m in (model, plain):
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        if tiles:
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(p.grad, grads[name].grad), name
