@@ -8,6 +8,8 @@ Public names:
 * :func:`is_peft_model`, :func:`upcast_trainable` — what the strategy and ``CausalLMModule`` use.
 * :func:`adapter_state_dict`, :func:`save_lora_pretrained` — the adapter folder of a (sharded) model.
 * :func:`export_lora` — the adapter folder and, on request, the merged model, from a checkpoint.
+* :func:`logits_head`, :func:`head_operands` — what the chunked loss multiplies by when the output head
+  is wrapped by peft (Note [An adapted output head]).
 
 Note [LoRA under the strategy]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -53,6 +55,30 @@ gathers the adapters' FSDP2 shards to rank 0 and writes ``PeftModel.save_pretrai
 folder)`` loads it. :func:`export_lora` (``seqpar export CKPT OUT --format lora [--merged DIR]``)
 does the same from a checkpoint in one process and, with ``merged``, writes
 ``merge_and_unload()`` of the model as a plain transformers folder.
+
+Note [An adapted output head]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The chunked cross entropy (``loss_chunk_size``) never forms the full logits: it multiplies the final
+hidden states by ``lm_head.weight`` one chunk at a time. When peft wraps the head, ``lm_head.weight``
+is no longer what the head computes with: a LoRA layer's ``weight`` is its frozen base weight (the
+adapters would be left out of the loss and get no gradient: a silent wrong answer, found by an
+independent check with ``target_modules=["q_proj", "lm_head"]``), and a ``TrainableTokensWrapper``
+changes some rows. So the head is resolved first (:func:`logits_head`): a plain ``nn.Linear``
+without bias is used as it is; ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) by its
+active copy; a LoRA layer is written as ONE matrix product over r more columns per adapter,
+
+    head(h) = h W^T + sum_a s_a (dropout_a(h) A_a^T) B_a^T = [h | u_1 | ... ] @ [W | s_1 B_1 | ... ]^T,
+    u_a = dropout_a(h) A_a^T (N, r_a), computed once for all tokens as peft does (fp32 adapters),
+
+so the chunked loss runs unchanged on the widened operands (:func:`head_operands`) and A, B get
+their gradients through it. The price: a copy of the hidden states and of W widened by r columns,
+and W's part of the fp32 weight gradient that the chunked loss forms once the concatenated weight
+needs a gradient (the planner counts them). u and s B enter the product in the hidden states'
+dtype (bf16 under "bf16-true"), where peft adds the adapter's fp32 output to the bf16 base output:
+the same up to the rounding of the adapter's term. Anything else is refused by name before the
+model runs: a DoRA or other LoRA variant on the head, ``lora_bias``, ``fan_in_fan_out``, adapters
+merged into a disabled layer, trainable tokens on the head, another peft tuner, a head that is
+not an ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -76,6 +102,8 @@ __all__ = [
     "export_lora",
     "is_peft_model",
     "lora_config",
+    "head_operands",
+    "logits_head",
     "lora_hparams",
     "save_lora_pretrained",
     "upcast_trainable",
@@ -305,3 +333,87 @@ def export_lora(
             model = model.to(dtype)
         model.save_pretrained(os.fspath(merged))
     return out
+
+
+# --------------------------------------------------------------------------------------------- the output head
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and module.bias is None
+
+
+def logits_head(head: nn.Module, owner: str) -> nn.Module:
+    """The module whose product the chunked loss may form for ``head`` (Note [An adapted output head]): a plain
+    ``nn.Linear`` without bias, or a peft LoRA layer around one; ``ModulesToSaveWrapper`` resolves to its active copy.
+
+    Raises:
+        ValueError: naming ``owner`` (the model) and what the head is, for anything the chunked loss would get wrong.
+    """
+    use_full = "use loss_chunk_size=None (the full logits through the head's own forward)"
+    peft = sys.modules.get("peft")
+    if peft is not None:
+        from peft.tuners.lora import LoraLayer
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils import other
+
+        ModulesToSaveWrapper = other.ModulesToSaveWrapper
+        TrainableTokensWrapper = getattr(other, "TrainableTokensWrapper", ())  # peft >= 0.15
+        if isinstance(head, ModulesToSaveWrapper):
+            active = [a for a in head.active_adapters if a in head.modules_to_save] if not head.disable_adapters else []
+            if len(active) > 1:
+                raise ValueError(f"{owner}: lm_head has {len(active)} active modules_to_save copies {active}; activate one")
+            return logits_head(head.modules_to_save[active[0]] if active else head.original_module, owner)
+        if isinstance(head, TrainableTokensWrapper):
+            if head.disable_adapters or not head.active_adapters:
+                return logits_head(head.original_module, owner)
+            raise ValueError(f"{owner}: lm_head carries peft trainable tokens (trainable_token_indices with tied "
+                             f"embeddings), whose rows the chunked cross entropy would not see: {use_full}")
+        if isinstance(head, LoraLayer):
+            base = head.get_base_layer()
+            if not _is_plain_linear(base):
+                raise ValueError(f"{owner}: lm_head is a LoRA layer over a {type(base).__name__}, not a plain nn.Linear "
+                                 f"without bias: {use_full}")
+            if head.fan_in_fan_out:
+                raise ValueError(f"{owner}: lm_head's LoRA layer has fan_in_fan_out=True: {use_full}")
+            if head.merged and head.disable_adapters:
+                raise ValueError(f"{owner}: lm_head's adapters are merged into its weight but disabled: unmerge them first")
+            if not head.merged and not head.disable_adapters:
+                for a in head.active_adapters:
+                    if a not in head.lora_A:
+                        continue
+                    if a in getattr(head, "lora_variant", {}) or getattr(head, "use_dora", {}).get(a):
+                        raise ValueError(f"{owner}: lm_head's adapter {a!r} is a LoRA variant (DoRA or another "
+                                         f"use_* option of LoraConfig): {use_full}, or leave lm_head out of target_modules")
+                    if head.lora_B[a].bias is not None:
+                        raise ValueError(f"{owner}: lm_head's adapter {a!r} has lora_bias=True: {use_full}")
+            return head
+        if isinstance(head, BaseTunerLayer):
+            raise ValueError(f"{owner}: lm_head is a peft {type(head).__name__} (only LoRA is supported on the head): {use_full}")
+    if not _is_plain_linear(head):
+        what = type(head).__name__ + (" with a bias" if getattr(head, "bias", None) is not None else "")
+        raise ValueError(f"{owner}: lm_head is a {what}, not a plain nn.Linear without bias; the chunked cross entropy "
+                         f"computes hidden @ lm_head.weight^T only: {use_full}")
+    return head
+
+
+def head_operands(head: nn.Module, hidden: torch.Tensor, owner: str = "the model") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, W)`` with ``h @ W^T`` the logits ``head(hidden)`` (Note [An adapted output head]): ``(hidden,
+    head.weight)`` for a plain head; for a LoRA head ``hidden`` widened by each active adapter's ``dropout(hidden)
+    A^T`` and the base weight by its ``scaling x B``. ``hidden``: ``(..., d)``."""
+    layer = logits_head(head, owner)
+    if _is_plain_linear(layer):
+        return hidden, layer.weight
+    base = layer.get_base_layer()
+    if layer.merged or layer.disable_adapters:
+        return hidden, base.weight
+    xs, ws = [hidden], [base.weight]
+    for a in layer.active_adapters:
+        if a not in layer.lora_A:
+            continue
+        lora_a = layer.lora_A[a]
+        u = lora_a(layer.lora_dropout[a](hidden.to(lora_a.weight.dtype)))  # (..., r): peft's fp32 adapter path
+        xs.append(u.to(hidden.dtype))
+        ws.append((layer.lora_B[a].weight * layer.scaling[a]).to(base.weight.dtype))  # (V, r)
+    if len(xs) == 1:
+        return hidden, base.weight
+    return torch.cat(xs, dim=-1), torch.cat(ws, dim=-1)

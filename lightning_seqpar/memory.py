@@ -382,8 +382,9 @@ def estimate_memory(
         loss_chunk_size: ``CausalLMModule``'s; None: the full logits.
         trainable_params: LoRA: the adapters' parameter count (fp32, with gradients and AdamW state);
             the rest of the model is frozen. None: every parameter is trained.
-        lora_targets: LoRA: the adapted linear layers of a block (names of :data:`LORA_LINEAR_INPUTS`);
-            each keeps an fp32 copy of its input for its backward (Note [Memory per token]).
+        lora_targets: LoRA: the adapted linear layers of a block (names of ``lightning_seqpar.planning.LORA_LINEARS``);
+            each keeps an fp32 copy of its input for its backward (Note [Memory per token]); and "lm_head"
+            where the output head is adapted (the chunked loss then widens its operands).
         attention: the algorithm ("ring", "allgather", "ulysses", "2d"; "auto" and "lasp" are estimated as
             "ring"); head_parallel_size: hp of "2d".
     """
@@ -423,6 +424,8 @@ def estimate_memory(
     # LoRA (peft casts each adapted layer's input to the fp32 adapter's dtype; lora_A keeps that copy), and the
     # fp32 sum of base output and adapter output that the widest adapted attention projection forms
     widths = {"q_proj": d, "k_proj": d, "v_proj": d, "o_proj": Hq * D, "gate_proj": d, "up_proj": d, "down_proj": I}
+    head_lora = "lm_head" in lora_targets  # Note [An adapted output head]: the loss widens the hidden states and the head
+    lora_targets = [t for t in lora_targets if t != "lm_head"]
     unknown = set(lora_targets) - set(widths)
     if unknown:
         raise ValueError(f"estimate_memory: lora_targets {sorted(unknown)} are not among {sorted(widths)}")
@@ -475,11 +478,13 @@ def estimate_memory(
         host += L * n * x  # every block's input, pinned until its backward
 
     # the loss (before the backward)
-    head_grad = V * d * 4 if (trainable_params is None) else 0
+    head_grad = V * d * 4 if (trainable_params is None or head_lora) else 0
     if loss_chunk_size is None:
         loss = n * V * (e + 3 * 4)
     else:
         loss = min(loss_chunk_size, n) * V * (e + 4 + 4) + head_grad
+        if head_lora:  # the widened copies of the hidden states and of the head's weight
+            loss += n * d * e + V * d * e
     loss += n * (norm + 2 * x)
 
     return MemoryEstimate(

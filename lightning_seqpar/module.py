@@ -236,8 +236,8 @@ class CausalLMModule(L.LightningModule):
         input_ids, labels, position_ids = batch["input_ids"], batch["labels"], batch.get("position_ids")
         if self.loss_chunk_size is None:
             return token_cross_entropy_sum(model(input_ids, position_ids), labels)
-        hidden = model(input_ids, position_ids, output="hidden")  # (B, S, d)
-        return chunked_cross_entropy_sum(hidden, model.lm_head.weight, labels, chunk_size=self.loss_chunk_size,
+        hidden, weight = model.head_operands(model(input_ids, position_ids, output="hidden"))  # (B, S, d'), (V, d')
+        return chunked_cross_entropy_sum(hidden, weight, labels, chunk_size=self.loss_chunk_size,
                                          softcap=getattr(model, "logit_softcap", None))
 
     # ----------------------------------------------------------------------------------------- batches
@@ -349,7 +349,8 @@ class CausalLMModule(L.LightningModule):
         if self.loss_chunk_size is None:
             pieces: Any = [model(input_ids, position_ids)]  # (B, S, V)
         else:
-            hidden, weight, step = model(input_ids, position_ids, output="hidden"), model.lm_head.weight, self.loss_chunk_size
+            hidden, weight = model.head_operands(model(input_ids, position_ids, output="hidden"))  # (B, S, d'), (V, d')
+            step = self.loss_chunk_size
             cap = getattr(model, "logit_softcap", None)
             pieces = (hidden[:, i : i + step] @ weight.T for i in range(0, hidden.shape[1], step))  # (B, n, V) each
             if cap:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -241,11 +242,17 @@ LORA_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 
 
 def lora_targets(lora_config: Any) -> tuple[str, ...]:
-    """The linear layers of :data:`LORA_LINEARS` a ``peft.LoraConfig`` adapts ("all-linear", None or a pattern: all)."""
+    """The linear layers of :data:`LORA_LINEARS` a ``peft.LoraConfig`` adapts ("all-linear", None or a pattern: all),
+    and ``"lm_head"`` where it is adapted too (named in the list, or matched by the pattern; Note [An adapted output
+    head] in ``lightning_seqpar.lora``)."""
     targets = getattr(lora_config, "target_modules", None)
-    if targets is None or isinstance(targets, str) and targets not in LORA_LINEARS:
-        return LORA_LINEARS
-    return (targets,) if isinstance(targets, str) else tuple(t for t in LORA_LINEARS if t in set(targets))
+    if isinstance(targets, str) and targets in LORA_LINEARS:
+        return (targets,)
+    if targets is None or isinstance(targets, str):
+        head = isinstance(targets, str) and targets != "all-linear" and re.fullmatch(targets, "lm_head") is not None
+        return LORA_LINEARS + (("lm_head",) if head else ())
+    names = set(targets)
+    return tuple(t for t in LORA_LINEARS if t in names) + (("lm_head",) if "lm_head" in names else ())
 
 
 def lora_trainable_params(shape: TransformerShape, lora_config: Any) -> int:
@@ -255,7 +262,9 @@ def lora_trainable_params(shape: TransformerShape, lora_config: Any) -> int:
     sizes = {"q_proj": (d, shape.num_heads * D), "k_proj": (d, shape.num_kv_heads * D), "v_proj": (d, shape.num_kv_heads * D),
              "o_proj": (shape.num_heads * D, d), "gate_proj": (d, I), "up_proj": (d, I), "down_proj": (I, d)}
     r = int(getattr(lora_config, "r", 8))
-    return shape.num_layers * sum(r * sum(sizes[n]) for n in lora_targets(lora_config))
+    targets = lora_targets(lora_config)
+    head = r * (d + shape.vocab_size) if "lm_head" in targets else 0
+    return shape.num_layers * sum(r * sum(sizes[n]) for n in targets if n != "lm_head") + head
 
 
 def host_memory_bytes() -> float:

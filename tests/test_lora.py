@@ -32,6 +32,8 @@ ATOL = 1e-5
 # init_lora_weights=False: B is random too (peft's default B = 0 would give A no gradient at the first step)
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "init_lora_weights": False}
 LORA_ALL = {"r": 4, "lora_alpha": 16, "target_modules": "all-linear", "init_lora_weights": False}
+# the output head adapted too: the chunked loss widens its operands (Note [An adapted output head])
+LORA_HEAD = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "lm_head"], "init_lora_weights": False}
 
 
 def _data(n_batches: int) -> dict[str, torch.Tensor]:
@@ -139,9 +141,10 @@ def _check_step(result: dict[str, Any], reference: tuple) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_lora_matches_the_same_peft_model_on_one_process(world, base):
     data = batch()
-    if world == 2:  # all-linear (the MLP too), all-gather and the chunked loss
+    if world == 2:  # all-linear (the MLP too), all-gather and the chunked loss; an adapted head under the chunked loss
         runs = [((base, LORA, data), {"steps": 1}),
-                ((base, LORA_ALL, data), {"steps": 1, "strategy_kwargs": {"attention": "allgather"}, "loss_chunk_size": 24})]
+                ((base, LORA_ALL, data), {"steps": 1, "strategy_kwargs": {"attention": "allgather"}, "loss_chunk_size": 24}),
+                ((base, LORA_HEAD, data), {"steps": 1, "loss_chunk_size": 24})]
     else:  # sp 4; and dp 2 x sp 2: FSDP2 over the data x sequence axes, one sample per replica
         runs = [((base, LORA, data), {"steps": 1}), ((base, LORA, data), {"steps": 1, "strategy_kwargs": {"sequence_parallel_size": 2}})]
     results = run_distributed(_fit_each, world, runs, timeout=TIMEOUT)[0]
@@ -301,3 +304,54 @@ def test_lora_recipes_parse_into_a_lora_config(monkeypatch):
         assert config.data.class_path == "lightning_seqpar.data.ChatDataModule"
         lora = lora_config(config.model.lora)
         assert (lora.r, lora.lora_alpha, lora.target_modules) == (16, 32, "all-linear")
+
+
+def _head_model(base: str, **lora: Any):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    return peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **{"r": 4, "lora_alpha": 8, "init_lora_weights": False,
+                                                                               "target_modules": ["q_proj", "lm_head"], **lora}))
+
+
+def test_the_operands_of_an_adapted_head_give_its_logits_and_gradients(base):
+    """Note [An adapted output head]: h' @ W'^T is lm_head(h) for a LoRA head with two active adapters (one with a
+    rank of its own), and the adapters' gradients through it are peft's; a disabled or merged head is its weight."""
+    from lightning_seqpar.lora import head_operands
+
+    model = _head_model(base)
+    model.add_adapter("second", peft.LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=3, target_modules=["lm_head"],
+                                                init_lora_weights=False))
+    model.base_model.set_adapter(["default", "second"])
+    head = model.get_output_embeddings()
+    hidden = torch.randn(2, 5, head.in_features, requires_grad=True)
+    h, w = head_operands(head, hidden)
+    assert h.shape[-1] == w.shape[-1] == head.in_features + 4 + 2
+    params = [p for n, p in head.named_parameters() if ".lora_" in n or n.startswith("lora_")]
+    assert len(params) == 4 and all(p.requires_grad for p in params)
+    probe = torch.randn(2, 5, head.out_features)
+    got = torch.autograd.grad(((h @ w.T) * probe).sum(), [hidden, *params])
+    want = torch.autograd.grad((head(hidden) * probe).sum(), [hidden, *params])
+    torch.testing.assert_close(h @ w.T, head(hidden), rtol=0, atol=1e-5)
+    for g, r in zip(got, want):  # fp32 sums in another order
+        assert g.abs().max() > 0
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-5)
+    with model.disable_adapter():
+        h, w = head_operands(head, hidden)
+        assert h is hidden and w is head.get_base_layer().weight
+    model.base_model.set_adapter("default")
+    expected = head(hidden).detach()
+    head.merge()
+    h, w = head_operands(head, hidden)
+    assert h is hidden and w is head.get_base_layer().weight
+    torch.testing.assert_close(h @ w.T, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora, match", [({"use_dora": True}, "LoRA variant"), ({"lora_bias": True}, "lora_bias=True")])
+def test_an_adapted_head_the_chunked_loss_cannot_compute_is_refused(base, lora, match):
+    from lightning_seqpar.hf import HFCausalLM
+
+    model = HFCausalLM(_head_model(base, **lora))
+    probe = batch()
+    with pytest.raises(ValueError, match=f"lm_head.*{match}.*loss_chunk_size=None"):
+        model(probe["input_ids"], probe["position_ids"], output="hidden")
+    assert model(probe["input_ids"], probe["position_ids"]).shape[-1] == VOCAB  # the full logits: the head's own forward

@@ -203,6 +203,26 @@ def test_lora_counts_the_adapters_fp32_input_copies():
         _lora_8b(K, MemoryOptions(), targets=("wq",))
 
 
+def test_an_adapted_head_counts_its_widened_operands_and_gradient():
+    """Note [An adapted output head]: LoRA on lm_head widens the chunked loss's operands (a copy of the hidden states
+    and of the head's weight) and its fp32 weight gradient exists again; lora_targets finds the head in a list or a
+    pattern, never in "all-linear" (peft leaves the output layer out of it)."""
+    from lightning_seqpar.planning import lora_targets, lora_trainable_params
+
+    def config(targets):
+        return type("Config", (), {"r": 16, "target_modules": targets})()
+
+    assert lora_targets(config("all-linear")) == LORA_ALL
+    assert lora_targets(config(["q_proj", "lm_head"])) == ("q_proj", "lm_head")
+    assert lora_targets(config(r".*\.(q_proj|lm_head)|lm_head")) == LORA_ALL + ("lm_head",)
+    d, V = LLAMA3_8B.hidden_size, LLAMA3_8B.vocab_size
+    assert (lora_trainable_params(LLAMA3_8B, config(["q_proj", "lm_head"]))
+            == lora_trainable_params(LLAMA3_8B, config(["q_proj"])) + 16 * (d + V))
+    tiled = MemoryOptions(offload_checkpoints=True, mlp_chunk_size=8192)
+    plain, head = (_lora_8b(64 * K, tiled, targets=t) for t in (("q_proj",), ("q_proj", "lm_head")))
+    assert head.loss_working - plain.loss_working == 64 * K * d * 2 + V * d * 2 + V * d * 4
+
+
 def test_plan_recomputes_attention_only_when_nothing_else_fits():
     plan = plan_memory(model_shape=LLAMA_1B, seq_len=512 * K, device_memory=H200_MIB, loss_chunk_size=8192)
     assert plan.options.activation_checkpointing == "selective++"  # measured: 109.8 GB, estimate 109.4

@@ -18,6 +18,7 @@ from lightning_seqpar.hf.attention import apply_hf_attention, require_transforme
 from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
 from lightning_seqpar.hf.support import check_sharded_layer
 from lightning_seqpar.hf_hybrid import is_hybrid_twin
+from lightning_seqpar.lora import head_operands, logits_head
 from lightning_seqpar.parallelize import config_value
 
 if TYPE_CHECKING:
@@ -244,9 +245,12 @@ class HFCausalLM(nn.Module):
                     f"{type(self.hf).__name__} transforms its logits after lm_head (config.{field}={value}), which the "
                     "chunked cross entropy does not: use loss_chunk_size=None"
                 )
-        head = self.lm_head
-        if getattr(head, "bias", None) is not None:
-            raise ValueError(f"{type(self.hf).__name__}'s lm_head has a bias, which the chunked cross entropy ignores: use loss_chunk_size=None")
+        logits_head(self.lm_head, type(self.hf).__name__)  # a plain head, or one peft wraps (Note [An adapted output head])
+
+    def head_operands(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """``(h, W)`` whose product ``h @ W^T`` is the logits of the final hidden states ``hidden`` ``(B, S, d)``: what
+        the chunked loss multiplies (``lm_head.weight`` for a plain head; Note [An adapted output head] for peft's)."""
+        return head_operands(self.lm_head, hidden, type(self.hf).__name__)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at sequence length ``seq_len`` (Note [FLOPs per token] in

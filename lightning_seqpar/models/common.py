@@ -51,3 +51,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"output={output!r} is not supported; expected 'logits' or 'hidden'")
         hidden = self.forward_hidden(input_ids, position_ids)  # (B, S, d)
         return hidden if output == "hidden" else self.lm_head(hidden)  # (B, S, V)
+
+    def head_operands(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, lm_head.weight)``: what a chunked loss multiplies to get the logits of ``hidden`` (B, S, d)."""
+        return hidden, self.lm_head.weight
