@@ -113,8 +113,24 @@ def _check_call(module: nn.Module, attention_mask: Tensor | None, kwargs: dict[s
                          "layers; pad on the right and set labels=-100 on the padding (exact for causal layers)")
 
 
+def _direct(owner: nn.Module, name: str, cls: type[nn.Module] = nn.Conv1d) -> nn.Module:
+    """``owner.<name>``, a submodule whose ``weight`` the twin reads directly (a convolution's kernel goes to the
+    sequence-parallel conv, Mamba1's ``dt_proj`` is multiplied as transformers' kernel path does); refused by name
+    when it is not a plain ``cls``: a wrapper's addition (peft's LoRA layer) would be left out, silently
+    (Note [Hybrid models under the strategy])."""
+    module = getattr(owner, name)
+    if not isinstance(module, cls) or type(module).forward is not cls.forward:
+        raise ValueError(f"{type(owner).__name__} (layer {getattr(owner, 'layer_idx', '?')}): its {name} is a "
+                         f"{type(module).__module__}.{type(module).__qualname__}, not a plain nn.{cls.__name__}; the sequence-parallel form reads "
+                         f"{name}.weight directly and would leave out what the wrapper adds (a LoRA adapter): leave "
+                         f"{name!r} out of target_modules (peft) or train the layer without the strategy")
+    return module
+
+
 class SeqparGatedDeltaNet(nn.Module):
     """Qwen3-Next's / Qwen3.5's gated DeltaNet layer with sequence-parallel conv and delta rule."""
+
+    _DIRECT = (("conv1d", nn.Conv1d),)  # submodules whose weight forward reads (_direct)
 
     _ATTRIBUTES = ("hidden_size", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim",
                    "conv_kernel_size", "layer_idx", "activation", "layer_norm_epsilon", "conv_dim", "layer_type")
@@ -152,7 +168,7 @@ class SeqparGatedDeltaNet(nn.Module):
         documents = current_documents()  # read at forward time (Note [Per-call state])
         B, S, _ = hidden_states.shape
         mixed, z, b, a = self._project(hidden_states)  # (B, S, conv_dim), (B, S, H_v, Dv), (B, S, H_v) x 2
-        conv = self.conv1d
+        conv = _direct(self, "conv1d")
         mixed = self.seqpar_recurrence.conv(mixed, conv.weight[:, 0], conv.bias, self.activation, documents=documents)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, S, -1, self.head_k_dim)
@@ -180,6 +196,8 @@ class SeqparGatedDeltaNet(nn.Module):
 class SeqparMamba2Mixer(nn.Module):
     """Bamba's Mamba2 mixer with sequence-parallel conv and SSD scan (transformers' torch path)."""
 
+    _DIRECT = (("conv1d", nn.Conv1d),)  # submodules whose weight forward reads (_direct)
+
     _ATTRIBUTES = ("num_heads", "hidden_size", "ssm_state_size", "conv_kernel_size", "intermediate_size", "layer_idx",
                    "activation", "n_groups", "head_dim", "chunk_size", "time_step_limit", "time_step_min", "conv_dim",
                    "layer_type")
@@ -195,7 +213,7 @@ class SeqparMamba2Mixer(nn.Module):
         Bsz, S, _ = hidden_states.shape
         dtype = hidden_states.dtype
         gate, xBC, dt = self._in_projection(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        conv = self.conv1d
+        conv = _direct(self, "conv1d")
         xBC = self.seqpar_recurrence.conv(xBC, conv.weight[:, 0], conv.bias, self.activation, documents=documents)
         x, Bm, C = torch.split(xBC, [self.intermediate_size, self.n_groups * self.ssm_state_size,
                                      self.n_groups * self.ssm_state_size], dim=-1)
@@ -304,6 +322,8 @@ class SeqparLightningAttention(nn.Module):
     A = -s_h, the block size only a schedule. Then RMS norm, sigmoid output gate, output projection.
     """
 
+    _DIRECT = ()  # no submodule weight read directly
+
     _ATTRIBUTES = ("layer_idx", "head_dim", "num_attention_heads", "num_hidden_layers", "block_size", "act_fn",
                    "layer_type")
 
@@ -331,6 +351,8 @@ class SeqparLightningAttention(nn.Module):
 class SeqparShortConv(nn.Module):
     """LFM2's gated short convolution (B * x -> causal conv -> * C) with a sequence-parallel conv."""
 
+    _DIRECT = (("conv", nn.Conv1d),)  # submodules whose weight forward reads (_direct)
+
     _ATTRIBUTES = ("config", "layer_idx", "conv_kernel_size", "bias", "layer_type")
 
     def __init__(self, original: nn.Module) -> None:
@@ -343,7 +365,8 @@ class SeqparShortConv(nn.Module):
             kwargs = {**kwargs, "past_key_values": args[0]}
         _check_call(self, attention_mask, kwargs)
         B, C, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # (B, S, H) each
-        y = self.seqpar_recurrence.conv(B * x, self.conv.weight[:, 0], self.conv.bias, None, documents=current_documents())
+        conv = _direct(self, "conv")
+        y = self.seqpar_recurrence.conv(B * x, conv.weight[:, 0], conv.bias, None, documents=current_documents())
         return self.out_proj((C * y).contiguous())
 
 
@@ -375,6 +398,8 @@ class SeqparMambaMixer(nn.Module):
     the selective scan with D; times SiLU(gate); out_proj.
     """
 
+    _DIRECT = (("conv1d", nn.Conv1d), ("dt_proj", nn.Linear))  # submodules whose weight forward reads (_direct)
+
     _ATTRIBUTES = ("config", "hidden_size", "ssm_state_size", "conv_kernel_size", "intermediate_size", "time_step_rank",
                    "layer_idx", "use_conv_bias", "activation", "use_bias", "layer_type", "rms_eps", "use_mambapy",
                    "use_associative_scan")
@@ -390,13 +415,14 @@ class SeqparMambaMixer(nn.Module):
         documents = current_documents()  # read at forward time (Note [Per-call state])
         dtype = hidden_states.dtype
         x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, S, E) each
-        conv = self.conv1d
+        conv = _direct(self, "conv1d")
         x = self.seqpar_recurrence.conv(x, conv.weight[:, 0], conv.bias, self.activation, documents=documents)
         time_step, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
         if hasattr(self, "b_layernorm"):  # Jamba, Falcon-Mamba
             time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
-        dt = time_step @ self.dt_proj.weight.t()  # (B, S, E); the bias added in fp32 as transformers does
-        dt = F.softplus(dt + self.dt_proj.bias.float().to(dt.dtype))
+        dt_proj = _direct(self, "dt_proj", nn.Linear)
+        dt = time_step @ dt_proj.weight.t()  # (B, S, E); the bias added in fp32 as transformers does
+        dt = F.softplus(dt + dt_proj.bias.float().to(dt.dtype))
         A = -torch.exp(self.A_log.float())  # (E, N)
         y = self.seqpar_recurrence.selective(x, dt, A, B[:, :, None], C[:, :, None], self.D.float(), documents=documents)
         y = y * F.silu(gate)  # fp32 times the gate, as transformers (its scan output is fp32 after the D term)
@@ -412,6 +438,8 @@ class SeqparZambaMambaMixer(SeqparMambaMixer):
     group per head; D; times SiLU(gate); out_proj over the heads in order.
     """
 
+    _DIRECT = (("conv1d", nn.Conv1d),)  # submodules whose weight forward reads (_direct)
+
     _ATTRIBUTES = ("config", "hidden_size", "ssm_state_size", "conv_kernel_size", "intermediate_size", "time_step_rank",
                    "n_mamba_heads", "mamba_head_dim", "layer_idx", "use_conv_bias", "activation", "use_bias", "layer_type",
                    "use_associative_scan")
@@ -423,7 +451,7 @@ class SeqparZambaMambaMixer(SeqparMambaMixer):
         dtype = hidden_states.dtype
         H, P, R, N = self.n_mamba_heads, self.mamba_head_dim, self.time_step_rank, self.ssm_state_size
         x, gate = self.in_proj(hidden_states).view(Bsz, S, -1, 2).unbind(-1)  # (B, S, E) each: channels interleave x, gate
-        conv = self.conv1d
+        conv = _direct(self, "conv1d")
         x = self.seqpar_recurrence.conv(x.contiguous(), conv.weight[:, 0], conv.bias, self.activation, documents=documents)
         params = torch.einsum("bshp,hkp->bshk", x.reshape(Bsz, S, H, P), self.x_proj_weight)  # (B, S, H, R + 2N)
         time_step, B, C = torch.split(params, [R, N, N], dim=-1)
@@ -465,6 +493,8 @@ class SeqparRecurrentGemmaRecurrentBlock(nn.Module):
     sharding]); the RG-LRU's parameters stay on its ``rg_lru`` child (same state dict), whose forward is not called.
     """
 
+    _DIRECT = (("conv_1d", nn.Conv1d),)  # submodules whose weight forward reads (_direct)
+
     _ATTRIBUTES = ("lru_width", "hidden_size", "conv1d_width", "act_fn", "layer_idx")
 
     def __init__(self, original: nn.Module) -> None:
@@ -479,7 +509,7 @@ class SeqparRecurrentGemmaRecurrentBlock(nn.Module):
         B, T, _ = input_states.shape
         reset = self._reset(position_ids, B, T, documents)  # (B, T, 1)
         y_branch = self.act_fn(self.linear_y(input_states))
-        conv = self.conv_1d
+        conv = _direct(self, "conv_1d")
         x = self.seqpar_recurrence.conv(self.linear_x(input_states), conv.weight[:, 0], conv.bias, None, documents=documents)
         x = self._rg_lru(x, reset, documents)  # (B, T, E)
         return self.linear_out(x * y_branch), None
@@ -566,6 +596,8 @@ def apply_hf_hybrid(model: nn.Module) -> int:
                 new = twin(child)
                 if getattr(new, "layer_idx", None) is None:  # RecurrentGemma's block does not keep its index
                     new.layer_idx = decoder_layer_index(f"{path}.{name}")
+                for attr, cls in new._DIRECT:  # refused at set-up, before any collective
+                    _direct(new, attr, cls)
                 setattr(parent, name, new)
                 replaced += 1
     return replaced

@@ -300,7 +300,7 @@ def run_unmodified(model, ids, labels, lengths=None):
                             for b, lens in enumerate(lengths)])
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     loss.backward()
-    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def with_twins(model, mesh, layout: str):

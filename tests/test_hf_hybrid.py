@@ -89,6 +89,42 @@ def test_cache_padding_and_packed_kwargs_are_refused_by_name():
         mixer(x, attention_mask=torch.tensor([[1, 1, 0, 0]]))
 
 
+def test_lora_on_what_the_twins_read_directly_is_refused_and_elsewhere_exact():
+    """A twin reads its convolution's kernel (and Mamba1's dt_proj.weight) directly: with peft's LoRA layer there the
+    adapter would be left out (transformers' RecurrentGemma calls its conv_1d, so the adapter counts there: a silent
+    wrong answer before). Refused by name when the mixers are replaced; LoRA on the projections the twins call stays
+    exact on one device (the adapters change the logits: the comparison bites)."""
+    peft = pytest.importorskip("peft")
+    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf_hybrid import apply_hf_hybrid
+
+    def adapted(config, targets):
+        model = build_eager(config)
+        # peft adapts a depthwise conv only with a rank divisible by its groups
+        r = max([m.groups for n, m in model.named_modules() if isinstance(m, torch.nn.Conv1d) and n.endswith(tuple(targets))],
+                default=2)
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=4, target_modules=targets,
+                                                          init_lora_weights=False)).get_base_model()
+
+    for config, name in [(tiny("qwen3_next"), "conv1d"), (tiny("bamba"), "conv1d"),
+                         (hf_support.tiny_config("recurrent_gemma"), "conv_1d"), (hf_support.tiny_config("falcon_mamba"), "dt_proj")]:
+        with pytest.raises(ValueError, match=f"its {name} is a peft.*not a plain nn.*leave '{name}' out of target_modules"):
+            apply_hf_hybrid(adapted(config, [name]))
+    ids, labels = data()
+    for kind in KINDS:
+        model = adapted(tiny(kind), "all-linear")
+        plain = run_unmodified(build(kind), ids, labels)[0]
+        reference = run_unmodified(copy.deepcopy(model), ids, labels)
+        assert (reference[0] - plain).abs().max() > 1e-3, kind  # the adapters count
+        assert apply_hf_hybrid(model) == 1
+        logits, loss, grads = run_unmodified(model, ids, labels)
+        torch.testing.assert_close(logits, reference[0], atol=ATOL, rtol=1e-5, msg=lambda m: f"{kind} logits: {m}")
+        assert grads.keys() == reference[2].keys() and any(".lora_A." in n for n in grads)
+        for n, g in reference[2].items():
+            torch.testing.assert_close(grads[n], g, atol=ATOL, rtol=1e-5, msg=lambda m, n=n: f"{kind} d{n}: {m}")
+
+
 def _hf_worker(rank: int, world_size: int, layout: str) -> int:
 
     mesh = mesh_1d(world_size)
