@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["IGNORE_INDEX", "GlobalMeanCalls", "chunked_cross_entropy_sum", "counting_global_mean_calls", "global_mean_loss",
-           "token_cross_entropy_sum"]
+           "global_token_count", "token_cross_entropy_sum"]
 
 IGNORE_INDEX = -100
 """Label value of tokens that do not count in the loss (padding, prompt, the last position)."""
@@ -236,10 +236,22 @@ def global_mean_loss(
         mean over every valid token. A global count of zero gives a zero loss (with a gradient of
         zero), never NaN.
     """
+    count = global_token_count(n_valid, group, loss_sum.device)
+    return loss_sum / count.clamp(min=1).to(loss_sum.dtype)
+
+
+def global_token_count(
+    n_valid: torch.Tensor | int,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The number of valid tokens summed over ``group`` (an int64 scalar on ``device``): the denominator of
+    :func:`global_mean_loss`, which a loss that normalises itself otherwise (``CausalLMModule`` under gradient
+    accumulation: Note [Loss under gradient accumulation]) calls directly; counted as a :func:`global_mean_loss` call."""
     calls = _COUNTER.get()
     if calls is not None:
         calls.count += 1
-    count = torch.as_tensor(n_valid, device=loss_sum.device).detach().to(torch.int64).clone()
+    count = torch.as_tensor(n_valid, device=device).detach().to(torch.int64).clone()
     if count.ndim != 0:
         raise ValueError(f"n_valid must be a scalar count, got shape {tuple(count.shape)}")
     if group is not None and dist.is_available() and dist.is_initialized():
@@ -247,4 +259,4 @@ def global_mean_loss(
         for g in groups:
             if dist.get_world_size(g) > 1:
                 dist.all_reduce(count, op=dist.ReduceOp.SUM, group=g)
-    return loss_sum / count.clamp(min=1).to(loss_sum.dtype)
+    return count

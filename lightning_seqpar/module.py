@@ -15,6 +15,26 @@ A Hugging Face MoE model with ``config.output_router_logits=True`` adds, as tran
 adds its share, which sum to it (Note [Router auxiliary loss under sequence parallelism] in
 ``lightning_seqpar.hf.moe``), so ``train/loss`` is transformers' own loss of the batch.
 Validation logs the cross entropy only.
+
+Note [Loss under gradient accumulation]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``Trainer(accumulate_grad_batches=k)`` one optimizer step sums the gradients of k micro-batches,
+each of whose losses Lightning divides by k. Normalising each micro-batch by its own token count
+would weigh a token of a short-answer micro-batch more than one of a long answer (chat data with
+assistant-only labels: counts differ by orders of magnitude), so the step would not be the
+gradient of the mean over the step's trained tokens (the gradient-accumulation defect transformers
+fixed in 2024 with ``num_items_in_batch``). The exact step needs the count of the whole window,
+known only after its last micro-batch; so under accumulation micro-batch i returns
+
+    (S_i + N_i x aux_i) / N_ref          S_i: this rank's token-loss sum, N_i: the micro-batch's global count,
+                                         N_ref: the window's first global count (>= 1), aux_i: the router share
+
+and after the window's last backward (``on_after_backward``, before any ``on_before_optimizer_step``
+hook and before gradient clipping) every gradient is multiplied by ``k x N_ref / sum_i N_i``: the
+gradient is then ``sum_i (dS_i + N_i daux_i) / sum_i N_i``, that of the mean over every trained token
+of the window (a MoE router loss weighted by its micro-batch's share of the tokens; 0 when no token
+of the window is trained). Exact for a partial last window too (Lightning divides by k there as
+well). The logged ``train/loss`` stays each micro-batch's own mean.
 """
 
 from __future__ import annotations
@@ -38,7 +58,7 @@ from lightning_seqpar import lora as lora_module
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.data.chars import BitsPerCharacter
 from lightning_seqpar.documents import batch_documents, documents_error, set_current_documents
-from lightning_seqpar.loss import IGNORE_INDEX, chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
+from lightning_seqpar.loss import IGNORE_INDEX, chunked_cross_entropy_sum, global_token_count, token_cross_entropy_sum
 from lightning_seqpar.mesh import MESH_AXES
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.models.llama import Llama, LlamaConfig
@@ -121,6 +141,7 @@ class CausalLMModule(L.LightningModule):
         super().__init__()
         name = type(self).__name__
         original = model
+        self._window: list[torch.Tensor] | None = None  # (N_ref, the count so far): Note [Loss under gradient accumulation]
         # LoRA (lightning_seqpar.lora): a peft config, or a PeftModel given as the model
         self._lora_config: Any = None
         peft_given = model if lora_module.is_peft_model(model) else None
@@ -267,6 +288,24 @@ class CausalLMModule(L.LightningModule):
             return batch
         return {**batch, "position_ids": documents.position_ids(batch["input_ids"].device)}
 
+    def _micro_batches(self) -> int:
+        """``Trainer(accumulate_grad_batches=k)``'s k (1 without a trainer)."""
+        return int(getattr(self._trainer, "accumulate_grad_batches", 1) or 1) if self._trainer is not None else 1
+
+    @override
+    def on_after_backward(self) -> None:
+        """The end of an accumulation window: the gradients of the mean over the window's tokens (Note [Loss under
+        gradient accumulation])."""
+        if self._window is None or self.trainer.fit_loop._should_accumulate():
+            return
+        reference, total = self._window
+        self._window = None
+        scale = float(self._micro_batches() * reference / total) if int(total) > 0 else 0.0
+        with torch.no_grad():
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+
     @override
     def teardown(self, stage: str) -> None:
         if getattr(self, "_documents_set", False):
@@ -282,12 +321,19 @@ class CausalLMModule(L.LightningModule):
             self._check_router_padding(model)
         loss_sum, n_valid = self.loss_sum(batch)
         mesh = self._mesh()
-        loss = global_mean_loss(loss_sum, n_valid, mesh)  # this rank's share (Note [Loss under sequence parallelism])
-        if isinstance(model, hf.HFCausalLM):
-            aux = model.router_aux_loss(mesh)  # MoE: this rank's share (Note [Router auxiliary loss under sequence parallelism])
-            if aux is not None:
-                loss = loss + aux.to(loss.dtype)
+        count = global_token_count(n_valid, mesh, loss_sum.device)  # of all ranks (Note [Loss under sequence parallelism])
+        loss = loss_sum / count.clamp(min=1).to(loss_sum.dtype)  # this rank's share of the global mean
+        aux = model.router_aux_loss(mesh) if isinstance(model, hf.HFCausalLM) else None  # MoE: this rank's share
+        if aux is not None:  # Note [Router auxiliary loss under sequence parallelism]
+            aux = aux.to(loss.dtype)
+            loss = loss + aux
         reported = loss.detach().clone()
+        if self._micro_batches() > 1:  # Note [Loss under gradient accumulation]
+            if self._window is None:
+                self._window = [count.clamp(min=1).to(torch.float64), torch.zeros_like(count)]
+            reference, total = self._window
+            total += count
+            loss = (loss_sum if aux is None else loss_sum + aux * count.to(aux.dtype)) / reference.to(loss_sum.dtype)
         if mesh is not None:
             dist.all_reduce(reported, op=dist.ReduceOp.SUM)  # the mesh spans all ranks
         self.log("train/loss", reported, prog_bar=True)

@@ -30,7 +30,8 @@ of every conversation's causal work) and masks attention by conversation (Note [
 and per-document zigzag] in ``lightning_seqpar.documents``): each conversation is trained as if
 it were alone. The loss is the sum over the trained tokens of all ranks divided by their GLOBAL
 count (``lightning_seqpar.loss.global_mean_loss``), so every trained token weighs the same,
-however the conversations fall on ranks and samples.
+however the conversations fall on ranks, samples and the micro-batches of a step (Note [Loss under
+gradient accumulation] in ``lightning_seqpar.module``).
 
 Bad rows never stop training half-way: they are found at ``setup`` (every row is rendered then),
 counted by reason, and handled by policy: ``on_invalid`` for rows that cannot be trained (broken
