@@ -293,6 +293,10 @@ class CausalLMModule(L.LightningModule):
         return int(getattr(self._trainer, "accumulate_grad_batches", 1) or 1) if self._trainer is not None else 1
 
     @override
+    def on_train_epoch_start(self) -> None:
+        self._window = None  # a window never spans epochs (Lightning steps on an epoch's last batch) nor fits
+
+    @override
     def on_after_backward(self) -> None:
         """The end of an accumulation window: the gradients of the mean over the window's tokens (Note [Loss under
         gradient accumulation])."""
