@@ -232,6 +232,8 @@ class CausalLMModule(L.LightningModule):
                 if self._lora_config is not None:  # the adapters are drawn from init_seed too
                     model = lora_module.apply_lora(model, self._lora_config)
                 self.model = hf.HFCausalLM(model)
+                if self.loss_chunk_size is not None:  # refused here, before the strategy's first collective
+                    self.model.check_chunked_head()
             else:
                 self.model = build_model(self.config)  # type: ignore[assignment]
 

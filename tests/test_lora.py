@@ -355,3 +355,9 @@ def test_an_adapted_head_the_chunked_loss_cannot_compute_is_refused(base, lora, 
     with pytest.raises(ValueError, match=f"lm_head.*{match}.*loss_chunk_size=None"):
         model(probe["input_ids"], probe["position_ids"], output="hidden")
     assert model(probe["input_ids"], probe["position_ids"]).shape[-1] == VOCAB  # the full logits: the head's own forward
+    # CausalLMModule refuses it when it builds the model, before the strategy's first collective
+    from lightning_seqpar import CausalLMModule
+
+    module = CausalLMModule(base, lora={"r": 4, "target_modules": ["q_proj", "lm_head"], **lora}, loss_chunk_size=24)
+    with pytest.raises(ValueError, match=f"lm_head.*{match}"):
+        module.configure_model()

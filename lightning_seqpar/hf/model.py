@@ -212,7 +212,7 @@ class HFCausalLM(nn.Module):
             kwargs["output_router_logits"] = True
         self._router_stats = None
         if output == "hidden":
-            self._check_plain_head()
+            self.check_chunked_head()
             decoder = self.hf.get_decoder()  # the model without its head (LlamaModel in LlamaForCausalLM)
             if decoder is self.hf:
                 raise ValueError(f"{type(self.hf).__name__}: found no decoder without the head (get_decoder()); use loss_chunk_size=None")
@@ -235,7 +235,7 @@ class HFCausalLM(nn.Module):
             raise ValueError("HFCausalLM.router_aux_loss: no forward since the last call (the router statistics are per forward)")
         return router_aux_loss_share(stats, self._router_aux, mesh)
 
-    def _check_plain_head(self) -> None:
+    def check_chunked_head(self) -> None:
         """``output="hidden"`` serves the chunked loss ``hidden @ lm_head.weight^T``: refuse models whose logits are more."""
         config = self.hf.config
         for field, neutral in _LOGIT_TRANSFORMS:
