@@ -460,7 +460,11 @@ def release_mesh_groups(*meshes: DeviceMesh | None) -> int:
     for mesh in meshes:
         if mesh is None:
             continue
-        for group in mesh.get_all_groups():
+        try:
+            groups = mesh.get_all_groups()
+        except RuntimeError:  # its groups went with an earlier default group (destroy_process_group()): nothing to free
+            continue
+        for group in groups:
             name = group.group_name
             if name == default_name or name in released or not _registered(group):
                 continue
