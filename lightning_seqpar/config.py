@@ -5,7 +5,7 @@ Note [One name per option]
 Every option keeps the name the user gives the strategy from the constructor down to the
 ``apply_*`` function that uses it: ``attention``, ``attention_backend``, ``lasp_variant``,
 ``inner_ring_size``, ``head_chunks``, ``activation_checkpointing``, ``uncheckpointed_blocks``,
-``offload_checkpoints``, ``offload_params``, ``mlp_chunk_size``, ``memory``. Two values are derived, and
+``offload_checkpoints``, ``offload_params``, ``bf16_adapters``, ``mlp_chunk_size``, ``memory``. Two values are derived, and
 named for what they are: ``layout`` (the split that ``load_balance`` asks for: True / "auto" ->
 "zigzag" unless the attention is LASP) and ``compile_kwargs`` (``compile``'s keyword arguments,
 None without compile). The one place where a name changes is the attention module's own public
@@ -47,7 +47,8 @@ ActivationCheckpointingChoice = Literal["selective++", "full"]
 MEMORY_CHOICES: tuple[str, ...] = ("manual", "auto")
 """``memory``: "manual" (the options as given) or "auto" (Note [Planning memory] in ``lightning_seqpar.memory``)."""
 
-MEMORY_OPTIONS: tuple[str, ...] = ("offload_checkpoints", "head_chunks", "mlp_chunk_size", "offload_params", "activation_checkpointing")
+MEMORY_OPTIONS: tuple[str, ...] = ("offload_checkpoints", "head_chunks", "mlp_chunk_size", "offload_params", "activation_checkpointing",
+                                   "bf16_adapters")
 """The options ``memory="auto"`` may set, where they are left at their defaults."""
 
 OWNER = "SequenceParallelStrategy"
@@ -127,6 +128,7 @@ class StrategyConfig:
     uncheckpointed_blocks: int = 0
     offload_checkpoints: bool = False
     offload_params: bool = False
+    bf16_adapters: bool = False
     mlp_chunk_size: int | None = None
     compile: bool | dict[str, Any] = False
     save_distributed_checkpoint: bool = True
@@ -234,6 +236,8 @@ class StrategyConfig:
         check_offload_checkpoints(self.offload_checkpoints, activation_checkpointing=mode, compiled=bool(self.compile), owner=name)
         if not isinstance(self.offload_params, bool):
             raise ValueError(f"{name}: offload_params must be True or False, got {self.offload_params!r}")
+        if not isinstance(self.bf16_adapters, bool):
+            raise ValueError(f"{name}: bf16_adapters must be True or False, got {self.bf16_adapters!r}")
         backend = self.process_group_backend
         if self.offload_params and backend is not None and not serves_cpu(backend):
             raise ValueError(

@@ -82,7 +82,10 @@ layer at the block's peak and the 1M step ran out of memory above 143 GB.
 Note [Planning memory]
 ~~~~~~~~~~~~~~~~~~~~~~
 ``memory="auto"`` starts from the options as the user gave them and walks :data:`LADDER`, the
-changes that save memory in order of what they cost in time: ``offload_checkpoints`` (copies on
+changes that save memory in order of what they cost in time: for fp32 LoRA adapters under
+"bf16-true", ``bf16_adapters`` (no time: the adapters compute in bf16, Note [Adapters in bf16] in
+``lightning_seqpar.lora``; it changes their rounding, so it is dropped again where nothing else is
+needed), then ``offload_checkpoints`` (copies on
 a side stream that overlap the forward; ~2 GB / 25 GB/s per block in the backward), then
 ``head_chunks`` 2, 4, 8 (more, smaller attention calls and messages), then ``mlp_chunk_size``
 (the MLP forward a third time), then ``offload_params`` (PCIe copies of every block's shard and
@@ -97,7 +100,7 @@ and the offloaded model states) within ``(1 - margin) x`` the host memory availa
 (MemAvailable / GPUs per node; pinning more than the host has would stop the run far from the
 planner). Then what that set does not need is dropped again, the costliest first
 (activation_checkpointing, offload_params, mlp_chunk_size, head_chunks down to the fewest that
-fit, offload_checkpoints): head chunks save nothing where the MLP phase is the larger one, but
+fit, offload_checkpoints, bf16_adapters): head chunks save nothing where the MLP phase is the larger one, but
 once the MLP is tiled the attention phase may be. An option the user set is never changed (its
 step is skipped; "selective++", the default, counts as unset). When nothing fits, the error names
 ``expected_seq_len``, the device memory, the estimate nearest to fitting with its largest term
@@ -284,11 +287,14 @@ class MemoryOptions:
     head_chunks: int = 1
     mlp_chunk_size: int | None = None
     offload_params: bool = False
+    bf16_adapters: bool = False
 
     def label(self) -> str:
         parts = [f"activation_checkpointing={self.activation_checkpointing!r}"]
         parts += [f"offload_checkpoints={self.offload_checkpoints}", f"head_chunks={self.head_chunks}",
                   f"mlp_chunk_size={self.mlp_chunk_size}", f"offload_params={self.offload_params}"]
+        if self.bf16_adapters:
+            parts.append("bf16_adapters=True")
         return ", ".join(parts)
 
 
@@ -429,10 +435,17 @@ def estimate_memory(
     unknown = set(lora_targets) - set(widths)
     if unknown:
         raise ValueError(f"estimate_memory: lora_targets {sorted(unknown)} are not among {sorted(widths)}")
-    lora_attn = sum(4 * widths[t] for t in lora_targets if t in LORA_ATTENTION)
-    outputs = {"q_proj": Hq * D, "k_proj": Hkv * D, "v_proj": Hkv * D, "o_proj": d}
-    lora_attn += 8 * max((outputs[t] for t in lora_targets if t in LORA_ATTENTION), default=0)
-    lora_mlp = sum(4 * widths[t] for t in lora_targets if t not in LORA_ATTENTION)
+    if options.bf16_adapters and trainable_params is not None:
+        # Note [Adapters in bf16]: lora_A keeps its input itself, one tensor for the layers that read the same one
+        # (q|k|v read the normed x, gate|up the normed x of the MLP): x e, plus o_proj's / down_proj's own inputs
+        read = {"q_proj": "x", "k_proj": "x", "v_proj": "x", "o_proj": "o", "gate_proj": "y", "up_proj": "y", "down_proj": "h"}
+        lora_attn = sum({read[t]: widths[t] for t in lora_targets if t in LORA_ATTENTION}.values()) * e
+        lora_mlp = sum({read[t]: widths[t] for t in lora_targets if t not in LORA_ATTENTION}.values()) * e
+    else:
+        lora_attn = sum(4 * widths[t] for t in lora_targets if t in LORA_ATTENTION)
+        outputs = {"q_proj": Hq * D, "k_proj": Hkv * D, "v_proj": Hkv * D, "o_proj": d}
+        lora_attn += 8 * max((outputs[t] for t in lora_targets if t in LORA_ATTENTION), default=0)
+        lora_mlp = sum(4 * widths[t] for t in lora_targets if t not in LORA_ATTENTION)
     if options.mlp_chunk_size is None:
         mlp_saved += lora_mlp
         lora_tile = 0
@@ -513,16 +526,17 @@ class MemoryPlan:
 
 
 LADDER: tuple[tuple[str, Any], ...] = (
-    ("offload_checkpoints", True), ("head_chunks", 2), ("head_chunks", 4), ("head_chunks", 8),
+    ("bf16_adapters", True), ("offload_checkpoints", True), ("head_chunks", 2), ("head_chunks", 4), ("head_chunks", 8),
     ("mlp_chunk_size", MLP_TILE), ("offload_params", True), ("activation_checkpointing", "full"),
 )
 """The changes ``memory="auto"`` tries, least slowdown first (Note [Planning memory])."""
 
 
-def ladder(*, fixed: Mapping[str, Any], num_kv_heads: int, head_chunks_allowed: bool = True) -> list[tuple[str, Any]]:
+def ladder(*, fixed: Mapping[str, Any], num_kv_heads: int, head_chunks_allowed: bool = True,
+           adapters: bool = False) -> list[tuple[str, Any]]:
     """The steps of :data:`LADDER` that apply: none for an option in ``fixed`` (the user's), no offload without
     checkpointing, head_chunks only where it divides ``num_kv_heads`` and ``head_chunks_allowed`` (attention "ring" /
-    "allgather" with head_parallel_size 1)."""
+    "allgather" with head_parallel_size 1), bf16_adapters only for fp32 LoRA adapters under "bf16-true" (``adapters``)."""
     unknown = set(fixed) - {f.name for f in fields(MemoryOptions)}
     if unknown:
         raise ValueError(f"plan_memory: {sorted(unknown)} are not options the planner knows")
@@ -535,6 +549,8 @@ def ladder(*, fixed: Mapping[str, Any], num_kv_heads: int, head_chunks_allowed: 
         if name == "activation_checkpointing" and fixed.get("offload_checkpoints") is False:
             continue  # recomputing attention saves its output only next to the offloaded block inputs
         if name == "head_chunks" and not (head_chunks_allowed and num_kv_heads % value == 0):
+            continue
+        if name == "bf16_adapters" and not adapters:
             continue
         steps.append((name, value))
     return steps
@@ -603,7 +619,8 @@ def plan_memory(
         return tried[-1]
 
     # the option sets in ladder order, each step added to the previous ones (head_chunks replaced)
-    steps = ladder(fixed=fixed, num_kv_heads=model_shape.num_kv_heads, head_chunks_allowed=allowed)  # checks `fixed`
+    steps = ladder(fixed=fixed, num_kv_heads=model_shape.num_kv_heads, head_chunks_allowed=allowed,  # checks `fixed`
+                   adapters=trainable_params is not None and precision == "bf16-true")
     sets = [MemoryOptions(**fixed)]
     for name, value in steps:
         previous = sets[-1]
@@ -615,7 +632,8 @@ def plan_memory(
     if chosen is not None:
         # drop what the fitting set does not need, the costliest first; head_chunks to the fewest that fit
         defaults = MemoryOptions()
-        for name in ("activation_checkpointing", "offload_params", "mlp_chunk_size", "head_chunks", "offload_checkpoints"):
+        for name in ("activation_checkpointing", "offload_params", "mlp_chunk_size", "head_chunks", "offload_checkpoints",
+                     "bf16_adapters"):  # bf16_adapters costs no time: kept where anything else would have to
             if name in fixed or getattr(chosen.options, name) == getattr(defaults, name):
                 continue
             lighter = [getattr(defaults, name)]

@@ -149,6 +149,12 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             step (Note [Offloading parameters to host memory] in ``lightning_seqpar.parallelize``).
             On CUDA the process group gets a CPU backend too (``process_group_backend=None``
             becomes "cpu:gloo,cuda:nccl"), for the collectives over CPU tensors (gradient clipping).
+        bf16_adapters: LoRA under ``precision="bf16-true"``: FSDP2 gathers the fp32 adapters in bf16 for the
+            forward and backward (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, what bf16
+            autocast does in Hugging Face training); their shards, gradients and AdamW state stay fp32. peft then
+            no longer keeps an fp32 copy of every adapted layer's input for the backward (Note [Adapters in bf16]
+            in ``lightning_seqpar.lora``): ~4 bytes x (3d + H D + 2d + I) per token and layer less at the block's
+            peak. False (the default): the adapters compute in fp32, as peft's own model does.
         mlp_chunk_size: run each block's MLP over slices of this many tokens, each checkpointed:
             the MLP's intermediate activations (3.5x the block width) exist for one slice at a
             time (Note [Sequence-tiled MLP]). None: the MLP runs on the whole local sequence.
@@ -170,7 +176,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         memory: "manual" (the options as given) or "auto": before the process group exists, the
             planner (``lightning_seqpar.memory.plan_memory``) estimates this rank's peak memory for
             ``expected_seq_len`` (required) and sets offload_checkpoints, head_chunks,
-            mlp_chunk_size and offload_params, those left at their defaults only, to the set with
+            mlp_chunk_size, offload_params and (LoRA) bf16_adapters, those left at their defaults only, to the set with
             the least slowdown that fits the device's memory; it logs the choice and the estimate
             (``memory_plan`` keeps them), or raises a ``ValueError`` with the longest length that
             would fit. On a CPU device it does not plan (a log line says so). Note [Planning memory].
@@ -196,6 +202,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         uncheckpointed_blocks: int = 0,
         offload_checkpoints: bool = False,
         offload_params: bool = False,
+        bf16_adapters: bool = False,
         mlp_chunk_size: int | None = None,
         compile: bool | dict[str, Any] = False,
         save_distributed_checkpoint: bool = True,
@@ -211,7 +218,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             inner_ring_size=inner_ring_size, placement=placement, head_chunks=head_chunks, attention_backend=attention_backend,
             data_parallel_replicate_size=data_parallel_replicate_size, activation_checkpointing=activation_checkpointing,
             uncheckpointed_blocks=uncheckpointed_blocks, offload_checkpoints=offload_checkpoints, offload_params=offload_params,
-            mlp_chunk_size=mlp_chunk_size, compile=compile, save_distributed_checkpoint=save_distributed_checkpoint,
+            bf16_adapters=bf16_adapters, mlp_chunk_size=mlp_chunk_size, compile=compile, save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend, timeout=timeout, pad_to_multiple=pad_to_multiple,
             validate_batches=validate_batches, memory=memory,
         )
@@ -238,6 +245,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._meshes_finalizer: weakref.finalize | None = None
         self._failed = False
         self._rng_state_to_restore: dict[str, Any] | None = None
+        self._fp32_adapters = False  # setup: whether the model has fp32 trainable parameters under low precision (LoRA)
 
     # the options that setup does not resolve, read from the config
     lasp_variant = property(lambda self: self.config.lasp_variant)
@@ -247,6 +255,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     uncheckpointed_blocks = property(lambda self: self.config.uncheckpointed_blocks)
     offload_checkpoints = property(lambda self: self.config.offload_checkpoints)
     offload_params = property(lambda self: self.config.offload_params)
+    bf16_adapters = property(lambda self: self.config.bf16_adapters)
     mlp_chunk_size = property(lambda self: self.config.mlp_chunk_size)
     compile_kwargs = property(lambda self: self.config.compile_kwargs)
     timeout = property(lambda self: self.config.timeout)
@@ -364,7 +373,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if not is_parallelized(self.model):
             self.model = convert_module_keeping_rotary(self.precision_plugin, self.model)  # bf16-true: bf16 parameters (Note [Rotary frequencies under bf16-true])
-            upcast_trainable(self.model)  # LoRA: the adapters back in fp32, the base frozen in bf16 (Note [LoRA under the strategy])
+            self._fp32_adapters = upcast_trainable(self.model) > 0  # LoRA: the adapters back in fp32 (Note [LoRA under the strategy])
             self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
             self._parallelize(self.model)
         self.barrier()
@@ -386,6 +395,13 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         # them; "bf16-mixed": fp32 parameters, gathered in bf16 for compute, gradients reduced in fp32.
         param_dtype = reduce_dtype = None
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "bf16-mixed":
+            param_dtype, reduce_dtype = torch.bfloat16, torch.float32
+        if self.bf16_adapters:  # Note [Adapters in bf16] in lightning_seqpar.lora
+            precision = getattr(self.precision_plugin, "precision", None)
+            if precision != "bf16-true" or not getattr(self, "_fp32_adapters", False):
+                raise ValueError(f"{type(self).__name__}: bf16_adapters=True gathers fp32 LoRA adapters in bf16; it needs "
+                                 f"precision='bf16-true' and a LoRA model (CausalLMModule(lora=...)), got precision={precision!r}"
+                                 + ("" if getattr(self, "_fp32_adapters", False) else " and no fp32 trainable parameters"))
             param_dtype, reduce_dtype = torch.bfloat16, torch.float32
         # FSDP2 also on one rank: one code path, and the same checkpoint format at every size.
         mesh_for_fsdp = self._fsdp_mesh = fsdp_mesh(self.device_mesh, timeout=self.timeout)

@@ -361,3 +361,82 @@ def test_an_adapted_head_the_chunked_loss_cannot_compute_is_refused(base, lora, 
     module = CausalLMModule(base, lora={"r": 4, "target_modules": ["q_proj", "lm_head"], **lora}, loss_chunk_size=24)
     with pytest.raises(ValueError, match=f"lm_head.*{match}"):
         module.configure_model()
+
+
+def _fit_bf16_adapters(rank: int, world_size: int, path: str, data: dict[str, torch.Tensor], bf16_adapters: bool):
+    """Two bf16-true steps of CausalLMModule(path, lora=LORA_ALL); what the adapters and their inputs were inside the forward."""
+    warnings.filterwarnings("ignore")
+    import lightning as L
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+
+    seen: dict[str, Any] = {"losses": [], "inside": set()}
+
+    def probe(module, args):
+        seen["inside"].add((module.weight.dtype, args[0].dtype))
+
+    class Capture(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            seen["masters"] = {p.dtype for n, p in pl_module.model.named_parameters() if p.requires_grad}
+            for name, module in pl_module.model.named_modules():
+                if name.endswith("lora_A.default"):
+                    module.register_forward_pre_hook(probe)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            seen["losses"].append(float(trainer.callback_metrics["train/loss"]))
+
+    strategy = SequenceParallelStrategy(sequence_parallel_size=world_size, bf16_adapters=bf16_adapters)
+    module = CausalLMModule(path, lora=LORA_ALL, lr=1e-2, warmup_steps=0, max_steps=2)
+    loader = torch.utils.data.DataLoader(_List(data), batch_size=BATCH, shuffle=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Capture()], precision="bf16-true")
+    trainer.fit(module, train_dataloaders=loader)
+    optimizer = trainer.optimizers[0]
+    seen["state"] = {v.dtype for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}
+    return seen if rank == 0 else None
+
+
+def test_bf16_adapters_compute_in_bf16_over_fp32_masters(base):
+    """Note [Adapters in bf16]: the adapters the forward uses are bf16 (so peft's cast of their input to the adapter's
+    dtype keeps the bf16 tensor: no fp32 copy saved), their shards and AdamW state fp32; the losses follow the fp32
+    adapters' run within bf16 rounding."""
+    data = _data(2)
+    plain, lean = run_distributed(_fit_each_bf16, 2, base, data, timeout=TIMEOUT)[0]
+    assert plain["inside"] == {(torch.float32, torch.float32)}  # fp32 adapters: peft casts the bf16 input to fp32
+    assert lean["inside"] == {(torch.bfloat16, torch.bfloat16)}
+    for run in (plain, lean):
+        assert run["masters"] == {torch.float32} and run["state"] == {torch.float32}
+    assert lean["losses"] == pytest.approx(plain["losses"], rel=2e-2)
+    assert lean["losses"] != plain["losses"]  # bf16 adapters round differently: the option did something
+
+
+def _fit_each_bf16(rank: int, world_size: int, path: str, data: dict[str, torch.Tensor]):
+    runs = [_fit_bf16_adapters(rank, world_size, path, data, flag) for flag in (False, True)]
+    return runs if rank == 0 else None
+
+
+def test_bf16_adapters_need_bf16_true_and_adapters(base):
+    from lightning_seqpar import SequenceParallelStrategy
+
+    with pytest.raises(ValueError, match="bf16_adapters must be True or False"):
+        SequenceParallelStrategy(bf16_adapters="yes")
+    result = run_distributed(_refused_bf16_adapters, 2, base, timeout=TIMEOUT)[0]
+    assert "bf16_adapters=True gathers fp32 LoRA adapters in bf16" in result and "precision='32-true'" in result
+
+
+def _refused_bf16_adapters(rank: int, world_size: int, path: str) -> str | None:
+    warnings.filterwarnings("ignore")
+    import lightning as L
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, precision="32-true",
+                        strategy=SequenceParallelStrategy(sequence_parallel_size=world_size, bf16_adapters=True))
+    loader = torch.utils.data.DataLoader(_List(batch()), batch_size=BATCH)
+    try:
+        trainer.fit(CausalLMModule(path, lora=LORA), train_dataloaders=loader)
+    except ValueError as error:
+        return str(error) if rank == 0 else None
+    raise AssertionError("bf16_adapters=True under 32-true was not refused")

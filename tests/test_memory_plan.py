@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -221,6 +222,29 @@ def test_an_adapted_head_counts_its_widened_operands_and_gradient():
     tiled = MemoryOptions(offload_checkpoints=True, mlp_chunk_size=8192)
     plain, head = (_lora_8b(64 * K, tiled, targets=t) for t in (("q_proj",), ("q_proj", "lm_head")))
     assert head.loss_working - plain.loss_working == 64 * K * d * 2 + V * d * 2 + V * d * 4
+
+
+def test_bf16_adapters_drop_the_fp32_input_copies_and_come_first_for_lora():
+    """Note [Adapters in bf16]: lora_A keeps its bf16 input itself (one tensor for q|k|v, one for gate|up), so the
+    block's peak loses the fp32 copies; the planner tries it first for LoRA under bf16-true (it costs no time) and
+    drops it where the defaults fit."""
+    from lightning_seqpar.memory import ladder
+
+    tiled = MemoryOptions(offload_checkpoints=True, mlp_chunk_size=8192)
+    fp32, bf16 = (_lora_8b(192 * K, replace(tiled, bf16_adapters=b)) for b in (False, True))
+    d, HD = LLAMA3_8B.hidden_size, LLAMA3_8B.num_heads * LLAMA3_8B.head_dim
+    fp32_copies = 4 * (3 * d + HD) + 8 * HD  # q, k, v, o inputs in fp32, the fp32 sum of the widest projection
+    bf16_inputs = 2 * (d + HD)  # the normed x (q|k|v) and o_proj's input, bf16, kept by lora_A
+    assert fp32.block_recompute - bf16.block_recompute == 192 * K * (fp32_copies - bf16_inputs)  # the attention phase binds
+    assert bf16.saved_activations == fp32.saved_activations and bf16.parameters == fp32.parameters
+    assert _lora_8b(32 * K, MemoryOptions(bf16_adapters=True)).total < _lora_8b(32 * K, MemoryOptions()).total
+    assert ("bf16_adapters", True) == ladder(fixed={}, num_kv_heads=8, adapters=True)[0]
+    assert ("bf16_adapters", True) not in ladder(fixed={}, num_kv_heads=8)
+    common = dict(model_shape=LLAMA3_8B, device_memory=H200_MIB, loss_chunk_size=8192, trainable_params=41_943_040,
+                  lora_targets=LORA_ALL, host_memory=125e9)
+    assert not plan_memory(seq_len=32 * K, **common).options.bf16_adapters  # the defaults fit: fp32 adapters kept
+    assert plan_memory(seq_len=256 * K, **common).options.bf16_adapters
+    assert not plan_memory(seq_len=256 * K, precision="bf16-mixed", **common).options.bf16_adapters
 
 
 def test_plan_recomputes_attention_only_when_nothing_else_fits():
