@@ -16,8 +16,8 @@ peft's ``lora.Linear`` casts its input to the adapter's dtype (``x.to(lora_A.wei
 holds an fp32 copy of its input through the block's backward, one per layer even where q, k and v
 read the same tensor, plus the fp32 sum of base and adapter outputs. On the Llama-3-8B shape with
 every linear layer adapted that is ~96 KB per token and layer at the block's peak against the 8 KB
-of the block's own input (measured on one H200: the LoRA 8B shape at 256K peaked at 112.5 GB where
-the same options without the copies estimate ~80 GB). ``SequenceParallelStrategy(bf16_adapters=True)``
+of the block's own input (the planner's estimate for the options measured on one H200 at 256K, 112.5 GB
+peak: 126.4 GB with the copies, 104.9 GB without). ``SequenceParallelStrategy(bf16_adapters=True)``
 gives FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the adapters' shards stay
 fp32 (and their AdamW state), the gathered adapters that the forward and backward use are bf16, and
 their gradients are reduce-scattered in fp32 into fp32 shards. ``lora_A.weight.dtype`` is then bf16,
