@@ -83,15 +83,16 @@ def check_uncheckpointed_blocks(value: Any, *, owner: str | None = None) -> None
 
 def check_offload_checkpoints(offload_checkpoints: Any, *, activation_checkpointing: str | None, compiled: bool,
                               owner: str | None = None) -> None:
-    """``offload_checkpoints`` is a bool and needs checkpointed blocks that run eagerly (the strategy's config,
-    ``apply_ac`` and ``parallelize``; Note [Offloading checkpoints to host memory])."""
-    if not isinstance(offload_checkpoints, bool):
-        raise ValueError(f"{_prefix(owner)}offload_checkpoints must be True or False, got {offload_checkpoints!r}")
+    """``offload_checkpoints`` is a bool or a block count >= 0 and needs checkpointed blocks that run eagerly (the
+    strategy's config, ``apply_ac`` and ``parallelize``; Note [Offloading checkpoints to host memory])."""
+    if not isinstance(offload_checkpoints, int) or (not isinstance(offload_checkpoints, bool) and offload_checkpoints < 0):
+        raise ValueError(f"{_prefix(owner)}offload_checkpoints must be True, False or the number of checkpointed blocks to "
+                         f"offload (an int >= 0, the first ones), got {offload_checkpoints!r}")
     if offload_checkpoints and activation_checkpointing is None:
-        raise ValueError(f"{_prefix(owner)}offload_checkpoints=True offloads what checkpointed blocks keep; it needs "
+        raise ValueError(f"{_prefix(owner)}offload_checkpoints={offload_checkpoints!r} offloads what checkpointed blocks keep; it needs "
                          "activation_checkpointing: set activation_checkpointing='selective++' or 'full'")
     if offload_checkpoints and compiled:
-        raise ValueError(f"{_prefix(owner)}offload_checkpoints=True runs the blocks eagerly (saved-tensor hooks around the "
+        raise ValueError(f"{_prefix(owner)}offload_checkpoints={offload_checkpoints!r} runs the blocks eagerly (saved-tensor hooks around the "
                          "checkpoint); set compile=False (compile_kwargs=None)")
 
 
@@ -126,7 +127,7 @@ class StrategyConfig:
     data_parallel_replicate_size: int = 1
     activation_checkpointing: ActivationCheckpointingChoice | None = "selective++"
     uncheckpointed_blocks: int = 0
-    offload_checkpoints: bool = False
+    offload_checkpoints: bool | int = False
     offload_params: bool = False
     bf16_adapters: bool = False
     mlp_chunk_size: int | None = None

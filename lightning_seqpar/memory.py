@@ -98,7 +98,9 @@ the walk stops at the first set that fits: its estimate within ``(1 - margin) x`
 memory AND its pinned host bytes (``MemoryEstimate.host``: the offloaded block inputs, L x N x d e,
 and the offloaded model states) within ``(1 - margin) x`` the host memory available to the rank
 (MemAvailable / GPUs per node; pinning more than the host has would stop the run far from the
-planner). Then what that set does not need is dropped again, the costliest first
+planner). Where no set fits because the host binds, the sets are walked again with only the first k
+blocks offloaded (``offload_checkpoints=k``; the last L - k keep their inputs on the device, which
+backward needs first), k the most the host holds. Then what that set does not need is dropped again, the costliest first
 (activation_checkpointing, offload_params, mlp_chunk_size, head_chunks down to the fewest that
 fit, offload_checkpoints, bf16_adapters): head chunks save nothing where the MLP phase is the larger one, but
 once the MLP is tiled the attention phase may be. An option the user set is never changed (its
@@ -283,7 +285,7 @@ class MemoryOptions:
     """The strategy options that trade time for memory (the strategy's names and meaning)."""
 
     activation_checkpointing: AcMode = "selective++"
-    offload_checkpoints: bool = False
+    offload_checkpoints: bool | int = False
     head_chunks: int = 1
     mlp_chunk_size: int | None = None
     offload_params: bool = False
@@ -312,7 +314,8 @@ class MemoryEstimate:
     fsdp_buffers: float
     """Unsharded parameters: the root module's and two blocks'."""
     saved_per_layer: float
-    """Bytes each layer keeps until its backward (for all of this rank's tokens)."""
+    """Bytes each layer keeps on the device until its backward (for all of this rank's tokens; the mean over the
+    layers where only some offload their input)."""
     saved_activations: float
     """``saved_per_layer`` x layers."""
     block_recompute: float
@@ -426,7 +429,9 @@ def estimate_memory(
     mlp_saved = (4 if m.gated_mlp else 2) * I * e
     mlp_grads = 2 * I * e
     mode = options.activation_checkpointing
-    back = x if options.offload_checkpoints else 0  # the offloaded input copied back for the recompute
+    # offload_checkpoints: every checkpointed block (True) or the first k; the others keep their input on the device
+    k = 0 if mode is None else L if options.offload_checkpoints is True else min(int(options.offload_checkpoints), L)
+    back = x if k else 0  # the offloaded input copied back for the recompute
     # LoRA (peft casts each adapted layer's input to the fp32 adapter's dtype; lora_A keeps that copy), and the
     # fp32 sum of base output and adapter output that the widest adapted attention projection forms
     widths = {"q_proj": d, "k_proj": d, "v_proj": d, "o_proj": Hq * D, "gate_proj": d, "up_proj": d, "down_proj": I}
@@ -467,11 +472,12 @@ def estimate_memory(
         head_chunks=options.head_chunks if algorithm in ("ring", "allgather") else 1,
     ).peak_memory_bytes
 
+    kept_on_device = x * (L - k) / L  # the block inputs not offloaded, averaged over the layers
     if mode == "selective++":
-        saved_token = (0 if options.offload_checkpoints else x) + attn_out
+        saved_token = kept_on_device + attn_out
         recompute_extra = 0
     elif mode == "full":
-        saved_token = 0 if options.offload_checkpoints else x
+        saved_token = kept_on_device
         recompute_extra = attn_out  # the recompute runs the attention again and keeps its output
     else:  # no checkpointing: every layer keeps what its backward needs
         saved_token = x + 2 * norm + qkv + attn_out + (mlp_saved if options.mlp_chunk_size is None else 0)
@@ -487,8 +493,7 @@ def estimate_memory(
         rows = n if options.mlp_chunk_size is None else min(options.mlp_chunk_size, n)  # tiled with the MLP
         norm_phase = n * (3 * x + back) + rows * NORM_BACKWARD * d
     block = max(mlp_phase, attention_phase, norm_phase)
-    if options.offload_checkpoints and mode is not None:
-        host += L * n * x  # every block's input, pinned until its backward
+    host += k * n * x  # every offloaded block's input, pinned until its backward
 
     # the loss (before the backward)
     head_grad = V * d * 4 if (trainable_params is None or head_lora) else 0
@@ -570,6 +575,22 @@ def largest_fitting_seq_len(budget: float, *, granule: int, upper: int, host_bud
     return lo * granule
 
 
+def _partial_offload(sets: list[MemoryOptions], estimate: Callable[[MemoryOptions], MemoryEstimate], layers: int,
+                     budget: float, host_budget: float) -> MemoryEstimate | None:
+    """Where the host, not the device, binds: the first set (ladder order) that fits with only the first k blocks'
+    inputs offloaded, k the most the host holds (Note [Planning memory]); None when none does."""
+    for options in sets:
+        if options.offload_checkpoints is not True or options.activation_checkpointing is None:
+            continue
+        for k in range(layers - 1, 0, -1):  # the host's share shrinks with k, the device's grows
+            trial = estimate(replace(options, offload_checkpoints=k))
+            if trial.host <= host_budget:
+                if trial.total <= budget:
+                    return trial
+                break
+    return None
+
+
 def plan_memory(
     *,
     model_shape: TransformerShape,
@@ -629,6 +650,8 @@ def plan_memory(
             sets.append(replace(previous, offload_params=False, activation_checkpointing=value))
         sets.append(replace(previous, **{name: value}))
     chosen = next((e for e in map(estimate, sets) if fits(e)), None)
+    if chosen is None and "offload_checkpoints" not in fixed:
+        chosen = _partial_offload(sets, estimate, model_shape.num_layers, budget, host_budget)
     if chosen is not None:
         # drop what the fitting set does not need, the costliest first; head_chunks to the fewest that fit
         defaults = MemoryOptions()

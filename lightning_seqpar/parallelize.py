@@ -252,7 +252,7 @@ def apply_ac(
     block_classes: Sequence[type[nn.Module]] | None = None,
     save_ops: Sequence[Any] = SAVE_OPS,
     uncheckpointed_blocks: int = 0,
-    offload_checkpoints: bool = False,
+    offload_checkpoints: bool | int = False,
     offload: bool | None = None,
 ) -> int:
     """Wrap the blocks of ``model`` for activation checkpointing (in place); returns how many were wrapped.
@@ -262,7 +262,8 @@ def apply_ac(
     ``uncheckpointed_blocks``: the last this many blocks are left unwrapped — they keep every
     activation and are not recomputed (spend free memory on speed; torchtitan's per-layer AC idea).
     ``offload_checkpoints``: the checkpointed blocks keep their inputs in pinned host memory (Note
-    [Offloading checkpoints to host memory]); ``offload=`` is its deprecated old name.
+    [Offloading checkpoints to host memory]); an int: only the first that many do (the rest keep them on the
+    device: where the host, not the device, binds); ``offload=`` is its deprecated old name.
     """
     offload_checkpoints = _renamed("apply_ac", "offload", offload, "offload_checkpoints", offload_checkpoints)
     check_uncheckpointed_blocks(uncheckpointed_blocks)
@@ -277,8 +278,10 @@ def apply_ac(
         )
     wrapped = found[: max(len(found) - uncheckpointed_blocks, 0)]
     host = HostOffload() if offload_checkpoints else None  # one side stream per device for all blocks
-    for parent, name in wrapped:
-        parent.register_module(name, checkpoint_block(getattr(parent, name), mode, save_ops=save_ops, offload=host))
+    offloaded = len(wrapped) if offload_checkpoints is True else int(offload_checkpoints)  # the first ones (their inputs
+    for i, (parent, name) in enumerate(wrapped):                                          # are needed last in backward)
+        block = checkpoint_block(getattr(parent, name), mode, save_ops=save_ops, offload=host if i < offloaded else None)
+        parent.register_module(name, block)
     return len(wrapped)
 
 
@@ -499,7 +502,7 @@ def parallelize(
     attention_backend: str = "auto",
     activation_checkpointing: ActivationCheckpointing | None = "selective++",
     uncheckpointed_blocks: int = 0,
-    offload_checkpoints: bool = False,
+    offload_checkpoints: bool | int = False,
     offload_params: bool = False,
     mlp_chunk_size: int | None = None,
     compile_kwargs: dict[str, Any] | None = None,

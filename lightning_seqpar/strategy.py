@@ -140,7 +140,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         offload_checkpoints: keep the inputs that checkpointed blocks save in pinned host memory
             (copied on a side stream in forward, back in backward): for the longest contexts,
             where the saved inputs are what does not fit (Note [Offloading checkpoints to host
-            memory] in ``lightning_seqpar.activation_checkpointing``). Needs activation_checkpointing.
+            memory] in ``lightning_seqpar.activation_checkpointing``). Needs activation_checkpointing. An int
+            n: only the first n checkpointed blocks offload (the others keep their inputs on the device), for
+            where the host's memory, not the device's, binds.
         offload_params: keep the sharded parameters, their gradients and the optimizer state in
             host memory (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload style): each block's shard is
             copied to the GPU for its all-gather, gradients come back after the reduce-scatter
@@ -200,7 +202,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         data_parallel_replicate_size: int = 1,
         activation_checkpointing: ActivationCheckpointingChoice | None = "selective++",
         uncheckpointed_blocks: int = 0,
-        offload_checkpoints: bool = False,
+        offload_checkpoints: bool | int = False,
         offload_params: bool = False,
         bf16_adapters: bool = False,
         mlp_chunk_size: int | None = None,

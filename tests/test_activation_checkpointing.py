@@ -153,6 +153,27 @@ def test_uncheckpointed_blocks_keep_their_activations(skip):
         apply_ac(_model(1), "full", uncheckpointed_blocks=-1)
 
 
+def test_offload_checkpoints_n_offloads_the_first_n_blocks():
+    """offload_checkpoints=k: the first k checkpointed blocks keep their inputs on the host (one HostOffload), the
+    others on the device; the gradients are those of the unwrapped model."""
+    n_layer = 3
+    ids, pos = _batch()
+    _, ref_grads = _run(_model(n_layer), ids, pos)
+    model = _model(n_layer)
+    assert apply_ac(model, "full", offload_checkpoints=2) == n_layer
+    offloads = [block.checkpoint_fn.keywords["offload"] for block in model.layers]
+    assert offloads[0] is not None and offloads[1] is offloads[0] and offloads[2] is None
+    _, grads = _run(model, ids, pos)
+    assert offloads[0].packed_bytes > 0
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
+    every = _model(n_layer)
+    apply_ac(every, "full", offload_checkpoints=True)
+    assert all(block.checkpoint_fn.keywords["offload"] is not None for block in every.layers)
+    _run(every, ids, pos)
+    assert 3 * offloads[0].packed_bytes == 2 * every.layers[0].checkpoint_fn.keywords["offload"].packed_bytes
+
+
 @pytest.mark.parametrize("wrap", ["block", "tile"])
 def test_recomputation_runs_under_the_forward_default_dtype(wrap):
     """Note [Recomputing under the forward's default dtype]: "bf16-true" sets the default dtype to bf16 for

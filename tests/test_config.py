@@ -43,6 +43,10 @@ def test_the_config_is_frozen_and_resolves_derived_values():
         (dict(lasp_variant="ring"), "SequenceParallelStrategy: lasp_variant='ring' is not supported"),
         (dict(offload_checkpoints=True, compile=True), "SequenceParallelStrategy: offload_checkpoints=True runs the blocks eagerly"),
         (dict(placement="rack-first"), "SequenceParallelStrategy: placement='rack-first' is not supported"),
+        (dict(offload_checkpoints=-1), "SequenceParallelStrategy: offload_checkpoints must be True, False or the number"),
+        (dict(offload_checkpoints=1.5), "SequenceParallelStrategy: offload_checkpoints must be True, False or the number"),
+        (dict(offload_checkpoints=2, compile=True), "SequenceParallelStrategy: offload_checkpoints=2 runs the blocks eagerly"),
+        (dict(bf16_adapters=1), "SequenceParallelStrategy: bf16_adapters must be True or False"),
     ],
 )
 def test_the_config_raises_naming_the_argument(kwargs, match):

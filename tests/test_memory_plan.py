@@ -268,9 +268,19 @@ def test_plan_keeps_the_offloaded_bytes_within_host_memory():
     plan = plan_memory(seq_len=384 * K, host_memory=125e9, **common)
     assert (plan.options.activation_checkpointing, plan.options.offload_params) == ("full", False)
     assert plan.estimate.host <= 0.9 * 125e9
-    # 512K: the device would hold it, the host (137 GB of block inputs) would not: refused, naming the host
+    # 512K: the device would hold every block input offloaded, the host (137 GB of them) would not: only the first k
+    # blocks offload, the others keep their inputs on the device (with the adapters in bf16 to make room)
+    plan = plan_memory(seq_len=512 * K, host_memory=125e9, **common)
+    k = plan.options.offload_checkpoints
+    assert k is not True and 0 < k < 32 and plan.options.bf16_adapters and plan.options.activation_checkpointing == "full"
+    assert plan.estimate.host <= 0.9 * 125e9 < plan_memory(seq_len=512 * K, **common).estimate.host
+    assert plan.estimate.total <= 0.9 * H200_MIB
+    one_more = estimate_memory(seq_len=512 * K, options=replace(plan.options, offload_checkpoints=k + 1),
+                               **{n: v for n, v in common.items() if n != "device_memory"})
+    assert one_more.host > 0.9 * 125e9  # k: the most the host holds
+    # with every block offloaded (the user's choice): refused, naming the host
     with pytest.raises(ValueError) as info:
-        plan_memory(seq_len=512 * K, host_memory=125e9, **common)
+        plan_memory(seq_len=512 * K, host_memory=125e9, fixed={"offload_checkpoints": True}, **common)
     message = str(info.value)
     assert "on the host, which has 125.0 GB available" in message
     longest = int(re.search(r"largest that would fit with them is seq_len=(\d+)", message).group(1))

@@ -114,6 +114,13 @@ def test_training_parity_offload_and_mlp_tiles(ac, reference):
     _check(run_distributed(train_strategy, 2, kwargs, timeout=TIMEOUT), reference)
 
 
+def test_training_parity_offload_of_the_first_blocks(reference):
+    """offload_checkpoints=1: the first block's input on the host, the second's on the device (what memory="auto"
+    picks where the host binds)."""
+    kwargs = dict(sequence_parallel_size=2, attention="ring", activation_checkpointing="full", offload_checkpoints=1)
+    _check(run_distributed(train_strategy, 2, kwargs, timeout=TIMEOUT), reference)
+
+
 def _train_offloaded(rank: int, world_size: int, strategy_kwargs: dict, **kwargs):
     """``train_strategy`` with ``offload_params=True``, plus what reached FSDP2 and the optimizer: on CPU
     the host is the compute device, so the parity alone would not show that the option was applied."""
