@@ -39,7 +39,7 @@ TIMEOUT = 180
         (dict(attention="ulysses", head_chunks=2), "head_chunks=2 is for attention='ring' or 'allgather'"),
         (dict(attention_backend="flash_attn"), "attention_backend='flash_attn' is not supported"),
         (dict(uncheckpointed_blocks=-1), "uncheckpointed_blocks must be an int >= 0"),
-        (dict(offload_checkpoints=1), "offload_checkpoints must be True or False"),
+        (dict(offload_checkpoints="1"), "offload_checkpoints must be True, False or the number of checkpointed blocks"),
         (dict(offload_checkpoints=True, activation_checkpointing=None), "offload_checkpoints=True offloads what checkpointed"),
         (dict(offload_checkpoints=True, compile=True), "offload_checkpoints=True runs the blocks eagerly"),
         (dict(offload_params="yes"), "offload_params must be True or False, got 'yes'"),
