@@ -61,7 +61,8 @@ def models(tmp_path_factory):
     return {kind: (path := save_tiny_model(kind, str(root / kind)), *per_document_reference(path, data)) for kind in KINDS}, data
 
 
-@pytest.mark.parametrize("world,attention", [(1, "ring"), (2, "ring"), (2, "allgather"), (2, "ulysses"), (4, "ring"), (4, "allgather")])
+# all-gather with documents at 4 ranks: tests/test_documents.py (the op) and test_hf_hybrid.py (packed, 4-allgather)
+@pytest.mark.parametrize("world,attention", [(1, "ring"), (2, "ring"), (2, "allgather"), (2, "ulysses"), (4, "ring")])
 def test_packed_documents_match_each_document_alone(world, attention, models):
     refs, data = models
     results = run_distributed(train_each, world, [refs[k][0] for k in KINDS], data,
