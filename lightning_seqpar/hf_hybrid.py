@@ -72,6 +72,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.documents import current_documents
+from lightning_seqpar.lora import is_plain
 
 __all__ = ["HYBRID_MIXERS", "SeqparFalconH1Mixer", "SeqparGatedDeltaNet", "SeqparKimiDeltaAttention", "SeqparLightningAttention",
            "SeqparMamba2Mixer", "SeqparMambaMixer", "SeqparOlmoHybridGatedDeltaNet", "SeqparRecurrentGemmaRecurrentBlock",
@@ -119,7 +120,7 @@ def _direct(owner: nn.Module, name: str, cls: type[nn.Module] = nn.Conv1d) -> nn
     when it is not a plain ``cls``: a wrapper's addition (peft's LoRA layer) would be left out, silently
     (Note [Hybrid models under the strategy])."""
     module = getattr(owner, name)
-    if not isinstance(module, cls) or type(module).forward is not cls.forward:
+    if not is_plain(module, cls):
         raise ValueError(f"{type(owner).__name__} (layer {getattr(owner, 'layer_idx', '?')}): its {name} is a "
                          f"{type(module).__module__}.{type(module).__qualname__}, not a plain nn.{cls.__name__}; the sequence-parallel form reads "
                          f"{name}.weight directly and would leave out what the wrapper adds (a LoRA adapter): leave "

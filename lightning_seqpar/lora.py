@@ -357,8 +357,14 @@ def export_lora(
 # --------------------------------------------------------------------------------------------- the output head
 
 
+def is_plain(module: nn.Module, cls: type[nn.Module]) -> bool:
+    """Whether ``module`` computes as ``cls`` does from its ``weight``: an instance whose class keeps ``cls``'s forward
+    (peft's LoRA layers and other wrappers are not; what reads ``module.weight`` directly is exact only then)."""
+    return isinstance(module, cls) and type(module).forward is cls.forward
+
+
 def _is_plain_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and module.bias is None
+    return is_plain(module, nn.Linear) and module.bias is None
 
 
 def logits_head(head: nn.Module, owner: str) -> nn.Module:
