@@ -120,6 +120,8 @@ def command(run: Run, *, out: str, commit: str, deadline: float, peak: float | N
         return _torchrun(run.gpus) + [_script("lasp.py"), *run.args, "--out", out, *c]
     if run.kind == "hf_finetune":
         return _torchrun(run.gpus) + [_script("hf_finetune.py"), "--seq", str(run.seq), *run.args, "--out", out, *c]
+    if run.kind == "hf_families":
+        return _torchrun(run.gpus) + [_script("hf_families.py"), "--seq", str(run.seq), *run.args, "--out", out, *c]
     if run.kind == "matmul":
         return [PY, _script("matmul_peak.py"), *run.args, "--out", out, *c]
     if run.kind == "local_attention":

@@ -18,8 +18,8 @@ import dataclasses
 import fnmatch
 from typing import Literal
 
-Kind = Literal["train", "longest", "attention", "scaling", "max_seq", "lasp_op", "hf_finetune", "matmul", "local_attention",
-               "kernel_rates", "offload_optimizer", "pytest"]
+Kind = Literal["train", "longest", "attention", "scaling", "max_seq", "lasp_op", "hf_finetune", "hf_families", "matmul",
+               "local_attention", "kernel_rates", "offload_optimizer", "pytest"]
 KINDS: tuple[str, ...] = Kind.__args__  # type: ignore[attr-defined]
 SYSTEMS = ("seqpar", "torch_cp", "tp_sp", "single")
 
@@ -264,6 +264,11 @@ HF = Suite(
             Run(name="documents-gpu-tests", kind="pytest", gpus=4, limit_s=150, args=("tests/test_documents_gpu.py",)),
             Run(name="hf-llama3-8b-128k", kind="hf_finetune", gpus=4, limit_s=170, system="seqpar", model="hf-llama3-8b",
                 seq=131072, args=_a("--documents --mean-doc 16384 --warmup 1 --steps 3")),
+            # issue #26 item 3: the long-context families at 128K over 4 GPUs (sliding layers, sinks, a hybrid; LoRA)
+            Run(name="hf-families-128k", kind="hf_families", gpus=4, limit_s=220, system="seqpar", seq=131072,
+                args=_a("--shapes gemma3,gpt-oss,qwen3-next --warmup 1 --steps 3"), env=EXPANDABLE),
+            Run(name="hf-llama3-8b-lora-128k", kind="hf_families", gpus=4, limit_s=240, system="seqpar", seq=131072,
+                args=_a("--shapes llama3-8b-lora --warmup 1 --steps 3"), env=EXPANDABLE, fa4=True),
         ),
     },
 )

@@ -247,12 +247,15 @@ def _prealloc():
     return PreallocOptimizer()
 
 
-def _trainer(args, strategy, callbacks, precision):
+def _trainer(args, strategy, callbacks, precision, *, oom_exit: bool = True):
+    """The benchmark Trainer: max_steps = warm-up + timed steps, the devices of this node (torchrun's
+    LOCAL_WORLD_SIZE; 1 without torchrun), nothing logged or saved. ``oom_exit=False`` leaves out
+    ``_oom_exit`` (hf_families.py records an out-of-memory error and goes on to its next shape)."""
     import lightning as L
 
-    callbacks = [*callbacks, _oom_exit(), *([_prealloc()] if args.prealloc_optimizer else []),
+    callbacks = [*callbacks, *([_oom_exit()] if oom_exit else []), *([_prealloc()] if args.prealloc_optimizer else []),
                  *([_profiler(args)] if args.profile else [])]
-    return L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+    return L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                      strategy=strategy, precision=precision, max_steps=args.warmup + args.steps, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks, log_every_n_steps=1)

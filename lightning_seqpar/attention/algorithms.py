@@ -6,7 +6,8 @@
 an all-gather over a process group, ``"local"`` attention on this rank (one rank, Ulysses' inner
 attention after the head all-to-all, or 2D's ring over a cp of one), or ``"gathered"`` (local
 queries over K/V this rank already gathered: ``gathered_kv_attention``). Ulysses and 2D are not op
-kinds: they are head all-to-alls around op calls.
+kinds: 2D (and Ulysses with sinks) is head all-to-alls around op calls; Ulysses otherwise runs in
+its own op pair, ``seqpar::ulysses_fwd`` / ``ulysses_bwd`` (Note [Overlapped Ulysses]).
 """
 
 from __future__ import annotations

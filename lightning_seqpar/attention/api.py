@@ -46,7 +46,8 @@ from lightning_seqpar.attention.local import acc_dtype, block_backward, block_fo
 from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import new_accumulators
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
-from lightning_seqpar.attention.two_d import two_d_attention
+from lightning_seqpar.attention.two_d import _RepeatKV, two_d_attention
+from lightning_seqpar.attention.ulysses import overlapped_backward, overlapped_forward, ulysses_stages
 from lightning_seqpar.attention.variants import Variant, check_variant_args, fold_sinks, local_mask, sinks_grad
 from lightning_seqpar.documents import PackedDocuments, current_documents
 from lightning_seqpar.sharding import LAYOUTS
@@ -310,10 +311,87 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, *, docs: 
 
 torch.library.register_autograd("seqpar::attn_fwd", _backward, setup_context=_setup_context)
 
+
+# Ulysses with its all-to-alls inside the op, overlapped with the attention (Note [Overlapped Ulysses]).
+# ``zigzag``: the gathered sequence is put in global order (the zigzag split, with a mask over
+# positions and no documents, which order themselves); the stage's attention is the "local" kind.
+
+def _ulysses_local(causal, layout, scale, backend, docs, var):
+    fwd = lambda q, k, v: _forward(q, k, v, "local", "", causal, layout, scale, backend, 0, docs, 1, var)  # noqa: E731
+    bwd = lambda *t: _backward_impl(*t, "local", "", causal, layout, scale, backend, 0, docs, 1, var)  # noqa: E731
+    return fwd, bwd
+
+
+def _ulysses_zigzag(causal: bool, layout: str, docs, var) -> bool:
+    return layout == "zigzag" and docs is None and (causal or var is not None)
+
+
+@torch.library.custom_op("seqpar::ulysses_fwd", mutates_args=())
+def _ulysses_fwd(q: Tensor, k: Tensor, v: Tensor, group: str, world: int, stages: int, causal: bool, layout: str, scale: float, backend: str,
+                 docs: Tensor | None = None, window: int = 0, chunk: int = 0,
+                 softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    var = _variant(causal, window, chunk, softcap)
+    fwd, _ = _ulysses_local(causal, layout, scale, backend, docs, var)
+    return overlapped_forward(q.contiguous(), k.contiguous(), v.contiguous(), group=process_group(group), stages=stages,
+                              zigzag=_ulysses_zigzag(causal, layout, docs, var), local_forward=fwd)
+
+
+@_ulysses_fwd.register_fake
+def _(q, k, v, group, world, stages, causal, layout, scale, backend, docs=None, window=0, chunk=0, softcap=0.0):
+    B, S, Hq, D = q.shape
+    P = world
+    hq, hk = Hq // (P * stages), k.shape[2] // (P * stages)
+    head = lambda h, d: q.new_empty((stages, B, P * S, h, d))  # noqa: E731
+    return (q.new_empty((B, S, Hq, v.shape[-1])), head(hq, D), head(hk, D), head(hk, D), head(hq, v.shape[-1]),
+            q.new_empty((stages, B, hq, P * S), dtype=acc_dtype(q.dtype, q.device)))
+
+
+@torch.library.custom_op("seqpar::ulysses_bwd", mutates_args=())
+def _ulysses_bwd(dout: Tensor, qh: Tensor, kh: Tensor, vh: Tensor, oh: Tensor, lse: Tensor, group: str, world: int, stages: int, causal: bool,
+                 layout: str, scale: float, backend: str, docs: Tensor | None = None, window: int = 0, chunk: int = 0,
+                 softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    var = _variant(causal, window, chunk, softcap)
+    _, bwd = _ulysses_local(causal, layout, scale, backend, docs, var)
+    return overlapped_backward(dout.contiguous(), qh, kh, vh, oh, lse, group=process_group(group),
+                               zigzag=_ulysses_zigzag(causal, layout, docs, var), local_backward=bwd)
+
+
+@_ulysses_bwd.register_fake
+def _(dout, qh, kh, vh, oh, lse, group, world, stages, causal, layout, scale, backend, docs=None, window=0, chunk=0, softcap=0.0):
+    B, S, Hq, _ = dout.shape
+    n, _, _, hk, D = kh.shape
+    P = world
+    return dout.new_empty((B, S, Hq, qh.shape[-1])), kh.new_empty((B, S, hk * P * n, D)), vh.new_empty((B, S, hk * P * n, D))
+
+
+def _ulysses_setup_context(ctx, inputs, output):
+    _, qh, kh, vh, oh, lse = output
+    ctx.save_for_backward(qh, kh, vh, oh, lse)
+    ctx.args = inputs[3:]
+    ctx.mark_non_differentiable(qh, kh, vh, oh, lse)
+
+
+def _ulysses_backward(ctx, dout, *_):
+    qh, kh, vh, oh, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.seqpar.ulysses_bwd(dout, qh, kh, vh, oh, lse, *ctx.args)
+    return (dq, dk, dv) + (None,) * len(ctx.args)
+
+
+torch.library.register_autograd("seqpar::ulysses_fwd", _ulysses_backward, setup_context=_ulysses_setup_context)
+
+
+def ulysses_op(q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec, world: int, *, docs: Tensor | None = None) -> Tensor:
+    """``seqpar::ulysses_fwd`` for ``spec`` (``spec.group``: the Ulysses group, of ``world`` ranks); K/V heads already
+    split over its ranks."""
+    stages = ulysses_stages(k.shape[2] // world)
+    return torch.ops.seqpar.ulysses_fwd(q, k, v, spec.group, world, stages, spec.causal, spec.layout, spec.scale, spec.backend, docs,
+                                        spec.window, spec.chunk_size, spec.softcap)[0]
+
 #: Ops whose outputs Selective Checkpoint++ keeps: the attention (out, lse), the head all-to-alls
 #: and LASP's linear-attention kernel and state exchange.
 ATTENTION_OPS = (
     torch.ops.seqpar.attn_fwd.default,
+    torch.ops.seqpar.ulysses_fwd.default,
     torch.ops._c10d_functional.all_to_all_single.default,
     *LASP_OPS,
 )
@@ -540,6 +618,13 @@ def sequence_parallel_attention(
     if algorithm == "ulysses":
         if hp == 1:
             return attention_op(q, k, v, local, docs=docs, sinks=sinks)
+        if sinks is None:  # Note [Overlapped Ulysses]
+            r = kv_repeat(q.shape[2], k.shape[2], hp)
+            if r is None:
+                raise ValueError(f"cannot split {q.shape[2]} query heads / {k.shape[2]} key-value heads over {hp} head-parallel ranks")
+            if r > 1:
+                k, v = _RepeatKV.apply(k, r), _RepeatKV.apply(v, r)
+            return ulysses_op(q, k, v, replace(local, group=_group_name(mesh)), hp, docs=docs)
         return two_d_attention(q, k, v, hp=hp, hp_group=_group_name(mesh),
                                inner_attention=_gathered_local(hp, q.shape[1], local, docs, local_sinks))
 

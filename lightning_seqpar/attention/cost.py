@@ -29,8 +29,10 @@ ulysses.py, two_d.py):
   time, because NCCL's kernels take SMs and memory bandwidth from the attention kernel.
 * all-gather: one all-gather of K/V in forward, again in backward, then a reduce-scatter of the
   fp32 dK/dV. Nothing overlaps (allgather.py posts each collective and waits for it).
-* Ulysses / the head part of 2D: all-to-alls of q, k, v and out in forward and of their
-  gradients in backward (4 + 4), not overlapped. K/V heads are repeated first when hp does not
+* Ulysses: one all-to-all per stage each way (Note [Overlapped Ulysses]); the first stage's inputs
+  and the last stage's outputs are exposed, the others hide behind attention (``overlap_slowdown``).
+  The head part of 2D: all-to-alls of q, k, v and out in forward and of their gradients in
+  backward (4 + 4), not overlapped. K/V heads are repeated first when hp does not
   divide H_kv (``kv_repeat``: MQA at hp = 4 sends 4x the K/V bytes), and those bytes are counted
   (§4.5.3 Size(kv) = max(H_kv, hp) / H x 4SD / W).
 * elementwise work: the fp32 merges of partial results (Note [Merging partial attention]), the
@@ -73,6 +75,7 @@ from typing import Literal
 
 from lightning_seqpar.attention.algorithms import ALGORITHMS, Algorithm
 from lightning_seqpar.attention.comm import kv_repeat
+from lightning_seqpar.attention.ulysses import ulysses_stages
 
 Placement = Literal["context-first", "head-first"]
 PLACEMENTS: tuple[str, ...] = ("context-first", "head-first")
@@ -410,18 +413,27 @@ def _allgather(sh: _Shape, t: _Tally, p: DeviceProfile) -> None:
     t.elementwise_calls += 6 + 12 * calls + 6 + 4 * calls + 6
 
 
-def _head_parallel(sh: _Shape, hp: int, stride: int, r: int, t: _Tally, p: DeviceProfile) -> None:
-    """The all-to-alls of Ulysses / 2D over ``hp`` ranks ``stride`` apart and their copies."""
+def _head_parallel(sh: _Shape, hp: int, stride: int, r: int, t: _Tally, p: DeviceProfile, stages: int = 0) -> None:
+    """The all-to-alls of Ulysses / 2D over ``hp`` ranks ``stride`` apart and their copies. ``stages``: Ulysses'
+    overlapped stages (Note [Overlapped Ulysses]; 0: 2D's functional all-to-alls, none overlapped)."""
     B, D, e = sh.B, sh.D, sh.e
     s_local = sh.S // sh.W
     q_el = B * s_local * sh.Hq * D
     kv_el = 2 * B * s_local * sh.Hkv * D
     kvr_el = r * kv_el
     a2a = lambda el: _collective(el * e, hp, stride, p)  # noqa: E731
+    repeat = (kv_el + kvr_el) * e if r > 1 else 0
+    copies = 2 * (2 * e) * (2 * q_el + kvr_el)  # a copy before and after each all-to-all
+    if stages:
+        # one all-to-all per stage each way: q k v / out in forward, dout / dq dk dv in backward; the first stage's
+        # inputs and the last stage's outputs are exposed, the rest hides behind the stages' attention
+        each = [a2a((q_el + kvr_el) / stages), a2a(q_el / stages)]
+        t.comm += 2 * sum(x + (stages - 1) * x * p.overlap_slowdown for x in each)
+        t.elementwise_bytes += 2 * copies + 2 * repeat
+        t.elementwise_calls += 2 * (2 * stages * 4 + (2 if r > 1 else 0))
+        return
     # forward q, k, v, out; backward dout, dq, dk, dv (k and v as separate all-to-alls)
     t.comm += 2 * (a2a(q_el) + 2 * a2a(kvr_el / 2) + a2a(q_el))
-    copies = 2 * (2 * e) * (2 * q_el + kvr_el)  # a permute copy before and after each all-to-all
-    repeat = (kv_el + kvr_el) * e if r > 1 else 0
     t.elementwise_bytes += 2 * copies + 2 * repeat
     t.elementwise_calls += 2 * (4 * 2 + (2 if r > 1 else 0))
 
@@ -538,11 +550,10 @@ def estimate_attention(
     else:  # Ulysses, or 2D at any hp x cp (hp = 1 runs the ring alone: no all-to-all, no copies)
         hp_stride, cp_stride = (1, hp) if placement == "head-first" else (cp, 1)
         if hp > 1:
-            _head_parallel(sh, hp, hp_stride, r, t, profile)
-        if cp == 1:  # Ulysses reorders the zigzag shards to sequence order; 2D's cp = 1 shards are contiguous
-            s_local = seq_len // W
-            reorder = batch * s_local * (2 * num_heads + 2 * num_kv_heads * r) * head_dim if algorithm == "ulysses" else 0
-            _local(sh, num_heads // hp, t, profile, reorder)
+            overlapped = algorithm == "ulysses"  # Note [Overlapped Ulysses] (the sinks' functional path is not modelled)
+            _head_parallel(sh, hp, hp_stride, r, t, profile, ulysses_stages(num_kv_heads * r // hp) if overlapped else 0)
+        if cp == 1:  # Ulysses puts the zigzag shards in sequence order within its copies; 2D's cp = 1 shards are contiguous
+            _local(sh, num_heads // hp, t, profile, 0)
         else:
             _ring(sh, num_heads // hp, num_kv_heads * r // hp, cp, inner_ring_size or cp, t, profile, cp_stride)
     compute, comm, ew = t.time(profile)

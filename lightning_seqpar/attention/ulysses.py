@@ -17,14 +17,51 @@ each K/V head is repeated r times first (r the smallest divisor of H_q / H_kv wi
 P | H_kv * r; LoongTrain §4.2), so that query head h still meets K/V head h // (H_q / H_kv).
 The repeat's backward sums the gradients of the copies. H_q must be divisible by P.
 
-The all-to-alls are torch's functional collectives with autograd: they trace under
-torch.compile and their backward is the reverse all-to-all.
+Two implementations. With sinks, and inside 2D attention (where the inner attention is the ring
+over cp), the all-to-alls are torch's functional collectives with autograd around the attention
+op (``seq_to_head`` / ``head_to_seq``): they trace under torch.compile and their backward is the
+reverse all-to-all. Otherwise Ulysses runs inside one custom op pair (``seqpar::ulysses_fwd`` /
+``ulysses_bwd``, registered in ``lightning_seqpar.attention.api``) that overlaps its all-to-alls
+with the attention (Note [Overlapped Ulysses]).
+
+Note [Overlapped Ulysses]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Done as above, every all-to-all is exposed: the attention waits for all of q, k and v, and the
+output's all-to-all waits for all of the attention (measured on 4 x H200, llama3-8b at 128K: 0.23 s
+of a 10 s step with the compute stream idle, waiting for the all-to-alls). The heads are
+independent, so each rank's heads are cut into ``n`` stages (K/V heads with their query heads,
+as Note [Head chunks]); one all-to-all per stage carries the stage's q, k and v together:
+
+    forward:   a2a(qkv_0) a2a(qkv_1) ...               (all posted at once, on NCCL's stream)
+               wait 0, attend 0, post a2a(out_0);  wait 1, attend 1, post a2a(out_1);  ...
+    backward:  a2a(dout_0) a2a(dout_1) ...
+               wait 0, backward 0, post a2a(dq dk dv_0);  wait 1, backward 1, ...
+
+so stage i's attention runs while stage i+1's inputs and stage i-1's outputs travel; only the
+first stage's inputs and the last stage's outputs are exposed (1/n of the traffic each way).
+Results are bitwise those of one stage: the same kernels on the same heads. The op returns,
+beside the output, the head-layout q, k, v, out and lse of every stage, which its backward reads
+(autograd saves them as the functional version saves the all-to-alls' outputs; Selective
+Checkpoint++ keeps them as it keeps the op's outputs): no all-to-all of the forward is repeated.
+
+Layouts: the received pieces are copied once into the stage's [B, S, h, D] tensors anyway. Under
+"contiguous" that copy is in rank order, which is global order. Under zigzag, rank p's shard is
+global chunks (p, 2P-1-p): the first halves in rank order are chunks 0..P-1 and the second halves
+in reverse rank order are chunks P..2P-1, so the same copy, in two strided halves, puts the
+sequence in global order (the functional version uses an index_select, whose backward is an
+atomic index_add: 0.11 s of the 10 s step above). Zigzag stays the default split under Ulysses:
+packed documents need it (their per-document zigzag), and here it costs nothing.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+#: At most this many stages (Note [Overlapped Ulysses]): more hide more of the traffic but make
+#: smaller kernels and messages.
+MAX_STAGES = 4
 
 
 def _a2a(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -46,3 +83,125 @@ def head_to_seq(x: torch.Tensor, degree: int, group_name: str) -> torch.Tensor:
     y = x.reshape(B, degree, S, Hl, D).permute(1, 0, 2, 3, 4).contiguous()  # (P, B, S, Hl, D)
     y = _a2a(y, group_name)  # y[p]: my tokens, rank p's heads
     return y.permute(1, 2, 0, 3, 4).reshape(B, S, degree * Hl, D)
+
+
+def ulysses_stages(h_kv_local: int, limit: int = MAX_STAGES) -> int:
+    """Stages of the overlapped Ulysses for ``h_kv_local`` K/V heads per rank: the largest divisor up to ``limit``."""
+    return max(n for n in range(1, min(limit, h_kv_local) + 1) if h_kv_local % n == 0)
+
+
+def _to_gathered(dst: torch.Tensor, src: torch.Tensor, zigzag: bool) -> None:
+    """``dst`` [B, P * S, h, D] (global order) <- ``src`` [P, B, S, h, D] (rank p's tokens at p); one copy."""
+    P, B, S, h, D = src.shape
+    if not zigzag:
+        dst.view(B, P, S, h, D).copy_(src.permute(1, 0, 2, 3, 4))
+        return
+    halves = src.view(P, B, 2, S // 2, h, D)
+    d = dst.view(B, 2 * P, S // 2, h, D)
+    d[:, :P].copy_(halves[:, :, 0].permute(1, 0, 2, 3, 4))
+    d[:, P:].copy_(halves[:, :, 1].flip(0).permute(1, 0, 2, 3, 4))
+
+
+def _to_ranks(dst: torch.Tensor, src: torch.Tensor, zigzag: bool) -> None:
+    """``dst`` [P, B, S, h, D] (rank p's tokens at p) <- ``src`` [B, P * S, h, D] (global order); inverse of ``_to_gathered``."""
+    P, B, S, h, D = dst.shape
+    if not zigzag:
+        dst.copy_(src.view(B, P, S, h, D).permute(1, 0, 2, 3, 4))
+        return
+    s = src.view(B, 2 * P, S // 2, h, D)
+    halves = dst.view(P, B, 2, S // 2, h, D)
+    halves[:, :, 0].copy_(s[:, :P].permute(1, 0, 2, 3, 4))
+    halves[:, :, 1].copy_(s[:, P:].flip(1).permute(1, 0, 2, 3, 4))
+
+
+def _post(send: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, object]:
+    recv = torch.empty_like(send)
+    return recv, send, dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+
+def _stage_heads(x: torch.Tensor, P: int, n: int, c: int) -> torch.Tensor:
+    """[B, S, P * n * h, D] -> stage c's heads of every rank, [P, B, S, h, D] (a view)."""
+    B, S, H, D = x.shape
+    return x.view(B, S, P, n, H // (P * n), D)[:, :, :, c].permute(2, 0, 1, 3, 4)
+
+
+def overlapped_forward(q, k, v, *, group, stages: int, zigzag: bool, local_forward):
+    """Ulysses over ``group`` in ``stages`` overlapped stages (Note [Overlapped Ulysses]).
+
+    q: [B, S, Hq, D], k, v: [B, S, Hkv, D] (this rank's sequence shard; P * stages divides Hkv);
+    ``zigzag``: put the gathered sequence in global order from the zigzag split;
+    ``local_forward(q, k, v) -> (out, lse)`` over the whole sequence for a stage's heads.
+    Returns (out [B, S, Hq, D], qh, kh, vh, oh [stages, B, P * S, h, D], lse [stages, B, hq, P * S]).
+    """
+    P, n = dist.get_world_size(group), stages
+    B, S, Hq, D = q.shape
+    hq, hk = Hq // (P * n), k.shape[2] // (P * n)
+    posted = []
+    for c in range(n):
+        send = q.new_empty((P, B, S, hq + 2 * hk, D))
+        send[..., :hq, :].copy_(_stage_heads(q, P, n, c))
+        send[..., hq:hq + hk, :].copy_(_stage_heads(k, P, n, c))
+        send[..., hq + hk:, :].copy_(_stage_heads(v, P, n, c))
+        posted.append(_post(send, group))
+    qh, oh = q.new_empty((n, B, P * S, hq, D)), q.new_empty((n, B, P * S, hq, v.shape[-1]))
+    kh, vh = k.new_empty((n, B, P * S, hk, D)), v.new_empty((n, B, P * S, hk, D))
+    lse, back = None, []
+    for c in range(n):
+        recv, send, work = posted[c]
+        work.wait()
+        _to_gathered(qh[c], recv[..., :hq, :], zigzag)
+        _to_gathered(kh[c], recv[..., hq:hq + hk, :], zigzag)
+        _to_gathered(vh[c], recv[..., hq + hk:, :], zigzag)
+        posted[c] = None
+        del recv, send
+        o, l = local_forward(qh[c], kh[c], vh[c])
+        if lse is None:
+            lse = l.new_empty((n, *l.shape))
+        oh[c].copy_(o)
+        lse[c].copy_(l)
+        del o, l
+        send = q.new_empty((P, B, S, hq, oh.shape[-1]))
+        _to_ranks(send, oh[c], zigzag)
+        back.append(_post(send, group))
+    out = q.new_empty((B, S, Hq, oh.shape[-1]))
+    for c, (recv, send, work) in enumerate(back):
+        work.wait()
+        _stage_heads(out, P, n, c).copy_(recv)
+    return out, qh, kh, vh, oh, lse
+
+
+def overlapped_backward(dout, qh, kh, vh, oh, lse, *, group, zigzag: bool, local_backward):
+    """The backward of :func:`overlapped_forward`: ``dout`` [B, S, Hq, D] -> (dq, dk, dv) of its q, k, v;
+    ``local_backward(dout, q, k, v, out, lse) -> (dq, dk, dv)`` for a stage's heads."""
+    P, n = dist.get_world_size(group), qh.shape[0]
+    B, S, Hq, Dv = dout.shape
+    hq, hk, D = qh.shape[3], kh.shape[3], qh.shape[4]
+    posted = []
+    for c in range(n):
+        send = dout.new_empty((P, B, S, hq, Dv))
+        send.copy_(_stage_heads(dout, P, n, c))
+        posted.append(_post(send, group))
+    back = []
+    for c in range(n):
+        recv, send, work = posted[c]
+        work.wait()
+        doh = dout.new_empty((B, P * S, hq, Dv))
+        _to_gathered(doh, recv, zigzag)
+        posted[c] = None
+        del recv, send
+        dq, dk, dv = local_backward(doh, qh[c], kh[c], vh[c], oh[c], lse[c])
+        del doh
+        send = qh.new_empty((P, B, S, hq + 2 * hk, D))
+        _to_ranks(send[..., :hq, :], dq, zigzag)
+        _to_ranks(send[..., hq:hq + hk, :], dk, zigzag)
+        _to_ranks(send[..., hq + hk:, :], dv, zigzag)
+        del dq, dk, dv
+        back.append(_post(send, group))
+    dq = qh.new_empty((B, S, Hq, D))
+    dk, dv = kh.new_empty((B, S, hk * P * n, D)), vh.new_empty((B, S, hk * P * n, D))
+    for c, (recv, send, work) in enumerate(back):
+        work.wait()
+        _stage_heads(dq, P, n, c).copy_(recv[..., :hq, :])
+        _stage_heads(dk, P, n, c).copy_(recv[..., hq:hq + hk, :])
+        _stage_heads(dv, P, n, c).copy_(recv[..., hq + hk:, :])
+    return dq, dk, dv
