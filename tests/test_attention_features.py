@@ -4,6 +4,7 @@ on the full sequence: outputs and gradients of q, k, v and the sinks."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from unittest import mock
 
@@ -286,3 +287,36 @@ def test_autograd_runs_inside_a_custom_op():
     with pytest.raises(RuntimeError, match="does not require grad"):
         _grad_in_op(x, False)
     torch.testing.assert_close(_grad_in_op(x, True), 2 * x.detach().cos())
+
+
+@torch.library.custom_op("seqpar_test::block_mask_in_op", mutates_args=())
+def _block_mask_in_op(x: torch.Tensor, lifted: bool) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from lightning_seqpar.attention.masked import _functorch_usable
+
+    kv_num = torch.ones(1, 1, 4, dtype=torch.int32)
+    kv_idx = torch.arange(4, dtype=torch.int32).repeat(4, 1)[None, None].contiguous()
+    with _functorch_usable() if lifted else contextlib.nullcontext():
+        mask = BlockMask.from_kv_blocks(kv_num, kv_idx, None, None, 128, seq_lengths=(512, 512))
+    return x + mask.q_num_blocks.sum()
+
+
+def test_block_mask_builds_inside_the_op_under_selective_checkpointing():
+    """Note [vmap inside the attention op]: under Selective Checkpoint++ the checkpoint's dispatch mode runs the
+    attention op with functorch's keys excluded, and BlockMask's vmap failed there (4 x H200, gpt-oss shape)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    op = torch.ops.seqpar_test.block_mask_in_op.default
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func == op else CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = torch.ones(2, requires_grad=True)
+    run = lambda lifted: checkpoint(lambda t: op(t * 2, lifted), x, use_reentrant=False,  # noqa: E731
+                                    context_fn=partial(create_selective_checkpoint_contexts, policy))
+    with pytest.raises(NotImplementedError, match="BatchedTensorImpl"):
+        run(False)
+    assert run(True).tolist() == [6.0, 6.0]  # 2 + 4 query blocks, one key block each

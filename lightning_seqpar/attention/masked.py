@@ -260,8 +260,34 @@ def _flex_block_mask(mask: Mask):
 
     kv_num, kv_idx = compact(partial)
     full_num, full_idx = compact(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, _TILE, _mask_mod(mask),
-                                    seq_lengths=(mask.q_pos.shape[1], mask.k_pos.shape[1]))
+    with _functorch_usable():
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, _TILE, _mask_mod(mask),
+                                        seq_lengths=(mask.q_pos.shape[1], mask.k_pos.shape[1]))
+
+
+# Note [vmap inside the attention op]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# BlockMask.from_kv_blocks builds its transposed indices with torch.vmap. Under Selective
+# Checkpoint++ the attention op is run by the checkpoint's TorchDispatchMode, which calls it with
+# every key after Python in the thread's exclude set, functorch's and ADInplaceOrView among them;
+# vmap's view ops then fail ("Cannot access storage of BatchedTensorImpl": seen on 4 x H200 with a
+# gpt-oss-shaped model, sinks and sliding layers under all-gather attention). Those keys are
+# lifted from the exclude set while the mask is built, as ``_autograd_below_dispatch`` lifts the
+# autograd keys for the backward.
+_FUNCTORCH_KEYS = ("ADInplaceOrView", "FuncTorchDynamicLayerBackMode", "FuncTorchDynamicLayerFrontMode", "FuncTorchBatched",
+                   "Batched", "VmapMode", "FuncTorchVmapMode", "BatchedNestedTensor", "FuncTorchGradWrapper")
+
+
+@contextlib.contextmanager
+def _functorch_usable():
+    """Note [vmap inside the attention op]."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+    for name in _FUNCTORCH_KEYS:
+        if hasattr(torch._C.DispatchKey, name):
+            keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, name))
+    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(include, exclude - keys):
+        yield
 
 
 def _flex_call(q, k, v, mask: Mask, scale: float, block_mask):

@@ -32,13 +32,14 @@ of a 10 s step with the compute stream idle, waiting for the all-to-alls). The h
 independent, so each rank's heads are cut into ``n`` stages (K/V heads with their query heads,
 as Note [Head chunks]); one all-to-all per stage carries the stage's q, k and v together:
 
-    forward:   a2a(qkv_0) a2a(qkv_1) ...               (all posted at once, on NCCL's stream)
-               wait 0, attend 0, post a2a(out_0);  wait 1, attend 1, post a2a(out_1);  ...
-    backward:  a2a(dout_0) a2a(dout_1) ...
-               wait 0, backward 0, post a2a(dq dk dv_0);  wait 1, backward 1, ...
+    forward:   post a2a(qkv_0)
+               stage c: post a2a(qkv_c+1); wait qkv_c; attend c; wait out_c-1; post a2a(out_c)
+               wait out_n-1
+    backward:  the same with dout_c in and (dq dk dv)_c out
 
 so stage i's attention runs while stage i+1's inputs and stage i-1's outputs travel; only the
-first stage's inputs and the last stage's outputs are exposed (1/n of the traffic each way).
+first stage's inputs and the last stage's outputs are exposed (1/n of the traffic each way). One
+stage runs ahead, so the buffers of at most two stages are alive at a time.
 Results are bitwise those of one stage: the same kernels on the same heads. The op returns,
 beside the output, the head-layout q, k, v, out and lse of every stage, which its backward reads
 (autograd saves them as the functional version saves the all-to-alls' outputs; Selective
@@ -132,41 +133,49 @@ def overlapped_forward(q, k, v, *, group, stages: int, zigzag: bool, local_forwa
     ``zigzag``: put the gathered sequence in global order from the zigzag split;
     ``local_forward(q, k, v) -> (out, lse)`` over the whole sequence for a stage's heads.
     Returns (out [B, S, Hq, D], qh, kh, vh, oh [stages, B, P * S, h, D], lse [stages, B, hq, P * S]).
+    One stage ahead is in flight at a time: the buffers of at most two stages live at once.
     """
     P, n = dist.get_world_size(group), stages
     B, S, Hq, D = q.shape
-    hq, hk = Hq // (P * n), k.shape[2] // (P * n)
-    posted = []
-    for c in range(n):
+    hq, hk, Dv = Hq // (P * n), k.shape[2] // (P * n), v.shape[-1]
+
+    def post_inputs(c):
         send = q.new_empty((P, B, S, hq + 2 * hk, D))
         send[..., :hq, :].copy_(_stage_heads(q, P, n, c))
         send[..., hq:hq + hk, :].copy_(_stage_heads(k, P, n, c))
         send[..., hq + hk:, :].copy_(_stage_heads(v, P, n, c))
-        posted.append(_post(send, group))
-    qh, oh = q.new_empty((n, B, P * S, hq, D)), q.new_empty((n, B, P * S, hq, v.shape[-1]))
+        return _post(send, group)
+
+    def finish_output(c, posted):
+        recv, _, work = posted
+        work.wait()
+        _stage_heads(out, P, n, c).copy_(recv)
+
+    qh, oh = q.new_empty((n, B, P * S, hq, D)), q.new_empty((n, B, P * S, hq, Dv))
     kh, vh = k.new_empty((n, B, P * S, hk, D)), v.new_empty((n, B, P * S, hk, D))
-    lse, back = None, []
+    out = q.new_empty((B, S, Hq, Dv))
+    lse, inputs, output = None, post_inputs(0), None
     for c in range(n):
-        recv, send, work = posted[c]
+        ahead = post_inputs(c + 1) if c + 1 < n else None  # travels during this stage's attention
+        recv, send, work = inputs
         work.wait()
         _to_gathered(qh[c], recv[..., :hq, :], zigzag)
         _to_gathered(kh[c], recv[..., hq:hq + hk, :], zigzag)
         _to_gathered(vh[c], recv[..., hq + hk:, :], zigzag)
-        posted[c] = None
-        del recv, send
+        del recv, send, work, inputs
         o, l = local_forward(qh[c], kh[c], vh[c])
         if lse is None:
             lse = l.new_empty((n, *l.shape))
         oh[c].copy_(o)
         lse[c].copy_(l)
         del o, l
-        send = q.new_empty((P, B, S, hq, oh.shape[-1]))
+        if output is not None:  # the previous stage's output travelled during this attention
+            finish_output(c - 1, output)
+        send = q.new_empty((P, B, S, hq, Dv))
         _to_ranks(send, oh[c], zigzag)
-        back.append(_post(send, group))
-    out = q.new_empty((B, S, Hq, oh.shape[-1]))
-    for c, (recv, send, work) in enumerate(back):
-        work.wait()
-        _stage_heads(out, P, n, c).copy_(recv)
+        output, inputs = _post(send, group), ahead
+        del send
+    finish_output(n - 1, output)
     return out, qh, kh, vh, oh, lse
 
 
@@ -176,32 +185,39 @@ def overlapped_backward(dout, qh, kh, vh, oh, lse, *, group, zigzag: bool, local
     P, n = dist.get_world_size(group), qh.shape[0]
     B, S, Hq, Dv = dout.shape
     hq, hk, D = qh.shape[3], kh.shape[3], qh.shape[4]
-    posted = []
-    for c in range(n):
+
+    def post_dout(c):
         send = dout.new_empty((P, B, S, hq, Dv))
         send.copy_(_stage_heads(dout, P, n, c))
-        posted.append(_post(send, group))
-    back = []
-    for c in range(n):
-        recv, send, work = posted[c]
-        work.wait()
-        doh = dout.new_empty((B, P * S, hq, Dv))
-        _to_gathered(doh, recv, zigzag)
-        posted[c] = None
-        del recv, send
-        dq, dk, dv = local_backward(doh, qh[c], kh[c], vh[c], oh[c], lse[c])
-        del doh
-        send = qh.new_empty((P, B, S, hq + 2 * hk, D))
-        _to_ranks(send[..., :hq, :], dq, zigzag)
-        _to_ranks(send[..., hq:hq + hk, :], dk, zigzag)
-        _to_ranks(send[..., hq + hk:, :], dv, zigzag)
-        del dq, dk, dv
-        back.append(_post(send, group))
-    dq = qh.new_empty((B, S, Hq, D))
-    dk, dv = kh.new_empty((B, S, hk * P * n, D)), vh.new_empty((B, S, hk * P * n, D))
-    for c, (recv, send, work) in enumerate(back):
+        return _post(send, group)
+
+    def finish_grads(c, posted):
+        recv, _, work = posted
         work.wait()
         _stage_heads(dq, P, n, c).copy_(recv[..., :hq, :])
         _stage_heads(dk, P, n, c).copy_(recv[..., hq:hq + hk, :])
         _stage_heads(dv, P, n, c).copy_(recv[..., hq + hk:, :])
+
+    dq = qh.new_empty((B, S, Hq, D))
+    dk, dv = kh.new_empty((B, S, hk * P * n, D)), vh.new_empty((B, S, hk * P * n, D))
+    incoming, grads = post_dout(0), None
+    for c in range(n):
+        ahead = post_dout(c + 1) if c + 1 < n else None
+        recv, send, work = incoming
+        work.wait()
+        doh = dout.new_empty((B, P * S, hq, Dv))
+        _to_gathered(doh, recv, zigzag)
+        del recv, send, work, incoming
+        g_q, g_k, g_v = local_backward(doh, qh[c], kh[c], vh[c], oh[c], lse[c])
+        del doh
+        if grads is not None:
+            finish_grads(c - 1, grads)
+        send = qh.new_empty((P, B, S, hq + 2 * hk, D))
+        _to_ranks(send[..., :hq, :], g_q, zigzag)
+        _to_ranks(send[..., hq:hq + hk, :], g_k, zigzag)
+        _to_ranks(send[..., hq + hk:, :], g_v, zigzag)
+        del g_q, g_k, g_v
+        grads, incoming = _post(send, group), ahead
+        del send
+    finish_grads(n - 1, grads)
     return dq, dk, dv
