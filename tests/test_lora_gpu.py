@@ -67,7 +67,8 @@ def _rel(grads, reference) -> float:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_lora_bf16_true_on_gpus(tmp_path_factory):
+@pytest.mark.parametrize("bf16_adapters", [False, True], ids=["fp32-adapters", "bf16-adapters"])
+def test_lora_bf16_true_on_gpus(tmp_path_factory, bf16_adapters):
     warnings.filterwarnings("ignore")
     import lightning as L
     from torch.distributed.tensor import DTensor
@@ -107,7 +108,9 @@ def test_lora_bf16_true_on_gpus(tmp_path_factory):
         def __getitem__(self, i):
             return {k: v[0] for k, v in data.items()}
 
-    strategy = SequenceParallelStrategy(sequence_parallel_size=world, attention="ring")
+    # bf16_adapters (Note [Adapters in bf16]): FSDP2 gathers the fp32 adapters in bf16; masters, gradients and
+    # AdamW state stay fp32, and the gradients stay within the one-GPU bf16 model's error
+    strategy = SequenceParallelStrategy(sequence_parallel_size=world, attention="ring", bf16_adapters=bf16_adapters)
     trainer = L.Trainer(accelerator="gpu", devices=world, strategy=strategy, precision="bf16-true", max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Capture()])
@@ -123,7 +126,7 @@ def test_lora_bf16_true_on_gpus(tmp_path_factory):
     _, bf16_grads = _one_gpu(folder, torch.bfloat16, data, seen["init"])
     assert seen["grads"].keys() == ref_grads.keys()
     err, err_single = _rel(seen["grads"], ref_grads), _rel(bf16_grads, ref_grads)
-    print(f"\nLoRA bf16-true, {world} GPU(s): loss {seen['loss']:.5f} vs fp32 {ref_loss:.5f}; adapter gradient rel. error "
+    print(f"\nLoRA bf16-true (bf16_adapters={bf16_adapters}), {world} GPU(s): loss {seen['loss']:.5f} vs fp32 {ref_loss:.5f}; adapter gradient rel. error "
           f"{err:.4f} (one-GPU bf16 without the strategy: {err_single:.4f})")
     assert seen["loss"] == pytest.approx(ref_loss, rel=1e-2)
     assert err <= 2 * err_single + 1e-3
