@@ -145,7 +145,7 @@ def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict,
         if plan is not None:
             est = plan.estimate
             row.update(plan={k: getattr(plan.options, k) for k in ("activation_checkpointing", "offload_checkpoints", "head_chunks",
-                                                                   "mlp_chunk_size", "offload_params")},
+                                                                   "mlp_chunk_size", "offload_params", "bf16_adapters")},
                        estimate_host_gb=est.host / 1e9,
                        estimate_gb=est.total / 1e9, estimate_allocated_gb=est.allocated / 1e9,
                        estimate_terms_gb={k: v / 1e9 for k, v in est.terms().items()})
