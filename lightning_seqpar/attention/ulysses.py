@@ -61,8 +61,21 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 #: At most this many stages (Note [Overlapped Ulysses]): more hide more of the traffic but make
-#: smaller kernels and messages.
+#: smaller kernels and messages. The environment variable SEQPAR_ULYSSES_STAGES lowers it (1: no
+#: overlap), for benchmarks that compare the two on one machine.
 MAX_STAGES = 4
+
+
+def stage_limit() -> int:
+    """MAX_STAGES, or SEQPAR_ULYSSES_STAGES when set (a positive int)."""
+    import os
+
+    value = os.environ.get("SEQPAR_ULYSSES_STAGES")
+    if value is None:
+        return MAX_STAGES
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"SEQPAR_ULYSSES_STAGES={value!r}: expected a positive int")
+    return int(value)
 
 
 def _a2a(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -86,8 +99,10 @@ def head_to_seq(x: torch.Tensor, degree: int, group_name: str) -> torch.Tensor:
     return y.permute(1, 2, 0, 3, 4).reshape(B, S, degree * Hl, D)
 
 
-def ulysses_stages(h_kv_local: int, limit: int = MAX_STAGES) -> int:
-    """Stages of the overlapped Ulysses for ``h_kv_local`` K/V heads per rank: the largest divisor up to ``limit``."""
+def ulysses_stages(h_kv_local: int, limit: int | None = None) -> int:
+    """Stages of the overlapped Ulysses for ``h_kv_local`` K/V heads per rank: the largest divisor up to ``limit``
+    (default: :func:`stage_limit`)."""
+    limit = stage_limit() if limit is None else limit
     return max(n for n in range(1, min(limit, h_kv_local) + 1) if h_kv_local % n == 0)
 
 
