@@ -46,7 +46,7 @@ from lightning_seqpar.attention.local import acc_dtype, block_backward, block_fo
 from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import new_accumulators
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
-from lightning_seqpar.attention.two_d import _RepeatKV, two_d_attention
+from lightning_seqpar.attention.two_d import split_kv_heads, two_d_attention
 from lightning_seqpar.attention.ulysses import overlapped_backward, overlapped_forward, ulysses_stages
 from lightning_seqpar.attention.variants import Variant, check_variant_args, fold_sinks, local_mask, sinks_grad
 from lightning_seqpar.documents import PackedDocuments, current_documents
@@ -619,11 +619,7 @@ def sequence_parallel_attention(
         if hp == 1:
             return attention_op(q, k, v, local, docs=docs, sinks=sinks)
         if sinks is None:  # Note [Overlapped Ulysses]
-            r = kv_repeat(q.shape[2], k.shape[2], hp)
-            if r is None:
-                raise ValueError(f"cannot split {q.shape[2]} query heads / {k.shape[2]} key-value heads over {hp} head-parallel ranks")
-            if r > 1:
-                k, v = _RepeatKV.apply(k, r), _RepeatKV.apply(v, r)
+            k, v = split_kv_heads(q, k, v, hp)
             return ulysses_op(q, k, v, replace(local, group=_group_name(mesh)), hp, docs=docs)
         return two_d_attention(q, k, v, hp=hp, hp_group=_group_name(mesh),
                                inner_attention=_gathered_local(hp, q.shape[1], local, docs, local_sinks))

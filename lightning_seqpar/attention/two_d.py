@@ -45,12 +45,18 @@ class _RepeatKV(torch.autograd.Function):
         return grad.view(B, S, H // ctx.r, ctx.r, D).sum(3, dtype=acc_dtype(grad.dtype, grad.device)).to(grad.dtype), None
 
 
-def two_d_attention(q, k, v, *, hp: int, hp_group: str, inner_attention) -> torch.Tensor:
-    """Head all-to-all over hp around ``inner_attention`` (the ring over cp, or local attention)."""
+def split_kv_heads(q, k, v, hp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) with each K/V head repeated so that ``hp`` head-parallel ranks can split them (``kv_repeat``)."""
     r = kv_repeat(q.shape[2], k.shape[2], hp)
     if r is None:
         raise ValueError(f"cannot split {q.shape[2]} query heads / {k.shape[2]} key-value heads over {hp} head-parallel ranks")
     if r > 1:
         k, v = _RepeatKV.apply(k, r), _RepeatKV.apply(v, r)
+    return k, v
+
+
+def two_d_attention(q, k, v, *, hp: int, hp_group: str, inner_attention) -> torch.Tensor:
+    """Head all-to-all over hp around ``inner_attention`` (the ring over cp, or local attention)."""
+    k, v = split_kv_heads(q, k, v, hp)
     qh, kh, vh = (seq_to_head(x, hp, hp_group) for x in (q, k, v))
     return head_to_seq(inner_attention(qh, kh, vh), hp, hp_group)

@@ -56,6 +56,8 @@ packed documents need it (their per-document zigzag), and here it costs nothing.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
@@ -68,8 +70,6 @@ MAX_STAGES = 4
 
 def stage_limit() -> int:
     """MAX_STAGES, or SEQPAR_ULYSSES_STAGES when set (a positive int)."""
-    import os
-
     value = os.environ.get("SEQPAR_ULYSSES_STAGES")
     if value is None:
         return MAX_STAGES
