@@ -221,32 +221,46 @@ def test_chains_match_full_sequence(world_size, layout):
 
 
 def _traffic_worker(rank: int, world_size: int, layout: str) -> list:
+    import lightning_seqpar.attention.scan as scan
+
     mesh = mesh_1d(world_size)
     shapes = []
+    original = scan.all_gather_into
     for T in (32, 64):
         d = {n: take(t, expected_index(T, layout, world_size, rank)).requires_grad_() for n, t in delta_inputs(T=T).items()}
         c = conv_inputs(T=T)
         x = take(c["x"], expected_index(T, layout, world_size, rank)).requires_grad_()
-        with record_p2p() as (rec, _):
-            out = gated_delta_rule(**d, mesh=mesh, layout=layout, chunk_size=4)
-            out.sum().backward()
-            causal_conv1d(x, c["w"], c["b"], mesh=mesh, layout=layout).sum().backward()
-        shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received))))
+        gathers: list[tuple] = []
+        scan.all_gather_into = lambda out, inp, group: (gathers.append(tuple(inp.shape)), original(out, inp, group))[1]
+        try:
+            with record_p2p() as (rec, ops):
+                out = gated_delta_rule(**d, mesh=mesh, layout=layout, chunk_size=4)
+                out.sum().backward()
+                causal_conv1d(x, c["w"], c["b"], mesh=mesh, layout=layout).sum().backward()
+        finally:
+            scan.all_gather_into = original
+        shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received)), gathers,
+                       sorted(op for op in ops.ops if "send" not in op and "recv" not in op)))
     return shapes
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_communication_is_independent_of_the_sequence_length(layout):
+    """The delta rule's states pass in one all-gather each way (Note [Parallel state passing across ranks]):
+    every piece's [M | s] forward ([B, H_v, Dk, Dk + Dv] flattened), every piece's start gradient backward; the
+    convolution's halos go point to point. Nothing depends on S."""
     W = 4
     results = run_distributed(_traffic_worker, W, layout)
-    state, halo = (2, 4, 8, 6), (2, 3, 6)  # [B, H_v, Dk, Dv] states, [B, k-1, C] halos
-    n_state = W - 1 if layout == "contiguous" else 2 * W - 2  # messages per direction
+    B, H, Dk, Dv = 2, 4, 8, 6
+    P = 1 if layout == "contiguous" else 2
+    halo = (2, 3, 6)  # [B, k-1, C]
+    n_halo = W - 1 if layout == "contiguous" else 2 * W - 2  # pieces with a predecessor on another rank
     sent = [s for rank in results for s in rank[0][0]]
-    assert sum(s == state for s in sent) == 2 * n_state  # forward states + backward state gradients
-    assert sum(s == halo for s in sent) == 2 * n_state  # forward halos + their gradients
-    assert len(sent) == 4 * n_state
+    assert sent.count(halo) == 2 * n_halo and len(sent) == 2 * n_halo  # forward halos + their gradients, nothing else
     for rank in results:
-        assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"
+        assert rank[0][2] == [(P, B * H * Dk * (Dk + Dv)), (P, B, H, Dk, Dv)]  # forward [M | s], backward start gradients
+        assert len(rank[0][3]) == 2, rank[0][3]  # the two all-gathers are the only collectives
+        assert rank[0] == rank[1], "the communication at S=32 and S=64 differs"
 
 
 # ----------------------------------------------------------------------------------------------

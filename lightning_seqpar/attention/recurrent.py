@@ -131,6 +131,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.comm import P2P, process_group
+from lightning_seqpar.attention.scan import affine_scan
 from lightning_seqpar.documents import PackedDocuments, current_documents, exclusive_cumsum, segment_indices
 from lightning_seqpar.sharding import LAYOUTS, chunk_ids, num_chunks
 
@@ -234,21 +235,33 @@ def _chunk_step(terms: dict[str, Tensor], j: int, state: Tensor) -> tuple[Tensor
 
 
 def _chunked_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor | None,
-                  chunk_size: int) -> tuple[Tensor, Tensor]:
-    """(out [B, T, H, Dv] fp32, final state [B, H, Dk, Dv] fp32); differentiable by autograd.
+                  chunk_size: int, pieces: int = 1, group_name: str | None = None,
+                  layout: str = "zigzag") -> tuple[Tensor, Tensor]:
+    """(out [B, T, H, Dv] fp32, the state after every piece [pieces, B, H, Dk, Dv] fp32 — one device: [B, H, Dk, Dv]).
 
-    q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; g: [B, T, H] log decay; beta: [B, T, H] or None (SSD).
+    q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; g: [B, T, H] (or [B, T, H, Dk]) log decay; beta: [B, T, H] or None
+    (SSD). The chunk terms of every chunk at once, then the blocked state scan (Note [Blocked affine scan]);
+    with ``group_name`` the T tokens are this rank's ``pieces`` pieces and the states pass across the
+    ranks (Note [Parallel state passing across ranks]). Differentiable in every input and ``initial``.
     """
     B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
-    terms = _chunk_terms(q, k, v, g, beta, chunk_size)
-    state = q.new_zeros(B, H, Dk, Dv, dtype=torch.float32) if initial is None else initial.float()
-    outs = []
-    for j in range(terms["u"].shape[2]):  # the recurrence over chunks
-        out, state = _chunk_step(terms, j, state)
-        outs.append(out)
-    out = torch.stack(outs, dim=2).reshape(B, H, -1, Dv)[:, :, :T].transpose(1, 2)
-    return out, state
+    Dv, n = v.shape[-1], T // pieces
+
+    def split(x: Tensor) -> Tensor:  # [B, T, *D] -> [P B, T / P, *D]: every piece its own chunks
+        return x.reshape(B, pieces, n, *x.shape[2:]).transpose(0, 1).reshape(pieces * B, n, *x.shape[2:])
+
+    terms = _chunk_terms(split(q), split(k), split(v), split(g), None if beta is None else split(beta), chunk_size)
+    u, K, W = terms["u"], terms["k_out"], terms.get("wk")  # (P B, H, N, c, D)
+    per_piece = lambda x: None if x is None else x.reshape(pieces, B, *x.shape[1:])  # noqa: E731
+    h_all, h_out = affine_scan(per_piece(terms["eG_last"]), per_piece(K if W is not None else None), per_piece(W),
+                               per_piece(K.mT @ u), initial if initial is None else initial.float(),
+                               group_name=group_name, layout=layout)
+    h_all = h_all.reshape(pieces * B, *h_all.shape[2:])  # (P B, H, N, Dk, Dv): the state entering every chunk
+    w = u if W is None else u - W @ h_all
+    out = terms["scores"] @ w + terms["q"] @ h_all  # (P B, H, N, c, Dv)
+    out = out.reshape(pieces * B, H, -1, Dv)[:, :, :n].transpose(1, 2)  # (P B, n, H, Dv)
+    out = out.reshape(pieces, B, n, H, Dv).transpose(0, 1).reshape(B, T, H, Dv)
+    return out, (h_out[0] if group_name is None else h_out)
 
 
 def _segment_layout(lengths: Tensor, T: int, c: int) -> dict[str, Tensor]:
@@ -771,8 +784,19 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
     fn = functools.partial(_delta_kernel, chunk_size=chunk_size, kernel=ker, pieces=pieces)
     B, _, H, Dk = q.shape
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
-    out = _chain(fn, [q, k, v.float(), g.float(), beta.float()], (B, *docs, H, Dk, v.shape[-1]), mesh, layout)
+    if _state_passing(mesh, ker, pieces):
+        out = _chunked_scan(q, k, v.float(), g.float(), beta.float(), None, chunk_size, _pieces_of(q.shape[1], mesh, layout),
+                            mesh.get_group().group_name, layout)[0]  # type: ignore[union-attr]
+    else:
+        out = _chain(fn, [q, k, v.float(), g.float(), beta.float()], (B, *docs, H, Dk, v.shape[-1]), mesh, layout)
     return out.to(dtype)
+
+
+def _state_passing(mesh: DeviceMesh | None, kernel: str, pieces: Tensor | None) -> bool:
+    """Whether the states pass in parallel (Note [Parallel state passing across ranks]) rather than down the chain
+    (Note [Linear recurrences under sequence sharding]): the package's torch kernels without documents (fla-core's
+    kernels give no piece composite; the documents' per-segment states run in the chain)."""
+    return mesh is not None and mesh.size() > 1 and kernel == "torch" and pieces is None
 
 
 def _delta_kernel(q, k, v, g, beta, s_in, *, piece, chunk_size, kernel, pieces=None):
@@ -819,7 +843,11 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor |
     fn = functools.partial(_ssd_kernel, chunk_size=chunk_size, kernel=_resolve_kernel(kernel, x.device, pieces is not None),
                            pieces=pieces)
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
-    y = _chain(fn, [q, k, v, g], (Bsz, *docs, H, k.shape[-1], P), mesh, layout)
+    if _state_passing(mesh, fn.keywords["kernel"], pieces):
+        y = _chunked_scan(q, k, v, g, None, None, chunk_size, _pieces_of(T, mesh, layout), mesh.get_group().group_name,  # type: ignore[union-attr]
+                          layout)[0]
+    else:
+        y = _chain(fn, [q, k, v, g], (Bsz, *docs, H, k.shape[-1], P), mesh, layout)
     if D is not None:
         y = y + D.float()[:, None] * x.float()
     return y

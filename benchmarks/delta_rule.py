@@ -1,0 +1,155 @@
+"""The gated delta rule (Qwen3-Next's gated DeltaNet) forward + backward: the package's torch kernels
+(Note [Blocked affine scan]) against transformers' torch path (``torch_chunk_gated_delta_rule``) and,
+where it runs, fla-core's ``chunk_gated_delta_rule``, at a Qwen3-Next layer's shape (32 value heads
+of 128, 16 key heads; bf16 inputs, fp32 inside).
+
+    python benchmarks/delta_rule.py --seqs 16384,131072 --out delta_rule.json
+    torchrun --nproc_per_node=4 benchmarks/delta_rule.py --seqs 131072 --out delta_rule.json   (sequence parallel)
+    python benchmarks/delta_rule.py --device cpu --seqs 256 --heads 2 --dim 16 --iters 1      (smoke)
+
+Under torchrun the package's kernel runs sequence-parallel: every rank holds --seq / W tokens
+(zigzag) and the states pass between the ranks (Note [Parallel state passing across ranks]); the
+record is rank 0's (gpus = W). One record per (length, system) appended to ``--out``: bench
+"delta_rule", system, seq (the whole sequence), gpus, heads, dim, device, time_ms (median of
+``--iters`` after ``--warmup``, forward + backward of sum(o * do)), tokens_per_s (the whole sequence's
+tokens per second), peak_mem_gb, error, commit; with --check under torchrun, rel_err_vs_one_device (relative
+L2 error of the output and of every input's gradient against the whole sequence on one device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from collect import error_text, record_and_release  # benchmarks/ is on sys.path when this file runs as a script
+
+
+def _inputs(T: int, H: int, D: int, device: torch.device) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    make = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    return {"q": make(1, T, H // 2, D).bfloat16(), "k": make(1, T, H // 2, D).bfloat16(), "v": make(1, T, H, D).bfloat16(),
+            "g": -torch.nn.functional.softplus(make(1, T, H)) * 0.1, "beta": torch.sigmoid(make(1, T, H))}
+
+
+def _step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor, mesh) -> tuple[torch.Tensor, dict]:
+    x = {k: v.detach().requires_grad_() for k, v in inputs.items()}
+    if system == "seqpar":
+        from lightning_seqpar.attention.recurrent import gated_delta_rule
+
+        o = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mesh=mesh, layout="zigzag", kernel="torch")
+    elif system == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        rep = x["v"].shape[2] // x["q"].shape[2]
+        o, _ = chunk_gated_delta_rule(x["q"].repeat_interleave(rep, 2), x["k"].repeat_interleave(rep, 2), x["v"], g=x["g"],
+                                      beta=x["beta"].bfloat16(), use_qk_l2norm_in_kernel=True)
+    else:
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+        rep = x["v"].shape[2] // x["q"].shape[2]
+        o, _ = torch_chunk_gated_delta_rule(x["q"].repeat_interleave(rep, 2), x["k"].repeat_interleave(rep, 2), x["v"],
+                                            g=x["g"], beta=x["beta"], use_qk_l2norm_in_kernel=True)
+    (o.float() * do).sum().backward()
+    return o.detach(), {k: v.grad for k, v in x.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", default="16384,131072")
+    ap.add_argument("--heads", type=int, default=32, help="value heads (key heads: half)")
+    ap.add_argument("--dim", type=int, default=128, help="key and value head dim")
+    ap.add_argument("--systems", default="seqpar,transformers,fla")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--check", action="store_true", help="under torchrun: compare with the whole sequence on one device")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
+    args = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh, rank = None, 0
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        rank = dist.get_rank()
+        mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("sp",))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    systems = ["seqpar"] if world > 1 else args.systems.split(",")
+    for T in (int(s) for s in args.seqs.split(",")):
+        for system in systems:
+            row = {"bench": "delta_rule", "system": system, "seq": T, "gpus": world, "heads": args.heads, "dim": args.dim,
+                   "device": name, "time_ms": None, "tokens_per_s": None, "peak_mem_gb": None, "error": None,
+                   "commit": args.commit}
+            try:
+                if system == "fla":
+                    from lightning_seqpar.attention.recurrent import _fla_installed, _fla_unusable
+
+                    why = "fla-core is not installed" if not _fla_installed() else _fla_unusable(device.index)
+                    if why:
+                        raise RuntimeError(why)
+                inputs = _inputs(T, args.heads, args.dim, device)
+                do = torch.randn(1, T, args.heads, args.dim, generator=torch.Generator().manual_seed(1)).to(device)
+                if mesh is not None:
+                    from lightning_seqpar.sharding import shard_sequence
+
+                    inputs = {k: shard_sequence(v, mesh, layout="zigzag") for k, v in inputs.items()}
+                    do = shard_sequence(do, mesh, layout="zigzag")
+                for _ in range(args.warmup):
+                    _step(system, inputs, do, mesh)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                times = []
+                for _ in range(args.iters):
+                    if mesh is not None:
+                        dist.barrier()
+                    start = time.perf_counter()
+                    _step(system, inputs, do, mesh)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                if mesh is not None and args.check:  # against the whole sequence on this one device (Note [Parallel
+                    # state passing across ranks]): relative L2 error of the output and of every input's gradient
+                    from lightning_seqpar.sharding import shard_sequence
+
+                    full = _inputs(T, args.heads, args.dim, device)
+                    do_full = torch.randn(1, T, args.heads, args.dim, generator=torch.Generator().manual_seed(1)).to(device)
+                    ref = _step(system, full, do_full, None)
+                    got = _step(system, inputs, do, mesh)
+                    shard = lambda t: shard_sequence(t, mesh, layout="zigzag").float()  # noqa: E731
+                    errs = {"o": ((got[0].float() - shard(ref[0])).norm() / shard(ref[0]).norm()).item()}
+                    errs.update({f"d{k}": ((got[1][k].float() - shard(ref[1][k])).norm() / shard(ref[1][k]).norm()).item()
+                                 for k in got[1]})
+                    row["rel_err_vs_one_device"] = {k: float(f"{v:.3g}") for k, v in errs.items()}
+                    del full, ref, got
+                ms = statistics.median(times) * 1e3
+                row.update(time_ms=round(ms, 3), tokens_per_s=round(T / ms * 1e3, 1))
+                if device.type == "cuda":
+                    row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+            except Exception as error:  # noqa: BLE001 - recorded (e.g. out of memory), the next run goes on
+                row["error"] = error_text(error)
+            if rank == 0:
+                print(row, flush=True)
+                if args.out:
+                    from collect import append_records
+
+                    append_records(args.out, row)
+            import gc
+
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
