@@ -116,6 +116,8 @@ def main() -> None:
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     times.append(time.perf_counter() - start)
+                if device.type == "cuda":
+                    row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
                 if mesh is not None and args.check:  # against the whole sequence on this one device (Note [Parallel
                     # state passing across ranks]): relative L2 error of the output and of every input's gradient
                     from lightning_seqpar.sharding import shard_sequence
@@ -132,8 +134,6 @@ def main() -> None:
                     del full, ref, got
                 ms = statistics.median(times) * 1e3
                 row.update(time_ms=round(ms, 3), tokens_per_s=round(T / ms * 1e3, 1))
-                if device.type == "cuda":
-                    row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
             except Exception as error:  # noqa: BLE001 - recorded (e.g. out of memory), the next run goes on
                 row["error"] = error_text(error)
             if rank == 0:
