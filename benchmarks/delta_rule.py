@@ -5,12 +5,13 @@ of 128, 16 key heads; bf16 inputs, fp32 inside).
 
     python benchmarks/delta_rule.py --seqs 16384,131072 --out delta_rule.json
     torchrun --nproc_per_node=4 benchmarks/delta_rule.py --seqs 131072 --out delta_rule.json   (sequence parallel)
+    python benchmarks/delta_rule.py --seqs 65536 --docs 16            (16 packed documents: the state resets)
     python benchmarks/delta_rule.py --device cpu --seqs 256 --heads 2 --dim 16 --iters 1      (smoke)
 
 Under torchrun the package's kernel runs sequence-parallel: every rank holds --seq / W tokens
 (zigzag) and the states pass between the ranks (Note [Parallel state passing across ranks]); the
 record is rank 0's (gpus = W). One record per (length, system) appended to ``--out``: bench
-"delta_rule", system, seq (the whole sequence), gpus, heads, dim, device, time_ms (median of
+"delta_rule", system, seq (the whole sequence), gpus, heads, dim, documents, device, time_ms (median of
 ``--iters`` after ``--warmup``, forward + backward of sum(o * do)), tokens_per_s (the whole sequence's
 tokens per second), peak_mem_gb, error, commit; with --check under torchrun, rel_err_vs_one_device (relative
 L2 error of the output and of every input's gradient against the whole sequence on one device).
@@ -35,12 +36,13 @@ def _inputs(T: int, H: int, D: int, device: torch.device) -> dict[str, torch.Ten
             "g": -torch.nn.functional.softplus(make(1, T, H)) * 0.1, "beta": torch.sigmoid(make(1, T, H))}
 
 
-def _step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor, mesh) -> tuple[torch.Tensor, dict]:
+def _step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor, mesh, docs=None) -> tuple[torch.Tensor, dict]:
     x = {k: v.detach().requires_grad_() for k, v in inputs.items()}
     if system == "seqpar":
         from lightning_seqpar.attention.recurrent import gated_delta_rule
 
-        o = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mesh=mesh, layout="zigzag", kernel="torch")
+        o = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mesh=mesh, layout="zigzag", kernel="torch",
+                             documents=docs)
     elif system == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32, help="value heads (key heads: half)")
     ap.add_argument("--dim", type=int, default=128, help="key and value head dim")
     ap.add_argument("--systems", default="seqpar,transformers,fla")
+    ap.add_argument("--docs", type=int, default=0, help="pack this many equal documents (the package's kernel only; "
+                    "the state resets at each document's start)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -82,10 +86,11 @@ def main() -> None:
         rank = dist.get_rank()
         mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("sp",))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    systems = ["seqpar"] if world > 1 else args.systems.split(",")
+    systems = ["seqpar"] if world > 1 or args.docs else args.systems.split(",")
     for T in (int(s) for s in args.seqs.split(",")):
         for system in systems:
             row = {"bench": "delta_rule", "system": system, "seq": T, "gpus": world, "heads": args.heads, "dim": args.dim,
+                   "documents": args.docs or None,
                    "device": name, "time_ms": None, "tokens_per_s": None, "peak_mem_gb": None, "error": None,
                    "commit": args.commit}
             try:
@@ -97,13 +102,22 @@ def main() -> None:
                         raise RuntimeError(why)
                 inputs = _inputs(T, args.heads, args.dim, device)
                 do = torch.randn(1, T, args.heads, args.dim, generator=torch.Generator().manual_seed(1)).to(device)
-                if mesh is not None:
+                docs = None
+                if args.docs:
+                    from lightning_seqpar.documents import PackedDocuments
+
+                    docs = PackedDocuments.from_lengths([[T // args.docs] * (args.docs - 1) + [T - T // args.docs * (args.docs - 1)]],
+                                                        world=world)
+                if docs is not None and mesh is not None:
+                    inputs = {k: docs.shard(v, rank) for k, v in inputs.items()}
+                    do = docs.shard(do, rank)
+                elif mesh is not None:
                     from lightning_seqpar.sharding import shard_sequence
 
                     inputs = {k: shard_sequence(v, mesh, layout="zigzag") for k, v in inputs.items()}
                     do = shard_sequence(do, mesh, layout="zigzag")
                 for _ in range(args.warmup):
-                    _step(system, inputs, do, mesh)
+                    _step(system, inputs, do, mesh, docs)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -112,13 +126,13 @@ def main() -> None:
                     if mesh is not None:
                         dist.barrier()
                     start = time.perf_counter()
-                    _step(system, inputs, do, mesh)
+                    _step(system, inputs, do, mesh, docs)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     times.append(time.perf_counter() - start)
                 if device.type == "cuda":
                     row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-                if mesh is not None and args.check:  # against the whole sequence on this one device (Note [Parallel
+                if mesh is not None and args.check and docs is None:  # against the whole sequence on this one device (Note [Parallel
                     # state passing across ranks]): relative L2 error of the output and of every input's gradient
                     from lightning_seqpar.sharding import shard_sequence
 

@@ -13,7 +13,8 @@ Public names:
   shards, and :func:`sequence_starts` (where its state starts from zero: Note [Diagonal linear
   recurrences under sequence sharding]).
 * :func:`gated_delta_rule_chunked`, :func:`ssd_scan_chunked` — the one-device kernels (pure torch,
-  chunked; ``fla-core`` on CUDA when installed), with an initial state in and the final state out.
+  chunked, the chunk states by the blocked scan of :mod:`lightning_seqpar.attention.scan`; ``fla-core``
+  on CUDA when installed), with an initial state in and the final state out.
 * :class:`Recurrence` — a parameter-free module that the model's token mixers call; ``configure``
   gives it the sequence-parallel mesh and layout (as :class:`lightning_seqpar.attention.Attention`).
 
@@ -58,10 +59,12 @@ layers of the same model that need it. Re-laying the activations out contiguous 
 recurrent layers would move O(S) activations per layer (two all-to-alls); the state chain moves
 O(d^2) per hop whatever S, so the recurrent layers take the model's layout as it is.
 
-The chain is sequential: a rank waits for its S_in before its local work (this first version
-trades speed for simplicity; the affine structure would let every rank compute its piece with
-S_in = 0 in parallel and add the S_in-dependent part after the d x d chain, as LASP does for TNL —
-measured work for a later version).
+The chain is sequential: a rank waits for its S_in before its local work. It now carries only
+what the parallel form cannot: fla-core's kernels (which give no piece composite) and packed
+documents (a state per document). The package's torch kernels without documents pass the states
+in parallel instead, one all-gather each way (Note [Parallel state passing across ranks] in
+lightning_seqpar.attention.scan): on 4 H200s at 128K tokens (32 heads of 128) a gated DeltaNet
+layer's forward + backward went from 3,210 ms down the chain to 101 ms.
 
 Note [Halo exchange for the short convolution]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -96,7 +99,9 @@ attention op and the strategy refuse it).
 Inside a piece, chunked kernels (Note [Chunked gated recurrences]): every segment starts a fresh
 chunk, padded at its end to a multiple of c with no-op tokens (g = 0: no decay; k = v = q = 0 and
 beta = 0: no write), so no chunk holds a boundary, the chunk formulas are unchanged, and the
-state after a segment's last chunk is the state after its last token. A per-token reset inside a
+state after a segment's last chunk is the state after its last token. The chunks of all segments
+run in one blocked scan (Note [Blocked affine scan]) with the resets folded into the transitions:
+where chunk j + 1 starts a segment, A_j = 0 and b_j = that segment's entering state. A per-token reset inside a
 chunk (the decay multiplied to zero at a document start, g = -inf) is exact in the token
 recurrence but makes the chunk's cumulative log decays -inf (their differences NaN) and needs a
 mid-chunk injection of the entering state; the padding keeps the kernel as it is for at most
@@ -227,13 +232,6 @@ def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None
     return terms
 
 
-def _chunk_step(terms: dict[str, Tensor], j: int, state: Tensor) -> tuple[Tensor, Tensor]:
-    """(out of chunk j [B, H, c, Dv], state after it) from the state [B, H, Dk, Dv] entering it."""
-    w = terms["u"][:, :, j] if "wk" not in terms else terms["u"][:, :, j] - terms["wk"][:, :, j] @ state
-    out = terms["scores"][:, :, j] @ w + terms["q"][:, :, j] @ state
-    return out, terms["eG_last"][:, :, j] * state + terms["k_out"][:, :, j].transpose(-1, -2) @ w
-
-
 def _chunked_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor | None,
                   chunk_size: int, pieces: int = 1, group_name: str | None = None,
                   layout: str = "zigzag") -> tuple[Tensor, Tensor]:
@@ -310,21 +308,30 @@ def _chunked_scan_segments(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
     terms = _chunk_terms(padded(q), padded(k), padded(v), padded(g), None if beta is None else padded(beta), c)
     init = q.new_zeros(B * N, H, Dk, Dv, dtype=torch.float32) if initial is None else initial.float().reshape(B * N, H, Dk, Dv)
-    finals = list(init.unbind(0))
-    seg, first, last = lay["seg"].tolist(), lay["first"].tolist(), lay["last"].tolist()
-    outs, state = [], init[:1]
-    for j in range(len(seg)):  # the recurrence over chunks; a segment's first chunk starts from the segment's state
-        if first[j]:
-            state = init[seg[j]][None]
-        out, state = _chunk_step(terms, j, state)
-        outs.append(out)
-        if last[j]:
-            finals[seg[j]] = state[0]
-    if outs:
-        out = torch.stack(outs, dim=2).reshape(H, -1, Dv).transpose(0, 1)[lay["scatter"]]  # (B T, H, Dv)
-    else:
-        out = q.new_zeros(0, H, Dv, dtype=torch.float32)
-    return out.reshape(B, T, H, Dv), torch.stack(finals).reshape(B, N, H, Dk, Dv)
+    n_chunks = lay["seg"].numel()
+    if n_chunks == 0:  # every segment empty: each passes its entering state through
+        return q.new_zeros(B, T, H, Dv, dtype=torch.float32), init.reshape(B, N, H, Dk, Dv)
+    # one scan over every chunk of every segment (Note [Blocked affine scan]), the resets folded into the transitions:
+    # where chunk j + 1 starts a segment, A_j = 0 and b_j = that segment's entering state
+    u, K, W, e = terms["u"][0], terms["k_out"][0], terms.get("wk"), terms["eG_last"][0]  # (H, NC, ...)
+    W = None if W is None else W[0]
+    b = K.mT @ u  # (H, NC, Dk, Dv)
+    starts = lay["first"][1:]  # (NC - 1,): chunk j + 1 starts a segment
+    keep = torch.cat([~starts, starts.new_ones(1)]).to(e.dtype)[:, None, None]  # (NC, 1, 1)
+    enter = torch.cat([init[lay["seg"][1:]].transpose(0, 1), b.new_zeros(H, 1, Dk, Dv)], dim=1)  # (H, NC, Dk, Dv)
+    b_reset = b * keep + enter * (1 - keep)
+    h_all, _ = affine_scan((e * keep)[None, None], None if W is None else (K * keep)[None, None],
+                           None if W is None else W[None, None], b_reset[None, None], init[lay["seg"][0]][None])
+    h_all = h_all[0, 0]  # (H, NC, Dk, Dv): the state entering every chunk
+    w = u if W is None else u - W @ h_all
+    out = terms["scores"][0] @ w + terms["q"][0] @ h_all  # (H, NC, c, Dv)
+    out = out.reshape(H, -1, Dv).transpose(0, 1)[lay["scatter"]]  # (B T, H, Dv)
+    # every non-empty segment's leaving state: its last chunk's transition (without the reset) of its entering state
+    last = lay["last"].nonzero()[:, 0]
+    h_last = h_all[:, last]
+    Ah = e[:, last] * h_last if W is None else e[:, last] * h_last - K[:, last].mT @ (W[:, last] @ h_last)
+    finals = init.index_copy(0, lay["seg"][last], (Ah + b[:, last]).transpose(0, 1))
+    return out.reshape(B, T, H, Dv), finals.reshape(B, N, H, Dk, Dv)
 
 
 # fla path: thin, marked, tested on GPU by tests/test_recurrent.py::test_fla_kernels_match_torch
