@@ -403,7 +403,32 @@ def finetune_table(rows: list[dict]) -> str:
                   "tokens/s vs transformers", "device, commit, date"], out)
 
 
+def delta_rule_table(rows: list[dict]) -> str:
+    """benchmarks/delta_rule.py: one gated DeltaNet layer's forward + backward; per (device, S, GPUs, documents) the
+    latest record of each (system, commit), ours first (the last record not marked ``baseline``: a baseline is the
+    package's code before a change, measured in the same call); "row's time / ours" is the row's time over ours'."""
+    runs = last_by([r for r in rows if r.get("bench") == "delta_rule" and not r.get("error")],
+                   lambda r: (r.get("device"), r["seq"], r["gpus"], r.get("documents") or 0, r["system"], r["commit"]))
+    groups: dict[tuple, list[dict]] = {}
+    for key, r in runs.items():
+        groups.setdefault(key[:4], []).append(r)
+    out = []
+    for (device, seq, gpus, docs), rs in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][2], kv[0][3], kv[0][1])):
+        ours = [r for r in rs if r["system"] == "seqpar" and not r.get("baseline")]  # baseline: the code before, same call
+        latest = ours[-1] if ours else None
+        ordered = ([latest] if latest else []) + [r for r in rs if r is not latest]
+        for r in ordered:
+            name = ("**ours**" if r is latest else f"ours before ({r['commit']})") if r["system"] == "seqpar" else \
+                f"{r['system']} (torch path)" if r["system"] == "transformers" else r["system"]
+            speed = ratio(_num(r, "time_ms"), _num(latest, "time_ms")) if latest is not None and r is not latest else "·"
+            out.append([seq_k(seq), str(gpus), str(docs or "-"), name, f(_num(r, "time_ms"), ",.1f"), f(_num(r, "tokens_per_s"), ",.0f"),
+                        f(_num(r, "peak_mem_gb"), ".1f"), speed, f"{device}, {when(r)}"])
+    return table(["S", "GPUs", "documents", "system", "fwd + bwd ms", "tokens/s", "peak GB", "row's time / ours", "device, commit, date"],
+                 out)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "delta-rule": delta_rule_table,
     "hf-family": hf_family_table, "window": window_table, "finetune-one-gpu": finetune_table,
     "attention-grid": attention_grid,
     "suites": suites_table,
