@@ -29,6 +29,11 @@ import torch.distributed as dist
 from collect import error_text, record_and_release  # benchmarks/ is on sys.path when this file runs as a script
 
 
+KERNEL = ["torch"]
+"""The package's kernel= (--kernel): "torch" (the blocked scan; states in parallel across ranks) or "fla"
+(fla-core's kernels, where they run; the state chain across ranks)."""
+
+
 def _inputs(T: int, H: int, D: int, device: torch.device) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(0)
     make = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
@@ -41,7 +46,7 @@ def _step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor, mesh, 
     if system == "seqpar":
         from lightning_seqpar.attention.recurrent import gated_delta_rule
 
-        o = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mesh=mesh, layout="zigzag", kernel="torch",
+        o = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mesh=mesh, layout="zigzag", kernel=KERNEL[0],
                              documents=docs)
     elif system == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -65,6 +70,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32, help="value heads (key heads: half)")
     ap.add_argument("--dim", type=int, default=128, help="key and value head dim")
     ap.add_argument("--systems", default="seqpar,transformers,fla")
+    ap.add_argument("--kernel", default="torch", choices=["torch", "fla", "auto"], help="the package's kernel= (system seqpar)")
     ap.add_argument("--docs", type=int, default=0, help="pack this many equal documents (the package's kernel only; "
                     "the state resets at each document's start)")
     ap.add_argument("--iters", type=int, default=3)
@@ -74,6 +80,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args()
+    KERNEL[0] = args.kernel
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh, rank = None, 0
     if args.device == "cuda":
@@ -89,7 +96,7 @@ def main() -> None:
     systems = ["seqpar"] if world > 1 or args.docs else args.systems.split(",")
     for T in (int(s) for s in args.seqs.split(",")):
         for system in systems:
-            row = {"bench": "delta_rule", "system": system, "seq": T, "gpus": world, "heads": args.heads, "dim": args.dim,
+            row = {"bench": "delta_rule", "system": system, "kernel": args.kernel if system == "seqpar" else None, "seq": T, "gpus": world, "heads": args.heads, "dim": args.dim,
                    "documents": args.docs or None,
                    "device": name, "time_ms": None, "tokens_per_s": None, "peak_mem_gb": None, "error": None,
                    "commit": args.commit}
