@@ -416,10 +416,12 @@ def delta_rule_table(rows: list[dict]) -> str:
     for (device, seq, gpus, docs), rs in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][2], kv[0][3], kv[0][1])):
         ours = [r for r in rs if r["system"] == "seqpar" and not r.get("baseline")]  # baseline: the code before, same call
         latest = ours[-1] if ours else None
-        ordered = ([latest] if latest else []) + [r for r in rs if r is not latest]
+        # ours: the latest; earlier records of ours that are not a baseline are superseded (not shown)
+        ordered = ([latest] if latest else []) + [r for r in rs if r is not latest and (r["system"] != "seqpar" or r.get("baseline"))]
         for r in ordered:
             name = ("**ours**" if r is latest else f"ours before ({r['commit']})") if r["system"] == "seqpar" else \
-                f"{r['system']} (torch path)" if r["system"] == "transformers" else r["system"]
+                f"{r['system']} (torch path)" if r["system"] == "transformers" else \
+                "fla-core (Triton 3.7.1 carried)" if r["system"] == "fla" else r["system"]
             speed = ratio(_num(r, "time_ms"), _num(latest, "time_ms")) if latest is not None and r is not latest else "·"
             out.append([seq_k(seq), str(gpus), str(docs or "-"), name, f(_num(r, "time_ms"), ",.1f"), f(_num(r, "tokens_per_s"), ",.0f"),
                         f(_num(r, "peak_mem_gb"), ".1f"), speed, f"{device}, {when(r)}"])
@@ -427,7 +429,27 @@ def delta_rule_table(rows: list[dict]) -> str:
                  out)
 
 
+_HF_FAMILY_LABELS = {"gemma3": "gemma3-shaped (5 sliding : 1 global)", "gpt-oss": "gpt-oss-shaped (sinks, sliding, MoE)",
+                      "qwen3-next": "qwen3-next-shaped (gated DeltaNet 3 : 1)",
+                      "llama3-8b-lora": "llama3-8b-shaped, LoRA r=16 all-linear, bf16_adapters"}
+
+
+def hf_families_gpus_table(rows: list[dict]) -> str:
+    """benchmarks/hf_families.py under torchrun: the latest run that trained, per (device, GPUs, S, shape)."""
+    runs = last_by([r for r in rows if r.get("bench") == "hf-families" and not r.get("error")],
+                   lambda r: (r.get("device"), r["gpus"], r["seq"], r["shape"]))
+    order = list(_HF_FAMILY_LABELS)
+    out = []
+    for (device, gpus, seq, shape), r in sorted(runs.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2],
+                                                                              order.index(kv[0][3]) if kv[0][3] in order else 9)):
+        algorithm = r.get("algorithm", "?") + (" + state passing" if shape == "qwen3-next" else "")
+        out.append([_HF_FAMILY_LABELS.get(shape, shape), str(gpus), seq_k(seq), algorithm, f(_num(r, "tokens_per_s_per_gpu"), ",.0f"),
+                    f(_num(r, "mfu"), ".3f"), f(_num(r, "peak_mem_gb"), ".1f"), f"{device}, {when(r)}"])
+    return table(["model", "GPUs", "S", "algorithm (auto)", "tokens/s/GPU", "MFU", "peak GB", "device, commit, date"], out)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "hf-families-gpus": hf_families_gpus_table,
     "delta-rule": delta_rule_table,
     "hf-family": hf_family_table, "window": window_table, "finetune-one-gpu": finetune_table,
     "attention-grid": attention_grid,
