@@ -6,6 +6,7 @@ of 128, 16 key heads; bf16 inputs, fp32 inside).
     python benchmarks/delta_rule.py --seqs 16384,131072 --out delta_rule.json
     torchrun --nproc_per_node=4 benchmarks/delta_rule.py --seqs 131072 --out delta_rule.json   (sequence parallel)
     python benchmarks/delta_rule.py --seqs 65536 --docs 16            (16 packed documents: the state resets)
+    python benchmarks/delta_rule.py --rule ssd --seqs 16384,65536     (Mamba2's scan, Bamba-9B's shape, bench "ssd_scan")
     python benchmarks/delta_rule.py --device cpu --seqs 256 --heads 2 --dim 16 --iters 1      (smoke)
 
 Under torchrun the package's kernel runs sequence-parallel: every rank holds --seq / W tokens
@@ -41,7 +42,33 @@ def _inputs(T: int, H: int, D: int, device: torch.device) -> dict[str, torch.Ten
             "g": -torch.nn.functional.softplus(make(1, T, H)) * 0.1, "beta": torch.sigmoid(make(1, T, H))}
 
 
+def _ssd_inputs(T: int, H: int, P: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Mamba2's scan after the in-projection and the conv (Bamba-9B: 128 heads of 64, state 128, one group)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    make = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    return {"x": make(1, T, H, P).bfloat16(), "dt": torch.nn.functional.softplus(make(1, T, H) - 4),
+            "A": -torch.rand(H, generator=g).to(device) - 0.5, "B": make(1, T, 1, N).bfloat16(), "C": make(1, T, 1, N).bfloat16(),
+            "D": torch.ones(H, device=device)}
+
+
+def _ssd_step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    x = {k: v.detach().requires_grad_() for k, v in inputs.items()}
+    if system == "seqpar":
+        from lightning_seqpar.attention.recurrent import ssd_scan
+
+        y = ssd_scan(x["x"], x["dt"], x["A"], x["B"], x["C"], x["D"], kernel=KERNEL[0])
+    else:
+        from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
+
+        y = mamba2_chunk_scan(x["x"], x["dt"], x["A"], x["B"], x["C"], chunk_size=256, D=x["D"])
+        y = y[0] if isinstance(y, tuple) else y
+    (y.float() * do).sum().backward()
+    return y.detach(), {k: v.grad for k, v in x.items()}
+
+
 def _step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor, mesh, docs=None) -> tuple[torch.Tensor, dict]:
+    if "x" in inputs:  # --rule ssd (one device)
+        return _ssd_step(system, inputs, do)
     x = {k: v.detach().requires_grad_() for k, v in inputs.items()}
     if system == "seqpar":
         from lightning_seqpar.attention.recurrent import gated_delta_rule
@@ -70,6 +97,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32, help="value heads (key heads: half)")
     ap.add_argument("--dim", type=int, default=128, help="key and value head dim")
     ap.add_argument("--systems", default="seqpar,transformers,fla")
+    ap.add_argument("--rule", default="delta", choices=["delta", "ssd"],
+                    help="delta: the gated delta rule (Qwen3-Next's shape); ssd: Mamba2's scan (Bamba-9B's shape, one device, "
+                         "the peer transformers' mamba2_chunk_scan torch path)")
     ap.add_argument("--kernel", default="torch", choices=["torch", "fla", "auto"], help="the package's kernel= (system seqpar)")
     ap.add_argument("--docs", type=int, default=0, help="pack this many equal documents (the package's kernel only; "
                     "the state resets at each document's start)")
@@ -96,7 +126,7 @@ def main() -> None:
     systems = ["seqpar"] if world > 1 or args.docs else args.systems.split(",")
     for T in (int(s) for s in args.seqs.split(",")):
         for system in systems:
-            row = {"bench": "delta_rule", "system": system, "kernel": args.kernel if system == "seqpar" else None, "seq": T, "gpus": world, "heads": args.heads, "dim": args.dim,
+            row = {"bench": "delta_rule" if args.rule == "delta" else "ssd_scan", "system": system, "kernel": args.kernel if system == "seqpar" else None, "seq": T, "gpus": world, "heads": args.heads, "dim": args.dim,
                    "documents": args.docs or None,
                    "device": name, "time_ms": None, "tokens_per_s": None, "peak_mem_gb": None, "error": None,
                    "commit": args.commit}
@@ -107,8 +137,15 @@ def main() -> None:
                     why = "fla-core is not installed" if not _fla_installed() else _fla_unusable(device.index)
                     if why:
                         raise RuntimeError(why)
-                inputs = _inputs(T, args.heads, args.dim, device)
-                do = torch.randn(1, T, args.heads, args.dim, generator=torch.Generator().manual_seed(1)).to(device)
+                if args.rule == "ssd":
+                    if world > 1 or args.docs or system == "fla":
+                        raise ValueError("--rule ssd: one device, no documents, systems seqpar and transformers")
+                    row.update(heads=128, dim=64, state=128)
+                    inputs = _ssd_inputs(T, 128, 64, 128, device)
+                    do = torch.randn(1, T, 128, 64, generator=torch.Generator().manual_seed(1)).to(device)
+                else:
+                    inputs = _inputs(T, args.heads, args.dim, device)
+                    do = torch.randn(1, T, args.heads, args.dim, generator=torch.Generator().manual_seed(1)).to(device)
                 docs = None
                 if args.docs:
                     from lightning_seqpar.documents import PackedDocuments

@@ -174,6 +174,26 @@ def test_hybrid_models_train_exactly_under_the_strategy(world, attention, layout
     assert_trained_like(STRATEGY_KINDS, results, refs, atol=ATOL)
 
 
+def test_hybrid_models_train_exactly_with_data_parallelism(saved):
+    """sp = 2 x dp = 2 (4 ranks, FSDP2 over both axes): each data-parallel pair runs its half of the batch with the
+    states passed in parallel over its two sequence ranks; the logged loss and every gradient are the whole
+    batch's, the logits rank 0's half."""
+    from hf_testing import train_each
+
+    refs, data = saved
+    kinds = ("qwen3_next", "bamba")  # the gated delta rule and the SSD scan
+    results = run_distributed(train_each, 4, [refs[k][0] for k in kinds], data, timeout=300,
+                              strategy_kwargs={"attention": "ring", "sequence_parallel_size": 2})[0]
+    for kind, result in zip(kinds, results):
+        _, logits, loss, grads = refs[kind]
+        assert result["losses"][0] == pytest.approx(float(loss), rel=1e-6), kind
+        torch.testing.assert_close(result["logits"], logits[: result["logits"].shape[0]], rtol=0, atol=ATOL,
+                                   msg=lambda m, k=kind: f"{k} logits: {m}")
+        assert result["logits"].shape[0] < logits.shape[0], "the batch was not split over the data-parallel ranks"
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=0, atol=ATOL, msg=lambda m, k=kind, n=name: f"{k} {n}: {m}")
+
+
 def test_two_d_attention_is_refused_by_name():
     """Before any communication: a 2-D (hp x cp) mesh (its head-parallel axis does not apply to a recurrence)."""
     import types
