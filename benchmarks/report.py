@@ -407,14 +407,16 @@ def delta_rule_table(rows: list[dict]) -> str:
     """benchmarks/delta_rule.py: one gated DeltaNet layer's forward + backward; per (device, S, GPUs, documents) the
     latest record of each (system, commit), ours first (the last record not marked ``baseline``: a baseline is the
     package's code before a change, measured in the same call); "row's time / ours" is the row's time over ours'."""
-    runs = last_by([r for r in rows if r.get("bench") == "delta_rule" and not r.get("error")],
-                   lambda r: (r.get("device"), r["seq"], r["gpus"], r.get("documents") or 0, r["system"], r["commit"]))
+    runs = last_by([r for r in rows if r.get("bench") in ("delta_rule", "ssd_scan")],
+                   lambda r: (r["bench"], r.get("device"), r["seq"], r["gpus"], r.get("documents") or 0, r["system"], r["commit"]))
     groups: dict[tuple, list[dict]] = {}
     for key, r in runs.items():
-        groups.setdefault(key[:4], []).append(r)
+        groups.setdefault(key[:5], []).append(r)
     out = []
-    for (device, seq, gpus, docs), rs in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][2], kv[0][3], kv[0][1])):
-        ours = [r for r in rs if r["system"] == "seqpar" and not r.get("baseline")]  # baseline: the code before, same call
+    for (bench, device, seq, gpus, docs), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][3], kv[0][4], kv[0][2])):
+        if all(r.get("error") for r in rs if r["system"] == "seqpar"):
+            continue
+        ours = [r for r in rs if r["system"] == "seqpar" and not r.get("baseline") and not r.get("error")]  # baseline: the code before, same call
         latest = ours[-1] if ours else None
         # ours: the latest; earlier records of ours that are not a baseline are superseded (not shown)
         ordered = ([latest] if latest else []) + [r for r in rs if r is not latest and (r["system"] != "seqpar" or r.get("baseline"))]
@@ -422,11 +424,14 @@ def delta_rule_table(rows: list[dict]) -> str:
             name = ("**ours**" if r is latest else f"ours before ({r['commit']})") if r["system"] == "seqpar" else \
                 f"{r['system']} (torch path)" if r["system"] == "transformers" else \
                 "fla-core (Triton 3.7.1 carried)" if r["system"] == "fla" else r["system"]
-            speed = ratio(_num(r, "time_ms"), _num(latest, "time_ms")) if latest is not None and r is not latest else "·"
-            out.append([seq_k(seq), str(gpus), str(docs or "-"), name, f(_num(r, "time_ms"), ",.1f"), f(_num(r, "tokens_per_s"), ",.0f"),
+            error = r.get("error")
+            speed = ratio(_num(r, "time_ms"), _num(latest, "time_ms")) if latest is not None and r is not latest and not error else "·"
+            ms = ("out of memory" if "out of memory" in error else error[:40]) if error else f(_num(r, "time_ms"), ",.1f")
+            layer = "gated delta rule (Qwen3-Next)" if bench == "delta_rule" else "Mamba2 SSD (Bamba-9B)"
+            out.append([layer, seq_k(seq), str(gpus), str(docs or "-"), name, ms, f(_num(r, "tokens_per_s"), ",.0f"),
                         f(_num(r, "peak_mem_gb"), ".1f"), speed, f"{device}, {when(r)}"])
-    return table(["S", "GPUs", "documents", "system", "fwd + bwd ms", "tokens/s", "peak GB", "row's time / ours", "device, commit, date"],
-                 out)
+    return table(["layer", "S", "GPUs", "documents", "system", "fwd + bwd ms", "tokens/s", "peak GB", "row's time / ours",
+                  "device, commit, date"], out)
 
 
 _HF_FAMILY_LABELS = {"gemma3": "gemma3-shaped (5 sliding : 1 global)", "gpt-oss": "gpt-oss-shaped (sinks, sliding, MoE)",
