@@ -26,6 +26,19 @@ It is what torchtitan and Lightning use, and ``torch.distributed.checkpoint`` an
 ``Module.state_dict`` both strip its ``_checkpoint_wrapped_module.`` prefix, so checkpoints keep
 the model's own parameter names.
 
+Note [Recurrent layers under Selective Checkpoint++]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A hybrid model's recurrent token mixers (lightning_seqpar.attention.recurrent) are not in
+:data:`SAVE_OPS`: their forward runs again in the recompute, with its one all-gather of the piece
+composites (Note [Parallel state passing across ranks]). Saving their output alone would not save
+it: unlike flash attention, whose backward rebuilds its probabilities from (q, k, lse), the
+recurrence's backward needs the state entering every chunk, [H, S / 64, Dk, Dv] fp32 — for
+Qwen3-Next's gated DeltaNet 32 KB per token and layer, 8x the 4 KB of the block input that the
+checkpoint keeps — and those states cost the chunk terms and the scan, i.e. the forward, to
+rebuild. Keeping them (with the chunk terms) would skip the recompute at that memory: a trade
+for short sequences with memory to spare, open (it needs the recurrence as a custom op so that
+the policy can see it, as the attention ops are).
+
 Note [Offloading checkpoints to host memory]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 What a checkpointed block keeps until its backward is its input (B, S/W, d) — and, under
