@@ -27,7 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from collect import error_text, record_and_release  # benchmarks/ is on sys.path when this file runs as a script
+from collect import error_text  # benchmarks/ is on sys.path when this file runs as a script
 
 
 KERNEL = ["torch"]
