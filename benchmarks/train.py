@@ -430,7 +430,7 @@ def _is_oom(exc: BaseException) -> bool:
     return False
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--system", choices=["seqpar", "torch_cp", "tp_sp"], required=True)
     ap.add_argument("--model", default="llama3-8b")
@@ -471,7 +471,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="append the record to this JSON list (merge with benchmarks/collect.py)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test (gloo) of seqpar / tp_sp")
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
         runs = [tuple(int(y) for y in x.split(":")) for x in args.seqs.split(",")] if args.seqs else [(args.seq,)]
     except ValueError:

@@ -128,27 +128,28 @@ def test_dry_run_prints_each_selected_command(capsys):
 
 @pytest.mark.timeout(600)
 def test_driver_runs_a_suite_within_its_budget(tmp_path):
-    """A real run on CPU (gloo): train.py on 2 processes; its record stamped with suite, run and commit;
-    a run needing flash-attention 4 skipped by name; runs that do not fit the budget skipped."""
+    """A real run on CPU (gloo): train.py under torchrun (one process: the two-process runs of train.py are
+    test_benchmarks_cpu's); its record stamped with suite, run and commit; a run needing flash-attention 4
+    skipped by name; runs that do not fit the budget skipped."""
     import shutil
 
     if shutil.which("torchrun") is None:
         pytest.skip("no torchrun on PATH")
     cpu = ("--device", "cpu", "--warmup", "0", "--steps", "1", "--loss-chunk", "16")
-    suite = Suite(name="cpu-smoke", question="", table="", runs={2: (
-        Run(name="tiny-ours", kind="train", gpus=2, limit_s=400, system="seqpar", model="tiny", seq=64, args=cpu),
-        Run(name="tiny-fa4", kind="train", gpus=2, limit_s=100, system="seqpar", model="tiny", seq=64, args=cpu, fa4=True))})
+    suite = Suite(name="cpu-smoke", question="", table="", runs={1: (
+        Run(name="tiny-ours", kind="train", gpus=1, limit_s=400, system="seqpar", model="tiny", seq=64, args=cpu),
+        Run(name="tiny-fa4", kind="train", gpus=1, limit_s=100, system="seqpar", model="tiny", seq=64, args=cpu, fa4=True))})
     lines: list[str] = []
-    rows = driver.run_suite(suite, gpus=2, budget_s=500, out_dir=str(tmp_path), commit="feedbee", log=lines.append)
+    rows = driver.run_suite(suite, gpus=1, budget_s=500, out_dir=str(tmp_path), commit="feedbee", log=lines.append)
     text = "\n".join(lines)
     assert len(rows) == 1, text + open(tmp_path / "logs" / "cpu-smoke-tiny-ours.log").read()[-3000:]
     row = rows[0]
-    assert (row["suite"], row["run"], row["commit"], row["model"], row["seq"], row["gpus"]) == ("cpu-smoke", "tiny-ours", "feedbee", "tiny", 64, 2)
+    assert (row["suite"], row["run"], row["commit"], row["model"], row["seq"], row["gpus"]) == ("cpu-smoke", "tiny-ours", "feedbee", "tiny", 64, 1)
     assert json.loads((tmp_path / "cpu-smoke.json").read_text()) == rows
     assert "tiny-fa4: SKIPPED (needs flash-attention 4" in text
     assert "== tiny-ours: rc=0" in text and "[train]" in (tmp_path / "cpu-smoke.log").read_text()
     lines.clear()
-    assert driver.run_suite(suite, gpus=2, only=("tiny-ours",), budget_s=5, out_dir=str(tmp_path), commit="x", log=lines.append) == []
+    assert driver.run_suite(suite, gpus=1, only=("tiny-ours",), budget_s=5, out_dir=str(tmp_path), commit="x", log=lines.append) == []
     # the budget left is whole seconds after the suite's start (5 on a quiet machine, less on a loaded one)
     assert any(re.search(r"tiny-ours: SKIPPED \([0-5]s of the budget left", x) for x in lines), lines
 
