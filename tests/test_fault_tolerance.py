@@ -2,17 +2,18 @@
 
 * SIGTERM: `seqpar fit` (2 processes, Lightning's launcher) is signalled mid-epoch; the
   ``PreemptionCheckpoint`` callback writes a checkpoint at the end of the step on both ranks and
-  the run exits 0; `seqpar fit --ckpt_path last` continues with bit-identical losses.
+  the run exits 0; `fit --ckpt_path last` continues with bit-identical losses.
 * SIGKILL: rank 1 is killed during a training step (each rank a process of its own, as a cluster
   scheduler starts them); rank 0 fails by itself within the strategy's timeout naming the dead
-  rank, nothing is saved after the failure, and resuming from the last periodic checkpoint under
-  `torchrun` gives bit-identical losses. A kill during a checkpoint save leaves the last complete
-  checkpoint the latest.
+  rank, nothing is saved after the failure, and resuming from the last periodic checkpoint gives
+  bit-identical losses. A kill during a checkpoint save leaves the last complete checkpoint the latest.
 * Stall: one rank sleeps in ``training_step``; the other fails with a clear error within the
   strategy's ``timeout``.
 
 Every subprocess runs under a timeout and is killed (its process group) when the test ends.
-The reference losses come from the same configuration run without interruption on pooled ranks.
+The reference losses come from the same configuration run without interruption on pooled ranks;
+the resumed runs run there too (processes that ran other tests before: only what the checkpoint
+holds makes them exact).
 """
 
 from __future__ import annotations
@@ -129,11 +130,6 @@ class _Run:
 
 def _seqpar(config: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lightning_seqpar.cli", "fit", "--config", str(config), *extra]
-
-
-def _torchrun(config: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "--monitor-interval", "0.2", "-m", "lightning_seqpar.cli", "fit", "--config", str(config), *extra]
 
 
 def _wait_for_pause(run: Any, markers: Path, timeout: float = PROCESS_TIMEOUT, ranks: int = 2) -> dict[int, int]:
@@ -284,10 +280,10 @@ def test_kill_9_during_a_training_step_names_the_dead_rank_and_resume_is_exact(t
     assert not (ckpt / "preempted.ckpt").exists()  # nothing is saved after a failure
     assert not list(ckpt.glob("*.partial"))
 
-    # resumed under torchrun (its launcher sets the ranks' environment): bit-identical losses
+    # resumed on the pooled ranks (as the other resumes here; torchrun's launch of a training is
+    # tests/test_multinode.py's): bit-identical losses
     resume = _config(tmp_path, "b", ckpt_dir=ckpt, timeout=KILL_TIMEOUT)
-    with _Run(_torchrun(resume, "--ckpt_path", "last"), tmp_path / "b.log") as run:
-        assert run.wait() == 0, run.tail()
+    run_distributed(_reference_run, 2, str(resume), "--ckpt_path", "last", timeout=PROCESS_TIMEOUT)
     assert _losses(tmp_path / "b") == {s: reference[s] for s in range(6, STEPS)}  # bit-identical
 
 
