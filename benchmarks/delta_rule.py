@@ -30,11 +30,6 @@ import torch.distributed as dist
 from collect import error_text  # benchmarks/ is on sys.path when this file runs as a script
 
 
-KERNEL = ["torch"]
-"""The package's kernel= (--kernel): "torch" (the blocked scan; states in parallel across ranks) or "fla"
-(fla-core's kernels, where they run; the state chain across ranks)."""
-
-
 def _inputs(T: int, H: int, D: int, device: torch.device) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(0)
     make = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
@@ -51,12 +46,12 @@ def _ssd_inputs(T: int, H: int, P: int, N: int, device: torch.device) -> dict[st
             "D": torch.ones(H, device=device)}
 
 
-def _ssd_step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def _ssd_step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor, kernel: str) -> tuple[torch.Tensor, dict]:
     x = {k: v.detach().requires_grad_() for k, v in inputs.items()}
     if system == "seqpar":
         from lightning_seqpar.attention.recurrent import ssd_scan
 
-        y = ssd_scan(x["x"], x["dt"], x["A"], x["B"], x["C"], x["D"], kernel=KERNEL[0])
+        y = ssd_scan(x["x"], x["dt"], x["A"], x["B"], x["C"], x["D"], kernel=kernel)
     else:
         from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
 
@@ -66,14 +61,17 @@ def _ssd_step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor) ->
     return y.detach(), {k: v.grad for k, v in x.items()}
 
 
-def _step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor, mesh, docs=None) -> tuple[torch.Tensor, dict]:
+def _step(system: str, inputs: dict[str, torch.Tensor], do: torch.Tensor, mesh, docs=None, kernel: str = "torch"
+          ) -> tuple[torch.Tensor, dict]:
+    """One forward + backward; ``kernel``: the package's kernel= ("torch": the blocked scan, states in parallel
+    across ranks; "fla": fla-core's kernels where they run, the state chain across ranks)."""
     if "x" in inputs:  # --rule ssd (one device)
-        return _ssd_step(system, inputs, do)
+        return _ssd_step(system, inputs, do, kernel)
     x = {k: v.detach().requires_grad_() for k, v in inputs.items()}
     if system == "seqpar":
         from lightning_seqpar.attention.recurrent import gated_delta_rule
 
-        o = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mesh=mesh, layout="zigzag", kernel=KERNEL[0],
+        o = gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mesh=mesh, layout="zigzag", kernel=kernel,
                              documents=docs)
     elif system == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -110,7 +108,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args()
-    KERNEL[0] = args.kernel
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh, rank = None, 0
     if args.device == "cuda":
@@ -161,7 +158,7 @@ def main() -> None:
                     inputs = {k: shard_sequence(v, mesh, layout="zigzag") for k, v in inputs.items()}
                     do = shard_sequence(do, mesh, layout="zigzag")
                 for _ in range(args.warmup):
-                    _step(system, inputs, do, mesh, docs)
+                    _step(system, inputs, do, mesh, docs, args.kernel)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -170,7 +167,7 @@ def main() -> None:
                     if mesh is not None:
                         dist.barrier()
                     start = time.perf_counter()
-                    _step(system, inputs, do, mesh, docs)
+                    _step(system, inputs, do, mesh, docs, args.kernel)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     times.append(time.perf_counter() - start)
@@ -182,8 +179,8 @@ def main() -> None:
 
                     full = _inputs(T, args.heads, args.dim, device)
                     do_full = torch.randn(1, T, args.heads, args.dim, generator=torch.Generator().manual_seed(1)).to(device)
-                    ref = _step(system, full, do_full, None)
-                    got = _step(system, inputs, do, mesh)
+                    ref = _step(system, full, do_full, None, kernel=args.kernel)
+                    got = _step(system, inputs, do, mesh, kernel=args.kernel)
                     shard = lambda t: shard_sequence(t, mesh, layout="zigzag").float()  # noqa: E731
                     errs = {"o": ((got[0].float() - shard(ref[0])).norm() / shard(ref[0]).norm()).item()}
                     errs.update({f"d{k}": ((got[1][k].float() - shard(ref[1][k])).norm() / shard(ref[1][k]).norm()).item()

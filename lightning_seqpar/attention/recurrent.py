@@ -847,10 +847,10 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor |
     _check_scan(q, k, v, g, None, chunk_size)
     _pieces_of(T, mesh, layout)
     pieces = _check_documents(documents, Bsz, T, mesh, layout)
-    fn = functools.partial(_ssd_kernel, chunk_size=chunk_size, kernel=_resolve_kernel(kernel, x.device, pieces is not None),
-                           pieces=pieces)
+    ker = _resolve_kernel(kernel, x.device, pieces is not None)
+    fn = functools.partial(_ssd_kernel, chunk_size=chunk_size, kernel=ker, pieces=pieces)
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
-    if _state_passing(mesh, fn.keywords["kernel"], pieces):
+    if _state_passing(mesh, ker, pieces):
         y = _chunked_scan(q, k, v, g, None, None, chunk_size, _pieces_of(T, mesh, layout), mesh.get_group().group_name,  # type: ignore[union-attr]
                           layout)[0]
     else:

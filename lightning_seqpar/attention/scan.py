@@ -262,8 +262,7 @@ class _AffineScan(torch.autograd.Function):
             group = process_group(group_name)
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             starts = _pieces_in_order(_gather(d_start, group), world, layout)
-            after, d, incoming = M_all.new_zeros(Bsz, H, Dk, Dv), None, [None] * len(starts)
-            d = after
+            d, incoming = M_all.new_zeros(Bsz, H, Dk, Dv), [None] * len(starts)  # nothing after the last piece
             for p in reversed(range(len(starts))):
                 incoming[p] = d  # the gradient reaching piece p's end from the pieces after it
                 d = _mat_t(M_all[p], d, dense) + starts[p]
