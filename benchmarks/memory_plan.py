@@ -111,7 +111,12 @@ def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict,
             loss = trainer.callback_metrics.get("train/loss")
             losses.append(float(loss) if loss is not None else float("nan"))
             if stop_after is not None and len(times) >= stop_after and trainer.global_step < steps:
-                trainer.should_stop = True  # the rest in the next call, from the checkpoint written below
+                # The rest in the next call. Saved here, inside the step's end as ModelCheckpoint and the
+                # package's preemption callback save: a checkpoint written after fit() returns records the
+                # epoch as ended, and the resumed run would start the epoch again (step 2 on batch 0).
+                os.makedirs(ckpt_dir, exist_ok=True)
+                trainer.save_checkpoint(os.path.join(ckpt_dir, "last.ckpt"))
+                trainer.should_stop = True
 
     data = _data(config.vocab_size, seq, steps)
     resume = os.path.join(ckpt_dir, "last.ckpt") if ckpt_dir else None
@@ -136,9 +141,6 @@ def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict,
             print(row["peak_breakdown"], flush=True)
         else:
             fit()
-        if ckpt_dir is not None and trainer.global_step < steps:
-            os.makedirs(ckpt_dir, exist_ok=True)
-            trainer.save_checkpoint(os.path.join(ckpt_dir, "last.ckpt"))
         row.update(resumed_from_step=None if resume is None else trainer.global_step - len(times), global_step=trainer.global_step)
     finally:  # the plan is known before the first step, also when a step runs out of memory
         plan = strategy.memory_plan
