@@ -8,6 +8,7 @@ communication hides. FLOPs: non-causal forward 4 Sq Sk H D, causal forward 2 S^2
 2.5x forward (the benchmark's 3.5 x count).
 
     python benchmarks/kernel_rates.py --backend cudnn --out kernel_rates.json
+    python benchmarks/kernel_rates.py --backend fa4 --head-dim 64 --heads 8/2 --labels "one GPU 128K"
 """
 
 from __future__ import annotations
@@ -45,9 +46,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--head-dim", type=int, default=128, help="64: the Llama-3.2-1B shape")
+    ap.add_argument("--labels", default=None, help="comma-separated labels of SHAPES to run (default: all)")
+    ap.add_argument("--heads", default=None, help="Hq/Hkv instead of each shape's, e.g. 8/2 (one of four head chunks of 32/8)")
     args = ap.parse_args()
-    D, rows = 128, []
+    D, rows = args.head_dim, []
+    only = None if args.labels is None else set(args.labels.split(","))
     for label, sq, sk, hq, hkv, causal in SHAPES:
+        if only is not None and label not in only:
+            continue
+        if args.heads:
+            hq, hkv = (int(h) for h in args.heads.split("/"))
         q = torch.randn(1, sq, hq, D, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, sk, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         do = torch.randn_like(q)
@@ -62,7 +71,7 @@ def main() -> None:
             if i:
                 times.append(time.perf_counter() - t0)
         t = min(times)
-        row = dict(bench="kernel_rate", backend=args.backend, label=label, sq=sq, sk=sk, hq=hq, hkv=hkv, causal=causal,
+        row = dict(bench="kernel_rate", backend=args.backend, label=label, sq=sq, sk=sk, hq=hq, hkv=hkv, head_dim=D, causal=causal,
                    time_s=t, tflops=3.5 * fwd / t / 1e12, device=torch.cuda.get_device_name(), commit=args.commit)
         rows.append(row)
         print(f"{label:28s} Sq={sq:8d} Sk={sk:8d} H={hq}/{hkv} causal={causal!s:5s} {row['tflops']:6.1f} TFLOP/s  {t * 1e3:9.1f} ms", flush=True)
