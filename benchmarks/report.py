@@ -395,9 +395,17 @@ def finetune_table(rows: list[dict]) -> str:
         done, steps = r.get("global_step"), r.get("steps")
         if not error and done is not None and steps and done < steps:  # a run split over device calls, not finished
             tokens += f" ({done} of {steps} steps)"
-        per_gb = f(seq / _num(r, "peak_mem_gb"), ",.0f") if not error and _num(r, "peak_mem_gb") else "-"
+        peak = _num(r, "peak_mem_gb")
+        if not error and r.get("resumed_from_step"):  # the later steps of a run split over device calls
+            before = [b for b in rows if b.get("bench") == r["bench"] and b.get("commit") == r.get("commit")
+                      and (b.get("device"), b["model"], b["seq"], b["system"]) == (device, model, seq, system)
+                      and b.get("global_step") == r["resumed_from_step"] and not b.get("error") and not b.get("plan_seq")]
+            if before:
+                peak = max([peak] + [_num(b, "peak_mem_gb") for b in before if _num(b, "peak_mem_gb")])
+                tokens += f" ({done} steps; step {r['resumed_from_step'] + 1} on resumed from a checkpoint in a second device call)"
+        per_gb = f(seq / peak, ",.0f") if not error and peak else "-"
         out.append([model.removeprefix("hf-"), seq_k(seq), _FINETUNE_SYSTEMS.get(system, system), tokens,
-                    f(_num(r, "peak_mem_gb"), ".1f") if not error else f"> {_num(r, 'peak_mem_gb'):.1f}" if _num(r, "peak_mem_gb") else "-",
+                    f(peak, ".1f") if not error else f"> {peak:.1f}" if peak else "-",
                     f(est, ".1f") if est else "·", options or "·", per_gb, speed, f"{device}, {when(r)}"])
     return table(["model", "S", "system", "tokens/s", "peak GB", "planner estimate GB", "planner's options", "tokens per GB",
                   "tokens/s vs transformers", "device, commit, date"], out)
