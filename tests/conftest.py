@@ -71,10 +71,43 @@ def _mark_groups(items) -> None:
             item.add_marker(unit)
 
 
+# Note [Slow tests first]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# pytest-xdist's worksteal hands each worker a contiguous share of the collection and lets an idle
+# worker take half of another's pending tests; a test that starts last runs alone, one core idle.
+# The tests below (real process launches: torchrun, `seqpar fit`, Lightning's launcher; torch.compile;
+# 8-rank pools) take 15-50 s each on a loaded 2-core machine, so they go to the front of the collection
+# (in this order, the rest in theirs): they start while the short ones fill the other worker. Order
+# only: every test still runs.
+SLOW_FIRST = (
+    "tests/test_multinode.py::",
+    "tests/test_fault_tolerance.py::",
+    "tests/test_benchmarks_cpu.py::test_longest_passes_offload_params_through",
+    "tests/test_benchmarks_cpu.py::test_train_several_lengths_in_one_process",
+    "tests/test_benchmarks_driver.py::test_driver_runs_a_suite_within_its_budget",
+    "tests/test_cli.py::test_console_script_two_processes",
+    "tests/test_parity.py::test_training_parity_mlp_tiles_compiled_without_checkpointing",
+    "tests/test_hf_hybrid.py::test_more_families_train_exactly_under_the_strategy",
+    "tests/test_attention.py::test_eight_ranks_match_full_sequence_attention",
+    "tests/test_hf_support.py::test_ci_subset_is_exact_or_refused",
+    "tests/test_benchmarks_cpu.py::test_offload_optimizer_times_each_implementation",
+    "tests/test_resources.py::test_ten_fits_in_one_process_release_threads_descriptors_and_the_default_group",
+)
+
+
+def _slow_first(items) -> None:
+    def rank(item) -> int:
+        nodeid = item.nodeid if item.nodeid.startswith("tests/") else "tests/" + item.nodeid
+        return next((i for i, prefix in enumerate(SLOW_FIRST) if nodeid.startswith(prefix)), len(SLOW_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
     _mark_groups(items)
+    _slow_first(items)
 
     if config.pluginmanager.hasplugin("rerunfailures"):
         # A test whose gloo worker died from a signal (dist_utils.WorkerCrashed: a native crash, not

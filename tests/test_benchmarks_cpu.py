@@ -133,7 +133,8 @@ def test_longest_passes_offload_params_through(tmp_path, monkeypatch, capsys):
         train.main(["--system", "tp_sp", "--device", "cpu", "--offload-params"])
     assert refused.value.code == 2 and "--offload-params is for --system seqpar and torch_cp" in capsys.readouterr().err
     log = tmp_path / "longest.log"
-    row = longest.main(["--system", "seqpar", "--model", "tiny", "--nproc", "2", "--seqs", "64:240", "--device", "cpu",
+    # one process: the two-process runs of train.py are test_train_several_lengths_in_one_process's
+    row = longest.main(["--system", "seqpar", "--model", "tiny", "--nproc", "1", "--seqs", "64:240", "--device", "cpu",
                         "--log", str(log), "--", "--offload-params", "--loss-chunk", "16", "--optimizer", "default"])
     assert row["seq"] == 64, log.read_text()[-3000:]
     assert row["offload_params"] is True and row["train_args"] == "--offload-params --loss-chunk 16 --optimizer default"

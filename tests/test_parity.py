@@ -216,7 +216,9 @@ def test_offload_params_under_low_precision_changes_nothing(precision):
 
 
 def test_training_parity_mlp_tiles_compiled_without_checkpointing(reference):
-    """The tiled MLP under torch.compile (per block) and with activation_checkpointing=None, dp2 x sp2.
+    """The tiled MLP under torch.compile (per block) and with activation_checkpointing=None, sp2 (FSDP2 shards
+    over both ranks: its gathers run around the compiled blocks). Two ranks, not dp2 x sp2: every rank
+    compiles the same graphs, so four ranks cost twice the CPU for no other compiled code path.
 
     Weights at atol 2e-5: Inductor's fused fp32 kernels differ from eager in the last bits, and
     AdamW's normalised step amplifies that where a gradient is near zero. Measured after 5 steps
@@ -224,7 +226,7 @@ def test_training_parity_mlp_tiles_compiled_without_checkpointing(reference):
     slices 1-3e-6; the losses agree to 1e-6 in all three.
     """
     kwargs = dict(sequence_parallel_size=2, attention="ring", activation_checkpointing=None, mlp_chunk_size=3, compile=True)
-    _check(run_distributed(train_strategy, 4, kwargs, timeout=600, pool="compile"), reference, weight_atol=2e-5)
+    _check(run_distributed(train_strategy, 2, kwargs, timeout=600, pool="compile"), reference, weight_atol=2e-5)
 
 
 def _bad_inner_ring(rank: int, world_size: int) -> str:
