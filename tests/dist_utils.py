@@ -295,6 +295,63 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     return get_pool(world_size, pool).run(fn, *args, timeout=timeout, **kwargs)
 
 
+# ---------------------------------------------------------------------------------------------- forked processes
+# Note [Processes forked from the server]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A test that needs a process of its own (a rank that a test kills, in a session of its own, with
+# the environment a cluster scheduler gives it) can start it from the same fork server as the
+# pools instead of a new interpreter: ``python -m lightning_seqpar.cli`` imports torch, Lightning,
+# torchmetrics, transformers and the package first, 7-8 s of CPU per process on the CI machine.
+# The child starts its own session (``start_new_session``), writes stdout and stderr to the log,
+# replaces its environment with the one given (the C environment too: OpenMP and gloo read it
+# later) and calls the function; an exception ends it with exit code 1 and its traceback in the
+# log, a signal with minus the signal's number, as for a subprocess. Lightning's own launcher
+# re-executes the command line, so runs that use it stay real subprocesses.
+
+
+def _forked_main(module: str, name: str, args: tuple, environ: dict[str, str], log: str) -> None:
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(environ)
+    import torch
+
+    torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
+    getattr(importlib.import_module(module), name)(*args)
+
+
+class ForkedProcess:
+    """``fn(*args)`` in a process forked from the pools' server (Note [Processes forked from the server]),
+    with the ``subprocess.Popen`` methods the tests use: ``pid``, ``poll``, ``wait``, ``returncode``."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, environ: dict[str, str], log: str) -> None:
+        module, name = fn.__module__, fn.__qualname__
+        if module == "__main__" or "." in name:
+            raise ValueError(f"{fn!r} must be a module-level function of an importable module")
+        self.args = (f"{module}.{name}", *args)
+        self._proc = _context().Process(target=_forked_main, args=(module, name, args, environ, log))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return None if self._proc.is_alive() else self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+
 def tmpdir_shared() -> str:
     return tempfile.mkdtemp(prefix="seqpar-test-")
 

@@ -4,7 +4,8 @@
   ``PreemptionCheckpoint`` callback writes a checkpoint at the end of the step on both ranks and
   the run exits 0; `fit --ckpt_path last` continues with bit-identical losses.
 * SIGKILL: rank 1 is killed during a training step (each rank a process of its own, as a cluster
-  scheduler starts them); rank 0 fails by itself within the strategy's timeout naming the dead
+  scheduler starts them, forked from the pools' server: Note [Processes forked from the server] in
+  dist_utils); rank 0 fails by itself within the strategy's timeout naming the dead
   rank, nothing is saved after the failure, and resuming from the last periodic checkpoint gives
   bit-identical losses. A kill during a checkpoint save leaves the last complete checkpoint the latest.
 * Stall: one rank sleeps in ``training_step``; the other fails with a clear error within the
@@ -205,11 +206,19 @@ def test_sigterm_writes_a_checkpoint_and_resume_is_exact(tmp_path, reference):
 KILL_TIMEOUT = 30.0  # the strategy's timeout in these runs (seconds)
 
 
-class _Ranks:
-    """``world`` ranks started as separate processes, each with its own log; all killed on exit."""
+def cli_rank(argv: list[str]) -> None:
+    """One rank's ``seqpar`` run, in a process forked from the pools' server (dist_utils.ForkedProcess)."""
+    from lightning_seqpar.cli import main
 
-    def __init__(self, args: list[str], logs: Path, world: int = 2) -> None:
-        from dist_utils import _free_port
+    main(argv)
+
+
+class _Ranks:
+    """``world`` ranks started as separate processes (``seqpar <argv>`` each, forked from the pools' server:
+    Note [Processes forked from the server] in dist_utils), each with its own log; all killed on exit."""
+
+    def __init__(self, argv: list[str], logs: Path, world: int = 2) -> None:
+        from dist_utils import ForkedProcess, _free_port
 
         port = str(_free_port())
         self.logs = [logs.with_name(f"{logs.name}.rank{r}.log") for r in range(world)]
@@ -218,8 +227,7 @@ class _Ranks:
         for rank in range(world):
             env = dict(_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                        NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            self.procs.append(subprocess.Popen(args, env=env, stdout=self._outs[rank], stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+            self.procs.append(ForkedProcess(cli_rank, (argv,), env, str(self.logs[rank])))
 
     def poll(self) -> int | None:
         """None while every rank runs, else the exit code of one that ended."""
@@ -250,7 +258,7 @@ class _Ranks:
 
 
 def _cli(config: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "lightning_seqpar.cli", "fit", "--config", str(config), *extra]
+    return ["fit", "--config", str(config), *extra]
 
 
 def _kill_and_time_the_survivor(ranks: _Ranks, victim: int, survivor: int) -> tuple[float, str]:

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -113,14 +111,27 @@ def _env() -> dict[str, str]:
     return env
 
 
+def fits_to_file(path: str) -> None:
+    """Run in a process of its own: the usage after every fit, to ``path`` (json)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the imports' objects frozen out of the collector's scans, as in the pooled workers (dist_utils.py)
+    usage = _fits(0, 1, FITS)
+    with open(path, "w") as f:
+        json.dump(usage, f)
+
+
 @pytest.mark.timeout(600)
-def test_ten_fits_in_one_process_release_threads_descriptors_and_the_default_group():
-    # the imports' objects frozen out of the collector's scans, as in the pooled workers (dist_utils.py)
-    code = (f"import gc, json, test_resources as t; import torch, lightning_seqpar; torch.set_num_threads(1); "
-            f"gc.collect(); gc.freeze(); print('USAGE=' + json.dumps(t._fits(0, 1, {FITS})))")
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    usage = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("USAGE="))[6:])
+def test_ten_fits_in_one_process_release_threads_descriptors_and_the_default_group(tmp_path):
+    # a process of its own with no process group, forked from the pools' server (Note [Processes forked
+    # from the server] in dist_utils: the fork server imported torch and the package, and ran nothing)
+    from dist_utils import ForkedProcess
+
+    log, out = tmp_path / "fits.log", tmp_path / "usage.json"
+    proc = ForkedProcess(fits_to_file, (str(out),), _env(), str(log))
+    assert proc.wait(timeout=540) == 0, log.read_text()[-4000:]
+    usage = json.loads(out.read_text())
     assert len(usage) == FITS + 1
     assert not usage[0]["initialized"]
     _check_bounded(usage, default_group_after=False)  # the strategy created the default group, and destroyed it
