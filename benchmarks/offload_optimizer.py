@@ -62,7 +62,7 @@ def time_step(shapes: list[torch.Size], impl: str, threads: int, steps: int, mes
     return (time.perf_counter() - t0) / steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-7b")
     ap.add_argument("--ranks", type=int, default=4, help="ranks FSDP shards over (dp_shard x sp)")
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--device-name", default=None, help="the host, for the record (default: the GPU's name, else 'cpu')")
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29611")
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -89,21 +89,31 @@ def test_head_layout():
 @pytest.mark.timeout(300)
 def test_train_several_lengths_in_one_process(tmp_path):
     """benchmarks/train.py --seqs / --models: one record per run, and nothing carries over between the runs of
-    one process (S = 128 trains the same losses before and after S = 64); S:STEPS sets the timed steps."""
-    import shutil
-    import subprocess
+    one process (S = 128 trains the same losses before and after S = 64); S:STEPS sets the timed steps.
 
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("no torchrun on PATH")
+    Two ranks, each a process of its own with the environment torchrun gives its workers (RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_RUN_ID, MASTER_*: Lightning then takes its
+    TorchElasticEnvironment, as under torchrun), forked from the pools' server (Note [Processes forked from the
+    server] in dist_utils: no new interpreter importing Lightning); torchrun's own launch of train.py is
+    test_benchmarks_driver's and test_longest_passes_offload_params_through's."""
+    import train
+    from dist_utils import ForkedProcess, _free_port
+
     out = tmp_path / "train.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
-        env.pop(key, None)
-    cmd = [torchrun, "--nproc_per_node=2", f"--master_port={_free_port()}", os.path.join(BENCHMARKS, "train.py"), "--device", "cpu",
-           "--system", "seqpar", "--models", "tiny,tiny-mha", "--seqs", "128,64:2,128", "--warmup", "1", "--steps", "1", "--out", str(out)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv = ["--device", "cpu", "--system", "seqpar", "--models", "tiny,tiny-mha", "--seqs", "128,64:2,128", "--warmup", "1",
+            "--steps", "1", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2", GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none")
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    ranks = [ForkedProcess(train.main, (argv,), dict(env, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)), str(logs[r]))
+             for r in range(2)]
+    try:
+        codes = [p.wait(timeout=280) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     rows = json.loads(out.read_text())
     runs = [[m, s] for s in (128, 64, 128) for m in ("tiny", "tiny-mha")]  # each length for both models in turn
     assert [[r["model"], r["seq"]] for r in rows] == runs
@@ -146,13 +156,14 @@ def test_longest_passes_offload_params_through(tmp_path, monkeypatch, capsys):
 def test_offload_optimizer_times_each_implementation(tmp_path):
     """benchmarks/offload_optimizer.py: one record per implementation and thread count, step time scaled
     from the materialised blocks to the model's per-rank parameter count."""
-    import subprocess
+    import offload_optimizer
+    from dist_utils import ForkedProcess, _free_port
 
-    out = tmp_path / "opt.json"
-    run = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "offload_optimizer.py"), "--model", "tiny", "--ranks", "2",
-                          "--layers", "1", "--threads", "2", "--steps", "1", "--out", str(out), "--commit", "abc"],
-                         capture_output=True, text=True, timeout=240, env={**os.environ, "MASTER_PORT": "29613"})
-    assert run.returncode == 0, run.stderr[-3000:]
+    # a process of its own (the script starts a world-1 process group), forked from the pools' server
+    out, log = tmp_path / "opt.json", tmp_path / "opt.log"
+    argv = ["--model", "tiny", "--ranks", "2", "--layers", "1", "--threads", "2", "--steps", "1", "--out", str(out), "--commit", "abc"]
+    run = ForkedProcess(offload_optimizer.main, (argv,), {**os.environ, "MASTER_PORT": str(_free_port())}, str(log))
+    assert run.wait(timeout=240) == 0, log.read_text()[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["algorithm"], r["threads"]) for r in rows] == [(i, t) for t in (1, 2) for i in ("forloop", "foreach", "fused")]
     from lightning_seqpar.models import Llama, LlamaConfig
