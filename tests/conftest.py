@@ -90,7 +90,6 @@ SLOW_FIRST = (
     "tests/test_hf_hybrid.py::test_more_families_train_exactly_under_the_strategy",
     "tests/test_attention.py::test_eight_ranks_match_full_sequence_attention",
     "tests/test_hf_support.py::test_ci_subset_is_exact_or_refused",
-    "tests/test_benchmarks_cpu.py::test_offload_optimizer_times_each_implementation",
     "tests/test_resources.py::test_ten_fits_in_one_process_release_threads_descriptors_and_the_default_group",
 )
 

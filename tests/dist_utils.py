@@ -351,6 +351,20 @@ class ForkedProcess:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self._proc.exitcode
 
+    def kill(self) -> None:
+        """SIGKILL to its session (the process and whatever it started), if it still runs; then reap it."""
+        import signal
+
+        if self._proc.is_alive():
+            os.killpg(self.pid, signal.SIGKILL)
+            self._proc.join(30)
+
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kill()
+
 
 def tmpdir_shared() -> str:
     return tempfile.mkdtemp(prefix="seqpar-test-")

@@ -111,8 +111,7 @@ def test_train_several_lengths_in_one_process(tmp_path):
         codes = [p.wait(timeout=280) for p in ranks]
     finally:
         for p in ranks:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
+            p.kill()
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     rows = json.loads(out.read_text())
     runs = [[m, s] for s in (128, 64, 128) for m in ("tiny", "tiny-mha")]  # each length for both models in turn
@@ -162,8 +161,8 @@ def test_offload_optimizer_times_each_implementation(tmp_path):
     # a process of its own (the script starts a world-1 process group), forked from the pools' server
     out, log = tmp_path / "opt.json", tmp_path / "opt.log"
     argv = ["--model", "tiny", "--ranks", "2", "--layers", "1", "--threads", "2", "--steps", "1", "--out", str(out), "--commit", "abc"]
-    run = ForkedProcess(offload_optimizer.main, (argv,), {**os.environ, "MASTER_PORT": str(_free_port())}, str(log))
-    assert run.wait(timeout=240) == 0, log.read_text()[-3000:]
+    with ForkedProcess(offload_optimizer.main, (argv,), {**os.environ, "MASTER_PORT": str(_free_port())}, str(log)) as run:
+        assert run.wait(timeout=240) == 0, log.read_text()[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["algorithm"], r["threads"]) for r in rows] == [(i, t) for t in (1, 2) for i in ("forloop", "foreach", "fused")]
     from lightning_seqpar.models import Llama, LlamaConfig

@@ -250,9 +250,7 @@ class _Ranks:
 
     def __exit__(self, *exc: Any) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+            proc.kill()
         for out in self._outs:
             out.close()
 

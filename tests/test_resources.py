@@ -129,8 +129,8 @@ def test_ten_fits_in_one_process_release_threads_descriptors_and_the_default_gro
     from dist_utils import ForkedProcess
 
     log, out = tmp_path / "fits.log", tmp_path / "usage.json"
-    proc = ForkedProcess(fits_to_file, (str(out),), _env(), str(log))
-    assert proc.wait(timeout=540) == 0, log.read_text()[-4000:]
+    with ForkedProcess(fits_to_file, (str(out),), _env(), str(log)) as proc:
+        assert proc.wait(timeout=540) == 0, log.read_text()[-4000:]
     usage = json.loads(out.read_text())
     assert len(usage) == FITS + 1
     assert not usage[0]["initialized"]
