@@ -127,6 +127,11 @@ def main() -> None:
                    "documents": args.docs or None,
                    "device": name, "time_ms": None, "tokens_per_s": None, "peak_mem_gb": None, "error": None,
                    "commit": args.commit}
+            if system == "seqpar" and world > 1:  # how the states cross the ranks (SEQPAR_STATE_CHAIN=1: down the chain)
+                chain = os.environ.get("SEQPAR_STATE_CHAIN", "0") == "1" or args.kernel == "fla"
+                row["state_passing"] = "chain" if chain else "parallel"
+                if chain and args.kernel == "torch":
+                    row["baseline"] = True  # the same code with the chain forced: the comparison, not ours
             try:
                 if system == "fla":
                     from lightning_seqpar.attention.recurrent import _fla_installed, _fla_unusable
@@ -144,11 +149,11 @@ def main() -> None:
                     inputs = _inputs(T, args.heads, args.dim, device)
                     do = torch.randn(1, T, args.heads, args.dim, generator=torch.Generator().manual_seed(1)).to(device)
                 docs = None
-                if args.docs:
-                    from lightning_seqpar.documents import PackedDocuments
+                from lightning_seqpar.documents import PackedDocuments
 
-                    docs = PackedDocuments.from_lengths([[T // args.docs] * (args.docs - 1) + [T - T // args.docs * (args.docs - 1)]],
-                                                        world=world)
+                if args.docs:
+                    lengths = [[T // args.docs] * (args.docs - 1) + [T - T // args.docs * (args.docs - 1)]]
+                    docs = PackedDocuments.from_lengths(lengths, world=world)
                 if docs is not None and mesh is not None:
                     inputs = {k: docs.shard(v, rank) for k, v in inputs.items()}
                     do = docs.shard(do, rank)
@@ -173,15 +178,17 @@ def main() -> None:
                     times.append(time.perf_counter() - start)
                 if device.type == "cuda":
                     row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-                if mesh is not None and args.check and docs is None:  # against the whole sequence on this one device (Note [Parallel
+                if mesh is not None and args.check:  # against the whole sequence on this one device (Note [Parallel
                     # state passing across ranks]): relative L2 error of the output and of every input's gradient
                     from lightning_seqpar.sharding import shard_sequence
 
                     full = _inputs(T, args.heads, args.dim, device)
                     do_full = torch.randn(1, T, args.heads, args.dim, generator=torch.Generator().manual_seed(1)).to(device)
-                    ref = _step(system, full, do_full, None, kernel=args.kernel)
-                    got = _step(system, inputs, do, mesh, kernel=args.kernel)
-                    shard = lambda t: shard_sequence(t, mesh, layout="zigzag").float()  # noqa: E731
+                    docs_full = None if docs is None else PackedDocuments.from_lengths(lengths, world=1)
+                    ref = _step(system, full, do_full, None, docs_full, kernel=args.kernel)
+                    got = _step(system, inputs, do, mesh, docs, kernel=args.kernel)
+                    shard = ((lambda t: shard_sequence(t, mesh, layout="zigzag").float()) if docs is None  # noqa: E731
+                             else (lambda t: docs.shard(t, rank).float()))
                     errs = {"o": ((got[0].float() - shard(ref[0])).norm() / shard(ref[0]).norm()).item()}
                     errs.update({f"d{k}": ((got[1][k].float() - shard(ref[1][k])).norm() / shard(ref[1][k]).norm()).item()
                                  for k in got[1]})

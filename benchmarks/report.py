@@ -416,7 +416,8 @@ def delta_rule_table(rows: list[dict]) -> str:
     latest record of each (system, commit), ours first (the last record not marked ``baseline``: a baseline is the
     package's code before a change, measured in the same call); "row's time / ours" is the row's time over ours'."""
     runs = last_by([r for r in rows if r.get("bench") in ("delta_rule", "ssd_scan")],
-                   lambda r: (r["bench"], r.get("device"), r["seq"], r["gpus"], r.get("documents") or 0, r["system"], r["commit"]))
+                   lambda r: (r["bench"], r.get("device"), r["seq"], r["gpus"], r.get("documents") or 0, r["system"], r["commit"],
+                             r.get("state_passing")))
     groups: dict[tuple, list[dict]] = {}
     for key, r in runs.items():
         groups.setdefault(key[:5], []).append(r)
@@ -429,7 +430,8 @@ def delta_rule_table(rows: list[dict]) -> str:
         # ours: the latest; earlier records of ours that are not a baseline are superseded (not shown)
         ordered = ([latest] if latest else []) + [r for r in rs if r is not latest and (r["system"] != "seqpar" or r.get("baseline"))]
         for r in ordered:
-            name = ("**ours**" if r is latest else f"ours before ({r['commit']})") if r["system"] == "seqpar" else \
+            before = "ours, states down the chain" if r.get("state_passing") == "chain" else f"ours before ({r['commit']})"
+            name = ("**ours**" if r is latest else before) if r["system"] == "seqpar" else \
                 f"{r['system']} (torch path)" if r["system"] == "transformers" else \
                 "fla-core (Triton 3.7.1 carried)" if r["system"] == "fla" else r["system"]
             error = r.get("error")

@@ -380,33 +380,72 @@ def test_documents_errors_name_the_argument():
 
 
 def _documents_traffic_worker(rank: int, world_size: int) -> list:
+    import lightning_seqpar.attention.scan as scan
     from lightning_seqpar.documents import PackedDocuments
 
     mesh = mesh_1d(world_size)
     shapes = []
+    original = scan.all_gather_into
     for T in (32, 64):  # the same documents, twice as long
         docs = PackedDocuments.from_lengths([[T // 4, T // 2, T // 4], [T // 8, 7 * T // 8]], world=world_size)
         d = {n: docs.shard(t, rank).requires_grad_() for n, t in delta_inputs(T=T).items()}
         c = conv_inputs(T=T)
         x = docs.shard(c["x"], rank).requires_grad_()
-        with record_p2p() as (rec, _):
-            gated_delta_rule(**d, mesh=mesh, chunk_size=4, documents=docs).sum().backward()
-            causal_conv1d(x, c["w"], c["b"], mesh=mesh, documents=docs).sum().backward()
-        shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received))))
+        gathers: list[tuple] = []
+        scan.all_gather_into = lambda out, inp, group: (gathers.append(tuple(inp.shape)), original(out, inp, group))[1]
+        try:
+            with record_p2p() as (rec, _):
+                gated_delta_rule(**d, mesh=mesh, chunk_size=4, documents=docs).sum().backward()
+                causal_conv1d(x, c["w"], c["b"], mesh=mesh, documents=docs).sum().backward()
+        finally:
+            scan.all_gather_into = original
+        shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received)), gathers))
     return shapes
 
 
 def test_documents_communication_is_one_state_per_document_and_independent_of_the_length():
+    """Note [Parallel state passing with packed documents]: the delta rule's per-document states pass in one
+    all-gather each way (every segment's [M | s] forward, its start gradient backward); the convolution's per-document
+    histories go down the chain. Nothing depends on S."""
     W = 4
     results = run_distributed(_documents_traffic_worker, W)
-    state, history = (2, 3, 4, 8, 6), (2, 3, 3, 6)  # [B, N, H_v, Dk, Dv] states, [B, N, k-1, C] histories (N = 3)
+    B, N, H, Dk, Dv = 2, 3, 4, 8, 6
+    history = (B, N, 3, 6)  # [B, N, k-1, C]
     n = 2 * W - 2  # messages per direction along the zigzag chain
     sent = [s for rank in results for s in rank[0][0]]
-    assert sum(s == state for s in sent) == 2 * n  # forward states + backward state gradients
     assert sum(s == history for s in sent) == 2 * n  # forward histories + their gradients
-    assert len(sent) == 4 * n
+    assert len(sent) == 2 * n  # nothing else point to point
     for rank in results:
-        assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"
+        # forward: every local segment's [M | s] (P = 2 pieces, flattened); backward: every segment's start gradient
+        assert rank[0][2] == [(2, B * N * H * Dk * (Dk + Dv)), (2, B, N, H, Dk, Dv)], rank[0][2]
+        assert rank[0] == rank[1], "the communication at S=32 and S=64 differs"
+
+
+def _chain_switch_worker(rank: int, world_size: int) -> int:
+    """SEQPAR_STATE_CHAIN=1 (the states down the chain, for comparisons) gives what the parallel form gives."""
+    import os
+
+    from lightning_seqpar.documents import PackedDocuments
+
+    mesh = mesh_1d(world_size)
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS, world=world_size)
+    results = []
+    for chain in ("0", "1"):
+        os.environ["SEQPAR_STATE_CHAIN"] = chain
+        try:
+            d = {n: docs.shard(t, rank).requires_grad_() for n, t in delta_inputs(T=24).items()}
+            out = gated_delta_rule(**d, mesh=mesh, chunk_size=4, documents=docs)
+            (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+            results.append([out.detach()] + [d[n].grad for n in sorted(d)])
+        finally:
+            os.environ.pop("SEQPAR_STATE_CHAIN")
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    return 1
+
+
+def test_state_chain_switch_gives_the_same_results():
+    assert run_distributed(_chain_switch_worker, 3) == [1] * 3
 
 
 # ----------------------------------------------------------------------------------------------

@@ -125,6 +125,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -136,7 +137,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.comm import P2P, process_group
-from lightning_seqpar.attention.scan import affine_scan
+from lightning_seqpar.attention.scan import Segments, affine_scan, segment_scan
 from lightning_seqpar.documents import PackedDocuments, current_documents, exclusive_cumsum, segment_indices
 from lightning_seqpar.sharding import LAYOUTS, chunk_ids, num_chunks
 
@@ -332,6 +333,36 @@ def _chunked_scan_segments(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     Ah = e[:, last] * h_last if W is None else e[:, last] * h_last - K[:, last].mT @ (W[:, last] @ h_last)
     finals = init.index_copy(0, lay["seg"][last], (Ah + b[:, last]).transpose(0, 1))
     return out.reshape(B, T, H, Dv), finals.reshape(B, N, H, Dk, Dv)
+
+
+def _chunked_scan_documents(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, pieces: Tensor,
+                            chunk_size: int, group_name: str, layout: str) -> Tensor:
+    """Every local piece of packed documents at once, the states passing across the ranks in parallel
+    (Note [Parallel state passing with packed documents] in ``scan.py``). ``pieces``: int64 [B, N, P] (CPU) the
+    segment lengths of this rank's P pieces (in local order). Returns out [B, T, H, Dv] fp32."""
+    B, T, H, Dk = q.shape
+    N, P, Dv, c = pieces.shape[1], pieces.shape[2], v.shape[-1], chunk_size
+    n = T // P
+
+    def split(x: Tensor) -> Tensor:  # [B, T, *D] -> [P B, T / P, *D]: every piece its own segments
+        return x.reshape(B, P, n, *x.shape[2:]).transpose(0, 1).reshape(P * B, n, *x.shape[2:])
+
+    lay = _segment_layout(pieces.permute(2, 0, 1).reshape(P * B, N), n, c)  # flat segment (p B + b) N + n
+    idx = {name: lay[name].to(q.device) for name in ("gather", "scatter")}
+
+    def padded(x: Tensor) -> Tensor:  # as in _chunked_scan_segments
+        x = split(x).float().reshape(P * B * n, *x.shape[2:])
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[idx["gather"]][None]
+
+    terms = _chunk_terms(padded(q), padded(k), padded(v), padded(g), None if beta is None else padded(beta), c)
+    u, K, W, e = terms["u"][0], terms["k_out"][0], terms.get("wk"), terms["eG_last"][0]  # (H, NC, ...)
+    W = None if W is None else W[0]
+    segs = Segments(lay["seg"], lay["first"].nonzero()[:, 0], lay["last"].nonzero()[:, 0], (P, B, N), q.device)
+    h_all = segment_scan(e, None if W is None else K, W, K.mT @ u, segs, group_name=group_name, layout=layout)
+    w = u if W is None else u - W @ h_all
+    out = terms["scores"][0] @ w + terms["q"][0] @ h_all  # (H, NC, c, Dv)
+    out = out.reshape(H, -1, Dv).transpose(0, 1)[idx["scatter"]]  # (P B n, H, Dv)
+    return out.reshape(P, B, n, H, Dv).transpose(0, 1).reshape(B, T, H, Dv)
 
 
 # fla path: thin, marked, tested on GPU by tests/test_recurrent.py::test_fla_kernels_match_torch
@@ -791,19 +822,28 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
     fn = functools.partial(_delta_kernel, chunk_size=chunk_size, kernel=ker, pieces=pieces)
     B, _, H, Dk = q.shape
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
-    if _state_passing(mesh, ker, pieces):
-        out = _chunked_scan(q, k, v.float(), g.float(), beta.float(), None, chunk_size, _pieces_of(q.shape[1], mesh, layout),
-                            mesh.get_group().group_name, layout)[0]  # type: ignore[union-attr]
+    if _state_passing(mesh, ker):
+        out = _parallel_scan(q, k, v.float(), g.float(), beta.float(), chunk_size, mesh, layout, pieces)  # type: ignore[arg-type]
     else:
         out = _chain(fn, [q, k, v.float(), g.float(), beta.float()], (B, *docs, H, Dk, v.shape[-1]), mesh, layout)
     return out.to(dtype)
 
 
-def _state_passing(mesh: DeviceMesh | None, kernel: str, pieces: Tensor | None) -> bool:
-    """Whether the states pass in parallel (Note [Parallel state passing across ranks]) rather than down the chain
-    (Note [Linear recurrences under sequence sharding]): the package's torch kernels without documents (fla-core's
-    kernels give no piece composite; the documents' per-segment states run in the chain)."""
-    return mesh is not None and mesh.size() > 1 and kernel == "torch" and pieces is None
+def _state_passing(mesh: DeviceMesh | None, kernel: str) -> bool:
+    """Whether the states pass in parallel (Note [Parallel state passing across ranks], with documents Note [Parallel
+    state passing with packed documents]) rather than down the chain (Note [Linear recurrences under sequence
+    sharding]): the package's torch kernels (fla-core's kernels give no piece composite). SEQPAR_STATE_CHAIN=1 sends
+    them down the chain anyway (the same results; for comparisons)."""
+    return mesh is not None and mesh.size() > 1 and kernel == "torch" and os.environ.get("SEQPAR_STATE_CHAIN", "0") != "1"
+
+
+def _parallel_scan(q, k, v, g, beta, chunk_size: int, mesh: DeviceMesh, layout: str, pieces: Tensor | None) -> Tensor:
+    """The torch kernels over every local piece at once, the states passing in parallel across the ranks."""
+    group_name, P = mesh.get_group().group_name, _pieces_of(q.shape[1], mesh, layout)
+    if pieces is None:
+        return _chunked_scan(q, k, v, g, beta, None, chunk_size, P, group_name, layout)[0]
+    local = pieces[:, :, list(chunk_ids(mesh.get_local_rank(), mesh.size(), layout))]
+    return _chunked_scan_documents(q, k, v, g, beta, local, chunk_size, group_name, layout)
 
 
 def _delta_kernel(q, k, v, g, beta, s_in, *, piece, chunk_size, kernel, pieces=None):
@@ -850,9 +890,8 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor |
     ker = _resolve_kernel(kernel, x.device, pieces is not None)
     fn = functools.partial(_ssd_kernel, chunk_size=chunk_size, kernel=ker, pieces=pieces)
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
-    if _state_passing(mesh, ker, pieces):
-        y = _chunked_scan(q, k, v, g, None, None, chunk_size, _pieces_of(T, mesh, layout), mesh.get_group().group_name,  # type: ignore[union-attr]
-                          layout)[0]
+    if _state_passing(mesh, ker):
+        y = _parallel_scan(q, k, v, g, None, chunk_size, mesh, layout, pieces)  # type: ignore[arg-type]
     else:
         y = _chain(fn, [q, k, v, g], (Bsz, *docs, H, k.shape[-1], P), mesh, layout)
     if D is not None:

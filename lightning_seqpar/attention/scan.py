@@ -1,7 +1,7 @@
 """The chunk-to-chunk state recurrence of the gated linear recurrences (gated delta rule, Kimi's
 per-dimension decay, Mamba2's SSD), in parallel over chunks and over the sequence-parallel ranks.
 
-Public name: :func:`affine_scan` (used by :mod:`lightning_seqpar.attention.recurrent`).
+Public names: :func:`affine_scan` and :func:`segment_scan` (used by :mod:`lightning_seqpar.attention.recurrent`).
 
 Note [Blocked affine scan]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -56,7 +56,40 @@ exact entering state and exact end gradient.
 
 Traffic per layer: forward W x P x [B, H, Dk, Dk + Dv], backward W x P x [B, H, Dk, Dv] (fp32),
 independent of the sequence length; every rank works at once.
+Note [Parallel state passing with packed documents]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With packed documents (per-document zigzag: global piece p is piece p of every document, Note
+[Documents in a recurrence] in ``recurrent.py``) a rank's piece is a run of segments, one per
+document, and every document has its own state chain through the 2W global pieces. A segment
+(b, n, p) is an affine map of its document's state, S_out = M S_in + s, so the parallel scheme
+above carries over with one map per segment instead of one per piece:
+
+  1. Composites (no autograd): one masked scan of the wide state [M | s] ([Dk, Dk + Dv]; SSD's
+     scalar transition: [Dk, 1 + Dv], whose first column is the product of the decays) over every
+     chunk of every local segment, reset to [I | 0] at each segment's first chunk; a segment's
+     composite is its last chunk's (unmasked) transition applied to the wide state entering that
+     chunk. An empty segment is (I, 0): its document's state passes through.
+  2. One all-gather of every segment's [M | s] ([P, B, N, H, Dk, Dk + Dv]); every rank folds each
+     document down the 2W pieces (S_in[n, p + 1] = M S_in[n, p] + s, batched over documents and
+     heads) and keeps its segments' entering states.
+  3. The states entering every chunk: the masked scan of Note [Documents in a recurrence] (A_j = 0
+     where chunk j + 1 starts a segment, b_j = that segment's entering state), from the exact
+     entering states.
+
+Backward, with dh the gradient of the state entering every chunk: (a) the masked reverse scan of
+dh alone gives every segment's start gradient r from its own chunks (zero end gradient: the mask
+cuts every segment's end); (b) one all-gather of the r and the reverse fold per document,
+dS_in[n, p] = M^T dS_in[n, p + 1] + r[n, p], give every segment E, the gradient of the state after
+it from the later pieces; (c) E enters at each segment's last chunk through that chunk's unmasked
+transition (dh_last += A_last^T E), the masked reverse scan runs again, and the gradient of the
+state after chunk j is E at a segment's last chunk and the scan's elsewhere; de, dK, dW, db follow
+as in Note [Blocked affine scan]. As there, no gradient flows through the composites.
+
+Traffic per layer: forward W x [P, B, N, H, Dk, Dk + Dv], backward W x [P, B, N, H, Dk, Dv] (fp32):
+independent of S, linear in the documents of the widest sample; every rank works at once, where
+the chain (2W - 2 hops each way) made each rank wait for the pieces before it.
 """
+
 
 from __future__ import annotations
 
@@ -69,7 +102,7 @@ from torch import Tensor
 from lightning_seqpar.attention.comm import all_gather_into, process_group
 from lightning_seqpar.sharding import chunk_ids, num_chunks
 
-__all__ = ["affine_scan"]
+__all__ = ["affine_scan", "segment_scan"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +224,12 @@ def _blocked(x: Tensor | None, L: int, G: int, fill: float) -> Tensor | None:
     return x.reshape(*x.shape[:3], G, L, *x.shape[4:]).movedim(4, 0)
 
 
+def _block_sizes(N: int) -> tuple[int, int]:
+    """(L chunks per group, G groups) of Note [Blocked affine scan] for N chunks."""
+    L = max(1, math.isqrt(N - 1) + 1) if N > 1 else 1
+    return L, -(-N // L)
+
+
 def _unblocked(x: Tensor, N: int) -> Tensor:
     """[L, P, B, H, G, ...] -> [P, B, H, N, ...]."""
     x = x.movedim(0, 4)
@@ -219,8 +258,7 @@ class _AffineScan(torch.autograd.Function):
     def forward(ctx, e, K, W, b, h0, group_name, layout):
         P, Bsz, H, N, Dk, Dv = b.shape
         dense = W is not None
-        L = max(1, math.isqrt(N - 1) + 1) if N > 1 else 1
-        G = -(-N // L)
+        L, G = _block_sizes(N)
         eb, Kb, Wb, bb = _blocked(e, L, G, 1.0), _blocked(K, L, G, 0.0), _blocked(W, L, G, 0.0), _blocked(b, L, G, 0.0)
         M, s = _composites(eb, Kb, Wb, bb, Dk)  # [P, B, H, G, ...]
         zero = b.new_zeros(P, Bsz, H, Dk, Dv)
@@ -301,3 +339,179 @@ def affine_scan(e: Tensor, K: Tensor | None, W: Tensor | None, b: Tensor, h0: Te
     if group_name is not None and h0 is not None:
         raise ValueError("an initial state h0 is for one device only (the sequence's first piece starts from zero)")
     return _AffineScan.apply(e, K, W, b, h0, group_name, layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# packed documents: Note [Parallel state passing with packed documents]
+
+
+class Segments:
+    """Where the local segments' chunks sit in one chunk list (every segment starts a fresh chunk).
+
+    ``seg`` [NC] the flat segment (p, b, n) of every chunk; ``first`` / ``last`` the chunk indices of every
+    non-empty segment's first / last chunk (CPU, int64); ``shape`` (P, B, N): local pieces, samples, documents
+    (flat segment (p B + b) N + n).
+    """
+
+    def __init__(self, seg: Tensor, first: Tensor, last: Tensor, shape: tuple[int, int, int], device: torch.device) -> None:
+        self.shape, self.n_chunks = shape, int(seg.numel())
+        self.seg, self.first, self.last = (x.to(device) for x in (seg, first, last))
+        self.first_seg, self.last_seg = self.seg[self.first], self.seg[self.last]
+        n_seg = shape[0] * shape[1] * shape[2]
+        nxt = torch.full((self.n_chunks,), n_seg, dtype=torch.int64)  # n_seg: no next segment (a zero row)
+        nxt[last[:-1]] = seg[first[1:]]  # the segment starting after each last chunk (segments run in order)
+        self.next_seg = nxt.to(device)
+        keep = torch.ones(self.n_chunks)
+        keep[last] = 0.0  # the transition out of a segment's last chunk is cut (A = 0)
+        self.keep = keep.to(device)[:, None, None]
+        L, _ = _block_sizes(self.n_chunks)
+        self.last_at = []  # per position l in a group: (groups, rows) of the last chunks there (Note [Blocked affine scan])
+        for l in range(L):
+            rows = (last % L == l).nonzero()[:, 0]
+            self.last_at.append(None if rows.numel() == 0 else ((last[rows] // L).to(device), rows.to(device)))
+
+
+def _lead(x: Tensor | None, L: int, G: int, fill: float) -> Tensor | None:
+    """(H, NC, ...) -> the blocked [L, 1, 1, H, G, ...] of Note [Blocked affine scan]."""
+    return None if x is None else _blocked(x[None, None], L, G, fill)
+
+
+def _forward_states(e, K, W, b, h0: Tensor) -> tuple[Tensor, Tensor]:
+    """States entering every chunk (H, NC, Dk, n) of h_{j+1} = A_j h_j + b_j from h0 (H, Dk, n), and the group composites."""
+    NC, Dk, dense = b.shape[1], b.shape[2], W is not None
+    L, G = _block_sizes(NC)
+    eb, Kb, Wb, bb = _lead(e, L, G, 1.0), _lead(K, L, G, 0.0), _lead(W, L, G, 0.0), _lead(b, L, G, 0.0)
+    M, s = _composites(eb, Kb, Wb, bb, Dk)
+    Hg, _ = _group_states(M, s, h0[None, None], dense)
+    return _unblocked(_chunk_states(eb, Kb, Wb, bb, Hg), NC)[0, 0], M
+
+
+def _states_at_last(e, K, W, b, h0: Tensor, segs: Segments) -> Tensor:
+    """The states entering every segment's last chunk only, (H, n_last, Dk, n): the wide scan keeps no other."""
+    NC, Dk, dense = b.shape[1], b.shape[2], W is not None
+    L, G = _block_sizes(NC)
+    eb, Kb, Wb, bb = _lead(e, L, G, 1.0), _lead(K, L, G, 0.0), _lead(W, L, G, 0.0), _lead(b, L, G, 0.0)
+    M, s = _composites(eb, Kb, Wb, bb, Dk)
+    h, _ = _group_states(M, s, h0[None, None], dense)  # [1, 1, H, G, Dk, n]
+    out = b.new_empty(b.shape[0], segs.last.numel(), *b.shape[2:])
+    for l in range(L):
+        if segs.last_at[l] is not None:
+            groups, rows = segs.last_at[l]
+            out[:, rows] = h[0, 0][:, groups]
+        if l < L - 1:
+            h = _apply(eb[l], _at(Kb, l), _at(Wb, l), h) + bb[l]
+    return out
+
+
+def _reverse_states(e, K, W, dh: Tensor, M: Tensor) -> Tensor:
+    """The gradient of the state after every chunk (H, NC, Dk, Dv) from dh (the states' own gradients), none after the last."""
+    NC, dense = dh.shape[1], W is not None
+    L, G = _block_sizes(NC)
+    eb, Kb, Wb, dhb = _lead(e, L, G, 1.0), _lead(K, L, G, 0.0), _lead(W, L, G, 0.0), _lead(dh, L, G, 0.0)
+    r = _reverse_starts(eb, Kb, Wb, dhb)
+    D, _ = _group_ends(M, r, dh.new_zeros(1, 1, *dh.shape[:1], *dh.shape[2:]), dense)
+    return _unblocked(_chunk_ends(eb, Kb, Wb, dhb, D), NC)[0, 0]
+
+
+def _per_segment(x: Tensor, shape: tuple[int, int, int]) -> Tensor:
+    """(H, S, ...) -> [P, B, N, H, ...]."""
+    return x.transpose(0, 1).reshape(*shape, x.shape[0], *x.shape[2:])
+
+
+def _per_chunk_list(x: Tensor) -> Tensor:
+    """[P, B, N, H, ...] -> (H, S, ...)."""
+    return x.reshape(-1, *x.shape[3:]).transpose(0, 1)
+
+
+class _SegmentScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, e, K, W, b, segs: Segments, group_name: str, layout: str):
+        H, NC, Dk, Dv = b.shape
+        dense = W is not None
+        P, Bsz, N = segs.shape
+        keep = segs.keep
+        em, Km = e * keep, (None if K is None else K * keep)
+        # 1. every segment's composite [M | s] from the wide scan (no autograd)
+        w = Dk if dense else 1
+        reset = torch.cat([torch.eye(Dk, dtype=b.dtype, device=b.device) if dense else b.new_ones(Dk, 1),
+                           b.new_zeros(Dk, Dv)], dim=-1)  # [I | 0] (SSD: [1 | 0])
+        bw = torch.cat([b.new_zeros(H, NC, Dk, w), b], dim=-1) * keep + reset * (1 - keep)
+        X = _states_at_last(em, Km, W, bw, reset.expand(H, Dk, w + Dv), segs)
+        li = segs.last
+        C = _apply(e[:, li], _take(K, li), _take(W, li), X)
+        C[..., w:] += b[:, li]
+        comp = reset.expand(H, P * Bsz * N, Dk, w + Dv).clone().index_copy_(1, segs.last_seg, C)
+        m = Dk * w if dense else 1
+        Mloc = comp[..., :w] if dense else comp[..., :1, :1]
+        flat = torch.cat([_per_segment(Mloc, segs.shape).reshape(P, Bsz, N, H, -1),
+                          _per_segment(comp[..., w:], segs.shape).reshape(P, Bsz, N, H, -1)], dim=-1)
+        # 2. one all-gather, the fold per document
+        group = process_group(group_name)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        pieces = _pieces_in_order(_gather(flat.reshape(P, -1), group), world, layout)
+        Mshape = (Dk, Dk) if dense else (1, 1)
+        M_all = torch.stack([f.reshape(Bsz, N, H, -1)[..., :m].reshape(Bsz, N, H, *Mshape) for f in pieces])
+        state, entering = b.new_zeros(Bsz, N, H, Dk, Dv), []
+        for p, f in enumerate(pieces):
+            entering.append(state)
+            state = _mat(M_all[p], state, dense) + f.reshape(Bsz, N, H, -1)[..., m:].reshape(Bsz, N, H, Dk, Dv)
+        enter = _per_chunk_list(torch.stack([entering[p] for p in chunk_ids(rank, world, layout)]))  # (H, S, Dk, Dv)
+        # 3. the states entering every chunk, every segment from its exact entering state
+        enter_next = torch.cat([enter, enter.new_zeros(H, 1, Dk, Dv)], dim=1)[:, segs.next_seg]
+        h_all, Mg = _forward_states(em, Km, W, b * keep + enter_next * (1 - keep), enter[:, segs.seg[0]])
+        ctx.save_for_backward(e, K, W, h_all, Mg, M_all)
+        ctx.args = (segs, group_name, layout)
+        return h_all
+
+    @staticmethod
+    def backward(ctx, dh):
+        e, K, W, h_all, Mg, M_all = ctx.saved_tensors
+        segs, group_name, layout = ctx.args
+        H, NC, Dk, Dv = h_all.shape
+        dense = W is not None
+        P, Bsz, N = segs.shape
+        em, Km = e * segs.keep, (None if K is None else K * segs.keep)
+        # (a) every segment's start gradient from its own chunks
+        dn = _reverse_states(em, Km, W, dh, Mg)
+        fi = segs.first
+        r = dh.new_zeros(H, P * Bsz * N, Dk, Dv).index_copy_(
+            1, segs.first_seg, dh[:, fi] + _apply_t(em[:, fi], _take(Km, fi), _take(W, fi), dn[:, fi]))
+        # (b) one all-gather, the reverse fold per document
+        group = process_group(group_name)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        starts = _pieces_in_order(_gather(_per_segment(r, segs.shape), group), world, layout)
+        d, incoming = dh.new_zeros(Bsz, N, H, Dk, Dv), [None] * len(starts)  # nothing after the last piece
+        for p in reversed(range(len(starts))):
+            incoming[p] = d
+            d = _mat_t(M_all[p], d, dense) + starts[p]
+        E = _per_chunk_list(torch.stack([incoming[p] for p in chunk_ids(rank, world, layout)]))[:, segs.last_seg]
+        # (c) E enters at every segment's last chunk; the masked reverse scan again
+        li = segs.last
+        dh = dh.index_add(1, li, _apply_t(e[:, li], _take(K, li), _take(W, li), E))
+        D = _reverse_states(em, Km, W, dh, Mg).index_copy_(1, li, E)  # the gradient of the state after every chunk
+        de = (h_all * D).sum(-1, keepdim=True)
+        if e.shape[-2] == 1:
+            de = de.sum(-2, keepdim=True)
+        dK = dW = None
+        if dense:
+            dK = -(W @ h_all) @ D.mT
+            dW = -(K @ D) @ h_all.mT
+        return de, dK, dW, D, None, None, None
+
+
+def _take(x: Tensor | None, idx: Tensor) -> Tensor | None:
+    return None if x is None else x[:, idx]
+
+
+def segment_scan(e: Tensor, K: Tensor | None, W: Tensor | None, b: Tensor, segments: Segments, *, group_name: str,
+                 layout: str = "zigzag") -> Tensor:
+    """The state entering every chunk of packed documents' segments across the ranks (Note [Parallel state passing with
+    packed documents]): e ``(H, NC, d, 1)``, K and W ``(H, NC, c, Dk)`` (both or neither), b ``(H, NC, Dk, Dv)`` fp32
+    over the chunk list of ``segments`` (every local segment's chunks, in flat segment order); every document's state
+    is zero before its first token. Returns ``(H, NC, Dk, Dv)``; differentiable in e, K, W and b.
+    """
+    if (K is None) != (W is None):
+        raise ValueError("K and W come together (the delta rule's transition e - K^T W) or not at all (SSD)")
+    if b.shape[1] != segments.n_chunks:
+        raise ValueError(f"b holds {b.shape[1]} chunks, the segments {segments.n_chunks}")
+    return _SegmentScan.apply(e, K, W, b, segments, group_name, layout)
