@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--check", action="store_true", help="under torchrun: compare with the whole sequence on one device")
+    ap.add_argument("--profile", action="store_true", help="after the timing, print the top kernels of one more step "
+                    "(torch.profiler, rank 0)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args()
@@ -178,6 +180,18 @@ def main() -> None:
                     times.append(time.perf_counter() - start)
                 if device.type == "cuda":
                     row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                if args.profile:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                    with profile(activities=activities) as prof:
+                        _step(system, inputs, do, mesh, docs, args.kernel)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                    if rank == 0:
+                        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+                        print(f"profile: {system} S={T} documents={args.docs or None}", flush=True)
+                        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
                 if mesh is not None and args.check:  # against the whole sequence on this one device (Note [Parallel
                     # state passing across ranks]): relative L2 error of the output and of every input's gradient
                     from lightning_seqpar.sharding import shard_sequence

@@ -60,11 +60,14 @@ recurrent layers would move O(S) activations per layer (two all-to-alls); the st
 O(d^2) per hop whatever S, so the recurrent layers take the model's layout as it is.
 
 The chain is sequential: a rank waits for its S_in before its local work. It now carries only
-what the parallel form cannot: fla-core's kernels (which give no piece composite) and packed
-documents (a state per document). The package's torch kernels without documents pass the states
-in parallel instead, one all-gather each way (Note [Parallel state passing across ranks] in
-lightning_seqpar.attention.scan): on 4 H200s at 128K tokens (32 heads of 128) a gated DeltaNet
-layer's forward + backward went from 3,210 ms down the chain to 101 ms.
+what the parallel form cannot: fla-core's kernels (which give no piece composite), Mamba1's
+selective scan, the RG-LRU and the convolution's per-document histories. The package's torch
+kernels pass the states in parallel instead, one all-gather each way (Note [Parallel state passing
+across ranks] in lightning_seqpar.attention.scan; with packed documents one map per document
+segment, Note [Parallel state passing with packed documents] there): on 4 H200s at 128K tokens (32
+heads of 128) a gated DeltaNet layer's forward + backward went from 3,210 ms down the chain to 101
+ms; with 16 packed documents, on 4 H100s, from 757 ms to 200 ms. SEQPAR_STATE_CHAIN=1 sends the
+torch kernels' states down the chain anyway (the same results; for comparisons).
 
 Note [Halo exchange for the short convolution]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -87,7 +90,8 @@ Packed batches are sharded with the per-document zigzag (Note [Packed documents 
 zigzag]): global piece p is piece p of EVERY document, end to end, and rank r holds pieces r and
 2W-1-r. So a piece of a sample is a run of segments, one per document (pieces[b, n, p] tokens,
 possibly none), and the pieces are visited in the same chain as above (Note [State chain under
-the zigzag layout]). What travels is one state PER DOCUMENT, [B, N, H, Dk, Dv] (N: documents of
+the zigzag layout]; the torch kernels of the delta rule and SSD fold the same per-document maps in
+parallel instead: Note [Parallel state passing with packed documents] in scan.py). What travels is one state PER DOCUMENT, [B, N, H, Dk, Dv] (N: documents of
 the widest sample): document n's state after its tokens so far, zero before its first one. A
 piece starts each segment from its document's entering state, runs it, and hands on every
 document's state (an empty segment passes its state through). States never mix across
