@@ -190,6 +190,19 @@ def _batches(vocab: int, seq: int, n: int):
         yield ids
 
 
+def _sample(ids: torch.Tensor, docs: int) -> dict:
+    """One training sample of ids [S]; with ``docs`` > 0, that many equal packed documents (``document_ids``; the
+    last token of each predicts nothing: its label is -100)."""
+    labels = torch.cat([ids[1:], torch.tensor([-100])])
+    if not docs:
+        return {"input_ids": ids, "labels": labels}
+    seq = ids.numel()
+    lengths = [seq // docs] * (docs - 1) + [seq - seq // docs * (docs - 1)]
+    document_ids = torch.repeat_interleave(torch.arange(docs), torch.tensor(lengths))
+    labels[torch.cumsum(torch.tensor(lengths), 0) - 1] = -100
+    return {"input_ids": ids, "labels": labels, "document_ids": document_ids}
+
+
 def _precision(args, shape: str) -> str:
     if shape in LORA:
         return "bf16-true"  # the frozen base in bf16, fp32 adapters (with bf16_adapters: gathered in bf16)
@@ -241,8 +254,7 @@ def run_ours(args, shape: str, world: int, callbacks: list) -> dict:
     lora = LORA.get(shape)
     times: list[float] = []
     losses: list[float] = []
-    data = [{"input_ids": ids[0], "labels": torch.cat([ids[0, 1:], torch.tensor([-100])])}
-            for ids in _batches(config.vocab_size, args.seq, args.warmup + args.steps)]
+    data = [_sample(ids[0], args.docs) for ids in _batches(config.vocab_size, args.seq, args.warmup + args.steps)]
     strategy = SequenceParallelStrategy(sequence_parallel_size=world, attention=args.algorithm,
                                         expected_seq_len=args.seq if args.algorithm == "auto" else None,
                                         bf16_adapters=lora is not None, timeout=datetime.timedelta(seconds=args.timeout))
@@ -312,7 +324,9 @@ def _base_row(args, shape: str, system: str, world: int, bench: str) -> dict:
     spec = _spec(shape, tiny=args.device == "cpu", layers=args.layers)
     flops = model_flops(_config(spec), args.seq, LORA.get(shape))
     return dict(bench=bench, shape=shape, system=system, model=f"{shape}-shaped" + ("-tiny" if args.device == "cpu" else ""),
-                seq=args.seq, gpus=world, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                seq=args.seq, gpus=world, documents=args.docs or None,
+                state_passing=("chain" if os.environ.get("SEQPAR_STATE_CHAIN", "0") == "1" else "parallel") if system == "seqpar" else None,
+                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 torch=torch.__version__, commit=args.commit, algorithm=args.algorithm if system == "seqpar" else "transformers",
                 precision=_precision(args, shape) if system == "seqpar" else "autocast-bf16", lora=LORA.get(shape),
                 warmup=args.warmup, steps=args.steps, config=spec,
@@ -400,6 +414,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     ap.add_argument("--systems", default="seqpar,transformers", help="seqpar, transformers (one GPU only)")
     ap.add_argument("--layers", type=int, default=None, help="num_hidden_layers of every shape (the layer pattern tiled)")
+    ap.add_argument("--docs", type=int, default=0, help="pack this many equal documents into each sequence (document_ids; "
+                    "ours only): attention masked per document, recurrent states reset at each")
     ap.add_argument("--algorithm", default="auto", help="the strategy's attention= ('auto': the cost model's for --seq)")
     ap.add_argument("--loss-chunk", type=int, default=4096, help="CausalLMModule(loss_chunk_size=)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait (process group and strategy)")

@@ -452,15 +452,18 @@ _HF_FAMILY_LABELS = {"gemma3": "gemma3-shaped (5 sliding : 1 global)", "gpt-oss"
 def hf_families_gpus_table(rows: list[dict]) -> str:
     """benchmarks/hf_families.py under torchrun: the latest run that trained, per (device, GPUs, S, shape)."""
     runs = last_by([r for r in rows if r.get("bench") == "hf-families" and not r.get("error")],
-                   lambda r: (r.get("device"), r["gpus"], r["seq"], r["shape"]))
+                   lambda r: (r.get("device"), r["gpus"], r["seq"], r["shape"], r.get("documents") or 0, r.get("state_passing") or "parallel"))
     order = list(_HF_FAMILY_LABELS)
     out = []
-    for (device, gpus, seq, shape), r in sorted(runs.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2],
-                                                                              order.index(kv[0][3]) if kv[0][3] in order else 9)):
-        algorithm = r.get("algorithm", "?") + (" + state passing" if shape == "qwen3-next" else "")
-        out.append([_HF_FAMILY_LABELS.get(shape, shape), str(gpus), seq_k(seq), algorithm, f(_num(r, "tokens_per_s_per_gpu"), ",.0f"),
-                    f(_num(r, "mfu"), ".3f"), f(_num(r, "peak_mem_gb"), ".1f"), f"{device}, {when(r)}"])
-    return table(["model", "GPUs", "S", "algorithm (auto)", "tokens/s/GPU", "MFU", "peak GB", "device, commit, date"], out)
+    for (device, gpus, seq, shape, docs, passing), r in sorted(
+            runs.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2], order.index(kv[0][3]) if kv[0][3] in order else 9,
+                                          kv[0][4], kv[0][5] != "parallel")):
+        states = " + states down the chain (SEQPAR_STATE_CHAIN=1)" if passing == "chain" else " + state passing"
+        algorithm = r.get("algorithm", "?") + (states if shape == "qwen3-next" else "")
+        out.append([_HF_FAMILY_LABELS.get(shape, shape), str(gpus), seq_k(seq), str(docs or "-"), algorithm,
+                    f(_num(r, "tokens_per_s_per_gpu"), ",.0f"), f(_num(r, "mfu"), ".3f"), f(_num(r, "peak_mem_gb"), ".1f"),
+                    f"{device}, {when(r)}"])
+    return table(["model", "GPUs", "S", "documents", "algorithm (auto)", "tokens/s/GPU", "MFU", "peak GB", "device, commit, date"], out)
 
 
 TABLES: dict[str, Callable[[list[dict]], str]] = {
