@@ -444,6 +444,41 @@ def _chain_switch_worker(rank: int, world_size: int) -> int:
     return 1
 
 
+def _autocast_worker(rank: int, world_size: int) -> int:
+    """Note [Recurrences in fp32 under autocast]: under torch.autocast (bf16) the recurrences give exactly what they
+    give without it (fp32 inside), with packed documents and without, in parallel and down the chain."""
+    from lightning_seqpar.documents import PackedDocuments
+
+    mesh = mesh_1d(world_size) if world_size > 1 else None
+    docs = PackedDocuments.from_lengths(DOC_LENGTHS, world=world_size)
+    s = selective_inputs(T=24)
+    calls = {
+        "delta": (lambda d, **kw: gated_delta_rule(**d, mesh=mesh, chunk_size=4, **kw), delta_inputs(T=24)),
+        "ssd": (lambda d, **kw: ssd_scan(d["x"], d["dt"], d["A"], d["Bm"], d["C"], d["D"], mesh=mesh, chunk_size=4, **kw),
+                ssd_inputs(T=24)),
+        "selective": (lambda d, **kw: _selective(mesh, "zigzag", kw.get("documents"))(**d), s),
+    }
+    for name, (fn, inputs) in calls.items():
+        for kw in ({}, {"documents": docs}):
+            got = []
+            for autocast in (False, True):
+                token = {n for n, t in inputs.items() if t.dim() >= 2 and t.shape[1] == 24}
+                shard = (lambda t: docs.shard(t, rank)) if kw else (lambda t: take(t, expected_index(24, "zigzag", world_size, rank)))
+                d = {n: (shard(t) if n in token else t).clone().requires_grad_() for n, t in inputs.items()}
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    out = fn(d, **kw)
+                (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+                got.append([out.detach()] + [d[n].grad for n in sorted(d)])
+            for a, b in zip(*got):
+                torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m: f"{name} {sorted(kw)}: {m}")
+    return 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_recurrences_are_fp32_under_autocast(world_size):
+    assert run_distributed(_autocast_worker, world_size) == [1] * world_size
+
+
 def test_state_chain_switch_gives_the_same_results():
     assert run_distributed(_chain_switch_worker, 3) == [1] * 3
 

@@ -127,6 +127,7 @@ open, unmeasured.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -472,6 +473,8 @@ class _StateChain(torch.autograd.Function):
             outs.append(out)
             s_ins.append(s_in)
         ctx.kernel, ctx.group_name, ctx.layout, ctx.state_shape = kernel, group_name, layout, state_shape
+        # the backward recomputes each piece under the forward's autocast state (as torch.utils.checkpoint does)
+        ctx.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu")]
         ctx.has_state = [s is not None for s in s_ins]
         ctx.save_for_backward(*inputs, *(s for s in s_ins if s is not None))
         ctx.n_inputs = len(inputs)
@@ -501,7 +504,9 @@ class _StateChain(torch.autograd.Function):
                 comm.wait(comm.post([], [(ds_out, _owner(p + 1, world, ctx.layout))]))
             leaves = [x[i].detach().requires_grad_() for x in split]
             s_in = None if s_ins[i] is None else s_ins[i].detach().requires_grad_()
-            with torch.enable_grad():
+            with torch.enable_grad(), contextlib.ExitStack() as stack:
+                for device_type, enabled, dtype in ctx.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
                 out, s_out = ctx.kernel(*leaves, s_in, piece=p)
                 targets, seeds = [out], [douts[i]]
                 if ds_out is not None:
@@ -689,6 +694,29 @@ def _pieces_of(T: int, mesh: DeviceMesh | None, layout: str) -> int:
     return p
 
 
+# Note [Recurrences in fp32 under autocast]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The recurrences' torch kernels compute in fp32 (their inputs cast to fp32 on entry, whatever the
+# caller's dtype). Under torch.autocast (Lightning's "bf16-mixed") every matmul inside would run in
+# bf16 instead: the state, carried over thousands of chunks, would be rounded to bf16 at every step,
+# the kernels' mixed dtypes would meet in the scans' index copies, and a chain piece recomputed in
+# the backward (outside autocast) would not be the forward's. So the public recurrences run with
+# autocast off (cuda and cpu); their outputs are fp32 or the input's dtype as each documents.
+# (fla-core's kernels keep their state in fp32 too.) causal_conv1d is not wrapped: it computes in
+# the weight's dtype as transformers' Conv1d does, under autocast as well.
+
+
+def _fp32(fn: Callable) -> Callable:
+    """Run a public recurrence with autocast off (Note [Recurrences in fp32 under autocast])."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _check_tokens(name: str, x: Tensor, shape: tuple[int, ...]) -> None:
     if not isinstance(x, Tensor) or not x.is_floating_point() or tuple(x.shape) != shape:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -785,6 +813,7 @@ def _check_scan(q, k, v, g, beta, chunk_size) -> None:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
+@_fp32
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
                      use_qk_l2norm: bool = True, mesh: DeviceMesh | None = None,
                      layout: Literal["zigzag", "contiguous"] = "zigzag", chunk_size: int = 64,
@@ -861,6 +890,7 @@ def _ssd_kernel(q, k, v, g, s_in, *, piece, chunk_size, kernel, pieces=None):
     return _delta_kernel(q, k, v, g, None, s_in, piece=piece, chunk_size=chunk_size, kernel=kernel, pieces=pieces)
 
 
+@_fp32
 def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, *, mesh: DeviceMesh | None = None,
              layout: Literal["zigzag", "contiguous"] = "zigzag", chunk_size: int = 64, kernel: Kernel = "auto",
              documents: PackedDocuments | None = None) -> Tensor:
@@ -988,6 +1018,7 @@ def _selective_kernel(g: Tensor, u: Tensor, B: Tensor, C: Tensor, s_in: Tensor |
     return y, (leaving[:, 0] if pieces is None else leaving)
 
 
+@_fp32
 def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, *,
                    mesh: DeviceMesh | None = None, layout: Literal["zigzag", "contiguous"] = "zigzag",
                    chunk_size: int = 16, documents: PackedDocuments | None = None) -> Tensor:
@@ -1067,6 +1098,7 @@ def _diagonal_kernel(g: Tensor, u: Tensor, s_in: Tensor | None, *, piece: int, c
     return y, s_out[..., 0]
 
 
+@_fp32
 def diagonal_recurrence(log_a: Tensor, u: Tensor, *, mesh: DeviceMesh | None = None,
                         layout: Literal["zigzag", "contiguous"] = "zigzag", chunk_size: int = 16,
                         documents: PackedDocuments | None = None) -> Tensor:
