@@ -9,6 +9,7 @@ with Triton < 3.7.1, see lightning_seqpar.attention.recurrent._fla_unusable).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 
@@ -60,6 +61,38 @@ def _step(model, ids, wrapped: bool, autocast: bool):
     return logits.float(), loss.detach(), {n.removeprefix("base_model.model."): p.grad.float() for n, p in params}
 
 
+@contextlib.contextmanager
+def _recurrence_in_fp32(kind: str):
+    """The unmodified model with its gated delta rule kept in fp32 under bf16 autocast: what fla-core's kernels and
+    ours do (Note [Recurrences in fp32 under autocast]); transformers' torch path runs its matmuls in bf16 there.
+    Bamba's scan is inline in its mixer: unchanged."""
+    if kind != "qwen3_next":
+        yield
+        return
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+    original = qwen3_next.torch_chunk_gated_delta_rule
+
+    def fp32(*args, **kwargs):
+        up = lambda x: x.float() if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
+        with torch.autocast("cuda", enabled=False):
+            return original(*map(up, args), **{k: up(v) for k, v in kwargs.items()})
+
+    qwen3_next.torch_chunk_gated_delta_rule = fp32
+    try:
+        yield
+    finally:
+        qwen3_next.torch_chunk_gated_delta_rule = original
+
+
+def _bound(e_plain: float, e_plain32: float) -> float:
+    """Within 2x (+ 2e-3) of the unmodified model's error under bf16 autocast, its recurrence in bf16 or in fp32: a
+    per-head gate gradient (A_log, dt_bias: a sum over every token) has an error of cancellations that lands either
+    side of the other run's by chance (Qwen3-Next-shaped, one H100: layer 2's dt_bias 2.6e-2 with our fp32
+    recurrence, 2.1e-2 with bf16 matmuls inside it, transformers 1.0e-2; layer 1's 2.7e-2, 3.5e-2, 2.1e-2)."""
+    return 2 * max(e_plain, e_plain32) + 2e-3
+
+
 def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
@@ -74,8 +107,8 @@ _CUDNN = pytest.param("cudnn", marks=pytest.mark.xfail(strict=False, reason=(
 @pytest.mark.parametrize("kind", ["qwen3_next", "bamba"])
 def test_twins_are_as_exact_as_the_unmodified_model_in_bf16(kind, backend):
     """Against the unmodified model in fp32 (no autocast): logits, loss and every gradient of the twins
-    (bf16 autocast) within 2x (+ 2e-3) of the unmodified model's own error under bf16 autocast, with the
-    attention kernel "auto" picks (and, expected to fail, cuDNN's)."""
+    (bf16 autocast) within 2x (+ 2e-3) of the unmodified model's own error under bf16 autocast (its recurrence in
+    bf16 or in fp32: :func:`_bound`), with the attention kernel "auto" picks (and, expected to fail, cuDNN's)."""
     from lightning_seqpar.attention import Attention
     from lightning_seqpar.attention.recurrent import Recurrence
     from lightning_seqpar.hf import HFCausalLM
@@ -85,6 +118,8 @@ def test_twins_are_as_exact_as_the_unmodified_model_in_bf16(kind, backend):
     ids = torch.randint(0, VOCAB, (1, S), device="cuda")
     ref = _step(copy.deepcopy(base), ids, wrapped=False, autocast=False)
     plain = _step(copy.deepcopy(base), ids, wrapped=False, autocast=True)
+    with _recurrence_in_fp32(kind):
+        plain32 = _step(copy.deepcopy(base), ids, wrapped=False, autocast=True)
     failures = []
     for kernel in _kernels():
         model = HFCausalLM(copy.deepcopy(base))
@@ -94,17 +129,19 @@ def test_twins_are_as_exact_as_the_unmodified_model_in_bf16(kind, backend):
             if isinstance(m, Attention):
                 m.configure(mesh=None, backend=backend)
         ours = _step(model, ids, wrapped=True, autocast=True)
-        pairs = {"logits": (ours[0], plain[0], ref[0]), **{f"d{n}": (ours[2][n], plain[2][n], g) for n, g in ref[2].items()}}
+        pairs = {"logits": (ours[0], plain[0], plain32[0], ref[0]),
+                 **{f"d{n}": (ours[2][n], plain[2][n], plain32[2][n], g) for n, g in ref[2].items()}}
         worst = ("", 0.0, 0.0)
-        for name, (a, b, r) in pairs.items():
-            e, e_plain = _rel(a, r), _rel(b, r)
-            if e - 2 * e_plain > worst[1] - 2 * worst[2]:
+        for name, (a, b, b32, r) in pairs.items():
+            e, e_plain, bound = _rel(a, r), _rel(b, r), _bound(_rel(b, r), _rel(b32, r))
+            if e / bound > worst[1] / _bound(worst[2], worst[2]):
                 worst = (name, e, e_plain)
-            if e > 2 * e_plain + 2e-3:
-                failures.append(f"{kind} kernel={kernel} {name}: {e:.2e} > 2 x {e_plain:.2e} + 2e-3")
+            if e > bound:
+                failures.append(f"{kind} kernel={kernel} {name}: {e:.2e} > 2 x max({e_plain:.2e}, {_rel(b32, r):.2e}) + 2e-3")
         print(f"[hf-hybrid-gpu] {kind} kernel={kernel}: loss {ours[1].item():.5f} (fp32 {ref[1].item():.5f}, transformers bf16 "
               f"{plain[1].item():.5f}); closest to its bound: {worst[0]} {worst[1]:.2e} (transformers bf16 {worst[2]:.2e})")
-        assert abs(ours[1].item() - ref[1].item()) <= 2 * abs(plain[1].item() - ref[1].item()) + 1e-3
+        assert abs(ours[1].item() - ref[1].item()) <= 2 * max(abs(plain[1].item() - ref[1].item()),
+                                                             abs(plain32[1].item() - ref[1].item())) + 1e-3
     assert not failures, failures
 
 
@@ -112,7 +149,7 @@ def test_twins_are_as_exact_as_the_unmodified_model_in_bf16(kind, backend):
 def test_twins_with_packed_documents_on_the_gpu(kind):
     """Packed documents on one GPU (the per-document state reset of the torch kernels, Note [Documents in a
     recurrence]), bf16 autocast: the twins' logits, loss and every gradient against every document run alone
-    through the unmodified model in fp32, within 2x (+ 2e-3) of that model's own bf16 error."""
+    through the unmodified model in fp32, within 2x (+ 2e-3) of that model's own bf16 error (:func:`_bound`)."""
     from lightning_seqpar.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
 
@@ -134,6 +171,8 @@ def test_twins_with_packed_documents_on_the_gpu(kind):
         return logits.float(), loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
 
     ref, plain = alone(copy.deepcopy(base), False), alone(copy.deepcopy(base), True)
+    with _recurrence_in_fp32(kind):
+        plain32 = alone(copy.deepcopy(base), True)
     model = HFCausalLM(copy.deepcopy(base))
     documents = PackedDocuments.from_lengths([lengths])
     model.zero_grad(set_to_none=True)
@@ -142,9 +181,9 @@ def test_twins_with_packed_documents_on_the_gpu(kind):
     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
     loss.backward()
     grads = {n.removeprefix("hf."): p.grad.float() for n, p in model.named_parameters()}
-    failures = [f"{kind} d{n}: {_rel(grads[n], g):.2e} > 2 x {_rel(plain[2][n], g):.2e} + 2e-3"
-                for n, g in ref[2].items() if _rel(grads[n], g) > 2 * _rel(plain[2][n], g) + 2e-3]
+    failures = [f"{kind} d{n}: {_rel(grads[n], g):.2e} > 2 x max({_rel(plain[2][n], g):.2e}, {_rel(plain32[2][n], g):.2e}) + 2e-3"
+                for n, g in ref[2].items() if _rel(grads[n], g) > _bound(_rel(plain[2][n], g), _rel(plain32[2][n], g))]
     e, e_plain = _rel(logits.float(), ref[0]), _rel(plain[0], ref[0])
     print(f"[hf-hybrid-gpu] {kind} packed documents: logits {e:.2e} (transformers bf16 {e_plain:.2e}), loss {loss.item():.5f} "
           f"(fp32 {ref[1].item():.5f})")
-    assert e <= 2 * e_plain + 2e-3 and not failures, failures
+    assert e <= _bound(e_plain, _rel(plain32[0], ref[0])) and not failures, failures
