@@ -358,12 +358,8 @@ class Segments:
         self.seg, self.first, self.last = (x.to(device) for x in (seg, first, last))
         self.first_seg, self.last_seg = self.seg[self.first], self.seg[self.last]
         n_seg = shape[0] * shape[1] * shape[2]
-        nxt = torch.full((self.n_chunks,), n_seg, dtype=torch.int64)  # n_seg: no next segment (a zero row)
-        nxt[last[:-1]] = seg[first[1:]]  # the segment starting after each last chunk (segments run in order)
-        self.next_seg = nxt.to(device)
-        keep = torch.ones(self.n_chunks)
-        keep[last] = 0.0  # the transition out of a segment's last chunk is cut (A = 0)
-        self.keep = keep.to(device)[:, None, None]
+        # the segment starting after each last chunk (segments run in order); n_seg after the final one: a zero row
+        self.next_seg = torch.cat([seg[first[1:]], torch.tensor([n_seg])]).to(device)
         L, _ = _block_sizes(self.n_chunks)
         self.last_at = []  # per position l in a group: (groups, rows) of the last chunks there (Note [Blocked affine scan])
         for l in range(L):
@@ -413,6 +409,17 @@ def _reverse_states(e, K, W, dh: Tensor, M: Tensor) -> Tensor:
     return _unblocked(_chunk_ends(eb, Kb, Wb, dhb, D), NC)[0, 0]
 
 
+def _masked(e: Tensor, K: Tensor | None, segs: Segments) -> tuple[Tensor, Tensor | None]:
+    """e and K with every segment's last chunk zeroed: the transition out of it is cut (A = 0)."""
+    em = e.clone()
+    em[:, segs.last] = 0
+    if K is None:
+        return em, None
+    Km = K.clone()
+    Km[:, segs.last] = 0
+    return em, Km
+
+
 def _per_segment(x: Tensor, shape: tuple[int, int, int]) -> Tensor:
     """(H, S, ...) -> [P, B, N, H, ...]."""
     return x.transpose(0, 1).reshape(*shape, x.shape[0], *x.shape[2:])
@@ -429,15 +436,17 @@ class _SegmentScan(torch.autograd.Function):
         H, NC, Dk, Dv = b.shape
         dense = W is not None
         P, Bsz, N = segs.shape
-        keep = segs.keep
-        em, Km = e * keep, (None if K is None else K * keep)
+        em, Km = _masked(e, K, segs)
+        li = segs.last
         # 1. every segment's composite [M | s] from the wide scan (no autograd)
         w = Dk if dense else 1
         reset = torch.cat([torch.eye(Dk, dtype=b.dtype, device=b.device) if dense else b.new_ones(Dk, 1),
                            b.new_zeros(Dk, Dv)], dim=-1)  # [I | 0] (SSD: [1 | 0])
-        bw = torch.cat([b.new_zeros(H, NC, Dk, w), b], dim=-1) * keep + reset * (1 - keep)
+        bw = b.new_zeros(H, NC, Dk, w + Dv)  # [0 | b], and [I | 0] where the next chunk starts a segment
+        bw[..., w:] = b
+        bw[:, li] = reset
         X = _states_at_last(em, Km, W, bw, reset.expand(H, Dk, w + Dv), segs)
-        li = segs.last
+        del bw
         C = _apply(e[:, li], _take(K, li), _take(W, li), X)
         C[..., w:] += b[:, li]
         comp = reset.expand(H, P * Bsz * N, Dk, w + Dv).clone().index_copy_(1, segs.last_seg, C)
@@ -457,8 +466,10 @@ class _SegmentScan(torch.autograd.Function):
             state = _mat(M_all[p], state, dense) + f.reshape(Bsz, N, H, -1)[..., m:].reshape(Bsz, N, H, Dk, Dv)
         enter = _per_chunk_list(torch.stack([entering[p] for p in chunk_ids(rank, world, layout)]))  # (H, S, Dk, Dv)
         # 3. the states entering every chunk, every segment from its exact entering state
-        enter_next = torch.cat([enter, enter.new_zeros(H, 1, Dk, Dv)], dim=1)[:, segs.next_seg]
-        h_all, Mg = _forward_states(em, Km, W, b * keep + enter_next * (1 - keep), enter[:, segs.seg[0]])
+        bm = b.clone()  # b, and the next segment's entering state where the next chunk starts a segment
+        bm[:, li] = torch.cat([enter, enter.new_zeros(H, 1, Dk, Dv)], dim=1)[:, segs.next_seg]
+        h_all, Mg = _forward_states(em, Km, W, bm, enter[:, segs.seg[0]])
+        del bm
         ctx.save_for_backward(e, K, W, h_all, Mg, M_all)
         ctx.args = (segs, group_name, layout)
         return h_all
@@ -470,7 +481,7 @@ class _SegmentScan(torch.autograd.Function):
         H, NC, Dk, Dv = h_all.shape
         dense = W is not None
         P, Bsz, N = segs.shape
-        em, Km = e * segs.keep, (None if K is None else K * segs.keep)
+        em, Km = _masked(e, K, segs)
         # (a) every segment's start gradient from its own chunks
         dn = _reverse_states(em, Km, W, dh, Mg)
         fi = segs.first
