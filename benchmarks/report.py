@@ -428,7 +428,9 @@ def delta_rule_table(rows: list[dict]) -> str:
         ours = [r for r in rs if r["system"] == "seqpar" and not r.get("baseline") and not r.get("error")]  # baseline: the code before, same call
         latest = ours[-1] if ours else None
         # ours: the latest; earlier records of ours that are not a baseline are superseded (not shown)
-        ordered = ([latest] if latest else []) + [r for r in rs if r is not latest and (r["system"] != "seqpar" or r.get("baseline"))]
+        chain = [r for r in rs if r.get("state_passing") == "chain"][-1:]  # the latest chain-forced run only
+        ordered = ([latest] if latest else []) + [r for r in rs if r is not latest and (r["system"] != "seqpar" or r.get("baseline"))
+                                                  and (r.get("state_passing") != "chain" or r in chain)]
         for r in ordered:
             before = "ours, states down the chain" if r.get("state_passing") == "chain" else f"ours before ({r['commit']})"
             name = ("**ours**" if r is latest else before) if r["system"] == "seqpar" else \

@@ -66,7 +66,7 @@ kernels pass the states in parallel instead, one all-gather each way (Note [Para
 across ranks] in lightning_seqpar.attention.scan; with packed documents one map per document
 segment, Note [Parallel state passing with packed documents] there): on 4 H200s at 128K tokens (32
 heads of 128) a gated DeltaNet layer's forward + backward went from 3,210 ms down the chain to 101
-ms; with 16 packed documents, on 4 H100s, from 757 ms to 200 ms. SEQPAR_STATE_CHAIN=1 sends the
+ms; with 16 packed documents, on 4 H100s, from 762 ms to 194 ms. SEQPAR_STATE_CHAIN=1 sends the
 torch kernels' states down the chain anyway (the same results; for comparisons).
 
 Note [Halo exchange for the short convolution]
