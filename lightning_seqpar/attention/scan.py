@@ -213,6 +213,18 @@ def _chunk_ends(e, K, W, dh: Tensor, D: Tensor) -> Tensor:
 # the autograd Function
 
 
+def _transition_grads(e: Tensor, K: Tensor | None, W: Tensor | None, h: Tensor, dnext: Tensor
+                      ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(de, dK, dW) of every chunk's transition from the state entering it (h) and the gradient of the state after it
+    (dnext): Note [Blocked affine scan]'s last line (db = dnext)."""
+    de = (h * dnext).sum(-1, keepdim=True)
+    if e.shape[-2] == 1:
+        de = de.sum(-2, keepdim=True)
+    if W is None:
+        return de, None, None
+    return de, -(W @ h) @ dnext.mT, -(K @ dnext) @ h.mT
+
+
 def _blocked(x: Tensor | None, L: int, G: int, fill: float) -> Tensor | None:
     """[P, B, H, N, ...] -> [L, P, B, H, G, ...], the chunk axis padded to G L with ``fill`` (identity chunks)."""
     if x is None:
@@ -311,14 +323,7 @@ class _AffineScan(torch.autograd.Function):
             if has_h0:
                 dh0 = dstart.sum(0)
         dnext = _unblocked(_chunk_ends(eb, Kb, Wb, dhb, D), N)  # gradient of the state after every chunk
-        de = (h_all * dnext).sum(-1, keepdim=True)
-        if e.shape[-2] == 1:
-            de = de.sum(-2, keepdim=True)
-        dK = dW = None
-        if dense:
-            dK = -(W @ h_all) @ dnext.mT
-            dW = -(K @ dnext) @ h_all.mT
-        return de, dK, dW, dnext, dh0, None, None
+        return (*_transition_grads(e, K, W, h_all, dnext), dnext, dh0, None, None)
 
 
 def affine_scan(e: Tensor, K: Tensor | None, W: Tensor | None, b: Tensor, h0: Tensor | None = None, *,
@@ -500,14 +505,7 @@ class _SegmentScan(torch.autograd.Function):
         li = segs.last
         dh = dh.index_add(1, li, _apply_t(e[:, li], _take(K, li), _take(W, li), E))
         D = _reverse_states(em, Km, W, dh, Mg).index_copy_(1, li, E)  # the gradient of the state after every chunk
-        de = (h_all * D).sum(-1, keepdim=True)
-        if e.shape[-2] == 1:
-            de = de.sum(-2, keepdim=True)
-        dK = dW = None
-        if dense:
-            dK = -(W @ h_all) @ D.mT
-            dW = -(K @ D) @ h_all.mT
-        return de, dK, dW, D, None, None, None
+        return (*_transition_grads(e, K, W, h_all, D), D, None, None, None)
 
 
 def _take(x: Tensor | None, idx: Tensor) -> Tensor | None:
