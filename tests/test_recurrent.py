@@ -142,6 +142,19 @@ def test_conv_matches_reference():
     close(causal_conv1d(x["x"], x["w"], x["b"], activation="silu"), naive_conv(x["x"], x["w"], x["b"], "silu"), "conv")
 
 
+def test_kernels_do_not_depend_on_the_default_dtype():
+    """torch.set_default_dtype(torch.float64) does not leak into the fp32 kernels (a float64 eye met fp32 tensors)."""
+    d = delta_inputs()
+    want = gated_delta_rule(**d, chunk_size=4)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = gated_delta_rule(**{n: t.double() for n, t in d.items()}, chunk_size=4)
+    finally:
+        torch.set_default_dtype(previous)
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=0)
+
+
 def test_errors_name_the_argument():
     x = delta_inputs()
     cases = [

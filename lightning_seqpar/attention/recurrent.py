@@ -232,7 +232,7 @@ def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None
     else:
         bc = _chunk(beta, c)[..., None]  # (B, H, N, c, 1)
         strict = pairs(kc, kc) * bc
-        system = strict.tril(-1) + torch.eye(c, device=q.device)  # I + L (strictly lower L)
+        system = strict.tril(-1) + torch.eye(c, dtype=strict.dtype, device=q.device)  # I + L (strictly lower L)
         terms["u"] = torch.linalg.solve_triangular(system, bc * vc, upper=False, unitriangular=True)  # (B, H, N, c, Dv)
         terms["wk"] = torch.linalg.solve_triangular(system, bc * eG * kc, upper=False, unitriangular=True)  # (B, H, N, c, Dk)
     return terms
