@@ -435,7 +435,8 @@ def test_documents_communication_is_one_state_per_document_and_independent_of_th
 
 
 def _chain_switch_worker(rank: int, world_size: int) -> int:
-    """SEQPAR_STATE_CHAIN=1 (the states down the chain, for comparisons) gives what the parallel form gives."""
+    """SEQPAR_STATE_CHAIN=1 (the states down the chain, for comparisons) gives what the parallel forms give: the delta
+    rule with packed documents, Mamba1's selective scan without."""
     import os
 
     from lightning_seqpar.documents import PackedDocuments
@@ -446,10 +447,14 @@ def _chain_switch_worker(rank: int, world_size: int) -> int:
     for chain in ("0", "1"):
         os.environ["SEQPAR_STATE_CHAIN"] = chain
         try:
+            got = []
             d = {n: docs.shard(t, rank).requires_grad_() for n, t in delta_inputs(T=24).items()}
-            out = gated_delta_rule(**d, mesh=mesh, chunk_size=4, documents=docs)
-            (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
-            results.append([out.detach()] + [d[n].grad for n in sorted(d)])
+            s = {n: (take(t, expected_index(24, "zigzag", world_size, rank)) if n in SELECTIVE_TOKENS else t).requires_grad_()
+                 for n, t in selective_inputs(T=24).items()}
+            for out, x in ((gated_delta_rule(**d, mesh=mesh, chunk_size=4, documents=docs), d), (_selective(mesh)(**s), s)):
+                (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+                got += [out.detach()] + [x[n].grad for n in sorted(x)]
+            results.append(got)
         finally:
             os.environ.pop("SEQPAR_STATE_CHAIN")
     for a, b in zip(*results):
@@ -589,24 +594,45 @@ def test_selective_scan_documents_match_the_token_recurrence_on_one_device():
 
 
 def _selective_traffic_worker(rank: int, world_size: int) -> list:
+    import lightning_seqpar.attention.recurrent as recurrent
+    from lightning_seqpar.documents import PackedDocuments
+
     mesh = mesh_1d(world_size)
     shapes = []
-    for T in (32, 64):
-        s = {n: (take(t, expected_index(T, "zigzag", world_size, rank)) if n in SELECTIVE_TOKENS else t).requires_grad_()
-             for n, t in selective_inputs(T=T).items()}
-        with record_p2p() as (rec, _):
-            _selective(mesh)(**s).sum().backward()
-        shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received))))
+    gather, scatter = recurrent.all_gather_into, recurrent.reduce_scatter_into
+    for T in (36, 72):  # divisible by 2W = 6 (documents)
+        docs = PackedDocuments.from_lengths([[T // 4, 3 * T // 4], [T]], world=world_size)
+        plain = {n: (take(t, expected_index(T, "zigzag", world_size, rank)) if n in SELECTIVE_TOKENS else t).requires_grad_()
+                 for n, t in selective_inputs(T=T).items()}
+        packed = {n: (docs.shard(t, rank) if n in SELECTIVE_TOKENS else t).requires_grad_() for n, t in selective_inputs(T=T).items()}
+        collectives: list[tuple] = []
+        recurrent.all_gather_into = lambda out, inp, group: (collectives.append(("gather", tuple(inp.shape))), gather(out, inp, group))[1]
+        recurrent.reduce_scatter_into = lambda out, inp, group: (collectives.append(("scatter", tuple(out.shape))),
+                                                                 scatter(out, inp, group))[1]
+        try:
+            with record_p2p() as (plain_rec, _):
+                _selective(mesh)(**plain).sum().backward()
+            with record_p2p() as (packed_rec, _):
+                _selective(mesh, documents=docs)(**packed).sum().backward()
+        finally:
+            recurrent.all_gather_into, recurrent.reduce_scatter_into = gather, scatter
+        shapes.append((sorted(map(tuple, plain_rec.sent)), collectives, sorted(map(tuple, packed_rec.sent))))
     return shapes
 
 
 def test_selective_scan_communication_is_one_state_per_hop():
+    """Without documents (Note [Parallel state passing for diagonal recurrences]): every piece's (exp G, s) in one
+    all-gather forward ([P, 2, B, E, N]), their gradients in one reduce-scatter backward, nothing point to point; with
+    documents one [B, N, E, N] state per hop down the chain, 2W - 2 hops a direction (zigzag). Nothing depends on S."""
     W = 3
     results = run_distributed(_selective_traffic_worker, W)
-    sent = [s for rank in results for s in rank[0][0]]
-    assert sent == [(2, 8, 5)] * (2 * (2 * W - 2))  # [B, E, N] states, 2W - 2 hops per direction (zigzag)
     for rank in results:
-        assert rank[0] == rank[1], "the messages at S=32 and S=64 differ"
+        plain_sent, collectives, packed_sent = rank[0]
+        assert plain_sent == []
+        assert collectives == [("gather", (2, 2, 2, 8, 5)), ("scatter", (2, 2, 2, 8, 5))], collectives
+        assert rank[0] == rank[1], "the communication at S=36 and S=72 differs"
+    sent = [s for rank in results for s in rank[0][2]]
+    assert sent == [(2, 2, 8, 5)] * (2 * (2 * W - 2))  # [B, docs, E, N] states
 
 
 # a decay per key dimension (Kimi Delta Attention; Note [Chunked gated recurrences])

@@ -60,8 +60,10 @@ recurrent layers would move O(S) activations per layer (two all-to-alls); the st
 O(d^2) per hop whatever S, so the recurrent layers take the model's layout as it is.
 
 The chain is sequential: a rank waits for its S_in before its local work. It now carries only
-what the parallel form cannot: fla-core's kernels (which give no piece composite), Mamba1's
-selective scan, the RG-LRU and the convolution's per-document histories. The package's torch
+what the parallel forms do not: fla-core's kernels (which give no piece composite), the per-document
+states of Mamba1's selective scan and the RG-LRU (without documents their diagonal maps pass in
+parallel: Note [Parallel state passing for diagonal recurrences]) and the convolution's per-document
+histories. The package's torch
 kernels pass the states in parallel instead, one all-gather each way (Note [Parallel state passing
 across ranks] in lightning_seqpar.attention.scan; with packed documents one map per document
 segment, Note [Parallel state passing with packed documents] there): on 4 H200s at 128K tokens (32
@@ -141,7 +143,7 @@ from torch.utils.checkpoint import checkpoint
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.attention.comm import P2P, process_group
+from lightning_seqpar.attention.comm import P2P, all_gather_into, process_group, reduce_scatter_into
 from lightning_seqpar.attention.scan import Segments, affine_scan, segment_scan
 from lightning_seqpar.documents import PackedDocuments, current_documents, exclusive_cumsum, segment_indices
 from lightning_seqpar.sharding import LAYOUTS, chunk_ids, num_chunks
@@ -1018,6 +1020,102 @@ def _selective_kernel(g: Tensor, u: Tensor, B: Tensor, C: Tensor, s_in: Tensor |
     return y, (leaving[:, 0] if pieces is None else leaving)
 
 
+# Note [Parallel state passing for diagonal recurrences]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Mamba1's selective scan and the RG-LRU have a diagonal transition, so a piece maps the state that
+# enters it elementwise:
+#
+#     S_out = exp(G) * S_in + s,   G = the sum of the piece's log decays (per e, n),
+#     s = sum_t exp(G_after_t) * w_t,   G_after_t = the sum of the log decays after token t,
+#
+# w_t the write (dt_t x_t B_t; the RG-LRU's u_t). (exp G, s) costs O(T E N) elementwise, with no
+# [c, c] workspace: a few percent of the kernel. Without documents, every rank computes its pieces'
+# maps (autograd on, 256 tokens at a time under activation checkpointing); one all-gather, whose
+# backward is a reduce-scatter, gives every rank every piece's. Each rank folds them in sequence
+# order (S_in[p + 1] = exp(G_p) S_in[p] + s_p) and runs its pieces' kernel from the exact
+# entering states. The backward is autograd's:
+#
+#   - the kernel's gradient of its entering state flows through the fold into the gathered maps;
+#   - the reduce-scatter hands every rank the gradient of its own pieces' maps;
+#   - the per-piece sums carry it to the inputs.
+#
+# No rank waits for another's kernel: the chain's critical path was 2W pieces, now it is the rank's
+# own 2. With documents the per-document states still go down the chain (Note [Documents in a
+# recurrence]); SEQPAR_STATE_CHAIN=1 sends these down the chain too.
+
+_MAP_CHUNK = 256  # tokens per step of a piece's map: a [Bsz, 256, E, N] workspace
+
+
+def _map_chunk(g: Tensor, u: Tensor, B: Tensor, s: Tensor) -> Tensor:
+    """s after a chunk: g [Bsz, c, E, N] log decays, u [Bsz, c, E], B [Bsz, c, G, N], s [Bsz, E, N] (the zero-entering
+    state before it)."""
+    Bsz, c, E, N = g.shape
+    G = B.shape[2]
+    after = g.flip(1).cumsum(1).flip(1) - g  # the log decays after each token, within the chunk (<= 0)
+    w = (u.reshape(Bsz, c, G, E // G, 1) * B[:, :, :, None, :]).reshape(Bsz, c, E, N)
+    return g.sum(1).exp() * s + (after.exp() * w).sum(1)
+
+
+def _diagonal_map(g: Tensor, u: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+    """(exp G, s) of one piece: its leaving state is exp(G) * S_in + s (Note [Parallel state passing for diagonal
+    recurrences]); [Bsz, E, N] each, differentiable."""
+    s = g.new_zeros(g.shape[0], *g.shape[2:])
+    for t in range(0, g.shape[1], _MAP_CHUNK):
+        s = checkpoint(_map_chunk, g[:, t:t + _MAP_CHUNK], u[:, t:t + _MAP_CHUNK], B[:, t:t + _MAP_CHUNK], s,
+                       use_reentrant=False)
+    return g.sum(1).exp(), s
+
+
+class _GatherPieces(torch.autograd.Function):
+    """[P, ...] on every rank -> [W, P, ...]; backward: the reduce-scatter (each rank's slice, summed over the ranks)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group_name: str) -> Tensor:
+        group = process_group(group_name)
+        world = dist.get_world_size(group)
+        out = x.new_empty(world * x.shape[0], *x.shape[1:])
+        all_gather_into(out, x.contiguous(), group)
+        ctx.group_name = group_name
+        return out.reshape(world, *x.shape)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        group = process_group(ctx.group_name)
+        flat = dout.contiguous().reshape(-1, *dout.shape[2:])
+        out = flat.new_empty(dout.shape[1], *dout.shape[2:])
+        reduce_scatter_into(out, flat, group)
+        return out, None
+
+
+def _parallel_diagonal(kernel, inputs: list[Tensor], map_of, mesh: DeviceMesh, layout: str) -> Tensor:
+    """The pieces of a diagonal recurrence with their states passed in parallel (Note [Parallel state passing for diagonal
+    recurrences]). ``kernel(*piece_inputs, s_in, piece=)`` -> (out, leaving); ``map_of(*piece_inputs)`` -> (exp G, s)
+    shaped as the state."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    ids = chunk_ids(rank, world, layout)
+    split = [x.chunk(len(ids), dim=1) for x in inputs]
+    local = torch.stack([torch.stack(map_of(*(x[i] for x in split))) for i in range(len(ids))])  # [P, 2, *state]
+    gathered = _GatherPieces.apply(local, mesh.get_group().group_name)  # [W, P, 2, *state]
+    maps: list[Tensor | None] = [None] * num_chunks(world, layout)
+    for r in range(world):
+        for i, p in enumerate(chunk_ids(r, world, layout)):
+            maps[p] = gathered[r, i]
+    # the first piece enters with a zero state that is still the gather's output: every rank's backward then reaches
+    # the gather's reduce-scatter (rank 0's pieces may need no other piece's map: the contiguous layout)
+    state, entering = maps[0][1] * 0, []  # type: ignore[index]
+    for m in maps:
+        entering.append(state)
+        state = m[0] * state + m[1]  # type: ignore[index]
+    return torch.cat([kernel(*(x[i] for x in split), entering[p], piece=p)[0] for i, p in enumerate(ids)], dim=1)
+
+
+def _diagonal_in_parallel(mesh: DeviceMesh | None, pieces: Tensor | None) -> bool:
+    """Whether a diagonal recurrence passes its states in parallel (Note [Parallel state passing for diagonal
+    recurrences]): several ranks, no documents, SEQPAR_STATE_CHAIN unset."""
+    return (mesh is not None and mesh.size() > 1 and pieces is None
+            and os.environ.get("SEQPAR_STATE_CHAIN", "0") != "1")
+
+
 @_fp32
 def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, *,
                    mesh: DeviceMesh | None = None, layout: Literal["zigzag", "contiguous"] = "zigzag",
@@ -1056,7 +1154,10 @@ def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Te
     u = dt.float() * x.float()  # (B, T, E)
     fn = functools.partial(_selective_kernel, chunk_size=chunk_size, pieces=pieces)
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
-    y = _chain(fn, [g, u, B.float(), C.float()], (Bsz, *docs, E, N), mesh, layout)
+    if _diagonal_in_parallel(mesh, pieces):
+        y = _parallel_diagonal(fn, [g, u, B.float(), C.float()], lambda g, u, B, C: _diagonal_map(g, u, B), mesh, layout)  # type: ignore[arg-type]
+    else:
+        y = _chain(fn, [g, u, B.float(), C.float()], (Bsz, *docs, E, N), mesh, layout)
     if D is not None:
         y = y + D.float() * x.float()
     return y
@@ -1119,6 +1220,12 @@ def diagonal_recurrence(log_a: Tensor, u: Tensor, *, mesh: DeviceMesh | None = N
     pieces = _check_documents(documents, Bsz, T, mesh, layout)
     fn = functools.partial(_diagonal_kernel, chunk_size=chunk_size, pieces=pieces)
     docs = () if pieces is None else (pieces.shape[1],)  # a state per document
+    if _diagonal_in_parallel(mesh, pieces):
+        def map_of(g: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:  # N = 1, B = 1: the write is u
+            decay, s = _diagonal_map(g[..., None], w, g.new_ones(*g.shape[:2], 1, 1))
+            return decay[..., 0], s[..., 0]
+
+        return _parallel_diagonal(fn, [log_a.float(), u.float()], map_of, mesh, layout)  # type: ignore[arg-type]
     return _chain(fn, [log_a.float(), u.float()], (Bsz, *docs, E), mesh, layout)
 
 
