@@ -415,7 +415,7 @@ def delta_rule_table(rows: list[dict]) -> str:
     """benchmarks/delta_rule.py: one gated DeltaNet layer's forward + backward; per (device, S, GPUs, documents) the
     latest record of each (system, commit), ours first (the last record not marked ``baseline``: a baseline is the
     package's code before a change, measured in the same call); "row's time / ours" is the row's time over ours'."""
-    runs = last_by([r for r in rows if r.get("bench") in ("delta_rule", "ssd_scan")],
+    runs = last_by([r for r in rows if r.get("bench") in ("delta_rule", "ssd_scan") or (r.get("bench") == "selective_scan" and r.get("gpus", 1) > 1)],
                    lambda r: (r["bench"], r.get("device"), r["seq"], r["gpus"], r.get("documents") or 0, r["system"], r["commit"],
                              r.get("state_passing")))
     groups: dict[tuple, list[dict]] = {}
@@ -439,7 +439,8 @@ def delta_rule_table(rows: list[dict]) -> str:
             error = r.get("error")
             speed = ratio(_num(r, "time_ms"), _num(latest, "time_ms")) if latest is not None and r is not latest and not error else "·"
             ms = ("out of memory" if "out of memory" in error else error[:40]) if error else f(_num(r, "time_ms"), ",.1f")
-            layer = "gated delta rule (Qwen3-Next)" if bench == "delta_rule" else "Mamba2 SSD (Bamba-9B)"
+            layer = ("gated delta rule (Qwen3-Next)" if bench == "delta_rule" else "Mamba2 SSD (Bamba-9B)" if bench == "ssd_scan"
+                     else f"Mamba1 selective scan (d_inner {r.get('channels')}, state {r.get('state')})")
             out.append([layer, seq_k(seq), str(gpus), str(docs or "-"), name, ms, f(_num(r, "tokens_per_s"), ",.0f"),
                         f(_num(r, "peak_mem_gb"), ".1f"), speed, f"{device}, {when(r)}"])
     return table(["layer", "S", "GPUs", "documents", "system", "fwd + bwd ms", "tokens/s", "peak GB", "row's time / ours",

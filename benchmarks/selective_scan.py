@@ -4,6 +4,12 @@ backward, fp32, at a Mamba-130m layer's shape (d_inner 1536, state 16) by defaul
 
     python benchmarks/selective_scan.py --seqs 1024,4096 --out selective_scan.json
     python benchmarks/selective_scan.py --device cpu --seqs 64 --channels 64     (smoke)
+    torchrun --nproc_per_node=4 benchmarks/selective_scan.py --seqs 65536 --chunks 16 --out selective_scan.json
+
+Under torchrun the package's kernel runs sequence-parallel: every rank holds --seqs / W tokens (zigzag; seq in
+the record is the whole sequence, gpus = W) and the states pass in parallel (Note [Parallel state passing for
+diagonal recurrences]), or down the chain with SEQPAR_STATE_CHAIN=1 (the record's ``state_passing``); rank 0's
+record.
 
 One record per (length, system, chunk size) appended to ``--out``: bench "selective_scan", system "seqpar" /
 "transformers", seq (tokens on the device), channels, state, chunk_size (the package's kernel; null for transformers), device, time_ms (median of ``--iters`` after ``--warmup``, forward
@@ -30,12 +36,13 @@ def _inputs(T: int, E: int, N: int, device: torch.device) -> dict[str, torch.Ten
             "B": make(1, T, 1, N), "C": make(1, T, 1, N), "D": torch.ones(E, device=device)}
 
 
-def _step(system: str, inputs: dict[str, torch.Tensor], dy: torch.Tensor, chunk: int) -> None:
+def _step(system: str, inputs: dict[str, torch.Tensor], dy: torch.Tensor, chunk: int, mesh=None) -> None:
     leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()}
     if system == "seqpar":
         from lightning_seqpar.attention.recurrent import selective_scan
 
-        y = selective_scan(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], leaves["D"], chunk_size=chunk)
+        y = selective_scan(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], leaves["D"], chunk_size=chunk,
+                           mesh=mesh, layout="zigzag")
     else:
         from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 
@@ -58,7 +65,18 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args()
-    device = torch.device(args.device)
+    world, mesh, rank = int(os.environ.get("WORLD_SIZE", "1")), None, 0
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if world > 1:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        rank = dist.get_rank()
+        mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("sp",))
+        args.systems = "seqpar"  # transformers' torch path cannot split the sequence
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     for T in (int(s) for s in args.seqs.split(",")):
         runs = [(system, int(c)) for system in args.systems.split(",")
@@ -67,19 +85,29 @@ def main() -> None:
             row = {"bench": "selective_scan", "system": system, "seq": T, "channels": args.channels, "state": args.state,
                    "chunk_size": chunk or None,
                    "device": name, "time_ms": None, "tokens_per_s": None, "peak_mem_gb": None, "error": None,
-                   "commit": args.commit}
+                   "commit": args.commit, "gpus": world}
+            if mesh is not None:
+                chain = os.environ.get("SEQPAR_STATE_CHAIN", "0") == "1"
+                row["state_passing"] = "chain" if chain else "parallel"
             try:
                 inputs = _inputs(T, args.channels, args.state, device)
-                dy = torch.randn(1, T, args.channels, device=device)
+                dy = torch.randn(1, T, args.channels, generator=torch.Generator().manual_seed(1)).to(device)
+                if mesh is not None:
+                    from lightning_seqpar.sharding import shard_sequence
+
+                    inputs = {k: (shard_sequence(v, mesh, layout="zigzag") if v.dim() >= 3 else v) for k, v in inputs.items()}
+                    dy = shard_sequence(dy, mesh, layout="zigzag")
                 for _ in range(args.warmup):
-                    _step(system, inputs, dy, chunk)
+                    _step(system, inputs, dy, chunk, mesh)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 times = []
                 for _ in range(args.iters):
+                    if mesh is not None:
+                        dist.barrier()
                     start = time.perf_counter()
-                    _step(system, inputs, dy, chunk)
+                    _step(system, inputs, dy, chunk, mesh)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     times.append(time.perf_counter() - start)
@@ -89,8 +117,11 @@ def main() -> None:
                     row["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
             except Exception as error:  # noqa: BLE001 - recorded (e.g. out of memory), the next run goes on
                 row["error"] = error_text(error)
-            print(row, flush=True)
-            record_and_release(args.out, row)
+            if rank == 0:
+                print(row, flush=True)
+                record_and_release(args.out, row)
+    if mesh is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
