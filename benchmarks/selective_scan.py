@@ -25,7 +25,9 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from collect import error_text, record_and_release  # benchmarks/ is on sys.path when this file runs as a script
+from launch import device_and_mesh
 
 
 def _inputs(T: int, E: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -65,17 +67,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args()
-    world, mesh, rank = int(os.environ.get("WORLD_SIZE", "1")), None, 0
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    if world > 1:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        rank = dist.get_rank()
-        mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("sp",))
+    device, mesh, rank, world = device_and_mesh(args.device)
+    if mesh is not None:
         args.systems = "seqpar"  # transformers' torch path cannot split the sequence
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     for T in (int(s) for s in args.seqs.split(",")):
