@@ -66,6 +66,15 @@ def chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
     return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
 
 
+def in_global_order(per_rank: torch.Tensor, world: int, layout: str) -> list[torch.Tensor]:
+    """``[W, P, ...]`` (every rank's local chunks, in rank order) -> a list of the chunks indexed by their global index."""
+    out: list[torch.Tensor] = [per_rank[0, 0]] * num_chunks(world, layout)
+    for r in range(world):
+        for i, p in enumerate(chunk_ids(r, world, layout)):
+            out[p] = per_rank[r, i]
+    return out
+
+
 def required_multiple(mesh: DeviceMesh, layout: str) -> int:
     """The global sequence length must be a multiple of this number (with one cp rank both layouts
     are the identity: only the hp split remains)."""

@@ -234,24 +234,24 @@ def test_chains_match_full_sequence(world_size, layout):
 
 
 def _traffic_worker(rank: int, world_size: int, layout: str) -> list:
-    import lightning_seqpar.attention.scan as scan
+    import lightning_seqpar.attention.comm as comm
 
     mesh = mesh_1d(world_size)
     shapes = []
-    original = scan.all_gather_into
+    original = comm.all_gather_into
     for T in (32, 64):
         d = {n: take(t, expected_index(T, layout, world_size, rank)).requires_grad_() for n, t in delta_inputs(T=T).items()}
         c = conv_inputs(T=T)
         x = take(c["x"], expected_index(T, layout, world_size, rank)).requires_grad_()
         gathers: list[tuple] = []
-        scan.all_gather_into = lambda out, inp, group: (gathers.append(tuple(inp.shape)), original(out, inp, group))[1]
+        comm.all_gather_into = lambda out, inp, group: (gathers.append(tuple(inp.shape)), original(out, inp, group))[1]
         try:
             with record_p2p() as (rec, ops):
                 out = gated_delta_rule(**d, mesh=mesh, layout=layout, chunk_size=4)
                 out.sum().backward()
                 causal_conv1d(x, c["w"], c["b"], mesh=mesh, layout=layout).sum().backward()
         finally:
-            scan.all_gather_into = original
+            comm.all_gather_into = original
         shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received)), gathers,
                        sorted(op for op in ops.ops if "send" not in op and "recv" not in op)))
     return shapes
@@ -393,25 +393,25 @@ def test_documents_errors_name_the_argument():
 
 
 def _documents_traffic_worker(rank: int, world_size: int) -> list:
-    import lightning_seqpar.attention.scan as scan
+    import lightning_seqpar.attention.comm as comm
     from lightning_seqpar.documents import PackedDocuments
 
     mesh = mesh_1d(world_size)
     shapes = []
-    original = scan.all_gather_into
+    original = comm.all_gather_into
     for T in (32, 64):  # the same documents, twice as long
         docs = PackedDocuments.from_lengths([[T // 4, T // 2, T // 4], [T // 8, 7 * T // 8]], world=world_size)
         d = {n: docs.shard(t, rank).requires_grad_() for n, t in delta_inputs(T=T).items()}
         c = conv_inputs(T=T)
         x = docs.shard(c["x"], rank).requires_grad_()
         gathers: list[tuple] = []
-        scan.all_gather_into = lambda out, inp, group: (gathers.append(tuple(inp.shape)), original(out, inp, group))[1]
+        comm.all_gather_into = lambda out, inp, group: (gathers.append(tuple(inp.shape)), original(out, inp, group))[1]
         try:
             with record_p2p() as (rec, _):
                 gated_delta_rule(**d, mesh=mesh, chunk_size=4, documents=docs).sum().backward()
                 causal_conv1d(x, c["w"], c["b"], mesh=mesh, documents=docs).sum().backward()
         finally:
-            scan.all_gather_into = original
+            comm.all_gather_into = original
         shapes.append((sorted(map(tuple, rec.sent)), sorted(map(tuple, rec.received)), gathers))
     return shapes
 
@@ -594,20 +594,20 @@ def test_selective_scan_documents_match_the_token_recurrence_on_one_device():
 
 
 def _selective_traffic_worker(rank: int, world_size: int) -> list:
-    import lightning_seqpar.attention.recurrent as recurrent
+    import lightning_seqpar.attention.comm as comm
     from lightning_seqpar.documents import PackedDocuments
 
     mesh = mesh_1d(world_size)
     shapes = []
-    gather, scatter = recurrent.all_gather_into, recurrent.reduce_scatter_into
+    gather, scatter = comm.all_gather_into, comm.reduce_scatter_into
     for T in (36, 72):  # divisible by 2W = 6 (documents)
         docs = PackedDocuments.from_lengths([[T // 4, 3 * T // 4], [T]], world=world_size)
         plain = {n: (take(t, expected_index(T, "zigzag", world_size, rank)) if n in SELECTIVE_TOKENS else t).requires_grad_()
                  for n, t in selective_inputs(T=T).items()}
         packed = {n: (docs.shard(t, rank) if n in SELECTIVE_TOKENS else t).requires_grad_() for n, t in selective_inputs(T=T).items()}
         collectives: list[tuple] = []
-        recurrent.all_gather_into = lambda out, inp, group: (collectives.append(("gather", tuple(inp.shape))), gather(out, inp, group))[1]
-        recurrent.reduce_scatter_into = lambda out, inp, group: (collectives.append(("scatter", tuple(out.shape))),
+        comm.all_gather_into = lambda out, inp, group: (collectives.append(("gather", tuple(inp.shape))), gather(out, inp, group))[1]
+        comm.reduce_scatter_into = lambda out, inp, group: (collectives.append(("scatter", tuple(out.shape))),
                                                                  scatter(out, inp, group))[1]
         try:
             with record_p2p() as (plain_rec, _):
@@ -615,7 +615,7 @@ def _selective_traffic_worker(rank: int, world_size: int) -> list:
             with record_p2p() as (packed_rec, _):
                 _selective(mesh, documents=docs)(**packed).sum().backward()
         finally:
-            recurrent.all_gather_into, recurrent.reduce_scatter_into = gather, scatter
+            comm.all_gather_into, comm.reduce_scatter_into = gather, scatter
         shapes.append((sorted(map(tuple, plain_rec.sent)), collectives, sorted(map(tuple, packed_rec.sent))))
     return shapes
 

@@ -1,6 +1,7 @@
 """The communication helpers the attention algorithms share: process groups by name, batched
 point-to-point exchanges (the ring, LASP's state chain, the recurrences' state chain), the
-single-tensor all-gather / reduce-scatter pair (all-gather attention, LASP's all-gather variant)
+single-tensor all-gather / reduce-scatter pair (all-gather attention, LASP's all-gather variant; stacked
+per rank, and under autograd, for the recurrences' parallel state passing)
 and the K/V head repeat that lets head-parallel ranks split the key/value heads (Ulysses, 2D, the
 cost model). Collectives only: no attention math here.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2P", "all_gather_into", "kv_repeat", "process_group", "reduce_scatter_into"]
+__all__ = ["AllGatherStacked", "P2P", "all_gather_into", "gather_stacked", "kv_repeat", "process_group", "reduce_scatter_into"]
 
 
 def process_group(name: str) -> dist.ProcessGroup:
@@ -50,6 +51,30 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """``out`` <- this rank's slice (dim 0) of ``inp`` summed over the ranks: the all-gather's backward."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, inp, group=group)
+
+
+def gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` on every rank -> ``[W, *x.shape]`` in group-rank order (not differentiable)."""
+    world = dist.get_world_size(group)
+    out = x.new_empty(world * x.shape[0], *x.shape[1:])
+    all_gather_into(out, x.contiguous(), group)
+    return out.reshape(world, *x.shape)
+
+
+class AllGatherStacked(torch.autograd.Function):
+    """:func:`gather_stacked` under autograd: the backward reduce-scatters, each rank getting its own slice of the
+    gradient summed over the ranks. ``AllGatherStacked.apply(x, group_name)``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return gather_stacked(x, process_group(group_name))
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        out = dout.new_empty(dout.shape[1:])
+        reduce_scatter_into(out, dout.contiguous().reshape(-1, *dout.shape[2:]), process_group(ctx.group_name))
+        return out, None
 
 
 def kv_repeat(h_q: int, h_kv: int, degree: int) -> int | None:

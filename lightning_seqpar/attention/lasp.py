@@ -129,7 +129,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.checks import check_qkv_tensors
-from lightning_seqpar.attention.comm import P2P, all_gather_into, process_group
+from lightning_seqpar.attention.comm import P2P, gather_stacked, process_group
 
 __all__ = [
     "KERNELS",
@@ -303,13 +303,6 @@ def _position_decay(g: Tensor, n: int) -> Tensor:
 # LASP state exchange (Note [LASP], Note [All-gather variant])
 
 
-def _gather_states(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    world = dist.get_world_size(group)
-    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    all_gather_into(out, x.contiguous(), group)
-    return out.view(world, *x.shape)  # (W, B, H, Dk, Dv) in group-rank order
-
-
 def _weighted_sum(states: Tensor, g: Tensor, exponents: Tensor) -> Tensor:
     """sum_i lambda^(exponents[i]) states[i] over [n, B, H, Dk, Dv] (zeros when n == 0)."""
     w = torch.exp(exponents.float()[:, None] * g.float()[None, :])  # (n, H)
@@ -320,7 +313,7 @@ def _state_in(s_loc: Tensor, g: Tensor, C: int, variant: str, group: dist.Proces
     """The KV state of all tokens before this rank's chunk (forward of Note [LASP] step 2)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if variant == "allgather":
-        gathered = _gather_states(s_loc, group)
+        gathered = gather_stacked(s_loc, group)
         s = torch.arange(rank, device=g.device)
         return _weighted_sum(gathered[:rank], g, C * (rank - 1 - s))  # ranks s < r, lambda^(C (r-1-s))
     comm = P2P(group)
@@ -338,7 +331,7 @@ def _state_out_grad(p: Tensor, g: Tensor, C: int, variant: str, group: dist.Proc
     (backward of Note [LASP] step 4)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if variant == "allgather":
-        gathered = _gather_states(p, group)
+        gathered = gather_stacked(p, group)
         r = torch.arange(rank + 1, world, device=g.device)
         return _weighted_sum(gathered[rank + 1:], g, C * (r - 1 - rank))  # ranks r > s, lambda^(C (r-1-s))
     comm = P2P(group)

@@ -143,10 +143,10 @@ from torch.utils.checkpoint import checkpoint
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.attention.comm import P2P, all_gather_into, process_group, reduce_scatter_into
+from lightning_seqpar.attention.comm import P2P, AllGatherStacked, process_group
 from lightning_seqpar.attention.scan import Segments, affine_scan, segment_scan
 from lightning_seqpar.documents import PackedDocuments, current_documents, exclusive_cumsum, segment_indices
-from lightning_seqpar.sharding import LAYOUTS, chunk_ids, num_chunks
+from lightning_seqpar.sharding import LAYOUTS, chunk_ids, in_global_order, num_chunks
 
 __all__ = [
     "RECURRENT_KERNELS",
@@ -298,6 +298,13 @@ def _segment_layout(lengths: Tensor, T: int, c: int) -> dict[str, Tensor]:
     return {"gather": gather, "scatter": scatter, "seg": seg, "first": first, "last": last}
 
 
+def _padded(x: Tensor, gather: Tensor) -> Tensor:
+    """[B, T, *D] -> [1, Tp, *D] fp32 along ``_segment_layout``'s ``gather``: each segment starting a chunk, zeros
+    between."""
+    x = x.float().reshape(-1, *x.shape[2:])
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[gather][None]
+
+
 def _chunked_scan_segments(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor | None, initial: Tensor | None,
                            lengths: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
     """The scan of every segment alone from its own entering state (Note [Documents in a recurrence]).
@@ -309,10 +316,7 @@ def _chunked_scan_segments(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     B, T, H, Dk = q.shape
     N, Dv, c = lengths.shape[1], v.shape[-1], chunk_size
     lay = {name: x.to(q.device) for name, x in _segment_layout(lengths, T, c).items()}
-
-    def padded(x: Tensor) -> Tensor:  # [B, T, *D] -> [1, Tp, *D], each segment starting a chunk, zeros between
-        x = x.float().reshape(B * T, *x.shape[2:])
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[lay["gather"]][None]
+    padded = functools.partial(_padded, gather=lay["gather"])
 
     terms = _chunk_terms(padded(q), padded(k), padded(v), padded(g), None if beta is None else padded(beta), c)
     init = q.new_zeros(B * N, H, Dk, Dv, dtype=torch.float32) if initial is None else initial.float().reshape(B * N, H, Dk, Dv)
@@ -357,9 +361,8 @@ def _chunked_scan_documents(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     lay = _segment_layout(pieces.permute(2, 0, 1).reshape(P * B, N), n, c)  # flat segment (p B + b) N + n
     idx = {name: lay[name].to(q.device) for name in ("gather", "scatter")}
 
-    def padded(x: Tensor) -> Tensor:  # as in _chunked_scan_segments
-        x = split(x).float().reshape(P * B * n, *x.shape[2:])
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[idx["gather"]][None]
+    def padded(x: Tensor) -> Tensor:
+        return _padded(split(x), idx["gather"])
 
     terms = _chunk_terms(padded(q), padded(k), padded(v), padded(g), None if beta is None else padded(beta), c)
     u, K, W, e = terms["u"][0], terms["k_out"][0], terms.get("wk"), terms["eG_last"][0]  # (H, NC, ...)
@@ -869,7 +872,12 @@ def _state_passing(mesh: DeviceMesh | None, kernel: str) -> bool:
     state passing with packed documents]) rather than down the chain (Note [Linear recurrences under sequence
     sharding]): the package's torch kernels (fla-core's kernels give no piece composite). SEQPAR_STATE_CHAIN=1 sends
     them down the chain anyway (the same results; for comparisons)."""
-    return mesh is not None and mesh.size() > 1 and kernel == "torch" and os.environ.get("SEQPAR_STATE_CHAIN", "0") != "1"
+    return mesh is not None and mesh.size() > 1 and kernel == "torch" and not _chain_forced()
+
+
+def _chain_forced() -> bool:
+    """SEQPAR_STATE_CHAIN=1: every recurrence sends its states down the chain (the same results; for comparisons)."""
+    return os.environ.get("SEQPAR_STATE_CHAIN", "0") == "1"
 
 
 def _parallel_scan(q, k, v, g, beta, chunk_size: int, mesh: DeviceMesh, layout: str, pieces: Tensor | None) -> Tensor:
@@ -1066,27 +1074,6 @@ def _diagonal_map(g: Tensor, u: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
     return g.sum(1).exp(), s
 
 
-class _GatherPieces(torch.autograd.Function):
-    """[P, ...] on every rank -> [W, P, ...]; backward: the reduce-scatter (each rank's slice, summed over the ranks)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group_name: str) -> Tensor:
-        group = process_group(group_name)
-        world = dist.get_world_size(group)
-        out = x.new_empty(world * x.shape[0], *x.shape[1:])
-        all_gather_into(out, x.contiguous(), group)
-        ctx.group_name = group_name
-        return out.reshape(world, *x.shape)
-
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        group = process_group(ctx.group_name)
-        flat = dout.contiguous().reshape(-1, *dout.shape[2:])
-        out = flat.new_empty(dout.shape[1], *dout.shape[2:])
-        reduce_scatter_into(out, flat, group)
-        return out, None
-
-
 def _parallel_diagonal(kernel, inputs: list[Tensor], map_of, mesh: DeviceMesh, layout: str) -> Tensor:
     """The pieces of a diagonal recurrence with their states passed in parallel (Note [Parallel state passing for diagonal
     recurrences]). ``kernel(*piece_inputs, s_in, piece=)`` -> (out, leaving); ``map_of(*piece_inputs)`` -> (exp G, s)
@@ -1095,25 +1082,20 @@ def _parallel_diagonal(kernel, inputs: list[Tensor], map_of, mesh: DeviceMesh, l
     ids = chunk_ids(rank, world, layout)
     split = [x.chunk(len(ids), dim=1) for x in inputs]
     local = torch.stack([torch.stack(map_of(*(x[i] for x in split))) for i in range(len(ids))])  # [P, 2, *state]
-    gathered = _GatherPieces.apply(local, mesh.get_group().group_name)  # [W, P, 2, *state]
-    maps: list[Tensor | None] = [None] * num_chunks(world, layout)
-    for r in range(world):
-        for i, p in enumerate(chunk_ids(r, world, layout)):
-            maps[p] = gathered[r, i]
+    maps = in_global_order(AllGatherStacked.apply(local, mesh.get_group().group_name), world, layout)  # [2, *state] each
     # the first piece enters with a zero state that is still the gather's output: every rank's backward then reaches
     # the gather's reduce-scatter (rank 0's pieces may need no other piece's map: the contiguous layout)
-    state, entering = maps[0][1] * 0, []  # type: ignore[index]
+    state, entering = maps[0][1] * 0, []
     for m in maps:
         entering.append(state)
-        state = m[0] * state + m[1]  # type: ignore[index]
+        state = m[0] * state + m[1]
     return torch.cat([kernel(*(x[i] for x in split), entering[p], piece=p)[0] for i, p in enumerate(ids)], dim=1)
 
 
 def _diagonal_in_parallel(mesh: DeviceMesh | None, pieces: Tensor | None) -> bool:
     """Whether a diagonal recurrence passes its states in parallel (Note [Parallel state passing for diagonal
     recurrences]): several ranks, no documents, SEQPAR_STATE_CHAIN unset."""
-    return (mesh is not None and mesh.size() > 1 and pieces is None
-            and os.environ.get("SEQPAR_STATE_CHAIN", "0") != "1")
+    return mesh is not None and mesh.size() > 1 and pieces is None and not _chain_forced()
 
 
 @_fp32

@@ -99,8 +99,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_seqpar.attention.comm import all_gather_into, process_group
-from lightning_seqpar.sharding import chunk_ids, num_chunks
+from lightning_seqpar.attention.comm import gather_stacked, process_group
+from lightning_seqpar.sharding import chunk_ids, in_global_order
 
 __all__ = ["affine_scan", "segment_scan"]
 
@@ -248,23 +248,6 @@ def _unblocked(x: Tensor, N: int) -> Tensor:
     return x.reshape(*x.shape[:3], -1, *x.shape[5:])[:, :, :, :N]
 
 
-def _pieces_in_order(gathered: Tensor, world: int, layout: str) -> list[Tensor]:
-    """[W, P, ...] (every rank's local pieces, in rank order) -> a list indexed by the global piece."""
-    out: list[Tensor | None] = [None] * num_chunks(world, layout)
-    for r in range(world):
-        for i, p in enumerate(chunk_ids(r, world, layout)):
-            out[p] = gathered[r, i]
-    return out  # type: ignore[return-value]
-
-
-def _gather(x: Tensor, group) -> Tensor:
-    """[P, ...] on every rank -> [W, P, ...]."""
-    world = dist.get_world_size(group)
-    out = x.new_empty(world * x.shape[0], *x.shape[1:])
-    all_gather_into(out, x.contiguous(), group)
-    return out.reshape(world, *x.shape)
-
-
 class _AffineScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e, K, W, b, h0, group_name, layout):
@@ -283,7 +266,7 @@ class _AffineScan(torch.autograd.Function):
             Mp, sp = _piece_composite(M, s, dense)  # [P, B, H, Dk, Dk | d, 1], [P, B, H, Dk, Dv]
             m_numel = Mp[0].numel()
             flat = torch.cat([Mp.reshape(P, -1), sp.reshape(P, -1)], dim=1)
-            pieces = _pieces_in_order(_gather(flat, group), world, layout)
+            pieces = in_global_order(gather_stacked(flat, group), world, layout)
             M_all = torch.stack([f[:m_numel].reshape(Mp.shape[1:]) for f in pieces])  # [n, B, H, ...]
             state, entering = zero[0], []
             for p, f in enumerate(pieces):
@@ -311,7 +294,7 @@ class _AffineScan(torch.autograd.Function):
         if group_name is not None:  # Note [Parallel state passing across ranks]: the reverse fold
             group = process_group(group_name)
             rank, world = dist.get_rank(group), dist.get_world_size(group)
-            starts = _pieces_in_order(_gather(d_start, group), world, layout)
+            starts = in_global_order(gather_stacked(d_start, group), world, layout)
             d, incoming = M_all.new_zeros(Bsz, H, Dk, Dv), [None] * len(starts)  # nothing after the last piece
             for p in reversed(range(len(starts))):
                 incoming[p] = d  # the gradient reaching piece p's end from the pieces after it
@@ -462,7 +445,7 @@ class _SegmentScan(torch.autograd.Function):
         # 2. one all-gather, the fold per document
         group = process_group(group_name)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        pieces = _pieces_in_order(_gather(flat.reshape(P, -1), group), world, layout)
+        pieces = in_global_order(gather_stacked(flat.reshape(P, -1), group), world, layout)
         Mshape = (Dk, Dk) if dense else (1, 1)
         M_all = torch.stack([f.reshape(Bsz, N, H, -1)[..., :m].reshape(Bsz, N, H, *Mshape) for f in pieces])
         state, entering = b.new_zeros(Bsz, N, H, Dk, Dv), []
@@ -495,7 +478,7 @@ class _SegmentScan(torch.autograd.Function):
         # (b) one all-gather, the reverse fold per document
         group = process_group(group_name)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        starts = _pieces_in_order(_gather(_per_segment(r, segs.shape), group), world, layout)
+        starts = in_global_order(gather_stacked(_per_segment(r, segs.shape), group), world, layout)
         d, incoming = dh.new_zeros(Bsz, N, H, Dk, Dv), [None] * len(starts)  # nothing after the last piece
         for p in reversed(range(len(starts))):
             incoming[p] = d
