@@ -146,6 +146,11 @@ class PackedDocuments:
             out.append(torch.arange(self.seq_len) - torch.repeat_interleave(starts, lengths, output_size=self.seq_len))
         return torch.stack(out).to(device)
 
+    def token_lengths(self, device: torch.device | str | None = None) -> Tensor:
+        """``[B, S]`` length of every token's document (what a layer reading the sequence length sees of the
+        document alone: Note [Length-dependent rotary embeddings] in ``lightning_seqpar.hf.rope``)."""
+        return torch.stack([torch.repeat_interleave(lengths, lengths, output_size=self.seq_len) for lengths in self.lengths]).to(device)
+
     def piece_of(self, rank: int, half: int) -> int:
         """The piece index that ``half`` (0 or 1) of ``rank``'s shard holds (P = 1: the whole document)."""
         return 0 if self.num_pieces == 1 else (rank if half == 0 else self.num_pieces - 1 - rank)

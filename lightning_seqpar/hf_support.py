@@ -410,7 +410,8 @@ def check_model_supported(model: nn.Module, *, max_seq_len: int | None = None) -
 # ---------------------------------------------------------------------------------------- the table
 
 
-def make_record(results: Mapping[str, Any], *, known: Mapping[str, str]) -> dict[str, Any]:
+def make_record(results: Mapping[str, Any], *, known: Mapping[str, str],
+                packed_lengths: Any = None) -> dict[str, Any]:
     """The sweep's JSON record: versions, settings and ``cases`` (``"arch/feature"`` -> status and runs).
 
     ``known``: ``"arch/feature"`` -> the known defect (being fixed elsewhere) that explains its mismatches.
@@ -427,6 +428,7 @@ def make_record(results: Mapping[str, Any], *, known: Mapping[str, str]) -> dict
         "features": {f.name: f.what for f in FEATURES},
         "cases": {k: dict(v) for k, v in sorted(results.items())},
         "known_defects": dict(sorted(known.items())),
+        **({"packed_lengths": [list(r) for r in packed_lengths]} if packed_lengths else {}),
     }
 
 
@@ -435,13 +437,20 @@ def _short(detail: str, n: int = 110) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def _cell(case: Mapping[str, Any] | None, known: str | None) -> tuple[str, str | None]:
-    """(table cell, note) of one (architecture, feature) case across its runs."""
+def is_packed_run(where: str) -> bool:
+    """A run on packed documents (``sp2/ring/docs``: document_ids, ``sp2/ring/pos``: restarting position_ids)."""
+    return where.endswith(("/docs", "/pos"))
+
+
+def _cell(case: Mapping[str, Any] | None, known: str | None, packed: bool = False) -> tuple[str, str | None]:
+    """(table cell, note) of one (architecture, feature) case across its plain runs (``packed``: its packed ones)."""
     if case is None:
         return "", None
     if case["status"] != "ran":
         return case["status"], case.get("detail")
-    runs = case["runs"]
+    runs = {w: r for w, r in case["runs"].items() if is_packed_run(w) == packed}
+    if not runs:
+        return "", None
     statuses = sorted({r["status"] for r in runs.values()})
     if statuses == ["exact"]:
         return "exact", None
@@ -461,9 +470,10 @@ def _cell(case: Mapping[str, Any] | None, known: str | None) -> tuple[str, str |
     return label, note
 
 
-def _plan(cases: Mapping[str, Any], base: bool) -> str:
-    """The runs (``sp2/ring``, ...) that the record holds for base configs or for features."""
-    keys = sorted({w for k, c in cases.items() if k.endswith("/base") == base for w in c.get("runs", {})})
+def _plan(cases: Mapping[str, Any], base: bool, packed: bool = False) -> str:
+    """The runs (``sp2/ring``, ...) that the record holds for base configs or for features (plain or packed)."""
+    keys = sorted({w for k, c in cases.items() if k.endswith("/base") == base for w in c.get("runs", {})
+                   if is_packed_run(w) == packed})
     return ", ".join(keys) if keys else "none"
 
 
@@ -473,20 +483,34 @@ def render_markdown(record: Mapping[str, Any]) -> str:
     known = record.get("known_defects", {})
     archs = sorted({k.split("/")[0] for k in cases})
     features = ["base", *record["features"]]
-    counts: dict[str, int] = {}
-    notes: dict[tuple[str, str], list[str]] = {}
-    rows = []
-    for arch in archs:
-        cells = []
-        for feature in features:
-            key = f"{arch}/{feature}"
-            cell, note = _cell(cases.get(key), known.get(key))
-            if cell:
-                counts[cell] = counts.get(cell, 0) + 1
-                if note:
-                    notes.setdefault((cell, _short(note, 400)), []).append(key)
-            cells.append(cell or "·")
-        rows.append(f"| {arch} | " + " | ".join(cells) + " |")
+    order = {"MISMATCH": 0, "MISMATCH (known)": 1, "error": 2, "refused": 3, "not built": 4}
+
+    def table(packed: bool) -> tuple[list[str], dict[str, int], list[str]]:
+        counts: dict[str, int] = {}
+        notes: dict[tuple[str, str], list[str]] = {}
+        rows = []
+        for arch in archs:
+            cells = []
+            for feature in features:
+                key = f"{arch}/{feature}"
+                case = cases.get(key)
+                if packed and case is not None and case.get("status") != "ran":
+                    case = None  # not built: said once, in the first table
+                cell, note = _cell(case, known.get(key), packed)
+                if cell:
+                    counts[cell] = counts.get(cell, 0) + 1
+                    if note:
+                        notes.setdefault((cell, _short(note, 400)), []).append(key)
+                cells.append(cell or "·")
+            if not packed or any(c != "·" for c in cells):
+                rows.append(f"| {arch} | " + " | ".join(cells) + " |")
+        lines = [f"- **{cell}** {', '.join(f'`{k}`' for k in keys)}: {note}"
+                 for (cell, note), keys in sorted(notes.items(), key=lambda item: (order.get(item[0][0], 9), item[1][0]))]
+        head = ["| architecture | " + " | ".join(features) + " |", "|---|" + "---|" * len(features)]
+        return head + rows, counts, lines
+
+    plain_rows, counts, plain_notes = table(False)
+    packed_rows, packed_counts, packed_notes = table(True)
     built = sum(1 for a in archs if cases.get(f"{a}/base", {}).get("status") == "ran")
     header = [
         "# Hugging Face causal LMs under sequence parallelism: the support table",
@@ -505,18 +529,35 @@ def render_markdown(record: Mapping[str, Any]) -> str:
         "reasons. See Note [The Hugging Face support sweep] in `lightning_seqpar/hf_support.py`.",
         "",
         f"Architectures walked: {len(archs)}; built: {built}. Cells: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".",
+        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + "."
+        + (" Packed documents: " + ", ".join(f"{k} {v}" for k, v in sorted(packed_counts.items())) + "." if packed_counts else ""),
         "",
         "Features: " + "; ".join(f"`{k}` {v}" for k, v in record["features"].items()) + ".",
         "",
-        "| architecture | " + " | ".join(features) + " |",
-        "|---|" + "---|" * len(features),
     ]
-    order = {"MISMATCH": 0, "MISMATCH (known)": 1, "error": 2, "refused": 3, "not built": 4}
-    lines_notes = [f"- **{cell}** {', '.join(f'`{k}`' for k in keys)}: {note}"
-                   for (cell, note), keys in sorted(notes.items(), key=lambda item: (order.get(item[0][0], 9), item[1][0]))]
-    tail = ["", "## Notes (one line per distinct reason)", "", *lines_notes, ""]
-    return "\n".join(header + rows + tail)
+    out = header + plain_rows + ["", "## Notes (one line per distinct reason)", "", *plain_notes, ""]
+    if packed_counts:
+        lengths = record.get("packed_lengths")
+        out += [
+            "## Packed documents",
+            "",
+            "The same architectures and features with packed documents: each sample holds several documents "
+            + (f"(lengths {'; '.join(', '.join(map(str, r)) for r in lengths)}: longer and shorter than the window and "
+               "chunk, than the original context of the rotary scalings, two long ones of different lengths, one of "
+               "1 token) " if lengths else "")
+            + "given as `document_ids` (runs `…/docs`) or as `position_ids` restarting at 0 (`…/pos`), sharded as the "
+            f"strategy shards them ({_plan(cases, True, True)} for base configs; {_plan(cases, False, True)} for "
+            "features), against EVERY DOCUMENT ALONE through a fresh copy of the unmodified model (positions from 0; "
+            "the MoE router loss over all the documents' tokens). Cells as above.",
+            "",
+            *packed_rows,
+            "",
+            "### Notes (packed documents)",
+            "",
+            *packed_notes,
+            "",
+        ]
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,12 +129,14 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
             "position_ids": torch.arange(SEQ_LEN).expand(BATCH, SEQ_LEN).contiguous()}
 
 
-def reference(path: str, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def reference(path: str, data: dict[str, torch.Tensor], config: Any = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The unmodified transformers model (eager attention, one device, fp32): logits, mean loss (plus
-    ``router_aux_loss_coef * aux_loss`` with ``output_router_logits``, as transformers adds it), gradients."""
+    ``router_aux_loss_coef * aux_loss`` with ``output_router_logits``, as transformers adds it), gradients.
+    ``config``: load the folder's weights into the model of this config (an overridden one) instead of its own."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    kwargs = {} if config is None else {"config": config}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32, **kwargs)
     model.train()
     out = model(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=False)
     logits = out.logits
@@ -159,11 +161,7 @@ class _List(torch.utils.data.Dataset):
 
 def _capture_callback():
     import lightning as L
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-
-    from lightning_seqpar.documents import current_documents
-    from lightning_seqpar.sharding import unshard_sequence
 
     class Capture(L.Callback):
         """Full logits, logged loss and full gradients of the first step (every rank takes part in the gathers)."""
@@ -186,15 +184,8 @@ def _capture_callback():
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.losses.append(float(trainer.callback_metrics["train/loss"]))
-            strategy = trainer.strategy
-            documents = current_documents()
-            if strategy.parallel_dims.sp > 1 and documents is not None:  # per-document zigzag: gather, then put in order
-                group = strategy.sp_mesh.get_group()
-                shards = [torch.empty_like(self.logits[-1]) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(shards, self.logits[-1].contiguous(), group=group)
-                self.logits[-1] = documents.unshard(shards)
-            elif strategy.parallel_dims.sp > 1:
-                self.logits[-1] = unshard_sequence(self.logits[-1], strategy.sp_mesh, dim=1, layout=strategy.layout)
+            # the full sequences (layout or per-document zigzag, 1-D or 2-D mesh) on every rank
+            self.logits[-1] = trainer.strategy.gather_sequence(self.logits[-1].contiguous())
 
     return Capture()
 

@@ -23,30 +23,34 @@ CASES = (
     dict(window=5),
     dict(window=11, softcap=2.0, sinks=True),
     dict(chunk_size=6),
-    dict(chunk_size=6, documents=((13, 3, 16), (32,))),
-    dict(window=5, documents=((7, 9, 16), (20, 12)), sinks=True),
+    dict(chunk_size=6, documents=((13, 3, 16), (32,))),  # chunks from each document's start: 16 = 6 + 6 + 4, not 2 + 6 + 6 + 2
+    dict(window=3, chunk_size=6, documents=((1, 7, 9, 15), (11, 21)), sinks=True),  # both bite inside documents
     dict(softcap=1.5, causal=False),
     dict(chunk_size=10, causal=False, sinks=True),
 )
 
 
 def reference(q, k, v, *, causal=True, window=None, chunk_size=None, softcap=None, sinks=None, doc_ids=None):
-    """Explicit softmax over the full sequence, global positions 0..S-1 (fp64 in, fp64 out)."""
+    """Explicit softmax over the full sequence (fp64 in, fp64 out): positions 0..S-1, or with ``doc_ids`` the
+    positions inside each document (every document masked as if alone: its chunks start at its first token)."""
     S = q.shape[1]
     g = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
     x = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
     if softcap:
         x = softcap * torch.tanh(x / softcap)
-    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    ok = torch.ones(S, S, dtype=torch.bool)
+    pos = torch.arange(S).expand(q.shape[0], S)
+    if doc_ids is not None:  # position inside the document: index minus the index of the document's first token
+        first = torch.cat([torch.ones_like(doc_ids[:, :1], dtype=torch.bool), doc_ids[:, 1:] != doc_ids[:, :-1]], 1)
+        pos = pos - torch.cummax(torch.where(first, pos, 0), dim=1).values
+    i, j = pos[:, :, None], pos[:, None, :]
+    ok = torch.ones(q.shape[0], S, S, dtype=torch.bool)
     if causal:
         ok &= j <= i
     if window:
         ok &= j > i - window
     if chunk_size:
         ok &= i // chunk_size == j // chunk_size
-    ok = ok.expand(q.shape[0], S, S)
     if doc_ids is not None:
         ok = ok & (doc_ids[:, :, None] == doc_ids[:, None, :])
     x = x.masked_fill(~ok[:, None], float("-inf"))

@@ -8,7 +8,7 @@ with sp = 1 against transformers' own loss for Mixtral, Qwen2-MoE, OLMoE, Qwen3-
 chunks that cover the sequence. Refused with a ValueError naming the layer and the config field,
 before any communication (a stand-in mesh that cannot communicate proves it): shorter windows
 read from the layer (Qwen2-MoE) or the config, Llama 4 chunks, Llama 4 temperature tuning when
-sharded, convolution / SSM / linear-attention layers (LFM2, Bamba, Qwen3-Next).
+sharded from config.floor_scale tokens on, convolution / SSM / linear-attention layers (LFM2, Bamba, Qwen3-Next).
 """
 
 from __future__ import annotations
@@ -206,7 +206,8 @@ def test_llama4_temperature_tuning_exact_on_one_rank_refused_when_sharded():
     torch.testing.assert_close(wrapped(data["input_ids"], data["position_ids"]), logits, rtol=0, atol=ATOL)
     _as_if_sharded(wrapped, 2)
     with pytest.raises(ValueError, match=r"Llama4TextAttention \(layer 1\) scales its queries with attention temperature tuning "
-                                         r"\(config.attn_temperature_tuning=True on a NoPE layer, config.no_rope_layers\[1\]=0\)"):
+                                         r"\(config.attn_temperature_tuning=True on a NoPE layer, config.no_rope_layers\[1\]=0, "
+                                         r"config.floor_scale=4\).*seq_len=32 >= floor_scale with sequence parallelism"):
         wrapped(data["input_ids"][:, :16], data["position_ids"][:, :16])
 
 

@@ -2,7 +2,8 @@
 
 Every causal-LM architecture transformers registers, base config and each long-context feature,
 at sp 2 and 4, ring / all-gather / Ulysses / 2D, against the unmodified model on the full
-sequence: exact, or refused with a ValueError before any collective. Zero silent mismatches,
+sequence, and with packed documents (document_ids, or position_ids restarting at 0) against
+every document alone: exact, or refused with a ValueError before any collective. Zero silent mismatches,
 except the named known defects (:data:`KNOWN_DEFECTS`, being fixed on another branch).
 
 ``SEQPAR_HF_SWEEP=full`` runs everything (minutes) and, with ``SEQPAR_HF_SWEEP_RECORD=path``,
@@ -41,31 +42,33 @@ ALGORITHMS = {2: ("ring", "allgather", "ulysses"), 4: ("ring", "allgather", "uly
 # expected failure (reported, not hidden); empty since the fixes of #21 landed.
 KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
-# The CI subset: (architecture, features, sp sizes), chosen to hit every feature class and every
-# refusal; sp 2 runs ring and Ulysses, sp 4 all-gather and 2D (CI_ALGORITHMS)
-CI_CASES: tuple[tuple[str, tuple[str, ...], tuple[int, ...]], ...] = (
-    ("llama", ("base", "rope_yarn", "rope_dynamic"), (2, 4)),
-    ("qwen2", ("base", "sliding_window"), (2,)),
-    ("mistral", ("sliding_window",), (2,)),
-    ("gemma2", ("softcap",), (2,)),
-    ("gemma3_text", ("base", "sliding_window"), (2,)),
-    ("cwm", ("sliding_window",), (2,)),
-    ("phimoe", ("sliding_window",), (2,)),
-    ("gpt_oss", ("base",), (2,)),
-    ("mimo_v2_flash", ("base",), (2,)),
-    ("phi3", ("base", "rope_longrope"), (2,)),
-    ("mixtral", ("base", "moe_aux"), (2, 4)),
-    ("deepseek_v3", ("base",), (2,)),
-    ("deepseek_v32", ("base",), (2,)),
-    ("llama4_text", ("chunked",), (2,)),
-    ("gpt2", ("base",), (2,)),
-    ("bert", ("base",), (2,)),
-    ("olmo2", ("base",), (2,)),
-    ("jamba", ("base",), (2,)),
-    ("falcon_mamba", ("base",), (2,)),
-    ("qwen3_next", ("base",), (2,)),
+# The CI subset: (architecture, features, sp sizes, packed), chosen to hit every feature class and every refusal;
+# sp 2 runs ring and Ulysses, sp 4 all-gather and 2D (CI_ALGORITHMS); the packed cases also run on packed documents
+# (CI_PACKED: each algorithm with document_ids or with restarting position_ids) against every document alone
+CI_CASES: tuple[tuple[str, tuple[str, ...], tuple[int, ...], bool], ...] = (
+    ("llama", ("base", "rope_yarn", "rope_dynamic"), (2, 4), True),
+    ("qwen2", ("base", "sliding_window"), (2,), False),
+    ("mistral", ("sliding_window",), (2,), True),
+    ("gemma2", ("softcap",), (2,), True),
+    ("gemma3_text", ("base", "sliding_window"), (2,), False),
+    ("cwm", ("sliding_window",), (2,), False),
+    ("phimoe", ("sliding_window",), (2,), False),
+    ("gpt_oss", ("base",), (2,), True),
+    ("mimo_v2_flash", ("base",), (2,), False),
+    ("phi3", ("base", "rope_longrope"), (2,), True),
+    ("mixtral", ("base", "moe_aux"), (2, 4), False),
+    ("deepseek_v3", ("base",), (2,), False),
+    ("deepseek_v32", ("base",), (2,), False),
+    ("llama4_text", ("chunked",), (2, 4), True),
+    ("gpt2", ("base",), (2,), True),
+    ("bert", ("base",), (2,), False),
+    ("olmo2", ("base",), (2,), False),
+    ("jamba", ("base",), (2,), False),
+    ("falcon_mamba", ("base",), (2,), False),
+    ("qwen3_next", ("base",), (2,), True),
 )
 CI_ALGORITHMS = {2: ("ring", "ulysses"), 4: ("allgather", "2d")}
+CI_PACKED = {2: (("ring", "docs"), ("ulysses", "pos")), 4: (("2d", "docs"), ("allgather", "pos"))}
 
 
 def known_defect(arch: str, feature: str) -> str | None:
@@ -90,6 +93,82 @@ def _data(seed: int = 0) -> dict[str, torch.Tensor]:
             "position_ids": torch.arange(s).expand(2, s).contiguous()}
 
 
+# Packed documents (issue #41): each sample packs documents longer and shorter than the window / chunk (8), than the
+# dynamic / LongRoPE original length (24) and YaRN's (16); two long ones of different lengths (26, 27) each read their
+# own rotary length; one of 1 token; every document spans pieces on several ranks at sp 4 (per-document zigzag)
+PACKED_LENGTHS = ((26, 3, 1, 2), (5, 27))
+PACKED_MODES = ("docs", "pos")  # document_ids in the batch / position_ids restarting at 0 (the Hugging Face convention)
+
+
+def _packed_data(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    s = hf_support.SEQ_LEN
+    tokens = torch.randint(0, hf_support.VOCAB - 8, (2, s), generator=g)
+    doc = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in PACKED_LENGTHS])
+    same = doc[:, 1:] == doc[:, :-1]
+    labels = torch.full_like(tokens, -100)  # the next token of the same document; -100 at every document's end
+    labels[:, :-1] = torch.where(same, tokens[:, 1:], -100)
+    labels[0, 6] = -100
+    index = torch.arange(s).expand(2, s)
+    start = torch.cummax(torch.where(torch.cat([torch.ones(2, 1, dtype=torch.bool), ~same], 1), index, 0), dim=1).values
+    return {"input_ids": tokens, "labels": labels, "document_ids": doc, "doc_positions": index - start}
+
+
+def _packed_batch(data: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
+    """The batch a user passes: document_ids ("docs") or restarting position_ids ("pos")."""
+    if mode == "docs":
+        return {"input_ids": data["input_ids"], "labels": data["labels"], "document_ids": data["document_ids"]}
+    return {"input_ids": data["input_ids"], "labels": data["labels"], "position_ids": data["doc_positions"]}
+
+
+def _router_aux_of_documents(model, router_logits: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """transformers' own load-balancing loss of the model's family over every document's tokens together (the
+    statistic is over tokens, wherever they sit): ``router_aux_loss_coef * load_balancing_loss_func(...)``."""
+    import sys
+
+    fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    names = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    if fn is None or not all(isinstance(getattr(model, n, None), (int, float)) for n in names):
+        raise hf_support.NotBuilt("no per-document reference of its router loss (no load_balancing_loss_func / "
+                                  "num_experts / num_experts_per_tok / router_aux_loss_coef on the model)")
+    layers = tuple(torch.cat([logits[i].reshape(-1, logits[i].shape[-1]) for logits in router_logits]) for i in range(len(router_logits[0])))
+    return model.router_aux_loss_coef * fn(layers, model.num_experts, model.num_experts_per_tok, None)
+
+
+def _packed_reference(model, data):
+    """Every document ALONE through a fresh copy of the unmodified model (eager attention, positions from 0): logits,
+    the mean loss over the batch's labels (plus the router loss over all the documents' tokens), gradients summed over
+    the copies."""
+    model = copy.deepcopy(model)
+    model.set_attn_implementation("eager")
+    model.train()
+    aux = bool(getattr(model.config, "output_router_logits", False))
+    rows, copies, routers = [], [], []
+    for b, lengths in enumerate(PACKED_LENGTHS):
+        parts, start = [], 0
+        for n in lengths:
+            alone = copy.deepcopy(model)  # no state of another document (dynamic NTK caches the longest length it saw)
+            out = alone(input_ids=data["input_ids"][b:b + 1, start:start + n], position_ids=torch.arange(n)[None], use_cache=False,
+                        **({"output_router_logits": True} if aux else {}))
+            parts.append(out.logits)
+            if aux:
+                routers.append(out.router_logits)
+            copies.append(alone)
+            start += n
+        rows.append(torch.cat(parts, dim=1))
+    logits = torch.cat(rows)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), data["labels"].flatten(), ignore_index=-100)
+    if aux:
+        loss = loss + _router_aux_of_documents(model, routers)
+    loss.backward()
+    grads = {}
+    for name, _ in model.named_parameters():
+        got = [dict(c.named_parameters())[name].grad for c in copies]
+        got = [g for g in got if g is not None]
+        grads[name] = sum(got[1:], got[0].clone()) if got else None
+    return logits.detach(), loss.detach(), grads
+
+
 def _reference(model, data):
     """The unmodified model (eager attention) on the full sequence: logits, its own loss, gradients."""
     model.set_attn_implementation("eager")
@@ -104,8 +183,12 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:400]
 
 
-def _sp_step(model, mesh, algorithm, data):
-    """Our run on the zigzag shards: logits (local), loss (global mean), grads accumulate on the params."""
+def _sp_step(model, mesh, algorithm, data, packed: str | None = None):
+    """Our run on the zigzag shards: logits (local), loss (global mean), grads accumulate on the params. ``packed``:
+    the batch holds packed documents ("docs": document_ids, "pos": restarting position_ids), sharded as the strategy
+    shards it (``batches.shard_batch``: the per-document zigzag, positions inside each document, the documents current)."""
+    from lightning_seqpar.batches import shard_batch
+    from lightning_seqpar.documents import set_current_documents
     from lightning_seqpar.hf import HFCausalLM
     from lightning_seqpar.parallelize import apply_attention
     from lightning_seqpar.sharding import shard_sequence
@@ -114,26 +197,40 @@ def _sp_step(model, mesh, algorithm, data):
     wrapped = HFCausalLM(model)
     apply_attention(wrapped, mesh, attention=algorithm, layout="zigzag")
     wrapped.train()
-    ids, pos, labels = (shard_sequence(data[k], mesh, dim=1, layout="zigzag") for k in ("input_ids", "position_ids", "labels"))
-    logits = wrapped(ids, pos)
+    if packed is None:
+        ids, pos, labels = (shard_sequence(data[k], mesh, dim=1, layout="zigzag") for k in ("input_ids", "position_ids", "labels"))
+    else:
+        local = shard_batch(_packed_batch(data, packed), sp=mesh.size(), sp_mesh=mesh, device_mesh=mesh, layout="zigzag",
+                            attention=algorithm, pad_to_multiple=False, validate_batches=False, owner="sweep")
+        ids, pos, labels = local["input_ids"], local["position_ids"], local["labels"]
+    try:
+        logits = wrapped(ids, pos)
+        loss = _sp_loss(wrapped, mesh, data, logits, labels)
+        loss.backward()
+    finally:
+        if packed is not None:
+            set_current_documents(None)
+    return logits.detach(), loss.detach()
+
+
+def _sp_loss(wrapped, mesh, data, logits, labels):
     n_valid = int((data["labels"] != -100).sum())
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
                                              reduction="sum") / n_valid
     aux = wrapped.router_aux_loss(mesh)  # MoE: this rank's share of coef x the load-balancing loss (as CausalLMModule adds it)
-    if aux is not None:
-        loss = loss + aux
-    loss.backward()
-    return logits.detach(), loss.detach()
+    return loss if aux is None else loss + aux
 
 
-def _compare(model, mesh, logits, loss, ref) -> str | None:
+def _compare(model, mesh, logits, loss, ref, documents=None) -> str | None:
     """None if logits, loss and every gradient match the reference, else what differs (by how much)."""
     import torch.distributed as dist
 
-    from lightning_seqpar.sharding import unshard_sequence
+    from lightning_seqpar.batches import gather_sequence
+    from lightning_seqpar.documents import packed_documents
 
     ref_logits, ref_loss, ref_grads = ref
-    full = unshard_sequence(logits.contiguous(), mesh, dim=1, layout="zigzag")
+    with packed_documents(documents):  # the layout's or the per-document zigzag's order
+        full = gather_sequence(logits.contiguous(), sp_mesh=mesh, layout="zigzag")
     total = loss.clone()
     dist.all_reduce(total)
     worst: list[tuple[float, str]] = []
@@ -154,16 +251,19 @@ def _compare(model, mesh, logits, loss, ref) -> str | None:
     return "; ".join(f"{what} off by {d:.2e}" for d, what in bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
 
 
-def _run_one(model, mesh, algorithm, data, ref) -> dict[str, str]:
-    """One (model, algorithm) case: exact / refused / MISMATCH / error."""
+def _run_one(model, mesh, algorithm, data, ref, packed: str | None = None) -> dict[str, str]:
+    """One (model, algorithm[, packing]) case: exact / refused / MISMATCH / error."""
     import torch.distributed as dist
     from seqpar_testing import no_collectives
+
+    from lightning_seqpar.documents import batch_documents
+    from lightning_seqpar.sharding import mesh_sizes
 
     trial = copy.deepcopy(model)
     probe: str
     with no_collectives():  # the first step may not communicate before a refusal
         try:
-            _sp_step(trial, mesh, algorithm, data)
+            _sp_step(trial, mesh, algorithm, data, packed)
             probe = "ran"
         except ValueError as error:  # P2POp refuses the guard's stand-in for dist.isend: that is communication
             probe = "collective" if "Invalid ``op``" in str(error) else "refused: " + _error_text(error)
@@ -181,17 +281,22 @@ def _run_one(model, mesh, algorithm, data, ref) -> dict[str, str]:
         return {"status": "error", "detail": probe.removeprefix("error: ")}
     trial = copy.deepcopy(model)
     try:
-        logits, loss = _sp_step(trial, mesh, algorithm, data)
+        logits, loss = _sp_step(trial, mesh, algorithm, data, packed)
     except ValueError as error:
         return {"status": "error", "detail": "refused only after a collective: " + _error_text(error)}
     except Exception as error:  # noqa: BLE001
         return {"status": "error", "detail": _error_text(error)}
-    diff = _compare(trial, mesh, logits, loss, ref)
+    documents = None if packed is None else batch_documents(_packed_batch(data, packed), world=mesh_sizes(mesh)[2])
+    diff = _compare(trial, mesh, logits, loss, ref, documents)
     return {"status": "exact"} if diff is None else {"status": "MISMATCH", "detail": diff}
 
 
-def sweep_worker(rank: int, world_size: int, cases: list[tuple[str, str]], algorithms: tuple[str, ...] | None = None) -> dict | None:
-    """Run on every pooled rank: each (architecture, feature) case for every algorithm at sp = world size."""
+def sweep_worker(rank: int, world_size: int, cases: list[tuple[str, str]], algorithms: tuple[str, ...] | None = None,
+                 packed_runs: tuple[tuple[str, str], ...] | None = None) -> dict | None:
+    """Run on every pooled rank: each (architecture, feature) case for every algorithm at sp = world size, on a plain
+    batch (run ``sp{W}/{algorithm}``) and on packed documents (run ``sp{W}/{algorithm}/{mode}``, mode "docs" or
+    "pos", for each (algorithm, mode) of ``packed_runs``; None: every algorithm in both modes; (): none), each against
+    its single-device reference: the whole sequence, or every document alone."""
     warnings.filterwarnings("ignore")
     import logging
 
@@ -203,6 +308,7 @@ def sweep_worker(rank: int, world_size: int, cases: list[tuple[str, str]], algor
     if world_size == 4:
         meshes["2d"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("hp", "cp"))
     data = _data()
+    packed_data = _packed_data()
     out: dict[str, dict] = {}
     for arch, feature in cases:
         key = f"{arch}/{feature}"
@@ -218,9 +324,21 @@ def sweep_worker(rank: int, world_size: int, cases: list[tuple[str, str]], algor
             out[key] = {"status": "not built", "detail": "the unmodified model does not run: " + _error_text(error)}
             continue
         runs = {}
-        for algorithm in algorithms or ALGORITHMS[world_size]:
+        for algorithm in ALGORITHMS[world_size] if algorithms is None else algorithms:  # (): packed runs only
             mesh = meshes["2d" if algorithm == "2d" else "ring"]
             runs[f"sp{world_size}/{algorithm}"] = _run_one(model, mesh, algorithm, data, ref)
+        if packed_runs is None:
+            packed_runs = tuple((a, m) for a in ALGORITHMS[world_size] for m in PACKED_MODES)
+        if packed_runs:
+            try:
+                packed_ref = _packed_reference(model, packed_data)
+            except Exception as error:  # noqa: BLE001
+                packed_ref = error
+            for algorithm, mode in packed_runs:
+                mesh = meshes["2d" if algorithm == "2d" else "ring"]
+                runs[f"sp{world_size}/{algorithm}/{mode}"] = (
+                    _run_one(model, mesh, algorithm, packed_data, packed_ref, mode) if not isinstance(packed_ref, Exception)
+                    else {"status": "not built", "detail": "no per-document reference: " + _error_text(packed_ref)})
         out[key] = {"status": "ran", "runs": runs}
         if os.environ.get("SEQPAR_HF_SWEEP_TIMING"):
             print(f"rank {rank}: {key} {time.perf_counter() - t0:.2f}s", flush=True)
@@ -230,8 +348,9 @@ def sweep_worker(rank: int, world_size: int, cases: list[tuple[str, str]], algor
 # --------------------------------------------------------------------------------------------- running it
 
 
-def _sweep(cases: list[tuple[str, str]], world_size: int, timeout: float = 900, algorithms: tuple[str, ...] | None = None) -> dict:
-    return run_distributed(sweep_worker, world_size, cases, algorithms, timeout=timeout)[0]
+def _sweep(cases: list[tuple[str, str]], world_size: int, timeout: float = 900, algorithms: tuple[str, ...] | None = None,
+           packed_runs: tuple[tuple[str, str], ...] | None = None) -> dict:
+    return run_distributed(sweep_worker, world_size, cases, algorithms, packed_runs, timeout=timeout)[0]
 
 
 def _failures(results: dict) -> list[str]:
@@ -251,19 +370,22 @@ def _xfailed(results: dict) -> list[str]:
 
 
 def test_ci_subset_is_exact_or_refused():
-    by_world: dict[int, list[tuple[str, str]]] = {}
-    for arch, features, sizes in CI_CASES:
+    by_world: dict[tuple[int, bool], list[tuple[str, str]]] = {}
+    for arch, features, sizes, packed in CI_CASES:
         for w in sizes:
-            by_world.setdefault(w, []).extend((arch, f) for f in features)
+            by_world.setdefault((w, packed), []).extend((arch, f) for f in features)
     results = {}
-    for w, cases in sorted(by_world.items()):
-        results.update({f"{k}@{w}": v for k, v in _sweep(cases, w, algorithms=CI_ALGORITHMS[w]).items()})
+    for (w, packed), cases in sorted(by_world.items()):
+        part = _sweep(cases, w, algorithms=CI_ALGORITHMS[w], packed_runs=CI_PACKED[w] if packed else ())
+        results.update({f"{k}@{w}": v for k, v in part.items()})
     bad = [line for key, case in results.items() for line in _failures({key.split("@")[0]: case})]
     assert not bad, "silent mismatches:\n" + "\n".join(bad)
     built = {k: v for k, v in results.items() if v["status"] == "ran"}
     assert len(built) >= len(results) - 2, {k: v for k, v in results.items() if v["status"] != "ran"}
     statuses = {run["status"] for case in built.values() for run in case["runs"].values()}
     assert "exact" in statuses and "refused" in statuses
+    packed_runs = [run["status"] for case in built.values() for where, run in case["runs"].items() if hf_support.is_packed_run(where)]
+    assert len(packed_runs) >= 30 and set(packed_runs) <= {"exact", "refused"}, packed_runs
     # the committed record agrees with this run, except where a known defect is being fixed elsewhere
     record = json.loads(RECORD.read_text())
     for key, case in results.items():
@@ -278,11 +400,14 @@ def test_ci_subset_is_exact_or_refused():
             assert recorded["runs"][where]["status"] == run["status"], (name, where, recorded["runs"][where], run)
 
 
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(4 * 3600)
 @pytest.mark.skipif(not FULL, reason="the full sweep runs with SEQPAR_HF_SWEEP=full")
 def test_full_sweep():
     """Every architecture: base and each feature at sp 2; at sp 4 the base config (every feature with
-    SEQPAR_HF_SWEEP_SP4=all). Writes the record after each architecture (SEQPAR_HF_SWEEP_RECORD)."""
+    SEQPAR_HF_SWEEP_SP4=all); each on a plain batch and on packed documents. Writes the record after each
+    architecture (SEQPAR_HF_SWEEP_RECORD). SEQPAR_HF_SWEEP_PLAIN=0 / SEQPAR_HF_SWEEP_PACKED=0 skip the plain / packed
+    runs; SEQPAR_HF_SWEEP_MERGE=record.json starts from that record's cases and replaces the runs this sweep makes
+    (a sweep of some architectures or of one dimension updates the record without re-running the rest)."""
     archs = hf_support.causal_lm_architectures()
     only = os.environ.get("SEQPAR_HF_SWEEP_ARCHS")
     if only:
@@ -290,8 +415,11 @@ def test_full_sweep():
     sp4 = os.environ.get("SEQPAR_HF_SWEEP_SP4", "base")  # "all", "base" or "none"
     sizes = [int(w) for w in os.environ.get("SEQPAR_HF_SWEEP_SIZES", "2,4").split(",")]
     skip = set(filter(None, os.environ.get("SEQPAR_HF_SWEEP_SKIP_FEATURES", "").split(",")))
+    plain = os.environ.get("SEQPAR_HF_SWEEP_PLAIN", "1") != "0"
+    packed = os.environ.get("SEQPAR_HF_SWEEP_PACKED", "1") != "0"
     path = os.environ.get("SEQPAR_HF_SWEEP_RECORD")
-    results: dict[str, dict] = {}
+    merge = os.environ.get("SEQPAR_HF_SWEEP_MERGE")
+    results: dict[str, dict] = copy.deepcopy(json.loads(Path(merge).read_text())["cases"]) if merge else {}
     for arch in archs:
         try:
             features = ["base", *(f for f in hf_support.features_of(arch) if f not in skip)]
@@ -303,7 +431,8 @@ def test_full_sweep():
             cases = [(arch, f) for f in chosen]
             try:
                 algos = os.environ.get(f"SEQPAR_HF_SWEEP_ALGOS_{w}")
-                part = _sweep(cases, w, timeout=600, algorithms=tuple(algos.split(",")) if algos else None)
+                algorithms = tuple(algos.split(",")) if algos else None
+                part = _sweep(cases, w, timeout=900, algorithms=algorithms if plain else (), packed_runs=None if packed else ())
             except (AssertionError, TimeoutError, RuntimeError) as error:  # a crash or hang of one architecture
                 part = {f"{arch}/{f}": {"status": "ran", "runs": {f"sp{w}/*": {
                     "status": "error", "detail": f"worker failed: {str(error).strip().splitlines()[-1][:300]}"}}}
@@ -319,7 +448,8 @@ def test_full_sweep():
         print(arch, {k: v["status"] for k, v in results.items() if k.startswith(arch + "/")}, flush=True)
         if path:
             known = {k: why for k in results if (why := known_defect(*k.split("/")))}
-            Path(path).write_text(json.dumps(hf_support.make_record(results, known=known), indent=1, sort_keys=True) + "\n")
+            record = hf_support.make_record(results, known=known, packed_lengths=PACKED_LENGTHS)
+            Path(path).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     bad = _failures(results)
     assert not bad, "silent mismatches:\n" + "\n".join(bad)
 

@@ -41,13 +41,13 @@ def _batch(*, documents: bool = False, labels: bool = True, seed: int = 0) -> di
     return out
 
 
-def _module(**kwargs) -> CausalLMModule:
-    return CausalLMModule("tiny", init_seed=0, warmup_steps=0, max_steps=1, **kwargs)
+def _module(model: str = "tiny", **kwargs) -> CausalLMModule:
+    return CausalLMModule(model, init_seed=0, warmup_steps=0, max_steps=1, **kwargs)
 
 
-def _reference(batch: dict[str, torch.Tensor], *, documents: bool = False) -> dict[str, torch.Tensor]:
+def _reference(batch: dict[str, torch.Tensor], *, documents: bool = False, model: str = "tiny") -> dict[str, torch.Tensor]:
     """The model on the full sequences (each document alone, positions from 0, with documents)."""
-    module = _module()
+    module = _module(model)
     module.configure_model()
     model = module.model
     with torch.no_grad():
@@ -106,15 +106,18 @@ CASES = [
     (2, dict(sequence_parallel_size=2, attention="ring"), True, True, {}),
     (4, dict(sequence_parallel_size=4, head_parallel_size=2, attention="2d"), True, True, dict(loss_chunk_size=7)),
     (4, dict(sequence_parallel_size=2, attention="allgather"), False, True, {}),
+    # learned absolute positions (LSS GPT, fused all-gather of the layer input) with packed documents: each document alone
+    (2, dict(sequence_parallel_size=2, attention="ring"), True, True, dict(model="gpt-tiny")),
 ]
 
 
 @pytest.mark.parametrize("world,strategy_kwargs,documents,labels,module_kwargs", CASES,
                          ids=[f"w{c[0]}-{c[1].get('attention')}-hp{c[1].get('head_parallel_size', 1)}-sp{c[1]['sequence_parallel_size']}"
-                              f"{'-docs' if c[2] else ''}{'' if c[3] else '-nolabels'}{'-chunked' if c[4] else ''}" for c in CASES])
+                              f"{'-docs' if c[2] else ''}{'' if c[3] else '-nolabels'}{'-chunked' if 'loss_chunk_size' in c[4] else ''}"
+                              f"{'-' + c[4]['model'] if 'model' in c[4] else ''}" for c in CASES])
 def test_predict_under_the_strategy_equals_the_full_sequence(world, strategy_kwargs, documents, labels, module_kwargs):
     batch = _batch(documents=documents, labels=labels)
-    expected = _reference(batch, documents=documents)
+    expected = _reference(batch, documents=documents, model=module_kwargs.get("model", "tiny"))
     results = run_distributed(_predict, world, strategy_kwargs, batch, module_kwargs, timeout=TIMEOUT)
     sp = strategy_kwargs["sequence_parallel_size"]
     for rank, outputs in enumerate(results):

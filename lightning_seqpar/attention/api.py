@@ -573,8 +573,9 @@ def sequence_parallel_attention(
         sinks: ``[H_q]`` logits that join each query head's softmax denominator only (gpt-oss);
             differentiable. None: none.
         chunk_size: chunked attention (Llama 4): query i sees keys j with i // chunk_size ==
-            j // chunk_size (and j <= i when causal), global positions. With ``documents`` both
-            masks hold. None: none. Note [Attention variants] in ``lightning_seqpar/attention/variants.py``.
+            j // chunk_size (and j <= i when causal), global positions. With ``documents``, i and j
+            are the positions inside the document (every document chunked from its own first
+            token, as if alone) and the document mask holds too. None: none. Note [Attention variants] in ``lightning_seqpar/attention/variants.py``.
         agreement: a :class:`lightning_seqpar.agreement.RankAgreement` that the caller keeps across calls: the
             ranks' inputs are compared until a call on ``mesh`` agrees, then not again (None: on every call).
 

@@ -12,7 +12,13 @@ token indices of the (packed) sequence:
 * sinks s_h: one logit per query head that joins the softmax denominator only (gpt-oss):
   out = sum_j exp(x_ij) v_j / (sum_j exp(x_ij) + exp(s_h)).
 
-Packed documents add "same document" to the mask (both must hold).
+Packed documents add "same document" to the mask (both must hold), and i, j are then the positions
+INSIDE the document (0 at its first token): each document is masked as if it were alone, so its
+chunks start at its own first token (Llama 4 under packing). Causality and windows only compare
+i - j of two tokens of one document, which is the same either way; chunks are the reason.
+The interval-bound decisions below stay conservative with in-document positions: a block is
+skipped only when no pair of one document is allowed, and full only when one document holds
+every row.
 
 Every algorithm cuts attention into blocks (a range of query rows against a range of key rows)
 and knows the global positions of both; a block is then *skipped* when no (i, j) of it is
@@ -75,7 +81,7 @@ class Variant(NamedTuple):
 
 
 class Half(NamedTuple):
-    """A run of a shard's rows and their global positions."""
+    """A run of a shard's rows and their global positions (positions inside their documents with packed documents)."""
 
     rows: slice
     pos: Tensor  # int64 [Bp, n] on the CPU, Bp = 1 (same for every sample) or B
@@ -123,9 +129,18 @@ def _doc_ids(pieces: Tensor, pos: Tensor) -> Tensor:
     return torch.searchsorted(ends, pos.contiguous(), right=True)
 
 
+def _in_document(pieces: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """(position inside its document, document id) of every sample position ``pos`` [B, n]
+    (Note [Attention variants]: with packed documents every mask counts from the document's start)."""
+    doc = _doc_ids(pieces, pos)
+    lengths = pieces.sum(-1)  # [B, N]
+    starts = torch.cumsum(lengths, 1) - lengths
+    return pos - torch.gather(starts, 1, doc.clamp(max=lengths.shape[1] - 1)), doc
+
+
 def shard_halves(rank: int, world: int, layout: str, s_local: int, docs: Tensor | None) -> list[Half]:
     """The row runs of ``rank``'s shard with their global positions (one run per layout chunk;
-    packed documents: one per piece index, positions of every sample)."""
+    packed documents: one per piece index, every sample's positions INSIDE their documents)."""
     if docs is not None:
         from lightning_seqpar.documents import PackedDocuments
 
@@ -133,13 +148,13 @@ def shard_halves(rank: int, world: int, layout: str, s_local: int, docs: Tensor 
         S = int(docs[0].sum())
         if world == 1 or P == 1:
             pos = torch.arange(S).expand(docs.shape[0], S)
-            return [Half(slice(None), pos, _doc_ids(docs, pos), 0)]
+            return [Half(slice(None), *_in_document(docs, pos), 0)]
         index = PackedDocuments(docs, S, world).index(rank)  # [B, s_local]
         half = s_local // 2
         out = []
         for h in (0, 1):
             pos = index[:, h * half : (h + 1) * half]
-            out.append(Half(slice(h * half, (h + 1) * half), pos, _doc_ids(docs, pos), rank if h == 0 else P - 1 - rank))
+            out.append(Half(slice(h * half, (h + 1) * half), *_in_document(docs, pos), rank if h == 0 else P - 1 - rank))
         return out
     if world == 1:
         return [Half(slice(None), torch.arange(s_local)[None], None, -1)]

@@ -47,19 +47,21 @@ batch; :class:`HFCausalLM` passes them to the model, whose rotary embedding then
 position in the whole sequence. Without them a shard would get positions ``0..S_local-1``, so
 :class:`HFCausalLM` refuses to run sequence-parallel without ``position_ids``.
 
-Everything a layer does that depends on where its tokens sit is made exact under sharding
-(length-dependent rotary embeddings get the global length; the MoE router loss is reduced over
-every rank) or refused with a ``ValueError`` naming the layer and the config field, before any
-communication (Note [Exact or refused: position-dependent layers of Hugging Face models] in
-``lightning_seqpar.hf.support``): windows and chunks shorter than the global sequence, wherever
-the model keeps them (Note [Reading a layer's attention features] in
-``lightning_seqpar.hf.features``), soft-capping, sinks, Llama 4 temperature tuning when sharded,
-token mixers other than attention (convolutions, SSMs, linear attention, recurrences). Also
-refused: attention dropout > 0 in training (``config.attention_dropout``), non-causal layers,
-padding or custom masks (a 2-D ``attention_mask`` with zeros, any 4-D mask), packed-sequence
-kwargs (``cu_seq_lens_*``: put ``document_ids`` in the batch instead), and a query length
-different from the key length (KV-cache decoding: generate with
-``model.set_attn_implementation("sdpa")``).
+Everything a layer does that depends on where its tokens sit is made exact under sharding and
+with packed documents, or refused with a ``ValueError`` naming the layer and the config field,
+before any communication (Note [Exact or refused: position-dependent layers of Hugging Face
+models] in ``lightning_seqpar.hf.support``): windows, chunks, soft-capping and sinks are read from
+the layer (Note [Reading a layer's attention features] in ``lightning_seqpar.hf.features``) and
+computed by the package's attention (with packed documents, counted inside each document);
+length-dependent rotary embeddings get the global length, or each document's own with packed
+documents (``lightning_seqpar.hf.rope``); the MoE router loss is reduced over every rank; Llama 4
+temperature tuning is exact below ``config.floor_scale`` and refused from there when sharded or
+packed; token mixers other than attention are exact where the package has a sequence-parallel twin
+and refused otherwise. Also refused: attention dropout > 0 in training
+(``config.attention_dropout``), non-causal layers, padding or custom masks (a 2-D
+``attention_mask`` with zeros, any 4-D mask), packed-sequence kwargs (``cu_seq_lens_*``: put
+``document_ids`` in the batch instead), and a query length different from the key length
+(KV-cache decoding: generate with ``model.set_attn_implementation("sdpa")``).
 
 Right padding is exact without a mask (a causal token never attends to later ones): pad on the
 right and set the labels of the padding to -100, as ``SequenceParallelStrategy`` checks.

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
+from lightning_seqpar.documents import current_documents
 from lightning_seqpar.hf.features import attention_features, attention_kwargs, layer_name
 from lightning_seqpar.hf.rope import install_global_length_rotary
 from lightning_seqpar.hf_support import refuse_unseen_position_features
@@ -170,8 +171,9 @@ def seqpar_attention_forward(
             "model.set_attn_implementation('sdpa') and use_cache as usual"
         )
     sp = 1 if attention.mesh is None else attention.mesh.size()
-    if sp > 1:
-        check_sharded_layer(module)
+    packed = current_documents() is not None
+    if sp > 1 or packed:
+        check_sharded_layer(module, seq_len=query.shape[2] * sp, packed=packed)
     # windows and chunks are measured on the GLOBAL length; Note [Reading a layer's attention features]
     variant = attention_kwargs(attention_features(module, kwargs), seq_len=query.shape[2] * sp)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, H, S, D] -> [B, S, H, D]

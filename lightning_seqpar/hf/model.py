@@ -202,9 +202,10 @@ class HFCausalLM(nn.Module):
                 f"HFCausalLM ({type(self.hf).__name__})",
                 "which the model's own gradient checkpointing would recompute without (backward may run in another thread): "
                 "call gradient_checkpointing_disable() and use SequenceParallelStrategy(activation_checkpointing=...)")
-        if sp > 1:
+        packed = current_documents() is not None
+        if sp > 1 or packed:
             for layer in self._attention_layers:
-                check_sharded_layer(layer)
+                check_sharded_layer(layer, seq_len=input_ids.shape[1] * sp, packed=packed)
         if output not in ("logits", "hidden"):
             raise ValueError(f"output={output!r} is not supported; expected 'logits' or 'hidden'")
         kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}

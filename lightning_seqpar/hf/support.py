@@ -14,8 +14,9 @@ any communication, from local metadata that is equal on every rank:
   rotary variants whose frequencies depend on the sequence length (dynamic NTK, LongRoPE) get the
   global length (Note [Length-dependent rotary embeddings] in ``lightning_seqpar.hf.rope``);
 * scalings computed from the LOCAL token index (Llama 4's attention temperature tuning of its
-  NoPE layers: ``arange(local length)``) are refused when sharded (:func:`check_sharded_layer`);
-  exact on one rank;
+  NoPE layers: ``arange(local length)``) are refused when sharded or packed (:func:`check_sharded_layer`),
+  unless the whole sequence is shorter than ``config.floor_scale`` (every factor is then 1);
+  exact on one rank with whole sequences;
 * token mixers other than attention: those of ``lightning_seqpar.hf_hybrid.HYBRID_MIXERS``
   (gated DeltaNet of Qwen3-Next / Qwen3.5 / OLMo-hybrid, Kimi Linear's KDA, the Mamba2 mixers of
   Bamba, Granite 4, Nemotron-H, Mamba2, Zamba2 and Falcon-H1, the Mamba1 mixers of Mamba,
@@ -162,19 +163,34 @@ def refuse_token_mixers(model: nn.Module) -> None:
         )
 
 
-def check_sharded_layer(module: nn.Module) -> None:
+def check_sharded_layer(module: nn.Module, *, seq_len: int, packed: bool = False) -> None:
     """Raise a ValueError for an attention layer that computes values from its LOCAL token indices,
-    which are not the global ones once the sequence is sharded. Local metadata only.
+    which are neither the global ones once the sequence is sharded nor the positions inside each
+    document once documents are packed. Local metadata only. Call it when the sequence is sharded
+    or packed (on one rank with whole sequences the local index is the position).
 
     Llama 4's NoPE layers with ``config.attn_temperature_tuning`` scale the queries by
     ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`` with ``i = arange(local length)``.
+    Over a (global) sequence of ``seq_len < floor_scale`` tokens every factor is 1 whatever ``i``
+    is (the floor is 0), so that is exact; from ``floor_scale`` tokens on it is refused.
+
+    Args:
+        module: a transformers attention layer.
+        seq_len: the length of the whole (global, packed) sequence.
+        packed: whether the batch holds packed documents (for the message).
     """
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        floor_scale = getattr(module, "floor_scale", None)
+        if isinstance(floor_scale, (int, float)) and not isinstance(floor_scale, bool) and seq_len < floor_scale:
+            return  # every scale is log1p(0) * attn_scale + 1 = 1
         layer_idx = getattr(module, "layer_idx", None)
         field = f"config.no_rope_layers[{layer_idx}]=0" if layer_idx is not None else "config.no_rope_layers"
+        where = "the packed row (not in each document)" if packed else "the rank's shard (not in the whole sequence)"
         raise ValueError(
             f"{layer_name(module)} scales its queries with attention temperature tuning (config.attn_temperature_tuning="
-            f"True on a NoPE layer, {field}), computed from the token index inside the rank's shard rather than in the "
-            "whole sequence: not exact under sequence parallelism. Set config.attn_temperature_tuning=False, or train "
-            "with sequence_parallel_size=1"
+            f"True on a NoPE layer, {field}, config.floor_scale={floor_scale}), computed from the token index inside "
+            f"{where}: not exact at seq_len={seq_len} >= floor_scale with "
+            + ("packed documents" if packed else "sequence parallelism")
+            + ". Set config.attn_temperature_tuning=False, or train "
+            + ("without packing (one document per sample)" if packed else "with sequence_parallel_size=1")
         )
