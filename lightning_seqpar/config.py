@@ -258,8 +258,5 @@ class StrategyConfig:
                 raise ValueError(f"{name}: {arg} must be True or False, got {value!r}")
         if self.memory not in MEMORY_CHOICES:
             raise ValueError(f"{name}: memory={self.memory!r} is not supported; expected one of {MEMORY_CHOICES}")
-        if self.memory == "auto" and self.expected_seq_len is None:
-            raise ValueError(f"{name}: memory='auto' plans the options for a sequence length; set expected_seq_len (the "
-                             "global sequence length of the training batches) or use memory='manual'")
         if self.placement not in ("auto", *PLACEMENTS):
             raise ValueError(f"{name}: placement={self.placement!r} is not supported; expected 'auto' or one of {PLACEMENTS}")

@@ -609,12 +609,14 @@ def plan_memory(
     margin: float = DEFAULT_MARGIN,
     host_memory: float | None = None,
     owner: str = "plan_memory",
+    length_name: str = "expected_seq_len",
 ) -> MemoryPlan:
     """The options with the least slowdown whose estimate fits ``(1 - margin) x device_memory`` (Note [Planning memory]).
 
     ``fixed``: options the user set (``MemoryOptions`` field names), which every candidate keeps. Raises
-    ``ValueError`` naming ``expected_seq_len``, the device memory, the best estimate and the largest sequence
-    length that would fit with the most memory-saving options, when none fits."""
+    ``ValueError`` naming the length (as ``length_name``: the strategy's ``expected_seq_len``, a datamodule's
+    ``seq_len``, ...), the device memory, the best estimate and the largest sequence length that would fit with
+    the most memory-saving options, when none fits."""
     if not 0 <= margin < 1:
         raise ValueError(f"{owner}: margin must be in [0, 1), got {margin!r}")
     if not device_memory > 0:
@@ -679,9 +681,10 @@ def plan_memory(
         host = (f"; it fits the device but puts {best.host / 1e9:.1f} GB on the host, which has {host_memory / 1e9:.1f} GB "
                 f"available for this rank ({1 - margin:.0%} of it planned)")
     raise ValueError(
-        f"{owner}: memory='auto' found no options that fit expected_seq_len={seq_len} in {device_memory / 1e9:.1f} GB of "
+        f"{owner}: memory='auto' found no options that fit {length_name}={seq_len} in {device_memory / 1e9:.1f} GB of "
         f"device memory ({1 - margin:.0%} of it planned): with {best.options.label()} the estimate is {best.describe()}, "
-        f"its largest term {best.largest_term()}{host}; {where}. Use more sequence-parallel ranks or a shorter expected_seq_len"
+        f"its largest term {best.largest_term()}{host}; {where}. Use more sequence-parallel ranks or "
+        + (f"a shorter {length_name}" if not length_name.startswith("the ") else "shorter sequences")
         + ("" if loss_chunk_size is not None else ", or CausalLMModule(loss_chunk_size=...) (the full logits are counted)")
     )
 

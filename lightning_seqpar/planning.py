@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_seqpar.attention.algorithms import ALGORITHMS
 from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
@@ -286,9 +289,119 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.get_device_properties(device).total_memory)
 
 
-def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
-                        device_memory: int | None, owner: str) -> MemoryPlan | None:
-    """memory="auto": the options the planner chooses for the LightningModule's model on this device
+# Note [The length memory="auto" plans for]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The planner needs the global sequence length of the training batches. It takes the first of:
+#
+#   1. ``expected_seq_len``, the user's;
+#   2. the datamodule's ``seq_len`` (every datamodule of ``lightning_seqpar.data`` has one): the
+#      Trainer attaches the datamodule before ``setup_environment``, and ``seq_len`` is a
+#      constructor argument, known before the datamodule's ``setup``;
+#   3. the first batch of the stage's data (training data under ``fit``): its ``input_ids``' last
+#      dimension, read in ``setup`` (after the datamodule's ``setup`` and ``configure_model``,
+#      before the model is parallelized) through a loader of its own over the same dataset and
+#      ``collate_fn``, in order, without workers and with the random states put back, so the
+#      run's loader, sampler and random streams are untouched. Every rank reads the same first
+#      sample, so every rank plans the same options.
+#
+#   time   setup_environment                       setup                          fit loop
+#          mesh sizes -> plan (1, 2) -> group     datamodule.setup -> plan (3)   loaders, batches
+#                                                  -> parallelize (the options)
+#
+# With 1 or 2 the plan runs before the process group exists (Note "The order of the steps" in
+# docs/architecture.md). With 3 it runs when the group exists already: of the options it may set,
+# only ``offload_params`` reaches the group (the CPU backend its host-resident gradients need,
+# Note [Offloading parameters to host memory] in ``lightning_seqpar.parallelize``), so on CUDA with
+# ``process_group_backend=None`` the group is then created with "cpu:gloo,cuda:nccl" whatever the
+# plan chooses; every other option is first read by ``parallelize``. A length read from the first
+# batch is that batch's: data of varying lengths needs ``expected_seq_len`` (the longest). Where
+# none of the three exists, a ``ValueError`` names ``expected_seq_len`` before any collective.
+
+
+@dataclass(frozen=True)
+class PlannedLength:
+    """The sequence length memory="auto" plans for, and how its messages name it (Note [The length memory="auto" plans for])."""
+
+    seq_len: int
+    name: str
+    """"expected_seq_len", "<datamodule class>.seq_len" or "the first batch's length"."""
+
+
+def known_seq_len(config: StrategyConfig, datamodule: object, *, owner: str) -> PlannedLength | None:
+    """The length memory="auto" plans for, where it is known before the process group exists: ``expected_seq_len``, else
+    the datamodule's ``seq_len`` attribute; None when neither is there (Note [The length memory="auto" plans for]).
+    A ``seq_len`` that is not a positive int (nor None) raises a ``ValueError`` naming it."""
+    if config.expected_seq_len is not None:
+        return PlannedLength(config.expected_seq_len, "expected_seq_len")
+    seq_len = getattr(datamodule, "seq_len", None)
+    if seq_len is None:
+        return None
+    name = f"{type(datamodule).__name__}.seq_len"
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"{owner}: memory='auto' plans for the datamodule's sequence length, but {name}={seq_len!r} is not a "
+                         "positive int; give the strategy expected_seq_len (the global sequence length of the training batches)")
+    return PlannedLength(seq_len, name)
+
+
+def first_batch_seq_len(trainer: Any, *, owner: str) -> PlannedLength:
+    """The length of the first batch of the stage's data (``input_ids``' last dimension), read without touching the run's
+    loader or random state (Note [The length memory="auto" plans for]). Raises a ``ValueError`` naming
+    ``expected_seq_len`` when there is no such batch."""
+    loops = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    loop = getattr(trainer, loops.get(getattr(fn, "value", fn), "fit_loop"), None)
+    # Lightning keeps where a stage's data comes from (a datamodule, the LightningModule's hook or the loaders given to
+    # fit) in the loop's private _data_source; it has no public accessor before the loop's own setup_data.
+    source = getattr(loop, "_data_source", None)
+    why = "the run has no data source"
+    loader = None
+    if source is not None and source.is_defined():
+        loader = _first_loader(source.dataloader())
+        why = "its data is not a torch DataLoader"
+    batch = None
+    if loader is not None:
+        sampled = loader.batch_size is not None or loader.batch_sampler is None  # False: a batch sampler of its own
+        peek = DataLoader(loader.dataset, batch_size=loader.batch_size if sampled else 1, collate_fn=loader.collate_fn)
+        states = torch.random.get_rng_state(), random.getstate(), np.random.get_state()
+        try:
+            batch = next(iter(peek), None)
+        finally:
+            torch.random.set_rng_state(states[0])
+            random.setstate(states[1])
+            np.random.set_state(states[2])
+        why = "its first batch is not a mapping with an input_ids tensor" if batch is not None else "its dataset is empty"
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None  # a dict, or transformers' BatchEncoding
+    if not (isinstance(ids, torch.Tensor) and ids.ndim >= 1 and ids.shape[-1] >= 1):
+        raise ValueError(f"{owner}: memory='auto' plans the options for a sequence length, and none was found: expected_seq_len "
+                         f"is not set, no datamodule gives a seq_len attribute, and {why}. Set expected_seq_len (the global "
+                         "sequence length of the training batches), or use memory='manual'")
+    return PlannedLength(int(ids.shape[-1]), "the first batch's length")
+
+
+def memory_plan_length(config: StrategyConfig, *, trainer: Any, in_setup: bool, owner: str) -> PlannedLength | None:
+    """The length memory="auto" plans for (Note [The length memory="auto" plans for]): before the process group exists
+    (``in_setup=False``) ``expected_seq_len`` or the datamodule's ``seq_len``, None when neither is known; in setup the
+    first batch's length, or a ``ValueError`` naming ``expected_seq_len``."""
+    if in_setup:
+        return first_batch_seq_len(trainer, owner=owner)
+    return known_seq_len(config, getattr(trainer, "datamodule", None), owner=owner)
+
+
+def _first_loader(loaders: Any) -> Any:
+    """The first ``torch.utils.data.DataLoader`` in what a ``*_dataloader`` hook returns (a loader, a list or dict of
+    them, a ``CombinedLoader``); None when there is none."""
+    if isinstance(loaders, DataLoader):
+        return loaders
+    inner = getattr(loaders, "iterables", None)  # lightning's CombinedLoader
+    if inner is not None:
+        return _first_loader(inner)
+    items = loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple)) else ()
+    return next((found for found in map(_first_loader, items) if found is not None), None)
+
+
+def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, length: PlannedLength, site: RunSite,
+                        dims: ParallelDims, device_memory: int | None, owner: str) -> MemoryPlan | None:
+    """memory="auto": the options the planner chooses for the LightningModule's model on this device for ``length``
     (Note [Planning memory] in ``lightning_seqpar.memory``); None when ``device_memory`` is None (not a CUDA device)
     or memory="manual". The options the user set (any value but the default) are fixed. Raises the planner's
     ``ValueError`` when nothing fits, and one naming the model when its shape cannot be read."""
@@ -309,7 +422,7 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, sit
         fixed.setdefault("offload_params", False)
     lora = getattr(module, "_lora_config", None)
     return plan_memory(
-        model_shape=shape, seq_len=config.expected_seq_len, device_memory=device_memory, sp=dims.sp,  # type: ignore[arg-type]
+        model_shape=shape, seq_len=length.seq_len, length_name=length.name, device_memory=device_memory, sp=dims.sp,
         dp_shard=dims.dp_shard, precision=site.precision, fixed=fixed, batch_size=1,
         loss_chunk_size=getattr(module, "loss_chunk_size", None),
         trainable_params=None if lora is None else lora_trainable_params(shape, lora),

@@ -66,21 +66,9 @@ from lightning_seqpar.loss import counting_global_mean_calls
 from lightning_seqpar.lora import upcast_trainable
 from lightning_seqpar.memory import MemoryPlan
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, release_mesh_groups, sp_mesh, warn_if_ranks_not_by_node
-from lightning_seqpar.parallelize import (
-    host_optimizer_threads,
-    is_parallelized,
-    parallel_roots,
-    parallelize,
-    with_cpu_threads,
-)
-from lightning_seqpar.planning import (
-    RunSite,
-    check_options_against_model,
-    device_memory_bytes,
-    plan_memory_options,
-    plan_mesh_sizes,
-    resolve_auto_attention,
-)
+from lightning_seqpar.parallelize import host_optimizer_threads, is_parallelized, parallel_roots, parallelize, with_cpu_threads
+from lightning_seqpar.planning import (RunSite, check_options_against_model, device_memory_bytes, memory_plan_length, plan_memory_options,
+                                       plan_mesh_sizes, resolve_auto_attention)
 from lightning_seqpar.precision import convert_module_keeping_rotary, scaler_free
 
 if TYPE_CHECKING:
@@ -110,7 +98,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             model's heads on the given head_parallel_size; without it "2d" when
             head_parallel_size > 1, else "ring". Decided in setup; ``attention_plan`` keeps the estimate.
         expected_seq_len: the global sequence length of the training batches, for
-            ``attention="auto"`` (the batches are not known when the model is parallelized).
+            ``attention="auto"`` and ``memory="auto"`` (the batches are not known when the model is parallelized).
         load_balance: how the sequence is split: True / "zigzag" (balanced causal work, LightSeq
             §3.2), False / "contiguous", or "auto" (contiguous for LASP, zigzag otherwise).
         lasp_variant: LASP's state exchange: "p2p" (rank to rank, LASP Alg. 2-3) or "allgather"
@@ -177,7 +165,8 @@ class SequenceParallelStrategy(ModelParallelStrategy):
             differ in shape, dtype or tokens.
         memory: "manual" (the options as given) or "auto": before the process group exists, the
             planner (``lightning_seqpar.memory.plan_memory``) estimates this rank's peak memory for
-            ``expected_seq_len`` (required) and sets offload_checkpoints, head_chunks,
+            ``expected_seq_len``, else the datamodule's ``seq_len``, else (in setup) the first batch's length
+            (Note [The length memory="auto" plans for] in ``lightning_seqpar.planning``) and sets offload_checkpoints, head_chunks,
             mlp_chunk_size, offload_params and (LoRA) bf16_adapters, those left at their defaults only, to the set with
             the least slowdown that fits the device's memory; it logs the choice and the estimate
             (``memory_plan`` keeps them), or raises a ``ValueError`` with the longest length that
@@ -247,6 +236,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         self._meshes_finalizer: weakref.finalize | None = None
         self._failed = False
         self._rng_state_to_restore: dict[str, Any] | None = None
+        self._plan_in_setup = False  # memory="auto" with the length known only from the first batch
         self._fp32_adapters = False  # setup: whether the model has fp32 trainable parameters under low precision (LoRA)
 
     # the options that setup does not resolve, read from the config
@@ -311,9 +301,9 @@ class SequenceParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         dims = self.resolve_parallel_dims()  # validated before the process group exists
         self._plan_memory(dims)  # memory="auto": may set offload_params, which the process group's backend depends on
-        if self.offload_params and self._process_group_backend is None and self.root_device.type == "cuda":
-            # Note [Offloading parameters to host memory]: the CPU-resident gradients (clip_grad_norm_'s
-            # per-rank norms) are reduced over the mesh's groups, so they need a CPU backend beside NCCL.
+        if (self.offload_params or self._plan_in_setup) and self._process_group_backend is None and self.root_device.type == "cuda":
+            # Note [Offloading parameters to host memory]: the CPU-resident gradients (clip_grad_norm_'s per-rank norms) are
+            # reduced over the mesh's groups, so they need a CPU backend beside NCCL (also for a plan still to come in setup).
             self._process_group_backend = "cpu:gloo,cuda:nccl"
         # free the modules of earlier runs that nothing references any more, and with them their groups,
         # BEFORE this run builds meshes equal to theirs (Note [What a run releases])
@@ -333,20 +323,26 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
-    def _plan_memory(self, dims: ParallelDims) -> None:
-        """memory="auto": set the options the planner chooses for this device (``planning.plan_memory_options``)."""
-        if self.config.memory != "auto":
+    def _plan_memory(self, dims: ParallelDims, trainer: pl.Trainer | None = None) -> None:
+        """memory="auto": set the options the planner chooses for this device (``planning.plan_memory_options``): in
+        setup_environment for a length known then, else in setup (``trainer``) for the first batch's (Note [The length
+        memory="auto" plans for] in ``lightning_seqpar.planning``)."""
+        site, owner = self._run_site(), type(self).__name__
+        if self.config.memory != "auto" or (trainer is not None and not self._plan_in_setup):
             return
-        device = self.root_device if self.parallel_devices else torch.device("cpu")
-        plan = plan_memory_options(self.lightning_module, config=self.config, site=self._run_site(), dims=dims,
-                                   device_memory=self._device_memory_bytes(device), owner=type(self).__name__)
-        if plan is None:
-            rank_zero_info(f"{type(self).__name__}: memory='auto' plans for CUDA devices; on {device.type} the options stay as given")
+        if (device_memory := self._device_memory_bytes(site.device)) is None:
+            rank_zero_info(f"{owner}: memory='auto' plans for CUDA devices; on {site.device.type} the options stay as given")
             return
-        self.memory_plan = plan
-        chosen = {name: getattr(plan.options, name) for name in MEMORY_OPTIONS}
-        self.config = dataclasses.replace(self.config, **chosen)  # checked again (Note [One name per option])
-        rank_zero_info(f"{type(self).__name__}: {plan.describe()}")
+        length = memory_plan_length(self.config, trainer=trainer or getattr(self.lightning_module, "_trainer", None),
+                                    in_setup=trainer is not None, owner=owner)
+        self._plan_in_setup = length is None
+        if length is not None:
+            plan = plan_memory_options(self.lightning_module, config=self.config, length=length, site=site, dims=dims,
+                                       device_memory=device_memory, owner=owner)
+            assert plan is not None
+            self.memory_plan = plan
+            self.config = dataclasses.replace(self.config, **{name: getattr(plan.options, name) for name in MEMORY_OPTIONS})
+            rank_zero_info(f"{owner}: {plan.describe()} ({length.name})")  # the config above is checked again
 
     def _device_memory_bytes(self, device: torch.device) -> int | None:
         """The memory memory="auto" plans for: the CUDA device's total (None elsewhere). Tests override it."""
@@ -374,6 +370,7 @@ class SequenceParallelStrategy(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if not is_parallelized(self.model):
+            self._plan_memory(self.parallel_dims, trainer)  # memory="auto" without a length known earlier: the first batch's
             self.model = convert_module_keeping_rotary(self.precision_plugin, self.model)  # bf16-true: bf16 parameters (Note [Rotary frequencies under bf16-true])
             self._fp32_adapters = upcast_trainable(self.model) > 0  # LoRA: the adapters back in fp32 (Note [LoRA under the strategy])
             self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host

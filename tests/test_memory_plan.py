@@ -294,17 +294,19 @@ def test_plan_keeps_the_offloaded_bytes_within_host_memory():
 # ---------------------------------------------------------------------------------------------- the strategy
 
 
-def test_strategy_memory_auto_needs_expected_seq_len():
+def test_strategy_memory_auto_needs_no_expected_seq_len():
     from lightning_seqpar import SequenceParallelStrategy
 
-    with pytest.raises(ValueError, match=r"memory='auto'.*expected_seq_len"):
-        SequenceParallelStrategy(memory="auto")
+    assert SequenceParallelStrategy(memory="auto").config.memory == "auto"  # the length comes from the data in the run
     with pytest.raises(ValueError, match=r"memory='sometimes' is not supported"):
         SequenceParallelStrategy(memory="sometimes")
     assert SequenceParallelStrategy(memory="auto", expected_seq_len=64).config.memory == "auto"
 
 
-def _fit_with_device_memory(device_memory: float | None, seq_len: int, **strategy_kwargs):
+def _fit_with_device_memory(device_memory: float | None, seq_len: int, *, expected_seq_len: int | None = -1,
+                            datamodule_seq_len: int | None = None, **strategy_kwargs):
+    """A one-step fit of the tiny model on batches of ``seq_len`` tokens, with memory="auto" and ``device_memory``;
+    ``expected_seq_len=-1``: the batches' length; ``datamodule_seq_len``: the data comes from a datamodule with that ``seq_len``."""
     import lightning as L
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
@@ -313,12 +315,23 @@ def _fit_with_device_memory(device_memory: float | None, seq_len: int, **strateg
         def _device_memory_bytes(self, device):
             return device_memory
 
-    strategy = FakeMemory(memory="auto", expected_seq_len=seq_len, attention_backend="math", **strategy_kwargs)
+    expected = seq_len if expected_seq_len == -1 else expected_seq_len
+    strategy = FakeMemory(memory="auto", expected_seq_len=expected, attention_backend="math", **strategy_kwargs)
     batch = {"input_ids": torch.randint(0, 256, (1, seq_len)), "labels": torch.randint(0, 256, (1, seq_len))}
+    loader = torch.utils.data.DataLoader([batch], batch_size=None)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     module = CausalLMModule("tiny", warmup_steps=0, max_steps=1, loss_chunk_size=16)
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
+    if datamodule_seq_len is None:
+        trainer.fit(module, train_dataloaders=loader)
+    else:
+        class SeqLenData(L.LightningDataModule):
+            seq_len = datamodule_seq_len
+
+            def train_dataloader(self):
+                return loader
+
+        trainer.fit(module, datamodule=SeqLenData())
     return strategy
 
 
@@ -342,9 +355,68 @@ def test_strategy_memory_auto_sets_unset_options_only():
     strategy = _fit_with_device_memory((tiled + _tiny_budget(seq, MemoryOptions(mlp_chunk_size=16, offload_checkpoints=True))) / 2,
                                        seq, mlp_chunk_size=16)
     assert strategy.config.mlp_chunk_size == 16 and strategy.config.offload_checkpoints is True
-    # on a device whose memory is not known (the CPU), the options stay as given
-    strategy = _fit_with_device_memory(None, seq)
+    # on a device whose memory is not known (the CPU), the options stay as given, and no length is needed
+    strategy = _fit_with_device_memory(None, seq, expected_seq_len=None)
     assert strategy.memory_plan is None and strategy.config.offload_checkpoints is False
+
+
+def test_strategy_memory_auto_plans_for_the_datamodule_seq_len_or_the_first_batch():
+    """Without expected_seq_len: the datamodule's seq_len (before the process group exists), else the first batch's length
+    (in setup)."""
+    seq = 64
+    device_memory = (_tiny_budget(seq, MemoryOptions()) + _tiny_budget(seq, MemoryOptions(offload_checkpoints=True))) / 2
+    strategy = _fit_with_device_memory(device_memory, seq, expected_seq_len=None)  # loaders given to fit: the first batch
+    assert strategy.memory_plan.estimate.seq_len == seq and strategy.config.offload_checkpoints is True
+    with pytest.raises(ValueError, match=r"FakeMemory: memory='auto' found no options that fit the first batch's length=64 .*"
+                                         r"no sequence length fits.*shorter sequences"):
+        _fit_with_device_memory(OVERHEAD_BYTES * 1.01, seq, expected_seq_len=None)
+    # the datamodule says 128 (the batches hold 64): the plan is for 128, made in setup_environment
+    with pytest.raises(ValueError, match=r"FakeMemory: memory='auto' found no options that fit SeqLenData.seq_len=128 .*"
+                                         r"a shorter SeqLenData.seq_len"):
+        _fit_with_device_memory(OVERHEAD_BYTES * 1.01, seq, expected_seq_len=None, datamodule_seq_len=2 * seq)
+    with pytest.raises(ValueError, match=r"FakeMemory: memory='auto' plans .* SeqLenData.seq_len=0 is not a positive int; give "
+                                         r"the strategy expected_seq_len"):
+        _fit_with_device_memory(device_memory, seq, expected_seq_len=None, datamodule_seq_len=0)
+
+
+def test_first_batch_seq_len_leaves_the_run_untouched_and_names_expected_seq_len():
+    """The first batch is read through a loader of its own: the run's sampler generator and the global random states
+    keep their state; data without an input_ids tensor is an error naming expected_seq_len."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+    from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_seqpar.planning import first_batch_seq_len
+
+    class Drawing(torch.utils.data.Dataset):  # draws from the global generators, as some datasets do
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            random.random(), np.random.rand()
+            return {"input_ids": torch.randint(0, 9, (48,))}
+
+    def trainer(loaders, fn=TrainerFn.FITTING):
+        loop = SimpleNamespace(_data_source=_DataLoaderSource(loaders, "train_dataloader"))
+        return SimpleNamespace(state=SimpleNamespace(fn=fn), fit_loop=loop, validate_loop=loop)
+
+    generator = torch.Generator().manual_seed(3)
+    loader = torch.utils.data.DataLoader(Drawing(), batch_size=2, shuffle=True, generator=generator)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy(), generator.get_state()
+    length = first_batch_seq_len(trainer({"a": [loader]}), owner="S")
+    assert (length.seq_len, length.name) == (48, "the first batch's length")
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert np.array_equal(np.random.get_state()[1], states[2]) and torch.equal(generator.get_state(), states[3])
+    assert first_batch_seq_len(trainer(loader, TrainerFn.VALIDATING), owner="S").seq_len == 48
+    for loaders, why in [(torch.utils.data.DataLoader([(1, 2)], batch_size=None), "is not a mapping with an input_ids tensor"),
+                         (torch.utils.data.DataLoader([], batch_size=1), "its dataset is empty"),
+                         ([[1, 2]], "its data is not a torch DataLoader")]:
+        with pytest.raises(ValueError, match=rf"S: memory='auto' plans the options for a sequence length, and none was found: "
+                                             rf"expected_seq_len is not set, .*{why}\. Set expected_seq_len"):
+            first_batch_seq_len(trainer(loaders), owner="S")
 
 
 def test_strategy_memory_auto_refuses_before_training():
