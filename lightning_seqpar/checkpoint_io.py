@@ -19,6 +19,26 @@ was being written stays as NAME.partial, which Lightning's ckpt_path="last" neve
 looks for last*.ckpt) and the next save of that name removes; :func:`check_loadable` refuses it,
 and a folder without its ``.metadata`` / ``meta.pt``, by name.
 
+Note [Checking a checkpoint's files]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A complete checkpoint can still be broken afterwards: a shard copied halfway, a file deleted, a
+disk that filled up. torch then fails deep in the collective load ("PytorchStreamReader failed
+reading zip archive ... internal miniz error") without naming a file, and ranks that read other
+files wait for it. So before loading, every rank checks the files locally
+(:func:`check_files`; no communication, a few KB read per file):
+
+* a folder of shards: ``.metadata`` unpickles; every file its ``storage_data`` lists exists and
+  holds at least the largest ``offset + length`` recorded for it (torch.distributed.checkpoint
+  writes each item at a recorded offset and length, so a truncated shard is shorter than that);
+  ``meta.pt`` is a whole torch.save file (below);
+* one file (and ``meta.pt``): torch.save writes a zip archive whose central directory is at the
+  end, so a truncated file has none (``zipfile`` cannot open it). A pickle (torch.save's legacy
+  format) is not checked.
+
+Every problem found is named in one ``ValueError`` with the checkpoint and the file. Every rank
+sees the same files (loading under another layout reads other ranks' shards, so the folder is
+shared), so every rank raises the same error before the load's first collective.
+
 The random state of a process is kept as plain values a checkpoint can hold
 (``torch.load(weights_only=True)``). A resumed run continues the random streams where the
 stopped one left them: the strategy gathers every rank's state into the checkpoint
@@ -32,6 +52,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "check_files",
     "check_loadable",
     "gather_rng_states",
     "get_rng_state",
@@ -103,6 +125,63 @@ def check_loadable(path: Path, *, owner: str) -> None:
             )
     elif not path.is_file():
         raise FileNotFoundError(f"{owner}: no checkpoint at {str(path)!r}")
+    check_files(path, owner=owner)
+
+
+def check_files(path: Path, *, owner: str) -> None:
+    """Raise one ``ValueError`` naming the checkpoint ``path`` and each of its files that is missing, shorter than recorded,
+    or not a whole torch.save archive (Note [Checking a checkpoint's files]). Local: no communication."""
+    if not path.is_dir():
+        problems = _torch_save_problems(path)
+        if problems:
+            raise ValueError(f"{owner}: the checkpoint file {str(path)!r} is broken: {problems}; it cannot be loaded: "
+                             "resume from another checkpoint, or copy this one again")
+        return
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # an unpickling error of any kind: truncated, or not written by torch.distributed.checkpoint
+        raise ValueError(f"{owner}: the checkpoint {str(path)!r} is broken: its .metadata does not load "
+                         f"({type(error).__name__}: {error}); resume from another checkpoint") from error
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int):
+            needed[name] = max(needed.get(name, 0), offset + length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing (its .metadata lists it)")
+        elif file.stat().st_size < size:
+            problems.append(f"{name} has {file.stat().st_size} bytes where its .metadata records {size} (truncated)")
+    meta = _torch_save_problems(path / "meta.pt")
+    if meta:
+        problems.append(f"meta.pt {meta}")
+    if problems:
+        raise ValueError(f"{owner}: the checkpoint {str(path)!r} is broken: {'; '.join(problems)}. It cannot be loaded: "
+                         "resume from another checkpoint, or copy this one again (every file of the folder is needed)")
+
+
+def _torch_save_problems(path: Path) -> str:
+    """What is wrong with a torch.save file ("" when nothing is seen): empty, or a zip archive without its end."""
+    if not path.is_file():
+        return "is missing"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        return "is empty (0 bytes)"
+    if head.startswith(b"\x80"):  # a pickle: torch.save's legacy format, nothing to check
+        return ""
+    if not head.startswith(b"PK"):
+        return f"is not a torch.save file (it starts with {head!r}, not a zip archive)"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            end = max((i.header_offset + i.compress_size for i in archive.infolist()), default=0)
+    except (zipfile.BadZipFile, OSError) as error:
+        return f"is a zip archive without its end ({error}: truncated, {path.stat().st_size} bytes)"
+    return "" if end <= path.stat().st_size else f"has {path.stat().st_size} bytes, its zip directory records {end} (truncated)"
 
 
 def load_full_checkpoint(path: Path, model: nn.Module, optimizers: list[Any], *, strict: bool, fitting: bool,

@@ -22,6 +22,29 @@ group and no GPU are needed: the shards are read in one process.
 * ``lora``: a ``CausalLMModule(..., lora=...)`` checkpoint's adapters as a peft adapter folder
   (``PeftModel.save_pretrained``), and with ``--merged`` the model with the adapters merged as a
   plain transformers folder (``lightning_seqpar.lora.export_lora``; needs ``peft``).
+
+The ``hf`` folder and the merged LoRA folder also get the tokenizer and the generation config
+(Note [The tokenizer of an export]), so that ``AutoTokenizer.from_pretrained(OUTPUT)`` and a
+text-generation pipeline load the folder as it is.
+
+Note [The tokenizer of an export]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A checkpoint holds no tokenizer, but its hyper-parameters say where the run's came from. The
+first of these is copied into the export folder:
+
+  1. ``--tokenizer`` (``tokenizer=``): a tokenizer folder or a ``tokenizer.json`` file;
+  2. the model's own folder (``CausalLMModule(model=FOLDER)``, a local transformers folder) when it
+     holds a tokenizer (``tokenizer.json`` or ``tokenizer_config.json``);
+  3. the datamodule's ``tokenizer_path`` (``HFTextDataModule``, ``ChatDataModule``: Lightning keeps
+     a datamodule's hyper-parameters in the checkpoint under ``datamodule_hyper_parameters``).
+
+A folder's tokenizer files (:data:`TOKENIZER_FILES`, the chat templates included) are copied as
+they are; a ``tokenizer.json`` file is written as a transformers tokenizer folder. The chat template
+the run trained with (the datamodule's ``chat_template``, which replaces the tokenizer's) is written
+into the copy. ``generation_config.json`` comes from the model's folder, else from the tokenizer's
+folder. The source is loaded before anything is written and the copy after (a ``ValueError``
+naming it when it does not load: ``AutoTokenizer`` for a folder). A source the hyper-parameters name that no longer exists is a ``ValueError`` that
+names it and ``--tokenizer``; with no source at all nothing is copied and the command says so.
 """
 
 from __future__ import annotations
@@ -29,18 +52,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import struct
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from lightning_seqpar.checkpoint_io import check_files
 from lightning_seqpar.models.llama import LlamaConfig
 
 __all__ = [
-    "export_consolidated", "export_hf", "hf_config", "hf_state_dict", "load_model_state_dict", "main", "write_safetensors",
+    "TOKENIZER_FILES", "TokenizerSource", "describe_tokenizer", "export_consolidated", "export_hf", "export_tokenizer", "hf_config",
+    "hf_state_dict", "load_model_state_dict", "main", "tokenizer_source", "write_safetensors",
 ]
 
 MODULE_PREFIX = "model."
@@ -58,6 +85,7 @@ def _is_folder_checkpoint(path: Path) -> bool:
 
 def _check_checkpoint(path: Path) -> None:
     if path.is_file() or _is_folder_checkpoint(path):
+        check_files(path, owner="export")  # every file there and whole (Note [Checking a checkpoint's files])
         return
     if path.is_dir():
         raise ValueError(
@@ -243,17 +271,23 @@ def export_hf(
     *,
     weights: Literal["safetensors", "bin"] = "safetensors",
     dtype: torch.dtype | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> Path:
-    """Write ``checkpoint``'s model as a Hugging Face ``LlamaForCausalLM`` folder ``output``.
+    """Write ``checkpoint``'s model as a Hugging Face ``LlamaForCausalLM`` folder ``output``, with the run's tokenizer
+    and generation config where the checkpoint names them (:func:`tokenizer_source`).
 
     Args:
         weights: "safetensors" (``model.safetensors``) or "bin" (``pytorch_model.bin``).
         dtype: cast the floating-point weights (e.g. ``torch.bfloat16``); None keeps theirs.
+        tokenizer: a tokenizer folder or ``tokenizer.json`` file to copy instead of the one the checkpoint names
+            (Note [The tokenizer of an export]).
     """
     if weights not in ("safetensors", "bin"):
         raise ValueError(f"export_hf: weights={weights!r} is not supported; expected 'safetensors' or 'bin'")
     src, out = Path(checkpoint), Path(output)
-    config = llama_config(load_meta(src))
+    meta = load_meta(src)
+    config = llama_config(meta)
+    source = tokenizer_source(meta, tokenizer=tokenizer)  # checked before anything is written
     tensors = hf_state_dict(load_model_state_dict(src), config)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
@@ -264,7 +298,114 @@ def export_hf(
         write_safetensors(tensors, out / "model.safetensors")
     else:
         _atomic_save({k: v.contiguous() for k, v in tensors.items()}, out / "pytorch_model.bin")
+    if source is not None:
+        export_tokenizer(source, out)
     return out
+
+
+# --------------------------------------------------------------------------------------------- the tokenizer
+
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+)
+"""The files of a transformers tokenizer folder that an export copies (with ``additional_chat_templates/``)."""
+
+_GENERATION_CONFIG = "generation_config.json"
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Where an export's tokenizer comes from (Note [The tokenizer of an export])."""
+
+    path: Path
+    """A tokenizer folder or a ``tokenizer.json`` file."""
+    origin: str
+    """How it was found: "--tokenizer", "the model folder" or "the datamodule's tokenizer_path"."""
+    chat_template: str | None = None
+    """The chat template the run trained with, where the datamodule replaced the tokenizer's."""
+    generation_config: Path | None = None
+    """The ``generation_config.json`` to copy (the model folder's, else the tokenizer folder's)."""
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
+def tokenizer_source(meta: Mapping[str, Any], *, tokenizer: str | os.PathLike | None = None,
+                     owner: str = "export") -> TokenizerSource | None:
+    """The tokenizer an export of a checkpoint with hyper-parameters ``meta`` copies: ``tokenizer``, else the model's
+    folder, else the datamodule's ``tokenizer_path`` (Note [The tokenizer of an export]); None when there is none.
+    Raises ``ValueError`` naming a given or recorded source that is not a tokenizer folder or ``tokenizer.json`` file."""
+    model = (meta.get("hyper_parameters") or {}).get("model")
+    data = meta.get("datamodule_hyper_parameters") or {}
+    template = data.get("chat_template") if isinstance(data.get("chat_template"), str) else None
+    is_folder = isinstance(model, (str, os.PathLike)) and (Path(model) / "config.json").is_file()  # a transformers folder
+    model_folder = Path(model) if is_folder else None
+    if tokenizer is not None:
+        path, origin, what = Path(tokenizer), "--tokenizer", f"{owner}: --tokenizer {str(tokenizer)!r}"
+    elif model_folder is not None and _has_tokenizer(model_folder):
+        path, origin, what = model_folder, "the model folder", ""
+    elif data.get("tokenizer_path") is not None:
+        path, origin = Path(data["tokenizer_path"]), "the datamodule's tokenizer_path"
+        what = (f"{owner}: the checkpoint's datamodule trained with tokenizer_path={str(path)!r}, which is gone or changed; "
+                "pass --tokenizer DIR (that tokenizer's folder)")
+    else:
+        return None
+    if not ((path.is_dir() and _has_tokenizer(path)) or (path.is_file() and path.suffix == ".json")):
+        raise ValueError((what or f"{owner}: {str(path)!r}") + " is neither a tokenizer folder (with tokenizer.json or "
+                         "tokenizer_config.json) nor a tokenizer.json file")
+    _load_tokenizer(path, why=f"{owner}: the tokenizer at {str(path)!r} ({origin})")  # before anything is written
+    generation = next((folder / _GENERATION_CONFIG for folder in (model_folder, path if path.is_dir() else None)
+                       if folder is not None and (folder / _GENERATION_CONFIG).is_file()), None)
+    return TokenizerSource(path, origin, template, generation)
+
+
+def export_tokenizer(source: TokenizerSource, output: str | os.PathLike, *, owner: str = "export") -> Path:
+    """Copy ``source``'s tokenizer (files and chat template) and generation config into the folder ``output`` and check
+    that ``AutoTokenizer`` loads it (Note [The tokenizer of an export])."""
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    if source.path.is_dir():
+        for name in TOKENIZER_FILES:
+            if (source.path / name).is_file():
+                shutil.copyfile(source.path / name, out / name)
+        if (source.path / "additional_chat_templates").is_dir():
+            shutil.copytree(source.path / "additional_chat_templates", out / "additional_chat_templates", dirs_exist_ok=True)
+    if source.generation_config is not None:
+        shutil.copyfile(source.generation_config, out / _GENERATION_CONFIG)
+    if not source.path.is_dir():
+        _load_tokenizer(source.path, why=f"{owner}: {str(source.path)!r}").save_pretrained(os.fspath(out))
+    loaded = _load_tokenizer(out, why=f"{owner}: the tokenizer copied from {str(source.path)!r} into {str(out)!r}")
+    if source.chat_template is not None and loaded.chat_template != source.chat_template:
+        loaded.chat_template = source.chat_template  # the template the run trained with
+        loaded.save_pretrained(os.fspath(out))
+    return out
+
+
+def _load_tokenizer(path: Path, *, why: str) -> Any:
+    """``AutoTokenizer`` of a folder, ``PreTrainedTokenizerFast`` of a ``tokenizer.json``; a ``ValueError`` starting with
+    ``why`` when it does not load."""
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError(f"{why}: copying the tokenizer needs transformers: pip install 'lightning-seqpar[hf]'") from error
+    try:
+        if path.is_dir():
+            return transformers.AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=os.fspath(path))
+    except Exception as error:  # transformers' OSError / ValueError, the tokenizers library's plain Exception
+        raise ValueError(f"{why} does not load as a tokenizer ({type(error).__name__}: {error}); pass --tokenizer DIR "
+                         "(a folder that AutoTokenizer loads)") from error
+
+
+def describe_tokenizer(source: TokenizerSource | None) -> str:
+    """The line ``seqpar export`` prints about the tokenizer."""
+    if source is None:
+        return ("no tokenizer copied: the checkpoint names neither a model folder with a tokenizer nor a datamodule "
+                "tokenizer_path; pass --tokenizer DIR for a folder that AutoTokenizer loads")
+    extra = (", the run's chat template" if source.chat_template else "") + (", generation_config.json" if source.generation_config else "")
+    return f"tokenizer copied from {str(source.path)!r} ({source.origin}{extra})"
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -281,24 +422,32 @@ def main(args: Sequence[str] | None = None) -> None:
     parser.add_argument("--weights", choices=("safetensors", "bin"), default="safetensors", help="hf only: file format of the weights")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="hf: cast the weights; lora: cast the merged model")
     parser.add_argument("--merged", default=None, help="lora only: also write the model with the adapters merged into this folder")
+    parser.add_argument("--tokenizer", default=None, help="hf, lora --merged: copy this tokenizer folder (or tokenizer.json) "
+                        "into the export; default: the model's folder, else the datamodule's tokenizer_path")
     ns = parser.parse_args(args)
     if ns.merged is not None and ns.format != "lora":
         parser.error("--merged applies to --format lora only")
+    if ns.tokenizer is not None and not (ns.format == "hf" or ns.merged is not None):
+        parser.error("--tokenizer applies to --format hf and to --format lora with --merged")
+    dtype = _DTYPES[ns.dtype] if ns.dtype else None
     if ns.format == "consolidated":
         if ns.dtype is not None or ns.weights != "safetensors":
             parser.error("--dtype and --weights apply to --format hf only")
-        path = export_consolidated(ns.checkpoint, ns.output)
-    elif ns.format == "lora":
+        print(f"wrote {export_consolidated(ns.checkpoint, ns.output)}")
+        return
+    if ns.format == "lora":
         from lightning_seqpar.lora import export_lora
 
         if ns.weights != "safetensors":
             parser.error("--weights applies to --format hf only")
         if ns.dtype is not None and ns.merged is None:
             parser.error("--dtype with --format lora casts the merged model: add --merged")
-        path = export_lora(ns.checkpoint, ns.output, merged=ns.merged, dtype=_DTYPES[ns.dtype] if ns.dtype else None)
+        path = export_lora(ns.checkpoint, ns.output, merged=ns.merged, dtype=dtype, tokenizer=ns.tokenizer)
     else:
-        path = export_hf(ns.checkpoint, ns.output, weights=ns.weights, dtype=_DTYPES[ns.dtype] if ns.dtype else None)
-    print(f"wrote {path}")
+        path = export_hf(ns.checkpoint, ns.output, weights=ns.weights, dtype=dtype, tokenizer=ns.tokenizer)
+    print(f"wrote {path}" + (f" and {ns.merged}" if ns.merged is not None else ""))
+    if ns.format == "hf" or ns.merged is not None:
+        print(describe_tokenizer(tokenizer_source(load_meta(ns.checkpoint), tokenizer=ns.tokenizer)))
 
 
 if __name__ == "__main__":  # pragma: no cover

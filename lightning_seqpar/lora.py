@@ -309,6 +309,7 @@ def export_lora(
     *,
     merged: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> Path:
     """Write the adapters of a ``CausalLMModule(..., lora=...)`` checkpoint as a peft adapter folder
     ``output`` and, with ``merged``, the model with the adapters merged (``merge_and_unload``) as a
@@ -317,22 +318,29 @@ def export_lora(
     The model is rebuilt from the checkpoint's hyper-parameters (``model``: the local base folder,
     or the transformers config; ``lora``: the LoRA fields), then the checkpoint's weights (base and
     adapters) are loaded into it, so the adapter folder and the merged model are those of the
-    trained module.
+    trained module. The merged folder also gets the run's tokenizer and generation config
+    (Note [The tokenizer of an export] in ``lightning_seqpar.export``).
 
     Args:
         dtype: cast the merged model's floating-point weights (e.g. ``torch.bfloat16``); None
             keeps the checkpoint's. The adapters keep theirs (fp32).
+        tokenizer: with ``merged``, a tokenizer folder or ``tokenizer.json`` file to copy instead of the
+            one the checkpoint names.
     """
     from lightning_seqpar import hf
-    from lightning_seqpar.export import load_meta, load_model_state_dict
+    from lightning_seqpar.export import export_tokenizer, load_meta, load_model_state_dict, tokenizer_source
 
+    if tokenizer is not None and merged is None:
+        raise ValueError("export_lora: tokenizer= is copied into the merged model's folder; give merged= as well")
     src, out = Path(checkpoint), Path(output)
-    hparams = load_meta(src).get("hyper_parameters") or {}
+    meta = load_meta(src)
+    hparams = meta.get("hyper_parameters") or {}
     spec, source = hparams.get("lora"), hparams.get("model")
     if not spec:
         raise ValueError(f"export: {str(src)!r} is not a LoRA checkpoint (its hyper_parameters have no 'lora'); use --format hf or consolidated")
     if source is None or not hf.is_hf_source(source):
         raise ValueError(f"export: the checkpoint's model {source!r} is not a Hugging Face model (a local folder or a config with 'model_type')")
+    tokenizer_from = tokenizer_source(meta, tokenizer=tokenizer) if merged is not None else None  # checked before writing
     state = load_model_state_dict(src)
     peft_state = {k[len(_MODULE_PREFIX):]: v for k, v in state.items() if k.startswith(_MODULE_PREFIX)}
     if len(peft_state) != len(state):
@@ -351,6 +359,8 @@ def export_lora(
         if dtype is not None:
             model = model.to(dtype)
         model.save_pretrained(os.fspath(merged))
+        if tokenizer_from is not None:
+            export_tokenizer(tokenizer_from, merged)
     return out
 
 

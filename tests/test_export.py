@@ -76,13 +76,16 @@ def test_consolidated_file_holds_the_full_state_and_resumes_under_another_layout
 
 
 @pytest.mark.parametrize("weights", ["safetensors", "bin"])
-def test_hugging_face_export_has_hf_names_and_config(trained, tmp_path, weights):
+def test_hugging_face_export_has_hf_names_and_config(trained, tmp_path, weights, capsys):
     from lightning_seqpar.export import main
     from lightning_seqpar.models import LlamaConfig
 
     checkpoint, saved = trained
     out = tmp_path / "hf"
     main([str(checkpoint), str(out), "--format", "hf", "--weights", weights])  # python -m lightning_seqpar.export
+    # the run named no tokenizer (a package model, loaders without one): the command says so and how to add one
+    printed = capsys.readouterr().out
+    assert "no tokenizer copied: " in printed and "pass --tokenizer DIR" in printed and not (out / "tokenizer.json").exists()
     config = json.loads((out / "config.json").read_text())
     tiny = LlamaConfig.from_name("tiny")
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
@@ -128,6 +131,52 @@ def test_export_bf16_and_bad_inputs(trained, tmp_path):
         load_model_state_dict(partial)
 
 
+def test_broken_checkpoint_files_are_named_before_loading(trained, tmp_path):
+    """Note [Checking a checkpoint's files]: a truncated shard and a missing one are named, with the checkpoint, by the
+    strategy's load (before any collective) and by the export; so are a truncated meta.pt / .metadata and a truncated
+    one-file checkpoint (a torch.save zip archive, as save_distributed_checkpoint=False writes it)."""
+    import shutil
+
+    from lightning_seqpar import SequenceParallelStrategy
+    from lightning_seqpar.export import export_hf
+
+    checkpoint, _ = trained
+    broken = tmp_path / "broken.ckpt"
+    shutil.copytree(checkpoint, broken)
+    shards = sorted(p.name for p in broken.glob("*.distcp"))
+    assert len(shards) == 2  # one per rank
+    with open(broken / shards[0], "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+    (broken / shards[1]).unlink()
+    strategy = SequenceParallelStrategy(sequence_parallel_size=1)
+    expected = (rf"the checkpoint '{broken}' is broken: {shards[0]} has \d+ bytes where its .metadata records \d+ "
+                rf"\(truncated\); {shards[1]} is missing \(its .metadata lists it\)\. It cannot be loaded")
+    with pytest.raises(ValueError, match="SequenceParallelStrategy: " + expected):
+        strategy.load_checkpoint(broken)
+    with pytest.raises(ValueError, match="export: " + expected):
+        export_hf(broken, tmp_path / "hf")
+    shutil.rmtree(broken)
+    shutil.copytree(checkpoint, broken)
+    with open(broken / "meta.pt", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=rf"'{broken}' is broken: meta.pt is a zip archive without its end"):
+        strategy.load_checkpoint(broken)
+    (broken / ".metadata").write_bytes((checkpoint / ".metadata").read_bytes()[:50])
+    with pytest.raises(ValueError, match=rf"'{broken}' is broken: its .metadata does not load"):
+        strategy.load_checkpoint(broken)
+    one_file = tmp_path / "full.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(64)}, "global_step": 3}, one_file)
+    size = one_file.stat().st_size
+    with open(one_file, "r+b") as f:
+        f.truncate(size - 10)
+    with pytest.raises(ValueError, match=rf"SequenceParallelStrategy: the checkpoint file '{one_file}' is broken: is a zip "
+                                         rf"archive without its end .*{size - 10} bytes"):
+        strategy.load_checkpoint(one_file)
+    one_file.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"'{one_file}' is broken: is empty"):
+        strategy.load_checkpoint(one_file)
+
+
 def test_transformers_loads_the_export_with_the_same_logits(trained, tmp_path):
     transformers = pytest.importorskip("transformers")
     from lightning_seqpar.export import export_hf
@@ -141,3 +190,56 @@ def test_transformers_loads_the_export_with_the_same_logits(trained, tmp_path):
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_hf_export_carries_the_datamodules_tokenizer_and_generates(trained, tmp_path, capsys):
+    """Note [The tokenizer of an export]: the checkpoint's datamodule hyper-parameters (tokenizer_path, chat_template; what
+    Lightning saves for HFTextDataModule / ChatDataModule) bring the tokenizer, the run's chat template and the tokenizer
+    folder's generation config into the folder, which AutoTokenizer and AutoModelForCausalLM load and generate from."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    from hf_testing import tiny_tokenizer
+
+    from lightning_seqpar.export import export_hf, main, tokenizer_source
+
+    checkpoint, _ = trained
+    tokenizer_dir = tiny_tokenizer(["the cat sat on the mat", "a dog ran far away"], str(tmp_path / "tokenizer"))
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=False, repetition_penalty=1.25).save_pretrained(tokenizer_dir)
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    with_data = tmp_path / "with_data.ckpt"  # the same checkpoint, as a run with a ChatDataModule would have saved it
+    shutil.copytree(checkpoint, with_data)
+    meta = torch.load(with_data / "meta.pt", weights_only=True)
+    meta["datamodule_hyper_parameters"] = {"tokenizer_path": tokenizer_dir, "chat_template": template, "seq_len": 32}
+    torch.save(meta, with_data / "meta.pt")
+    out = tmp_path / "hf"
+    main([str(with_data), str(out), "--format", "hf"])
+    assert f"tokenizer copied from {tokenizer_dir!r} (the datamodule's tokenizer_path, the run's chat template, " \
+           "generation_config.json)" in capsys.readouterr().out
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tokenizer.chat_template == template and tokenizer.eos_token == "[EOS]"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
+    assert model.generation_config.repetition_penalty == 1.25
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "the cat sat"}], tokenize=True, return_tensors="pt",
+                                           return_dict=True)
+    assert prompt["input_ids"][0].tolist() == tokenizer.convert_tokens_to_ids(["the", "cat", "sat"])
+    generated = model.generate(**prompt, max_new_tokens=3, min_new_tokens=3)
+    assert generated.shape == (1, 6) and torch.equal(generated[:, :3], prompt["input_ids"])
+    # --tokenizer (a tokenizer.json file) replaces the recorded one; a recorded folder that is gone, or a --tokenizer
+    # that is no tokenizer, is refused by name before anything is written
+    export_hf(checkpoint, tmp_path / "from_file", tokenizer=tmp_path / "tokenizer" / "tokenizer.json")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "from_file").convert_tokens_to_ids("cat") == \
+        tokenizer.convert_tokens_to_ids("cat")
+    shutil.rmtree(tokenizer_dir)
+    with pytest.raises(ValueError, match=rf"export: the checkpoint's datamodule trained with tokenizer_path={tokenizer_dir!r}, "
+                                         r"which is gone or changed; pass --tokenizer DIR .* is neither a tokenizer folder"):
+        export_hf(with_data, tmp_path / "gone")
+    assert not (tmp_path / "gone").exists()
+    with pytest.raises(ValueError, match=r"export: --tokenizer '.*empty' is neither a tokenizer folder"):
+        tokenizer_source({}, tokenizer=tmp_path / "empty")
+    with pytest.raises(ValueError, match=r"export: the tokenizer at '.*config.json' \(--tokenizer\) does not load as a tokenizer"):
+        export_hf(checkpoint, tmp_path / "bad", tokenizer=out / "config.json")
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit):
+        main([str(checkpoint), str(tmp_path / "c.ckpt"), "--tokenizer", str(out)])  # not for --format consolidated
+    assert "--tokenizer applies to --format hf and to --format lora with --merged" in capsys.readouterr().err

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from dist_utils import run_distributed  # noqa: E402
-from hf_testing import BATCH, SEQ_LEN, VOCAB, _List, batch, save_tiny_model  # noqa: E402
+from hf_testing import BATCH, SEQ_LEN, VOCAB, _List, batch, save_tiny_model, tiny_tokenizer  # noqa: E402
 
 TIMEOUT = 300
 ATOL = 1e-5
@@ -120,9 +120,19 @@ def _fit_each(rank: int, world_size: int, runs: list[tuple[tuple, dict]]) -> lis
     return results if rank == 0 else None
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
-    return save_tiny_model("llama", str(tmp_path_factory.mktemp("lora-base") / "llama"))
+    """A tiny Llama folder as a user has it: weights, config, a tokenizer with a chat template, a generation config."""
+    path = save_tiny_model("llama", str(tmp_path_factory.mktemp("lora-base") / "llama"))
+    tiny_tokenizer(["the cat sat on the mat", "a dog ran far away"], path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=False, repetition_penalty=1.25).save_pretrained(path)
+    return path
 
 
 def _check_step(result: dict[str, Any], reference: tuple) -> None:
@@ -210,6 +220,25 @@ def test_resume_is_exact_and_the_adapters_export(base, tmp_path):
     assert not any("lora" in n for n, _ in merged.named_parameters())  # a plain transformers model
     torch.testing.assert_close(_logits(merged, probe), _logits(after_two, probe), rtol=0, atol=1e-5)
     assert not torch.allclose(_logits(after_two, probe), expected)  # 2 and 4 steps differ: the comparison means something
+    # the merged folder loads everywhere: the base folder's tokenizer (its chat template) and generation config came along
+    _generates(merged_dir, base)
+
+
+def _generates(folder, source) -> None:
+    """``folder`` holds the tokenizer and generation config of ``source``: AutoTokenizer and AutoModelForCausalLM load it
+    as it is, and the model generates 3 tokens from a chat prompt."""
+    from pathlib import Path
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert tokenizer.chat_template == CHAT_TEMPLATE and tokenizer.eos_token == "[EOS]"
+    assert (Path(folder) / "generation_config.json").read_text() == (Path(source) / "generation_config.json").read_text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    assert model.generation_config.repetition_penalty == 1.25
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "the cat"}], tokenize=True, return_tensors="pt",
+                                           return_dict=True)
+    assert prompt["input_ids"][0, -2:].tolist() == tokenizer.convert_tokens_to_ids(["the", "cat"])  # "user:" is unknown
+    out = model.generate(**prompt, max_new_tokens=3, min_new_tokens=3)
+    assert out.shape == (1, prompt["input_ids"].shape[1] + 3) and torch.equal(out[:, :4], prompt["input_ids"])
 
 
 def test_adapter_folder_of_a_checkpointed_model(base, tmp_path):
