@@ -82,12 +82,56 @@ class SeqparArgumentParser(LightningArgumentParser):
         super().error(message, ex)
 
 
+# Note [The progress bar under max_steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every recipe trains for max_steps and leaves max_epochs unset, which Lightning turns into
+# max_epochs=-1 ("no limit"). Its default bar where `rich` is installed, RichProgressBar, then
+# titles the bar "Epoch 1/-2" (max_epochs - 1; Lightning-AI/pytorch-lightning#21925, fixed there
+# after 2.6). So `seqpar` adds TQDMProgressBar, which titles it "Epoch 1" and counts the steps
+# left, when the config trains by steps, names no progress bar and leaves enable_progress_bar on:
+# before the classes are built (a callback in the recipes would clash with
+# --trainer.enable_progress_bar=false, which Lightning refuses next to a progress bar callback).
+
+TQDM_PROGRESS_BAR = "lightning.pytorch.callbacks.TQDMProgressBar"
+
+
+def step_progress_bar(trainer: Any) -> bool:
+    """Add :data:`TQDM_PROGRESS_BAR` to a parsed ``trainer`` config (a jsonargparse Namespace) that trains by
+    ``max_steps`` without ``max_epochs``, names no progress bar and leaves the bar on (Note [The progress bar
+    under max_steps]). Returns whether it added it."""
+    import pydoc
+
+    from jsonargparse import Namespace
+    from lightning.pytorch.callbacks import ProgressBar
+
+    steps, epochs = trainer.get("max_steps"), trainer.get("max_epochs")
+    if trainer.get("enable_progress_bar") is False or steps in (None, -1) or epochs not in (None, -1):
+        return False
+    callbacks = trainer.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+
+    def is_bar(callback: Any) -> bool:
+        cls = pydoc.locate(callback.get("class_path", "")) if isinstance(callback, Namespace) else type(callback)
+        return isinstance(cls, type) and issubclass(cls, ProgressBar)
+
+    if any(map(is_bar, callbacks)):
+        return False
+    trainer.callbacks = [*callbacks, Namespace(class_path=TQDM_PROGRESS_BAR)]
+    return True
+
+
 class SeqparCLI(LightningCLI):
-    """LightningCLI limited to fit / validate / test."""
+    """LightningCLI limited to fit / validate / test; a run by steps gets a progress bar that reads "Epoch N"
+    (Note [The progress bar under max_steps])."""
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {name: spec for name, spec in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.get("trainer") is not None:
+            step_progress_bar(config.trainer)
 
 
 def make_cli(args: Sequence[str] | None = None, **kwargs: Any) -> SeqparCLI:

@@ -134,6 +134,44 @@ def test_packing_and_labels_match_the_hand_written_samples(template, tokenizers,
     assert batch["input_ids"].shape == (2, SEQ_LEN)
 
 
+def test_no_val_files_means_no_validation_loop(tokenizers, tmp_path):
+    """val_files=None (recipes/lora_finetune.yaml): the datamodule has no val_dataloader hook, so a fit runs no validation
+    and Lightning does not warn that the validation list is empty; with val_files the hook gives their loader."""
+    import lightning as L
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    files = _write(str(tmp_path / "train.jsonl"), _rows(bad=False))
+    dm = ChatDataModule(train_files=files, tokenizer_path=tokenizers["plain"], seq_len=SEQ_LEN, batch_size=1)
+    assert dm.val_dataloader is None and not is_overridden("val_dataloader", dm)
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+            self.validated = 0
+
+        def training_step(self, batch, batch_idx):
+            return self.w * batch["input_ids"].float().mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.validated += 1
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Tiny()
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, val_check_interval=1, limit_val_batches=4, num_sanity_val_steps=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 2 and module.validated == 0
+    assert not [w for w in caught if "length" in str(w.message) and "zero" in str(w.message)], [str(w.message) for w in caught]
+    with_val = ChatDataModule(train_files=files, val_files=files, tokenizer_path=tokenizers["plain"], seq_len=SEQ_LEN, batch_size=1)
+    assert is_overridden("val_dataloader", with_val)
+    assert next(iter(with_val.val_dataloader()))["input_ids"].shape == (1, SEQ_LEN)
+
+
 def test_bad_row_policies(tokenizers, tmp_path):
     files = _write(str(tmp_path / "train.jsonl"), _rows())
     dm = ChatDataModule(train_files=files, tokenizer_path=tokenizers["plain"], seq_len=SEQ_LEN, batch_size=1, on_too_long="truncate")

@@ -121,3 +121,25 @@ def test_hybrid_cpu_recipe_builds_a_transformers_hybrid():
     assert sum(is_hybrid_twin(m) for m in module.model.hf.modules()) == 3
     with pytest.raises(ValueError, match="give model_type once"):
         HFConfigSpec(model_type="llama", config={"model_type": "llama"}).as_dict()
+
+
+def test_a_run_by_steps_gets_a_progress_bar_that_reads_epoch_n():
+    """Note [The progress bar under max_steps]: `seqpar` adds TQDMProgressBar (not the Rich bar's "Epoch 1/-2") to a
+    recipe that trains by max_steps, unless the bar is off, a progress bar is named or max_epochs is set."""
+    from jsonargparse import Namespace
+
+    from lightning_seqpar.cli import TQDM_PROGRESS_BAR, step_progress_bar
+
+    recipe = str(RECIPES[0].parent / "lora_finetune.yaml")
+    trainer = parse(["fit", "--config", recipe]).fit.trainer
+    assert trainer.max_steps == 500 and trainer.max_epochs is None
+    assert step_progress_bar(trainer) and trainer.callbacks[-1].class_path == TQDM_PROGRESS_BAR
+    assert [c.class_path.rsplit(".", 1)[1] for c in trainer.callbacks[:-1]] == ["ModelCheckpoint", "ThroughputMonitor"]
+    assert not step_progress_bar(trainer)  # a progress bar is named now
+    for flag in ("--trainer.enable_progress_bar=false", "--trainer.max_epochs=2"):
+        trainer = parse(["fit", "--config", recipe, flag]).fit.trainer
+        assert not step_progress_bar(trainer) and "ProgressBar" not in str(trainer.callbacks)
+    rich = Namespace(max_steps=5, max_epochs=None, callbacks=[Namespace(class_path="lightning.pytorch.callbacks.RichProgressBar")])
+    assert not step_progress_bar(rich)
+    bare = Namespace(max_steps=5, max_epochs=None, callbacks=None)
+    assert step_progress_bar(bare) and [c.class_path for c in bare.callbacks] == [TQDM_PROGRESS_BAR]
