@@ -23,6 +23,7 @@ CASES = (
     dict(softcap=30.0, sinks=True),
     dict(chunk_size=384),
     dict(window=200, documents=((700, 300, 1048),)),
+    dict(chunk_size=384, documents=((700, 300, 1048),)),  # chunks from each document's start (#41)
 )
 
 
