@@ -4,7 +4,9 @@ Public names: :class:`SequenceParallelStrategy` (also registered as the Trainer 
 "seqpar", "seqpar_ring", "seqpar_allgather", "seqpar_ulysses", "seqpar_2d"),
 :class:`CausalLMModule` and the callback :class:`PreemptionCheckpoint` (checkpoint and stop on
 SIGTERM). The functional API lives in ``lightning_seqpar.attention`` and
-``lightning_seqpar.sharding``; models in ``lightning_seqpar.models``; data in ``lightning_seqpar.data``.
+``lightning_seqpar.sharding``; models in ``lightning_seqpar.models``; data in ``lightning_seqpar.data``;
+long-context evaluation in ``lightning_seqpar.metrics`` (``LossByPosition``, ``PasskeyAccuracy``) and
+``lightning_seqpar.callbacks`` (``LongContextEval``).
 """
 
 from __future__ import annotations

@@ -316,7 +316,7 @@ def export_lora(
     plain transformers folder. One process, no GPU (the checkpoint's shards are read here).
 
     The model is rebuilt from the checkpoint's hyper-parameters (``model``: the local base folder,
-    or the transformers config; ``lora``: the LoRA fields), then the checkpoint's weights (base and
+    or the transformers config; ``config_overrides``; ``lora``: the LoRA fields), then the checkpoint's weights (base and
     adapters) are loaded into it, so the adapter folder and the merged model are those of the
     trained module. The merged folder also gets the run's tokenizer and generation config
     (Note [The tokenizer of an export] in ``lightning_seqpar.export``).
@@ -346,7 +346,7 @@ def export_lora(
     if len(peft_state) != len(state):
         raise ValueError(f"export: unexpected keys outside {_MODULE_PREFIX!r}: {sorted(set(state))[:5]}")
     base_dtype = next(v.dtype for k, v in peft_state.items() if ".lora_" not in k and v.is_floating_point())  # bf16 after "bf16-true"
-    base = hf.build_hf_causal_lm(source, dtype=base_dtype)
+    base = hf.build_hf_causal_lm(source, dtype=base_dtype, config_overrides=hparams.get("config_overrides"))  # as trained
     peft_model = apply_lora(base, spec)
     missing, unexpected = peft_model.load_state_dict(peft_state, strict=False)
     if unexpected or [k for k in missing if k in dict(peft_model.named_parameters())]:

@@ -48,6 +48,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics.aggregation import MeanMetric
@@ -114,6 +115,14 @@ class CausalLMModule(L.LightningModule):
             frozen (in the Trainer's precision), only the adapters are trained, in fp32, and only they
             have optimizer state; ``hf_save_dir`` then receives the adapter folder. A ``peft.PeftModel``
             given as ``model`` is used as it is (with ``lora=None``).
+        config_overrides: Hugging Face models given as a folder or a config only: fields of the transformers
+            config changed BEFORE the model is built, e.g. a context extension's ``{"rope_parameters":
+            {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192},
+            "max_position_embeddings": 65536}`` (:func:`lightning_seqpar.hf.rope_extension` computes it).
+            A dict given for a dict-valued field is merged into it; unknown keys and values that
+            transformers rejects raise a ValueError naming the key, here, before any process group
+            exists (Note [Config overrides] in ``lightning_seqpar.hf.config``). Checkpoints keep it
+            with the model, so a checkpoint rebuilds the overridden model.
         fused_optimizer: AdamW's implementation: True the fused kernels (``fused=True``, one launch
             per step for all parameters; DTensor parameters of FSDP2 included), False torch's default
             (``foreach``); None (default) fused when every parameter is on a CUDA device, or in host
@@ -137,6 +146,7 @@ class CausalLMModule(L.LightningModule):
         hf_save_dir: str | None = None,
         fused_optimizer: bool | None = None,
         lora: dict[str, Any] | None = None,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -155,14 +165,29 @@ class CausalLMModule(L.LightningModule):
         # A Hugging Face model: a local folder, a transformers config / model, or a dict with "model_type".
         self._hf_source: Any = None
         given = None  # a transformers model instance, used as it is
+        if config_overrides is not None and not isinstance(config_overrides, Mapping):
+            raise ValueError(f"{name}: config_overrides must be a dict of transformers config fields or None, got {config_overrides!r}")
+        self._config_overrides = dict(config_overrides) if config_overrides else None
         if not (isinstance(model, str) and is_named_config(model)) and hf.is_hf_source(model):
-            config = hf.load_hf_config(model)
+            if self._config_overrides and (peft_given is not None or isinstance(model, torch.nn.Module)):
+                raise ValueError(
+                    f"{name}: config_overrides cannot change a model that is already built ({type(original).__name__}): its "
+                    "layers were made from its config. Give the model as its local folder or its transformers config "
+                    "(with lora=... for adapters) so that the overridden config builds it"
+                )
+            base = hf.load_hf_config(model)
+            # checked here, before any process group exists (Note [Config overrides]); the model is built from it later
+            config = hf.apply_config_overrides(base, self._config_overrides) if self._config_overrides else base
             given = model if isinstance(model, torch.nn.Module) else None
             self._hf_source = config if given is not None else model  # never an nn.Module attribute here
             model = config
-            original = str(original) if isinstance(original, (str, os.PathLike)) else model.to_dict()
+            # the folder, or the config before the overrides (the hyper-parameters keep config_overrides apart)
+            original = str(original) if isinstance(original, (str, os.PathLike)) else base.to_dict()
         elif hf_save_dir is not None:
             raise ValueError(f"{name}: hf_save_dir is only for Hugging Face models (model={original!r})")
+        elif self._config_overrides:
+            raise ValueError(f"{name}: config_overrides is for Hugging Face models (a local folder or a transformers config); "
+                             f"the package's own model={original!r} takes its fields in the config itself")
         if self._lora_config is not None and self._hf_source is None:
             raise ValueError(f"{name}: lora is for Hugging Face models (a local folder, a transformers config or model); got model={original!r}")
         if peft_given is not None:
@@ -228,7 +253,7 @@ class CausalLMModule(L.LightningModule):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.init_seed)
             if self._hf_source is not None:
-                model = hf.build_hf_causal_lm(self._hf_source)
+                model = hf.build_hf_causal_lm(self._hf_source, config_overrides=self._config_overrides)
                 if self._lora_config is not None:  # the adapters are drawn from init_seed too
                     model = lora_module.apply_lora(model, self._lora_config)
                 self.model = hf.HFCausalLM(model)
@@ -262,6 +287,32 @@ class CausalLMModule(L.LightningModule):
         hidden, weight = model.head_operands(model(input_ids, position_ids, output="hidden"))  # (B, S, d'), (V, d')
         return chunked_cross_entropy_sum(hidden, weight, labels, chunk_size=self.loss_chunk_size,
                                          softcap=getattr(model, "logit_softcap", None))
+
+    def token_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The cross entropy of every token of a (sharded) batch, ``(B, S_local)`` fp32, 0 where the label is
+        ignored (-100): what validation reduces to ``val/loss`` and gives callbacks (``token_losses`` in its
+        output, e.g. :class:`~lightning_seqpar.metrics.LossByPosition`). With ``loss_chunk_size`` the logits of
+        at most that many tokens exist at a time."""
+        labels = batch["labels"]
+        pieces, losses, start = self.logit_pieces(batch), [], 0
+        for logits in pieces:  # (B, n, V) each
+            y = labels[:, start : start + logits.shape[1]]  # (B, n)
+            losses.append(F.cross_entropy(logits.float().transpose(1, 2), y, ignore_index=IGNORE_INDEX, reduction="none"))
+            start += logits.shape[1]
+        return torch.cat(losses, dim=1)  # (B, S_local)
+
+    def logit_pieces(self, batch: dict[str, torch.Tensor]) -> Any:
+        """The logits of a (sharded) batch: one (B, S, V) piece, or with ``loss_chunk_size`` pieces of that many
+        tokens computed one at a time (soft-capped as the chunked loss caps them)."""
+        model = self._require_model()
+        input_ids, position_ids = batch["input_ids"], batch.get("position_ids")
+        if self.loss_chunk_size is None:
+            return [model(input_ids, position_ids)]  # (B, S, V)
+        hidden, weight = model.head_operands(model(input_ids, position_ids, output="hidden"))  # (B, S, d'), (V, d')
+        step = self.loss_chunk_size
+        cap = getattr(model, "logit_softcap", None)
+        pieces = ((hidden[:, i : i + step] @ weight.T).float() for i in range(0, hidden.shape[1], step))  # (B, n, V) each
+        return (cap * torch.tanh(p / cap) for p in pieces) if cap else pieces
 
     # ----------------------------------------------------------------------------------------- batches
 
@@ -359,12 +410,17 @@ class CausalLMModule(L.LightningModule):
             )
 
     @override
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss_sum, n_valid = self.loss_sum(batch)
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Updates ``val/loss`` (and ``val/bpc``); returns ``{"token_losses": (B, S_local)}`` (:meth:`token_losses`)
+        for callbacks (``on_validation_batch_end``'s ``outputs``)."""
+        losses = self.token_losses(batch)  # (B, S_local) fp32, 0 where ignored
+        n_valid = (batch["labels"] != IGNORE_INDEX).sum()
+        loss_sum = losses.sum()
         # A token-weighted mean; torchmetrics sums value * weight and weight over all ranks.
         self.val_loss.update(loss_sum / n_valid.clamp(min=1), weight=n_valid)
         if self.val_bpc is not None:  # token-loss sums and counts; summed over every rank on compute
             self.val_bpc.update(loss_sum, n_valid)
+        return {"token_losses": losses.detach()}
 
     @override
     def on_validation_epoch_end(self) -> None:
@@ -374,8 +430,8 @@ class CausalLMModule(L.LightningModule):
         self.log_dict({"val/loss": loss, "val/ppl": loss.exp(), **self._bits_per_character("val")}, prog_bar=True, sync_dist=True)
 
     @override
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.validation_step(batch, batch_idx)
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        return self.validation_step(batch, batch_idx)
 
     @override
     def on_test_epoch_end(self) -> None:
@@ -396,20 +452,10 @@ class CausalLMModule(L.LightningModule):
         sequence order (``SequenceParallelStrategy.gather_sequence``); padding from
         ``pad_to_multiple`` stays at the end.
         """
-        model = self._require_model()
-        input_ids, labels, position_ids = batch["input_ids"], batch.get("labels"), batch.get("position_ids")
-        if self.loss_chunk_size is None:
-            pieces: Any = [model(input_ids, position_ids)]  # (B, S, V)
-        else:
-            hidden, weight = model.head_operands(model(input_ids, position_ids, output="hidden"))  # (B, S, d'), (V, d')
-            step = self.loss_chunk_size
-            cap = getattr(model, "logit_softcap", None)
-            pieces = (hidden[:, i : i + step] @ weight.T for i in range(0, hidden.shape[1], step))  # (B, n, V) each
-            if cap:
-                pieces = (cap * torch.tanh(p.float() / cap) for p in pieces)
+        labels = batch.get("labels")
         predictions, logprobs = [], []
         start = 0
-        for logits in pieces:
+        for logits in self.logit_pieces(batch):
             logits = logits.float()
             predictions.append(logits.argmax(-1))
             if labels is not None:

@@ -30,11 +30,37 @@ replaces ``position_ids`` with the positions inside each document and masks atte
 (Note [Packed documents and per-document zigzag] in ``lightning_seqpar.documents``), so every
 document is trained as if it were alone; the loss never crosses documents either (labels).
 
-Every rank builds the same index (documents in file order, fixed windows), so sample ``i`` is
-the same everywhere (Note [Samples under sequence and data parallelism] in ``tokens.py``).
+Every rank builds the same index (documents in file order, or in the seeded order of Note [Long
+documents], fixed windows), so sample ``i`` is the same everywhere (Note [Samples under sequence
+and data parallelism] in ``tokens.py``).
 Tokenization runs through ``datasets.Dataset.map`` and is cached by ``datasets`` under a
 fingerprint of the files (path, size, mtime), the tokenizer and the options: ``prepare_data``
 (one process per node) fills the cache, ``setup`` on every rank reads it.
+
+Note [Long documents]
+~~~~~~~~~~~~~~~~~~~~~
+Teaching a model to use a longer context needs documents that are long (a packed window of short
+documents has no long-range dependency: attention stops at each document), and keeping its
+short-context quality needs short ones too (long-context recipes train on a mix). With
+``min_doc_tokens=N`` a document is *long* when it has at least N tokens (after tokenization,
+special tokens and EOS included), *short* otherwise, and :func:`select_documents` picks the
+documents of the stream:
+
+* ``long_doc_ratio=None`` (or 1.0): the long documents only, in file order;
+* ``long_doc_ratio=r`` in (0, 1): long and short documents such that a fraction r of the
+  stream's tokens comes from long documents. Every long document is kept and short ones are
+  added in a seeded random order until their tokens reach ``T_long * (1 - r) / r``; when the
+  short documents run out first, every short one is kept and long ones are taken (seeded) until
+  ``T_short * r / (1 - r)``. Whole documents only, so the ratio reached can be above the target
+  by at most one document; it is logged. The chosen documents are then shuffled together (same
+  seed), so that long and short ones alternate through the stream.
+
+Only the training split is mixed; validation keeps its long documents only (so that
+``lightning_seqpar.metrics.LossByPosition`` measures far positions). The counts (documents and
+tokens, long and short, kept and available, the ratio reached) are logged once at ``setup``
+(rank 0) and kept in :attr:`HFTextDataModule.document_counts`. Deterministic given ``seed``: every
+rank selects the same documents. A document longer than a window still continues in the next
+window, whose positions restart at 0 (Note [Packed documents]).
 """
 
 from __future__ import annotations
@@ -51,11 +77,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_seqpar.data.loaders import FileSplitLoaders
+from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_seqpar.data.loaders import FileSplitLoaders
 from lightning_seqpar.loss import IGNORE_INDEX
 
-__all__ = ["DATA_FORMATS", "HFTextDataModule", "PackedDocumentDataset", "load_tokenizer", "pack_window"]
+__all__ = ["DATA_FORMATS", "HFTextDataModule", "PackedDocumentDataset", "load_tokenizer", "pack_window", "select_documents"]
 
 DataFormat = Literal["auto", "text", "json", "parquet"]
 DATA_FORMATS: dict[str, str] = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -160,6 +187,50 @@ class PackedDocumentDataset(Dataset):
         return pack_window(list(docs), offset=offset, seq_len=self.seq_len)
 
 
+def select_documents(lengths: Sequence[int] | np.ndarray, *, min_doc_tokens: int, long_doc_ratio: float | None = None,
+                     seed: int = 0) -> tuple[np.ndarray, dict[str, float]]:
+    """The documents of the stream (Note [Long documents]): their indices in stream order, and the counts.
+
+    Args:
+        lengths: the token count of every document.
+        min_doc_tokens: a document with at least this many tokens is long.
+        long_doc_ratio: None: the long documents only (file order); r in (0, 1]: a fraction r of the
+            chosen tokens from long documents (seeded choice and order).
+        seed: seed of the choice and order.
+
+    Returns:
+        ``(indices, counts)``: counts ``long_documents``, ``long_tokens``, ``short_documents``,
+        ``short_tokens`` (available), ``kept_long_documents``, ``kept_long_tokens``,
+        ``kept_short_documents``, ``kept_short_tokens`` and ``long_token_ratio`` (reached).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    long, short = np.flatnonzero(lengths >= min_doc_tokens), np.flatnonzero(lengths < min_doc_tokens)
+    t_long, t_short = int(lengths[long].sum()), int(lengths[short].sum())
+    rng = np.random.default_rng(seed)
+
+    def prefix(indices: np.ndarray, tokens: float) -> np.ndarray:  # the seeded documents whose tokens first reach ``tokens``
+        order = indices[rng.permutation(len(indices))]
+        reach = np.cumsum(lengths[order])
+        return order[: int(np.searchsorted(reach, tokens, side="left")) + 1] if tokens > 0 else order[:0]
+
+    if long_doc_ratio is None or long_doc_ratio >= 1:
+        kept_long, kept_short = long, short[:0]
+        chosen = long
+    else:
+        r = float(long_doc_ratio)
+        if t_long * (1 - r) / r <= t_short:
+            kept_long, kept_short = long, prefix(short, t_long * (1 - r) / r)
+        else:
+            kept_long, kept_short = prefix(long, t_short * r / (1 - r)), short
+        both = np.concatenate([kept_long, kept_short])
+        chosen = both[rng.permutation(len(both))]
+    kl, ks = int(lengths[kept_long].sum()), int(lengths[kept_short].sum())
+    counts = {"long_documents": len(long), "long_tokens": t_long, "short_documents": len(short), "short_tokens": t_short,
+              "kept_long_documents": len(kept_long), "kept_long_tokens": kl, "kept_short_documents": len(kept_short),
+              "kept_short_tokens": ks, "long_token_ratio": kl / max(1, kl + ks)}
+    return chosen.astype(np.int64), counts
+
+
 def _files(spec: str | Sequence[str]) -> list[str]:
     patterns = [spec] if isinstance(spec, str) else list(spec)
     files: list[str] = []
@@ -204,6 +275,11 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
             a "paragraph" (separated by blank lines) or a "line".
         add_special_tokens: let the tokenizer add its special tokens (e.g. BOS) to each document.
         append_eos: end every document with the tokenizer's EOS token.
+        min_doc_tokens: keep only documents of at least this many tokens (long documents; Note [Long
+            documents]); None keeps every document.
+        long_doc_ratio: with ``min_doc_tokens``, train on long AND short documents, this fraction of the
+            training tokens from long ones (e.g. 0.7); None trains on the long documents only.
+            Validation always keeps its long documents only.
         samples_per_epoch: at most this many training samples (all windows when None).
         val_samples: at most this many validation samples.
         num_workers: DataLoader worker processes.
@@ -225,6 +301,8 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
         text_sample_by: Literal["document", "paragraph", "line"] = "document",
         add_special_tokens: bool = True,
         append_eos: bool = True,
+        min_doc_tokens: int | None = None,
+        long_doc_ratio: float | None = None,
         samples_per_epoch: int | None = None,
         val_samples: int | None = None,
         num_workers: int = 0,
@@ -246,14 +324,26 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
             raise ValueError(f"{name}: text_sample_by={text_sample_by!r} is not supported; expected 'document', 'paragraph' or 'line'")
         if data_format not in ("auto", *DATA_FORMATS.values()):
             raise ValueError(f"{name}: data_format={data_format!r} is not supported; expected 'auto', 'text', 'json' or 'parquet'")
+        if min_doc_tokens is not None and (not isinstance(min_doc_tokens, int) or isinstance(min_doc_tokens, bool) or min_doc_tokens < 1):
+            raise ValueError(f"{name}: min_doc_tokens must be a positive integer (tokens) or None, got {min_doc_tokens!r}")
+        if long_doc_ratio is not None:
+            if min_doc_tokens is None:
+                raise ValueError(f"{name}: long_doc_ratio={long_doc_ratio!r} needs min_doc_tokens (the length from which a "
+                                 "document is long)")
+            if isinstance(long_doc_ratio, bool) or not isinstance(long_doc_ratio, (int, float)) or not 0 < long_doc_ratio <= 1:
+                raise ValueError(f"{name}: long_doc_ratio must be a fraction in (0, 1] of the training tokens from long documents, "
+                                 f"got {long_doc_ratio!r}")
         self.save_hyperparameters()
         self.train_files, self.val_files, self.tokenizer_path = train_files, val_files, tokenizer_path
         self.seq_len, self.batch_size, self.data_format, self.text_field = seq_len, batch_size, data_format, text_field
         self.text_sample_by, self.add_special_tokens, self.append_eos = text_sample_by, add_special_tokens, append_eos
         self.samples_per_epoch, self.val_samples = samples_per_epoch, val_samples
+        self.min_doc_tokens, self.long_doc_ratio = min_doc_tokens, long_doc_ratio
         self.num_workers, self.num_proc, self.seed, self.cache_dir = num_workers, num_proc, seed, cache_dir
         self.train_dataset: PackedDocumentDataset | None = None
         self.val_dataset: PackedDocumentDataset | None = None
+        self.document_counts: dict[str, dict[str, float]] = {}
+        """With ``min_doc_tokens``: the counts of :func:`select_documents` by split ("train", "val"), filled at setup."""
 
     # ----------------------------------------------------------------------------------------- tokenization
 
@@ -304,10 +394,32 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
         if self.val_files is not None:
             self.tokenized(self.val_files)
 
+    def documents(self, files: str | list[str], split: str) -> Any:
+        """The tokenized documents of a split, selected by ``min_doc_tokens`` / ``long_doc_ratio`` (Note [Long documents])."""
+        documents = self.tokenized(files)
+        if self.min_doc_tokens is None:
+            return documents
+        name = type(self).__name__
+        ratio = self.long_doc_ratio if split == "train" else None
+        chosen, counts = select_documents(documents.with_format("numpy")["length"], min_doc_tokens=self.min_doc_tokens,
+                                          long_doc_ratio=ratio, seed=self.seed)
+        self.document_counts[split] = counts
+        c = {k: int(v) for k, v in counts.items() if k != "long_token_ratio"}
+        rank_zero_info(
+            f"{name} ({split}): documents of >= {self.min_doc_tokens} tokens: {c['long_documents']} ({c['long_tokens']} tokens), "
+            f"shorter: {c['short_documents']} ({c['short_tokens']} tokens); kept {c['kept_long_documents']} long "
+            f"({c['kept_long_tokens']} tokens) + {c['kept_short_documents']} short ({c['kept_short_tokens']} tokens): "
+            f"{counts['long_token_ratio']:.1%} of the tokens from long documents (long_doc_ratio={ratio!r})"
+        )
+        if len(chosen) == 0:
+            raise ValueError(f"{name} ({split}): no document has min_doc_tokens={self.min_doc_tokens} tokens or more (the longest "
+                             f"has {int(np.max(documents.with_format('numpy')['length'], initial=0))}); lower min_doc_tokens")
+        return documents.select(chosen)
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None and stage in (None, "fit"):
-            self.train_dataset = PackedDocumentDataset(self.tokenized(self.train_files), seq_len=self.seq_len,
+            self.train_dataset = PackedDocumentDataset(self.documents(self.train_files, "train"), seq_len=self.seq_len,
                                                        num_samples=self.samples_per_epoch)
         if self.val_dataset is None and self.val_files is not None and stage in (None, "fit", "validate"):
-            self.val_dataset = PackedDocumentDataset(self.tokenized(self.val_files), seq_len=self.seq_len,
+            self.val_dataset = PackedDocumentDataset(self.documents(self.val_files, "val"), seq_len=self.seq_len,
                                                      num_samples=self.val_samples)

@@ -10,11 +10,14 @@ Public names:
 * :class:`HFCausalLM` — a transformers causal LM behind the interface of the package's models
   (``forward(input_ids, position_ids, output=...)``, ``lm_head``, ``flops_per_token``).
 * :func:`is_hf_source`, :func:`load_hf_config`, :func:`build_hf_causal_lm` — a model from a local
-  folder, a ``PretrainedConfig`` or a dict with ``"model_type"``.
+  folder, a ``PretrainedConfig`` or a dict with ``"model_type"``, with ``config_overrides``
+  (:func:`apply_config_overrides`: fields changed before the model is built, checked).
+* :func:`rope_extension` — the ``config_overrides`` that stretch a model's RoPE to a target length
+  (linear, dynamic, YaRN, Llama 3, LongRoPE).
 * :func:`save_hf_pretrained` — a consolidated ``save_pretrained`` folder of an FSDP2-sharded model.
 
 Submodules, one concern each: ``attention`` (the ``AttentionInterface`` entry, :func:`apply_hf_attention`),
-``features`` (a layer's window / soft-capping / sinks / chunk size, read from the call, the layer
+``config`` (reading a config, overriding it, extending its RoPE), ``features`` (a layer's window / soft-capping / sinks / chunk size, read from the call, the layer
 and the config: ``attention_features``, ``attention_kwargs``), ``rope`` (length-dependent
 rotary embeddings made global), ``moe`` (the router auxiliary loss across ranks), ``support`` (what
 is exact and what is refused: ``refuse_token_mixers``, ``check_sharded_layer``), ``model``
@@ -75,18 +78,22 @@ from lightning_seqpar.hf.attention import (
     seqpar_attention_forward,
     seqpar_attention_mask,
 )
-from lightning_seqpar.hf.model import HFCausalLM, HFConfigSpec, build_hf_causal_lm, is_hf_source, load_hf_config, save_hf_pretrained
+from lightning_seqpar.hf.config import EXTENSIBLE_ROPE_TYPES, HFConfigSpec, apply_config_overrides, is_hf_source, load_hf_config, rope_extension
+from lightning_seqpar.hf.model import HFCausalLM, build_hf_causal_lm, save_hf_pretrained
 
 __all__ = [
     "HFConfigSpec",
     "ATTN_IMPLEMENTATION",
+    "EXTENSIBLE_ROPE_TYPES",
     "HFCausalLM",
     "MIN_TRANSFORMERS_VERSION",
+    "apply_config_overrides",
     "apply_hf_attention",
     "build_hf_causal_lm",
     "is_hf_source",
     "load_hf_config",
     "register_attention",
+    "rope_extension",
     "save_hf_pretrained",
     "seqpar_attention_forward",
     "seqpar_attention_mask",

@@ -6,7 +6,6 @@ import copy
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -15,6 +14,7 @@ from torch import Tensor, nn
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.documents import current_documents, documents_error
 from lightning_seqpar.hf.attention import apply_hf_attention, require_transformers
+from lightning_seqpar.hf.config import HFConfigSpec, is_hf_source, load_hf_config
 from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
 from lightning_seqpar.hf.support import check_sharded_layer
 from lightning_seqpar.hf_hybrid import is_hybrid_twin
@@ -38,76 +38,53 @@ _LOGIT_TRANSFORMS: tuple[tuple[str, object], ...] = (
 # --------------------------------------------------------------------------------------------- building
 
 
-@dataclass(frozen=True)
-class HFConfigSpec:
-    """A transformers config named by ``model_type`` with its ``config`` fields (random init): the form a recipe
-    gives ``CausalLMModule(model=...)``, e.g. ``{model_type: qwen3_next, config: {hidden_size: 64, ...}}``
-    (``AutoConfig.for_model(model_type, **config)``); the same as the dict ``{"model_type": ..., **config}``."""
-
-    model_type: str
-    config: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        if "model_type" in self.config:
-            raise ValueError(f"HFConfigSpec: give model_type once (model_type={self.model_type!r}, not in config)")
-        return {"model_type": self.model_type, **self.config}
-
-
-def is_hf_source(model: object) -> bool:
-    """Whether ``model`` designates a transformers causal LM: a local folder with ``config.json``, a
-    ``PretrainedConfig``, a ``PreTrainedModel`` or a mapping with a ``"model_type"`` key."""
-    if isinstance(model, (str, os.PathLike)):
-        return os.path.isfile(os.path.join(os.fspath(model), "config.json"))
-    if isinstance(model, HFConfigSpec):
-        return True
-    if isinstance(model, Mapping):
-        return "model_type" in model
-    transformers = sys.modules.get("transformers")  # an object of transformers exists only once it is imported
-    return transformers is not None and isinstance(model, (transformers.PretrainedConfig, transformers.PreTrainedModel))
-
-
-def load_hf_config(source: Any) -> PretrainedConfig:
-    """The ``PretrainedConfig`` of an :func:`is_hf_source` ``source`` (a folder is read, nothing is downloaded)."""
-    transformers = require_transformers()
-    if isinstance(source, transformers.PreTrainedModel):
-        return source.config
-    if isinstance(source, transformers.PretrainedConfig):
-        return source
-    if isinstance(source, HFConfigSpec):
-        source = source.as_dict()
-    if isinstance(source, Mapping):
-        fields = dict(source)
-        return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"model={path!r} is not a local Hugging Face model folder (no config.json)")
-        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    raise ValueError(
-        f"model must be a local Hugging Face model folder, a transformers.PretrainedConfig, a PreTrainedModel or a dict "
-        f"with 'model_type'; got {type(source).__name__}"
-    )
-
-
-def build_hf_causal_lm(source: Any, *, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def build_hf_causal_lm(source: Any, *, dtype: torch.dtype | None = None,
+                       config_overrides: Mapping[str, Any] | None = None) -> PreTrainedModel:
     """A transformers causal LM: ``from_pretrained`` of a local folder (weights included), or ``from_config``
     (random init, from the current torch random state) of a config or a dict with ``"model_type"``.
 
-    Built on the current default device (the strategy's ``tensor_init_context`` sets it) in ``dtype``
-    (default: ``torch.get_default_dtype()``, which Lightning's precision plugin sets).
+    ``config_overrides``: fields changed in the config before the model is built (Note [Config overrides] in
+    ``lightning_seqpar.hf.config``; a folder's weights are loaded into the model of the overridden config).
+    Refused for a ``PreTrainedModel`` (already built). Built on the current default device (the strategy's
+    ``tensor_init_context`` sets it) in ``dtype`` (default: ``torch.get_default_dtype()``, which Lightning's
+    precision plugin sets).
     """
     transformers = require_transformers()
     dtype = torch.get_default_dtype() if dtype is None else dtype
     if isinstance(source, transformers.PreTrainedModel):
+        load_hf_config(source, config_overrides=config_overrides)  # refuses overrides, with its message
         return source
     if isinstance(source, (str, os.PathLike)):
-        load_hf_config(source)  # the folder check, with its error message
-        return transformers.AutoModelForCausalLM.from_pretrained(os.fspath(source), dtype=dtype, local_files_only=True)
-    config = copy.deepcopy(load_hf_config(source))  # the model owns its config: set_attn_implementation changes it
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        config = load_hf_config(source, config_overrides=config_overrides)  # the folder check, with its error message
+        kwargs = {"config": config} if config_overrides else {}
+        return transformers.AutoModelForCausalLM.from_pretrained(os.fspath(source), dtype=dtype, local_files_only=True, **kwargs)
+    # the model owns its config: set_attn_implementation changes it (load_hf_config copies when it overrides)
+    config = load_hf_config(source, config_overrides=config_overrides)
+    return transformers.AutoModelForCausalLM.from_config(config if config_overrides else copy.deepcopy(config), dtype=dtype)
 
 
 # --------------------------------------------------------------------------------------------- the model
+
+
+def _full_rotary(model: nn.Module) -> bool:
+    """A transformers model whose every attention layer rotates the whole head (what cuDNN's backward was measured
+    exact on: Note [Choosing the local kernel]). Read from the config: no partial rotary factor below 1 (top level
+    or in any rope_parameters), no rotary_dim / qk_rope_head_dim (a rotated part of the head), no NoPE layers; and
+    a rotary embedding module exists."""
+    config = model.config
+    config = getattr(config, "text_config", None) or config
+    if not any("Rotary" in type(m).__name__ for m in model.modules()):
+        return False  # learned or no positions: not what was measured
+    factors = [getattr(config, "partial_rotary_factor", 1.0)]
+    params = getattr(config, "rope_parameters", None) or {}
+    for value in [params, *(v for v in params.values() if isinstance(v, Mapping))] if isinstance(params, Mapping) else []:
+        factors.append(value.get("partial_rotary_factor", 1.0))
+    if any(f is not None and float(f) < 1.0 for f in factors):
+        return False
+    if any(getattr(config, field, None) for field in ("rotary_dim", "qk_rope_head_dim", "rotary_emb_base_dim")):
+        return False
+    no_rope = getattr(config, "no_rope_layers", None)
+    return not (isinstance(no_rope, (list, tuple)) and 0 in no_rope)
 
 
 def _is_peft_model(model: object) -> bool:
@@ -160,11 +137,20 @@ class HFCausalLM(nn.Module):
         self._matmul_params = n
         self._frozen_params = frozen
         self._n_layers = config.num_hidden_layers
+        self._cudnn_exact = _full_rotary(base) and not self._recurrent_mixers
 
     @property
     def config(self) -> PretrainedConfig:
         """The transformers config."""
         return self.hf.config
+
+    @property
+    def cudnn_attention_exact(self) -> bool:
+        """Whether cuDNN's attention backward is exact for this model, so that ``attention_backend="auto"`` may take
+        it (Note [Choosing the local kernel]): a rotary embedding over the whole head on every attention layer and no
+        recurrent layers. Partial rotary (Qwen3-Next, Bamba, Phi, GLM, ...), latent attention, NoPE layers, learned
+        or no positions and hybrid models keep flash-attention-2."""
+        return self._cudnn_exact
 
     @property
     def router_aux_loss_config(self) -> RouterAux | None:
