@@ -4,7 +4,7 @@
     seqpar fit --config recipes/llama_gqa.yaml --trainer.max_steps 100
     seqpar validate --config recipes/quickstart.yaml --ckpt_path ...
     seqpar export CHECKPOINT OUTPUT --format hf           (lightning_seqpar.export; not a Trainer command)
-    seqpar plan --model llama3-8b --seq 128K,1M --gpus 8,64,1024   (lightning_seqpar.planning; no GPU needed)
+    seqpar plan --model llama3-8b --seq 128K,1M --gpus 4,64 --gpu-memory H200   (what fits: lightning_seqpar.plan_command)
     seqpar memory --model llama3-8b --seq 512K,1M --device-memory 150.1   (memory="auto"'s choice; no GPU needed)
 
 Any LightningDataModule can be given as ``data.class_path`` (subclass mode), e.g.
@@ -156,12 +156,12 @@ def main(args: Sequence[str] | None = None) -> None:
         export_main(argv[1:])
         return
     if argv[:1] == ["plan"]:
-        from lightning_seqpar.planning import main as plan_main
+        from lightning_seqpar.plan_command import plan_main
 
         plan_main(argv[1:])
         return
     if argv[:1] == ["memory"]:
-        from lightning_seqpar.memory import main as memory_main
+        from lightning_seqpar.plan_command import memory_main
 
         memory_main(argv[1:])
         return

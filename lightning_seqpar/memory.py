@@ -122,7 +122,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -134,6 +134,7 @@ __all__ = [
     "MemoryEstimate",
     "MemoryOptions",
     "MemoryPlan",
+    "MemoryPlanError",
     "TransformerShape",
     "estimate_memory",
     "ladder",
@@ -290,6 +291,13 @@ class MemoryOptions:
     mlp_chunk_size: int | None = None
     offload_params: bool = False
     bf16_adapters: bool = False
+
+    def changes(self) -> str:
+        """The options that differ from the defaults, short ("offload_checkpoints, head_chunks=4"); "defaults" when none."""
+        defaults = MemoryOptions()
+        parts = [name if value is True else f"{name}={value}" for name, value in
+                 ((f.name, getattr(self, f.name)) for f in fields(self)) if value != getattr(defaults, name)]
+        return ", ".join(parts) or "defaults"
 
     def label(self) -> str:
         parts = [f"activation_checkpointing={self.activation_checkpointing!r}"]
@@ -530,6 +538,17 @@ class MemoryPlan:
                 f"{self.estimate.describe()} of {self.device_memory / 1e9:.1f} GB")
 
 
+class MemoryPlanError(ValueError):
+    """:func:`plan_memory`'s refusal when no options fit: the message, and its numbers for callers that tabulate them."""
+
+    def __init__(self, message: str, *, best: MemoryEstimate, longest_seq_len: int) -> None:
+        super().__init__(message)
+        self.best = best
+        """The estimate nearest to fitting (its options and terms)."""
+        self.longest_seq_len = longest_seq_len
+        """The longest sequence length that fits with ``best``'s options (a multiple of lcm(1024, 2 sp)); 0 when none does."""
+
+
 LADDER: tuple[tuple[str, Any], ...] = (
     ("bf16_adapters", True), ("offload_checkpoints", True), ("head_chunks", 2), ("head_chunks", 4), ("head_chunks", 8),
     ("mlp_chunk_size", MLP_TILE), ("offload_params", True), ("activation_checkpointing", "full"),
@@ -614,7 +633,7 @@ def plan_memory(
     """The options with the least slowdown whose estimate fits ``(1 - margin) x device_memory`` (Note [Planning memory]).
 
     ``fixed``: options the user set (``MemoryOptions`` field names), which every candidate keeps. Raises
-    ``ValueError`` naming the length (as ``length_name``: the strategy's ``expected_seq_len``, a datamodule's
+    ``MemoryPlanError`` (a ``ValueError``) naming the length (as ``length_name``: the strategy's ``expected_seq_len``, a datamodule's
     ``seq_len``, ...), the device memory, the best estimate and the largest sequence length that would fit with
     the most memory-saving options, when none fits."""
     if not 0 <= margin < 1:
@@ -680,69 +699,11 @@ def plan_memory(
     if best.total <= budget:  # the device would hold it: the host does not (offloaded block inputs, model states)
         host = (f"; it fits the device but puts {best.host / 1e9:.1f} GB on the host, which has {host_memory / 1e9:.1f} GB "
                 f"available for this rank ({1 - margin:.0%} of it planned)")
-    raise ValueError(
+    raise MemoryPlanError(
         f"{owner}: memory='auto' found no options that fit {length_name}={seq_len} in {device_memory / 1e9:.1f} GB of "
         f"device memory ({1 - margin:.0%} of it planned): with {best.options.label()} the estimate is {best.describe()}, "
         f"its largest term {best.largest_term()}{host}; {where}. Use more sequence-parallel ranks or "
         + (f"a shorter {length_name}" if not length_name.startswith("the ") else "shorter sequences")
-        + ("" if loss_chunk_size is not None else ", or CausalLMModule(loss_chunk_size=...) (the full logits are counted)")
+        + ("" if loss_chunk_size is not None else ", or CausalLMModule(loss_chunk_size=...) (the full logits are counted)"),
+        best=best, longest_seq_len=longest,
     )
-
-
-
-# --------------------------------------------------------------------------------------------- the command
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``seqpar memory``: what ``memory="auto"`` would choose (or why it refuses) for a model, lengths and a device,
-    without a GPU: the same estimate and planner the strategy runs at set-up."""
-    import argparse
-    import os
-
-    ap = argparse.ArgumentParser(prog="seqpar memory", description=main.__doc__.split(":", 1)[0] + " (Note [Planning memory] "
-                                 "in lightning_seqpar.memory).")
-    ap.add_argument("--model", required=True, help="a config name of the package (llama3-8b, llama-7b, ...) or a local "
-                                                    "Hugging Face model folder (its config.json is read)")
-    ap.add_argument("--seq", required=True, help="sequence lengths, e.g. 128K,512K,1M")
-    ap.add_argument("--device-memory", type=float, required=True,
-                    help="GB per GPU as torch reports total_memory (an H200: 150.1, an H100 80GB: 85.0)")
-    ap.add_argument("--host-memory", type=float, default=None, help="GB of host memory available per GPU (default: unchecked)")
-    ap.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks")
-    ap.add_argument("--dp-shard", type=int, default=1, help="data-parallel ranks FSDP2 shards over besides them")
-    ap.add_argument("--precision", default="bf16-true")
-    ap.add_argument("--loss-chunk", type=int, default=8192, help="CausalLMModule's loss_chunk_size (0: the full logits)")
-    ap.add_argument("--lora-r", type=int, default=0, help="LoRA rank on every linear layer (0: full fine-tune)")
-    args = ap.parse_args(argv)
-    from lightning_seqpar.planning import _ints, lora_targets, lora_trainable_params
-
-    try:
-        seqs = _ints(args.seq)
-    except ValueError as error:
-        ap.error(f"--seq: {error}")
-    if os.path.isfile(os.path.join(args.model, "config.json")):
-        from transformers import AutoConfig
-
-        config: Any = AutoConfig.from_pretrained(args.model, local_files_only=True)
-    else:
-        from lightning_seqpar.models.registry import is_named_config, resolve_config
-
-        if not is_named_config(args.model):
-            ap.error(f"--model: {args.model!r} is neither a local Hugging Face model folder (no config.json) nor a config name")
-        config = resolve_config(args.model, owner="--model")
-    try:
-        shape = TransformerShape.from_config(config)
-    except ValueError as error:
-        ap.error(f"--model: {error}")
-    lora = None
-    if args.lora_r:
-        lora = type("Lora", (), {"r": args.lora_r, "target_modules": "all-linear"})()
-    for seq in seqs:
-        try:
-            plan = plan_memory(model_shape=shape, seq_len=seq, device_memory=args.device_memory * 1e9, sp=args.sp,
-                               dp_shard=args.dp_shard, precision=args.precision, loss_chunk_size=args.loss_chunk or None,
-                               trainable_params=None if lora is None else lora_trainable_params(shape, lora),
-                               lora_targets=() if lora is None else lora_targets(lora),
-                               host_memory=None if args.host_memory is None else args.host_memory * 1e9, owner="seqpar memory")
-            print(plan.describe())
-        except ValueError as error:
-            print(f"seq_len={seq}: {error}")

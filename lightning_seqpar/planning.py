@@ -1,5 +1,5 @@
 """What ``attention="auto"`` picks: under the strategy (for the model it is given), on 8 to 1,024 GPUs, and a whole
-training step around it (``seqpar plan``).
+training step around it, with what ``memory="auto"`` sets for it (``seqpar plan``, in ``lightning_seqpar.plan_command``).
 
 The strategy asks this module, beside the cost model (``lightning_seqpar.attention.cost``), for its
 decisions that need the model and the world: the mesh sizes it may choose (:func:`plan_mesh_sizes`,
@@ -21,10 +21,12 @@ FSDP2 over the same W ranks, bf16-mixed, selective++ checkpointing. Per GPU and 
 * FSDP2: all-gather of the bf16 parameters in forward and again in backward, reduce-scatter of
   fp32 gradients: (2 + 2 + 4) x N x (W-1)/W bytes per GPU, a ring at the NIC rate once W
   spans nodes; prefetched, so only what exceeds the compute is exposed.
-* memory: 16 N / W bytes of model states (fp32 parameter, gradient, two Adam moments), the
-  checkpointed block inputs and attention outputs (L x 2 x S/W x d x 2 bytes), one block's
-  working memory (the attention estimate's peak; the MLP's 3 x ffn activations) and the fp32
-  logits of S/W tokens.
+* memory: what ``memory="auto"`` would do for that step (Note [Planning memory] in
+  ``lightning_seqpar.memory``, the same planner the strategy runs): one sequence of S tokens, sp = W,
+  dp_shard = 1, the chosen attention algorithm and head-parallel size, the precision and loss chunk
+  of :class:`MemorySetting` (bf16-mixed, 8192 by default), a GPU's memory as torch reports it
+  (:data:`GPU_MEMORY`). The options it sets and its estimate, or, where none fit, the longest length
+  that fits with the options nearest to fitting.
 
 MFU counts model FLOPs as ``Llama.flops_per_token`` does (Note [FLOPs per token], causal
 attention halved, no recompute) against 989 TFLOP/s dense bf16. This is a planning estimate:
@@ -34,12 +36,12 @@ node); the linear rate, the FSDP overlap and the inter-node constants are assump
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,7 +53,7 @@ from lightning_seqpar.attention.algorithms import ALGORITHMS
 from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
 from lightning_seqpar.attention.local import available_backends, resolve_backend
 from lightning_seqpar.config import MEMORY_OPTIONS, StrategyConfig, serves_cpu
-from lightning_seqpar.memory import MemoryPlan, TransformerShape, plan_memory
+from lightning_seqpar.memory import DEFAULT_MARGIN, MemoryEstimate, MemoryPlan, MemoryPlanError, TransformerShape, plan_memory
 from lightning_seqpar.models.registry import attention_heads, family_of
 from lightning_seqpar.parallelize import uses_linear_attention
 
@@ -444,16 +446,33 @@ class ModelShape:
     head_dim: int
     ffn: int
     vocab: int
+    tied_embeddings: bool = False
+    gated_mlp: bool = True
+    """SwiGLU (gate, up, down) or two MLP matrices."""
+
+    @classmethod
+    def from_transformer_shape(cls, name: str, shape: TransformerShape) -> ModelShape:
+        """The same decoder as the memory estimate's :class:`~lightning_seqpar.memory.TransformerShape`."""
+        return cls(name=name, n_layer=shape.num_layers, d_model=shape.hidden_size, n_head=shape.num_heads,
+                   n_kv_head=shape.num_kv_heads, head_dim=shape.head_dim, ffn=shape.intermediate_size, vocab=shape.vocab_size,
+                   tied_embeddings=shape.tied_embeddings, gated_mlp=shape.gated_mlp)
+
+    @property
+    def transformer_shape(self) -> TransformerShape:
+        """This decoder as the memory estimate's :class:`~lightning_seqpar.memory.TransformerShape`."""
+        return TransformerShape(hidden_size=self.d_model, num_layers=self.n_layer, num_heads=self.n_head,
+                                num_kv_heads=self.n_kv_head, head_dim=self.head_dim, intermediate_size=self.ffn,
+                                vocab_size=self.vocab, tied_embeddings=self.tied_embeddings, gated_mlp=self.gated_mlp)
 
     @property
     def matmul_params(self) -> int:
         """Weights used in matmuls per token (attention, MLP, output head)."""
         attn = self.d_model * self.head_dim * (2 * self.n_head + 2 * self.n_kv_head)
-        return self.n_layer * (attn + 3 * self.d_model * self.ffn) + self.vocab * self.d_model
+        return self.n_layer * (attn + (3 if self.gated_mlp else 2) * self.d_model * self.ffn) + self.vocab * self.d_model
 
     @property
     def params(self) -> int:
-        return self.matmul_params + self.vocab * self.d_model  # + the input embedding
+        return self.matmul_params + (0 if self.tied_embeddings else self.vocab * self.d_model)  # + the input embedding
 
     def flops_per_token(self, seq_len: int) -> float:
         return 6 * self.matmul_params + 6 * self.n_layer * seq_len * self.n_head * self.head_dim
@@ -466,6 +485,25 @@ MODELS: dict[str, ModelShape] = {
     "llama-7b": ModelShape(name="llama-7b", n_layer=32, d_model=4096, n_head=32, n_kv_head=32, head_dim=128, ffn=11008, vocab=32000),
 }
 """Llama-70B-shaped: 80 layers, d 8192, 64 query / 8 K/V heads, FFN 28672 (Llama 3 70B's sizes)."""
+
+GPU_MEMORY: dict[str, float] = {"H100": 85.017493504e9, "H200": 150.10988032e9}
+"""``torch.cuda.get_device_properties(...).total_memory`` of an H100 80GB HBM3 and an H200 (141 GB marketed), as the
+records in benchmarks/results hold them: what ``memory="auto"`` plans for on those cards."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySetting:
+    """What the memory planner of a planned step assumes besides the model, length and GPUs (``memory="auto"``'s inputs)."""
+
+    gpu_memory: float = GPU_MEMORY["H200"]
+    """Bytes of one GPU's memory, as torch reports ``total_memory``."""
+    host_memory: float | None = None
+    """Bytes of host memory available to each GPU's process (None: not checked)."""
+    precision: str = "bf16-mixed"
+    loss_chunk_size: int | None = 8192
+    """``CausalLMModule(loss_chunk_size=...)`` (the recipes' 8192; None: the full logits)."""
+    lora_r: int = 0
+    """LoRA rank on every linear layer (0: full training)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -480,10 +518,16 @@ class StepPlan:
     linear_s: float
     fsdp_exposed_s: float
     memory_gb: float
+    """The memory planner's estimate per GPU, GB: of the options it chose, or when none fits of the nearest."""
     mfu: float
 
     attention_overhead_s: float
     fits: bool
+    """Whether ``memory="auto"`` finds options that fit (``memory``)."""
+    memory: MemoryPlan | None = None
+    """The memory planner's choice (Note [Planning memory] in ``lightning_seqpar.memory``); None when nothing fits."""
+    longest_seq_len: int | None = None
+    """When nothing fits: the longest length that fits with the options nearest to fitting (0: none)."""
 
     @property
     def dominant(self) -> str:
@@ -494,11 +538,25 @@ class StepPlan:
         name = max(terms, key=terms.__getitem__)
         return f"{name} {terms[name] / self.step_s:.0%}"
 
+    @property
+    def memory_options(self) -> str:
+        """What memory="auto" sets: the options that differ from the defaults, or "does not fit" with the longest length."""
+        return _memory_options(self.memory, self.longest_seq_len)
+
+
+def _memory_options(plan: MemoryPlan | None, longest: int | None) -> str:
+    if plan is not None:
+        return plan.options.changes()
+    return f"does not fit (longest {_k(longest)})" if longest else "does not fit at any length"
+
 
 def plan_step(model: ModelShape, *, seq_len: int, gpus: int, profile: DeviceProfile | None = None,
-              linear_flops: float = 650e12, algorithms: Sequence[str] | None = None, double_ring: bool = True) -> StepPlan:
-    """One step of ``model`` on ``gpus`` GPUs (Note [Planning a step across nodes])."""
+              linear_flops: float = 650e12, algorithms: Sequence[str] | None = None, double_ring: bool = True,
+              memory: MemorySetting | None = None) -> StepPlan:
+    """One step of ``model`` on ``gpus`` GPUs (Note [Planning a step across nodes]); its memory by ``memory="auto"``'s
+    planner under ``memory`` (default: an H200, bf16-mixed, loss chunks of 8192)."""
     profile = profile or DeviceProfile.h200()
+    memory = memory or MemorySetting()
     plan = choose_attention(seq_len=seq_len, num_heads=model.n_head, num_kv_heads=model.n_kv_head, head_dim=model.head_dim,
                             world_size=gpus, profile=profile, algorithms=algorithms, double_ring=double_ring,
                             head_parallel_size=None)
@@ -511,12 +569,39 @@ def plan_step(model: ModelShape, *, seq_len: int, gpus: int, profile: DeviceProf
     fsdp_rate = profile.inter_node_bandwidth if gpus > profile.gpus_per_node else profile.intra_node_collective_bandwidth
     fsdp_exposed = max(0.0, fsdp_bytes / fsdp_rate - (attention + linear))
     step = attention + linear + fsdp_exposed
-    activations = model.n_layer * 2 * tokens * model.d_model * 2 + 3 * tokens * model.ffn * 2 + tokens * model.vocab * 4
-    memory = 16 * model.params / gpus + activations + pick.peak_memory_bytes
     mfu = model.flops_per_token(seq_len) * tokens / step / PEAK_BF16
+    planned, longest = _plan_step_memory(model, seq_len=seq_len, gpus=gpus, algorithm=plan.algorithm, head_parallel_size=plan.hp,
+                                         memory=memory)
+    estimate = planned.estimate if isinstance(planned, MemoryPlan) else planned
     return StepPlan(model=model.name, seq_len=seq_len, gpus=gpus, plan=plan, step_s=step, attention_s=attention,
-                    attention_comm_s=attention_comm, linear_s=linear, fsdp_exposed_s=fsdp_exposed, memory_gb=memory / 1e9, mfu=mfu,
-                    attention_overhead_s=model.n_layer * pick.elementwise_s, fits=memory <= profile.memory_bytes)
+                    attention_comm_s=attention_comm, linear_s=linear, fsdp_exposed_s=fsdp_exposed, memory_gb=estimate.total / 1e9,
+                    mfu=mfu, attention_overhead_s=model.n_layer * pick.elementwise_s, fits=isinstance(planned, MemoryPlan),
+                    memory=planned if isinstance(planned, MemoryPlan) else None, longest_seq_len=longest)
+
+
+def _plan_step_memory(model: ModelShape, *, seq_len: int, gpus: int, algorithm: str, head_parallel_size: int,
+                      memory: MemorySetting) -> tuple[MemoryPlan | MemoryEstimate, int | None]:
+    """``memory="auto"``'s plan for the step (one sequence over all ``gpus``, FSDP2 over them, the attention ``algorithm``
+    on ``head_parallel_size``): the plan, or the estimate nearest to fitting and the longest length that fits."""
+    shape = model.transformer_shape
+    trainable, targets = all_linear_lora(shape, memory.lora_r)
+    try:
+        return plan_memory(
+            model_shape=shape, seq_len=seq_len, device_memory=memory.gpu_memory, sp=gpus, dp_shard=1,
+            precision=memory.precision, loss_chunk_size=memory.loss_chunk_size, host_memory=memory.host_memory,
+            trainable_params=trainable, lora_targets=targets, attention=algorithm, head_parallel_size=head_parallel_size,
+            owner="seqpar plan"), None
+    except MemoryPlanError as refusal:
+        return refusal.best, refusal.longest_seq_len
+
+
+def all_linear_lora(shape: TransformerShape, r: int) -> tuple[int | None, tuple[str, ...]]:
+    """``plan_memory``'s ``trainable_params`` and ``lora_targets`` for LoRA of rank ``r`` on every linear layer
+    (``target_modules="all-linear"``); (None, ()) for ``r = 0``, full training."""
+    if r == 0:
+        return None, ()
+    config = SimpleNamespace(r=r, target_modules="all-linear")  # the two fields of a peft.LoraConfig the planner reads
+    return lora_trainable_params(shape, config), lora_targets(config)
 
 
 def megatron_cp(model: ModelShape, **kwargs) -> StepPlan:
@@ -524,69 +609,48 @@ def megatron_cp(model: ModelShape, **kwargs) -> StepPlan:
     return plan_step(model, algorithms=("ring",), double_ring=False, **kwargs)
 
 
-def table(models: Sequence[str], seq_lens: Sequence[int], gpus: Sequence[int], *, gpus_per_node: int = 8) -> list[str]:
-    """Markdown rows: auto's pick and its step next to Megatron-style CP, for every feasible combination."""
-    profile = DeviceProfile.h200(gpus_per_node=gpus_per_node)
-    rows = ["| model | S | GPUs | auto picks | step s | MFU | GB/GPU | largest overhead | Megatron-CP step s | MFU |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in models:
-        model = MODELS[name]
+TABLE_HEADER = ("| model | S | GPUs | auto picks | step s | MFU | memory='auto' | GB/GPU | largest overhead | Megatron-CP step s | MFU |",
+                "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table(models: Sequence[str | ModelShape], seq_lens: Sequence[int], gpus: Sequence[int], *, gpus_per_node: int = 8,
+          memory: MemorySetting | None = None, profile: DeviceProfile | None = None) -> list[str]:
+    """Markdown rows: auto's pick and its step next to Megatron-style CP, and what ``memory="auto"`` sets and estimates
+    (or the longest length that fits), for every feasible combination. ``models``: names of :data:`MODELS` or shapes."""
+    profile = profile or DeviceProfile.h200(gpus_per_node=gpus_per_node)
+    memory = memory or MemorySetting()
+    rows = list(TABLE_HEADER)
+    for model in models:
+        model = MODELS[model] if isinstance(model, str) else model
         for s in seq_lens:
             for w in gpus:
                 if s < w:
                     continue
+                budget = (1 - DEFAULT_MARGIN) * memory.gpu_memory / 1e9
                 try:
-                    auto = plan_step(model, seq_len=s, gpus=w, profile=profile)
-                except ValueError:
-                    rows.append(f"| {name} | {_k(s)} | {w} | does not fit |  |  |  |  |  |  |")
+                    auto = plan_step(model, seq_len=s, gpus=w, profile=profile, memory=memory)
+                except ValueError:  # no attention algorithm fits (the cost model's own memory check): what would, for a ring
+                    planned, longest = _plan_step_memory(model, seq_len=s, gpus=w, algorithm="ring", head_parallel_size=1,
+                                                         memory=memory)
+                    gb = planned.total / 1e9 if isinstance(planned, MemoryEstimate) else planned.estimate.total / 1e9
+                    rows.append(f"| {model.name} | {_k(s)} | {w} | no attention fits |  |  | "
+                                f"{_memory_options(planned if isinstance(planned, MemoryPlan) else None, longest)} | "
+                                f"{gb:.0f}{'' if longest is None else f' (> {budget:.0f})'} |  |  |  |")
                     continue
                 try:
-                    ring = megatron_cp(model, seq_len=s, gpus=w, profile=profile)
+                    ring = megatron_cp(model, seq_len=s, gpus=w, profile=profile, memory=memory)
                     ring_cells = f"{ring.step_s:.2f} | {ring.mfu:.2f}"
                 except ValueError:
                     ring_cells = "does not fit | "
-                rows.append(f"| {name} | {_k(s)} | {w} | {auto.plan.label} | {auto.step_s:.2f} | {auto.mfu:.2f} | "
-                            f"{auto.memory_gb:.0f}{'' if auto.fits else ' (> HBM)'} | {auto.dominant} | {ring_cells} |")
+                gb = f"{auto.memory_gb:.0f}" + ("" if auto.fits else f" (> {budget:.0f})")
+                rows.append(f"| {model.name} | {_k(s)} | {w} | {auto.plan.label} | {auto.step_s:.2f} | {auto.mfu:.2f} | "
+                            f"{auto.memory_options} | {gb} | {auto.dominant} | {ring_cells} |")
     return rows
 
 
 def _k(s: int) -> str:
-    return f"{s // 1048576}M" if s % 1048576 == 0 else f"{s // 1024}K"
+    return f"{s // 1048576}M" if s % 1048576 == 0 else f"{s // 1024}K" if s % 1024 == 0 else str(s)
 
 
-def _ints(text: str) -> list[int]:
-    """``"128K,1M,8"`` -> [131072, 1048576, 8]; a ValueError for anything else."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().upper()
-        scale = 1048576 if part.endswith("M") else 1024 if part.endswith("K") else 1
-        digits = part[:-1] if scale > 1 else part
-        if not digits.isdigit() or int(digits) < 1:
-            raise ValueError(f"expected positive integers with an optional K or M suffix, comma-separated (e.g. 128K,1M), got {text!r}")
-        out.append(int(digits) * scale)
-    return out
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="seqpar plan", description="What attention='auto' picks across nodes, and the step around it "
-                                 "(Note [Planning a step across nodes] in lightning_seqpar.planning).")
-    ap.add_argument("--model", default="llama3-8b,llama-70b,llama-33h", help=f"comma-separated, of {sorted(MODELS)}")
-    ap.add_argument("--seq", default="128K,512K,1M,4M", help="sequence lengths, e.g. 128K,1M")
-    ap.add_argument("--gpus", default="8,64,256,1024", help="GPU counts")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    args = ap.parse_args(argv)
-    unknown = [m for m in args.model.split(",") if m not in MODELS]
-    if unknown:
-        ap.error(f"--model: unknown {unknown}; expected some of {sorted(MODELS)}")
-    parsed = {}
-    for flag, text in (("--seq", args.seq), ("--gpus", args.gpus)):
-        try:
-            parsed[flag] = _ints(text)
-        except ValueError as error:
-            ap.error(f"{flag}: {error}")
-    if args.gpus_per_node < 1:
-        ap.error(f"--gpus-per-node: expected a positive integer, got {args.gpus_per_node}")
-    print("\n".join(table(args.model.split(","), parsed["--seq"], parsed["--gpus"], gpus_per_node=args.gpus_per_node)))
-
-
-__all__ = ["MODELS", "ModelShape", "StepPlan", "megatron_cp", "plan_step", "table"]
+__all__ = ["GPU_MEMORY", "MODELS", "TABLE_HEADER", "MemorySetting", "ModelShape", "StepPlan", "all_linear_lora", "megatron_cp",
+           "plan_step", "table"]

@@ -12,7 +12,8 @@ import pytest
 
 from lightning_seqpar import cli
 from lightning_seqpar.attention.cost import DeviceProfile
-from lightning_seqpar.planning import MODELS, PEAK_BF16, ModelShape, megatron_cp, plan_step, table
+from lightning_seqpar.plan_command import parse_gpu_memory, parse_lengths
+from lightning_seqpar.planning import GPU_MEMORY, MODELS, PEAK_BF16, MemorySetting, ModelShape, megatron_cp, plan_step, table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
 
@@ -40,17 +41,30 @@ def test_step_is_the_sum_of_its_terms_and_mfu_follows_from_it(gpus):
     assert p.linear_s == pytest.approx(8 * model.matmul_params * s / gpus / 650e12)
     assert p.mfu == pytest.approx(model.flops_per_token(s) * s / gpus / p.step_s / PEAK_BF16)
     assert 0 < p.mfu < 1
-    assert p.fits == (p.memory_gb * 1e9 <= DeviceProfile.h200().memory_bytes)
+    # the memory planner of memory="auto" on an H200: its options fit 90% of the card, or it names the longest length that does
+    assert p.fits == (p.memory is not None) and (p.longest_seq_len is None) == p.fits
+    assert p.memory_gb * 1e9 <= 0.9 * GPU_MEMORY["H200"] if p.fits else 0 <= p.longest_seq_len < s
     assert re.fullmatch(r"(attn comm|attn per-step|FSDP) \d+%", p.dominant)
 
 
-def test_more_gpus_shorten_the_step_and_the_memory_per_gpu():
+def test_more_gpus_shorten_the_step_and_need_fewer_memory_savings():
     model, s = MODELS["llama-70b"], 4 << 20
     plans = [plan_step(model, seq_len=s, gpus=w) for w in (16, 64, 256, 1024)]
+    assert all(p.fits for p in plans[1:])
     for a, b in zip(plans, plans[1:]):
         assert b.step_s < a.step_s
-        assert b.memory_gb < a.memory_gb
         assert b.linear_s == pytest.approx(a.linear_s / 4)
+        if a.fits:  # memory="auto" sets no more of the options that trade time for memory on more GPUs
+            assert _savings(b) <= _savings(a)
+    assert plans[-1].memory.options.changes() == "defaults" and plans[-1].memory_gb < plans[-2].memory_gb
+
+
+def _savings(p) -> int:
+    from dataclasses import fields
+
+    from lightning_seqpar.memory import MemoryOptions
+
+    return sum(getattr(p.memory.options, f.name) != getattr(MemoryOptions(), f.name) for f in fields(MemoryOptions))
 
 
 def test_auto_is_never_slower_than_megatron_cp_and_megatron_cp_is_one_plain_ring():
@@ -79,11 +93,11 @@ def test_slower_network_makes_the_plan_no_faster():
     assert slow.step_s >= fast.step_s
 
 
-def test_table_skips_fewer_tokens_than_gpus_and_has_ten_columns():
+def test_table_skips_fewer_tokens_than_gpus_and_has_eleven_columns():
     rows = table(["llama3-8b"], [8, 128 << 10], [16, 8])
-    assert rows[0].count("|") == rows[1].count("|") == 11
+    assert rows[0].count("|") == rows[1].count("|") == 12
     assert len(rows) == 2 + 3  # S=8 on 16 GPUs is skipped, S=8 on 8 GPUs and 128K on both are planned
-    assert all(r.count("|") == 11 for r in rows)
+    assert all(r.count("|") == 12 for r in rows)
 
 
 def test_seqpar_plan_cli_prints_the_table(capsys):
@@ -94,10 +108,13 @@ def test_seqpar_plan_cli_prints_the_table(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "gpt-5"], "--model: unknown ['gpt-5']"),
+    (["--model", "gpt-5"], "--model: 'gpt-5' is neither one of the package's models (llama-33h, llama-70b, llama-7b, llama3-8b"),
+    (["--model", "tnl-385m"], "--model: TransNormerConfig is a linear-attention model: its memory is not modelled"),
     (["--seq", "128Q"], "--seq"),
     (["--gpus", "0"], "--gpus"),
     (["--gpus-per-node", "0"], "--gpus-per-node"),
+    (["--gpu-memory", "80TB"], "--gpu-memory: expected a size (80GB, 141GB, 75GiB; a bare number is GB) or a GPU name (H100, H200)"),
+    (["--host-memory", "0"], "--host-memory: expected GB > 0"),
 ])
 def test_seqpar_plan_rejects_bad_arguments_by_name(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -111,9 +128,7 @@ def test_the_table_in_docs_scaling_is_what_the_code_prints():
     command = re.search(r"`seqpar plan (--seq \S+ --gpus \S+)`", text)
     assert command, "docs/scaling.md names the command that made its planning table"
     seq, gpus = command.group(1).split()[1], command.group(1).split()[3]
-    from lightning_seqpar.planning import _ints
-
-    expected = table(["llama3-8b", "llama-70b", "llama-33h"], _ints(seq), _ints(gpus))
+    expected = table(["llama3-8b", "llama-70b", "llama-33h"], parse_lengths(seq), parse_lengths(gpus))
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| model | S | GPUs | auto picks"))
     documented = []
@@ -123,3 +138,39 @@ def test_the_table_in_docs_scaling_is_what_the_code_prints():
         documented.append(line)
     assert documented == expected, "regenerate the planning table in docs/scaling.md with the command above it"
     assert not math.isnan(float(expected[2].split("|")[5]))
+
+
+def test_llama3_8b_at_1m_on_4_h200s_is_planned_as_it_trained():
+    """The measured run (benchmarks/results/20261122-nvidia-h200-x4-1m-train.log, recipes/llama3_8b_1m.yaml: bf16-mixed,
+    loss chunks of 8192, offloaded checkpoints, head_chunks=4, MLP tiles of 32K; 138.2 GB max_memory_allocated): the
+    planner of memory="auto" sets the same kinds of options and its estimate of the allocated peak is within 10%."""
+    p = plan_step(MODELS["llama3-8b"], seq_len=1 << 20, gpus=4, memory=MemorySetting(gpu_memory=GPU_MEMORY["H200"]))
+    assert p.plan.algorithm == "ring" and p.fits
+    options = p.memory.options
+    assert (options.activation_checkpointing, options.offload_checkpoints, options.head_chunks, options.offload_params) == \
+        ("selective++", True, 4, False)
+    assert options.mlp_chunk_size is not None  # tiled (the planner's tile is 8192 tokens, the run's 32768)
+    assert p.memory.estimate.allocated / 1e9 == pytest.approx(138.2, rel=0.10)
+    # before, `seqpar plan` printed "361 (> HBM)" for this run
+    row = table(["llama3-8b"], [1 << 20], [4])[2]
+    assert "| offload_checkpoints, head_chunks=4, mlp_chunk_size=8192 | 133 |" in row
+
+
+def test_seqpar_plan_takes_a_transformers_folder_or_config_and_a_gpu(tmp_path, capsys):
+    """--model: a Hugging Face folder or its config.json (no download); --gpu-memory: a card or a size; a length that does
+    not fit names the longest that does."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "llama-1b"
+    transformers.LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True).save_pretrained(folder)
+    cli.main(["plan", "--model", f"{folder},{folder / 'config.json'}", "--seq", "512K,4M", "--gpus", "1", "--gpu-memory", "h200",
+              "--precision", "bf16-true"])
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert [r.split(" | ")[0] for r in rows[2:]] == ["| llama-1b"] * 4
+    assert rows[2].split(" | ")[6] == "offload_checkpoints"  # the one-H200 run's choice at 512K (docs/benchmarks.md)
+    assert rows[3].split(" | ")[6].startswith("does not fit (longest ") and rows[4:] == rows[2:4]
+    assert parse_gpu_memory("H100") == (GPU_MEMORY["H100"], "H100") and parse_gpu_memory("80GB") == (80e9, "H200")
+    assert parse_gpu_memory("75GiB")[0] == 75 * 2**30 and parse_gpu_memory("141")[0] == 141e9
+    cli.main(["plan", "--model", "llama3-8b", "--seq", "1M", "--gpus", "4", "--gpu-memory", "H100"])
+    (row,) = capsys.readouterr().out.strip().splitlines()[2:]
+    assert row.split(" | ")[6].startswith("activation_checkpointing=full, offload_checkpoints")  # 4 x 85.0 GB: more savings
