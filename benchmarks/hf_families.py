@@ -95,6 +95,13 @@ SHAPES: dict[str, dict] = {
     # Llama-3-8B's shape (benchmarks/hf_finetune.py: 4096 / 32 layers / 32 / 8 heads of 128 / FFN 14336 / vocab
     # 128256, rope_theta 500000, untied head), all 32 layers, LoRA (LORA below) on every linear layer
     "llama3-8b-lora": dict(LLAMA3_8B),
+    # Llama-3.2-1B's shape (2048 / 16 layers / 32 / 8 heads of 64 / FFN 8192 / vocab 128256, tied head, its llama3
+    # rope scaling): a full-rotary model, the first hour of a new user on one GPU (issue #43)
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, attention_dropout=0.0,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
 LORA: dict[str, dict] = {"llama3-8b-lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}}
 """The shapes trained with LoRA (``CausalLMModule(lora=...)``), with their peft.LoraConfig fields."""
@@ -106,6 +113,7 @@ TINY: dict[str, dict] = {
     "qwen3-next": dict(_TINY, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                        num_hidden_layers=4),
     "llama3-8b-lora": dict(_TINY, num_hidden_layers=2),
+    "llama3.2-1b": dict(_TINY, num_hidden_layers=2),
 }
 """--device cpu: what each shape becomes (its layer pattern kept, windows below the smoke test's --seq)."""
 
@@ -255,7 +263,7 @@ def run_ours(args, shape: str, world: int, callbacks: list) -> dict:
     times: list[float] = []
     losses: list[float] = []
     data = [_sample(ids[0], args.docs) for ids in _batches(config.vocab_size, args.seq, args.warmup + args.steps)]
-    strategy = SequenceParallelStrategy(sequence_parallel_size=world, attention=args.algorithm,
+    strategy = SequenceParallelStrategy(sequence_parallel_size=world, attention=args.algorithm, attention_backend=args.attention_backend,
                                         expected_seq_len=args.seq if args.algorithm == "auto" else None,
                                         bf16_adapters=lora is not None, timeout=datetime.timedelta(seconds=args.timeout))
     trainer = _trainer(args, strategy, [_step_timer(args, times, losses), *callbacks], _precision(args, shape), oom_exit=False)
@@ -316,7 +324,8 @@ def _line(row: dict) -> str:
     head = f"[hf_families] {row['shape']} {row['system']} S={row['seq']} GPUs={row['gpus']}"
     if row.get("error"):
         return f"{head}: {row['error']}"
-    return (f"{head} ({row.get('algorithm', row.get('attn'))}): {row['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {row['mfu']:.3f}, "
+    kernel = f", {row['attention_backend']}" if row.get("attention_backend") else ""
+    return (f"{head} ({row.get('algorithm', row.get('attn'))}{kernel}): {row['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {row['mfu']:.3f}, "
             f"step {row['step_time_s']:.2f} s, peak {row['peak_mem_gb']:.1f} GB, losses {[round(x, 3) for x in row['losses']]}")
 
 
@@ -328,6 +337,7 @@ def _base_row(args, shape: str, system: str, world: int, bench: str) -> dict:
                 state_passing=("chain" if os.environ.get("SEQPAR_STATE_CHAIN", "0") == "1" else "parallel") if system == "seqpar" else None,
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 torch=torch.__version__, commit=args.commit, algorithm=args.algorithm if system == "seqpar" else "transformers",
+                attention_backend=args.attention_backend if system == "seqpar" else None,
                 precision=_precision(args, shape) if system == "seqpar" else "autocast-bf16", lora=LORA.get(shape),
                 warmup=args.warmup, steps=args.steps, config=spec,
                 **({"auto": True} if system == "seqpar" and args.algorithm == "auto" else {}), **flops)
@@ -418,6 +428,7 @@ def main() -> None:
                     "ours only): attention masked per document, recurrent states reset at each")
     ap.add_argument("--algorithm", default="auto", help="the strategy's attention= ('auto': the cost model's for --seq)")
     ap.add_argument("--loss-chunk", type=int, default=4096, help="CausalLMModule(loss_chunk_size=)")
+    ap.add_argument("--attention-backend", default="auto", help="the strategy's attention_backend= (auto, cudnn, flash, fa4, ...)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait (process group and strategy)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test with tiny shapes (gloo)")
     ap.add_argument("--out", default=None, help="append the records to this JSON list (merge with benchmarks/collect.py)")

@@ -211,6 +211,8 @@ def apply_attention(
                 "or attention='ring' / 'allgather'"
             )
     agreement = RankAgreement()  # one for the model: its first attention call compares the ranks' inputs
+    # "auto" may take cuDNN only where the model says its gradients are exact with it (Note [Choosing the local kernel])
+    cudnn_exact = bool(getattr(model, "cudnn_attention_exact", False))
     for module in modules:
         module.configure(
             mesh=mesh if sp > 1 else None,
@@ -220,6 +222,7 @@ def apply_attention(
             inner_ring_size=inner_ring_size,
             head_chunks=head_chunks if sp > 1 else 1,
             agreement=agreement,
+            cudnn_exact=cudnn_exact,
         )
     for module in recurrent:  # hybrid models: the recurrent mixers' state chain follows the batch's layout
         module.configure(mesh=mesh if sp > 1 else None, layout=layout)

@@ -42,7 +42,7 @@ from lightning_seqpar.attention.allgather import (
     to_rank_order,
 )
 from lightning_seqpar.attention.varlen import DocSegments, reorder, sample_order
-from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward, default_scale, resolve_backend
+from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward, default_scale, log_auto_backend, resolve_backend
 from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import new_accumulators
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
@@ -714,20 +714,32 @@ class Attention(nn.Module):
         self.backend: str = "auto"
         self.inner_ring_size: int | None = None
         self.head_chunks: int = 1
+        self.cudnn_exact = False
         self.agreement = RankAgreement()
 
     def configure(self, *, mesh: DeviceMesh | None, algorithm: Algorithm = "ring", layout: str = "zigzag",
                   backend: str = "auto", inner_ring_size: int | None = None, head_chunks: int = 1,
-                  agreement: RankAgreement | None = None) -> None:
+                  agreement: RankAgreement | None = None, cudnn_exact: bool = False) -> None:
         """Run sequence-parallel attention over ``mesh`` (None: back to local attention). ``agreement``: shared by
         the modules of one model (``apply_attention``), so that the ranks' inputs are compared on the first call of
-        the first layer only (Note [Inputs that differ across ranks]); None: a new one for this module."""
+        the first layer only (Note [Inputs that differ across ranks]); None: a new one for this module.
+        ``cudnn_exact``: the model's attention gradients are exact with cuDNN, so ``backend="auto"`` may take it
+        (Note [Choosing the local kernel])."""
         if mesh is not None:
             _check_options(self.causal, layout, algorithm)
             _mesh_dims(mesh, algorithm)
         self.mesh, self.algorithm, self.layout, self.backend, self.inner_ring_size = mesh, algorithm, layout, backend, inner_ring_size
         self.head_chunks = head_chunks
+        self.cudnn_exact = bool(cudnn_exact)
         self.agreement = agreement if agreement is not None else RankAgreement()
+
+    def _backend(self, q: Tensor) -> str:
+        """The kernel of this call: ``backend``, or for "auto" the fastest exact one for the model (logged once)."""
+        if self.backend != "auto" or q.device.type != "cuda":
+            return self.backend
+        backend = resolve_backend("auto", q.device, q.dtype, q.shape[-1], cudnn_exact=self.cudnn_exact)
+        log_auto_backend(backend, cudnn_exact=self.cudnn_exact)
+        return backend
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None, *, window: int | None = None,
                 softcap: float | None = None, sinks: Tensor | None = None, chunk_size: int | None = None) -> Tensor:
@@ -736,10 +748,11 @@ class Attention(nn.Module):
         :func:`sequence_parallel_attention`."""
         documents = documents if documents is not None else current_documents()
         variant = dict(window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
+        backend = self._backend(q)
         if self.mesh is None:
-            return local_attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend, documents=documents, **variant)
+            return local_attention(q, k, v, causal=self.causal, scale=self.scale, backend=backend, documents=documents, **variant)
         return sequence_parallel_attention(q, k, v, mesh=self.mesh, algorithm=self.algorithm, causal=self.causal,  # type: ignore[arg-type]
-                                           layout=self.layout, scale=self.scale, backend=self.backend,  # type: ignore[arg-type]
+                                           layout=self.layout, scale=self.scale, backend=backend,  # type: ignore[arg-type]
                                            inner_ring_size=self.inner_ring_size, documents=documents,
                                            head_chunks=self.head_chunks, agreement=self.agreement, **variant)
 

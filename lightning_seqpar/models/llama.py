@@ -302,6 +302,9 @@ class Llama(CausalLM):
     ``lm_head`` let a chunked loss avoid the full (B, S, V) logits.
     """
 
+    cudnn_attention_exact = True
+    """RoPE over the whole head: cuDNN's attention backward is exact for it (Note [Choosing the local kernel])."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

@@ -1,0 +1,63 @@
+"""``attention_backend="auto"`` per model (Note [Choosing the local kernel]): flash-attention 4 when installed, else
+cuDNN for models whose rotary embedding is full (its backward measured exact for them), flash-attention-2 for the
+others; one process, CPU (the GPU's kernel list is stood in for)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_seqpar.attention import local
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """available_backends as on an H100 without / with flash-attention 4."""
+    def set_kernels(fa4: bool):
+        kernels = (("fa4",) if fa4 else ()) + ("flash", "cudnn", "efficient", "math")
+        monkeypatch.setattr(local, "available_backends", lambda *a, **k: kernels)
+    return set_kernels
+
+
+@pytest.mark.parametrize("fa4,cudnn_exact,expected", [(False, True, "cudnn"), (False, False, "flash"),
+                                                       (True, True, "fa4"), (True, False, "fa4")])
+def test_auto_takes_cudnn_only_where_the_model_says_it_is_exact(hopper, fa4, cudnn_exact, expected):
+    hopper(fa4)
+    got = local.resolve_backend("auto", torch.device("cpu"), torch.bfloat16, 128, cudnn_exact=cudnn_exact)
+    assert got == expected
+    assert local.resolve_backend("flash", torch.device("cpu"), torch.bfloat16, 128, cudnn_exact=True) == "flash"  # named: kept
+
+
+def test_the_choice_is_logged_once_with_what_the_extra_gains(caplog):
+    local._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.seqpar"):
+        for _ in range(3):
+            local.log_auto_backend("cudnn", cudnn_exact=True)
+        local.log_auto_backend("fa4", cudnn_exact=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "runs cuDNN" in lines[0] and "lightning-seqpar[gpu]" in lines[0]
+    assert "runs flash-attention 4." in lines[1] and "[gpu]" not in lines[1]
+
+
+def test_models_say_whether_cudnn_is_exact_for_them():
+    from lightning_seqpar.models import Llama, LlamaConfig
+    from lightning_seqpar.parallelize import apply_attention
+
+    model = Llama(LlamaConfig.from_name("tiny"))
+    apply_attention(model, None, attention="ring")
+    assert all(m.cudnn_exact for m in model.modules() if hasattr(m, "cudnn_exact"))
+    pytest.importorskip("transformers")
+    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf import HFCausalLM
+
+    full = {"llama": True, "qwen3": True, "mistral": True, "gemma3_text": True,  # RoPE over the whole head
+            "qwen3_next": False, "bamba": False, "phi": False, "gpt_neox": False,  # partial rotary (and hybrids)
+            "deepseek_v3": False, "llama4_text": False, "gpt2": False}  # latent attention, NoPE layers, learned positions
+    got = {arch: HFCausalLM(hf_support.build_tiny_model(arch)).cudnn_attention_exact for arch in full}
+    assert got == full
+    hf = HFCausalLM(hf_support.build_tiny_model("qwen3_next"))
+    apply_attention(hf, None, attention="ring")
+    assert not any(m.cudnn_exact for m in hf.modules() if hasattr(m, "cudnn_exact"))
