@@ -263,7 +263,11 @@ def run_ours(args, shape: str, world: int, callbacks: list) -> dict:
     times: list[float] = []
     losses: list[float] = []
     data = [_sample(ids[0], args.docs) for ids in _batches(config.vocab_size, args.seq, args.warmup + args.steps)]
-    strategy = SequenceParallelStrategy(sequence_parallel_size=world, attention=args.algorithm, attention_backend=args.attention_backend,
+    extra = {} if args.activation_checkpointing is None else {"activation_checkpointing": None if args.activation_checkpointing == "none"
+                                                                else args.activation_checkpointing}
+    if args.memory is not None:
+        extra["memory"] = args.memory
+    strategy = SequenceParallelStrategy(sequence_parallel_size=world, attention=args.algorithm, attention_backend=args.attention_backend, **extra,
                                         expected_seq_len=args.seq if args.algorithm == "auto" else None,
                                         bf16_adapters=lora is not None, timeout=datetime.timedelta(seconds=args.timeout))
     trainer = _trainer(args, strategy, [_step_timer(args, times, losses), *callbacks], _precision(args, shape), oom_exit=False)
@@ -338,6 +342,8 @@ def _base_row(args, shape: str, system: str, world: int, bench: str) -> dict:
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 torch=torch.__version__, commit=args.commit, algorithm=args.algorithm if system == "seqpar" else "transformers",
                 attention_backend=args.attention_backend if system == "seqpar" else None,
+                strategy_options={k: v for k, v in (("activation_checkpointing", args.activation_checkpointing), ("memory", args.memory))
+                                  if v is not None} if system == "seqpar" else None,
                 precision=_precision(args, shape) if system == "seqpar" else "autocast-bf16", lora=LORA.get(shape),
                 warmup=args.warmup, steps=args.steps, config=spec,
                 **({"auto": True} if system == "seqpar" and args.algorithm == "auto" else {}), **flops)
@@ -429,11 +435,14 @@ def main() -> None:
     ap.add_argument("--algorithm", default="auto", help="the strategy's attention= ('auto': the cost model's for --seq)")
     ap.add_argument("--loss-chunk", type=int, default=4096, help="CausalLMModule(loss_chunk_size=)")
     ap.add_argument("--attention-backend", default="auto", help="the strategy's attention_backend= (auto, cudnn, flash, fa4, ...)")
+    ap.add_argument("--activation-checkpointing", default=None, help="the strategy's activation_checkpointing= ('none': None); default: its default")
+    ap.add_argument("--memory", default=None, help="the strategy's memory= ('auto': the planner); default: its default")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may wait (process group and strategy)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test with tiny shapes (gloo)")
     ap.add_argument("--out", default=None, help="append the records to this JSON list (merge with benchmarks/collect.py)")
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
-    ap.set_defaults(prealloc_optimizer=False, profile=None)  # benchmarks/train.py's _trainer reads them
+    ap.add_argument("--profile", default=None, metavar="DIR", help="profile our first timed step (benchmarks/train.py's profiler)")
+    ap.set_defaults(prealloc_optimizer=False, system="seqpar", tag="", profile_trace=False, model="hf")  # train.py's _trainer reads them
     args = ap.parse_args()
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.systems = [s for s in args.systems.split(",") if s]

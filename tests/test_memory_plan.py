@@ -126,9 +126,15 @@ def test_norm_backward_is_tiled_with_the_mlp():
 
 
 def test_plan_no_offload_at_64k_offload_where_plain_does_not_fit():
+    # no checkpointing at all where every layer's tensors fit (the fastest), Selective Checkpoint++ where they do not
     plan = plan_memory(model_shape=LLAMA_1B, seq_len=64 * K, device_memory=H200, loss_chunk_size=8192)
-    assert plan.options == MemoryOptions()
+    assert plan.options == MemoryOptions(activation_checkpointing=None)
     assert len(plan.tried) == 1
+    plan = plan_memory(model_shape=LLAMA_1B, seq_len=128 * K, device_memory=H200, loss_chunk_size=8192)
+    assert plan.options == MemoryOptions()
+    assert len(plan.tried) == 2
+    assert plan_memory(model_shape=LLAMA_1B, seq_len=64 * K, device_memory=H200, loss_chunk_size=8192,
+                       fixed={"activation_checkpointing": "selective++"}).options == MemoryOptions()  # the user's choice kept
     plain = estimate_memory(model_shape=LLAMA_1B, seq_len=512 * K, loss_chunk_size=8192)
     assert plain.total > 0.9 * H200
     plan = plan_memory(model_shape=LLAMA_1B, seq_len=512 * K, device_memory=H200, loss_chunk_size=8192)
