@@ -346,14 +346,21 @@ def attention_grid(rows: list[dict]) -> str:
 
 def hf_family_table(rows: list[dict]) -> str:
     """benchmarks/hf_families.py: ours and plain transformers on one GPU, the latest run of each (model, S, system, our
-    attention_backend, device); the ratio only against transformers on the same GPU."""
+    settings, device, commit label); the ratio only against transformers of the same call (same machine)."""
+    def settings(r: dict) -> str:  # our non-default strategy settings, as the row names them
+        options = {"attention_backend": r.get("attention_backend"), **(r.get("strategy_options") or {})}
+        return ", ".join(f"{k}={v}" for k, v in options.items() if v is not None)
+
+    # one row per run of a (model, S, system, settings) on a GPU in one benchmark call (its commit label); the
+    # ratio only against plain transformers of the same call: the same machine, warm
     runs = last_by([r for r in rows if r.get("bench") == "hf_family"],
-                   lambda r: (r["model"], r["seq"], r["system"], r.get("attention_backend") or "", r.get("device", "?")))
+                   lambda r: (r["model"], r["seq"], r["system"], settings(r), r.get("device", "?"), r.get("commit", "?")))
     out = []
-    for (model, seq, system, kernel, device), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "seqpar", kv[0][3])):
-        peer = runs.get((model, seq, "transformers", "", device)) if system == "seqpar" else None  # the same GPU only
+    for (model, seq, system, kernel, device, commit), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][4], kv[0][5],
+                                                                                                   kv[0][2] != "seqpar", kv[0][3])):
+        peer = runs.get((model, seq, "transformers", "", device, commit)) if system == "seqpar" else None
         speed = ratio(_num(r, "tokens_per_s"), _num(peer, "tokens_per_s")) if peer and "error" not in peer else "·"
-        name = ("**ours**" + (f" (attention_backend={kernel})" if kernel else "") if system == "seqpar"
+        name = ("**ours**" + (f" ({kernel})" if kernel else "") if system == "seqpar"
                 else f"transformers ({r.get('attn', '?')})")
         out.append([model, seq_k(seq), name, f(_num(r, "tokens_per_s"), ",.0f") if "error" not in r else "out of memory"
                     if "out of memory" in r["error"] else r["error"][:40], f(_num(r, "peak_mem_gb"), ".1f"), speed,
