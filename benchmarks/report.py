@@ -412,7 +412,7 @@ def finetune_table(rows: list[dict]) -> str:
                       and b.get("global_step") == r["resumed_from_step"] and not b.get("error") and not b.get("plan_seq")]
             if before:
                 peak = max([peak] + [_num(b, "peak_mem_gb") for b in before if _num(b, "peak_mem_gb")])
-                tokens += f" ({done} steps; from step {r['resumed_from_step'] + 1}, resumed from a checkpoint in a second device call)"
+                tokens += f" ({done} steps; from step {r['resumed_from_step'] + 1}, resumed from a checkpoint in a second run)"
         per_gb = f(seq / peak, ",.0f") if not error and peak else "-"
         out.append([model.removeprefix("hf-"), seq_k(seq), _FINETUNE_SYSTEMS.get(system, system), tokens,
                     f(peak, ".1f") if not error else f"> {peak:.1f}" if peak else "-",
