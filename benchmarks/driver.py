@@ -7,7 +7,7 @@
     python -m benchmarks tables [--check]                        # here: regenerate docs/benchmarks.md's tables
     python -m benchmarks plot                                    # here: docs/img/*.png
 
-Everything a device call needs that the per-run scripts do not do lives here, once: the environment
+Everything a benchmark run on a GPU machine needs that the per-run scripts do not do lives here, once: the environment
 (NCCL without NVLink multicast, caches on /tmp, PYTHONPATH with the carried wheels), torchrun's start
 (``--standalone``: a free rendezvous port per run), the time budget (every run under ``timeout`` with
 min(its limit, what is left); a run whose limit does not fit is skipped and says so; longest-context
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("suite", choices=sorted(SUITES))
     r.add_argument("--gpus", type=int, required=True, help="GPUs of this machine (selects the suite's runs for it)")
     r.add_argument("--only", default="", help="comma list of run names or fnmatch patterns (e.g. 'llama3-8b-*')")
-    r.add_argument("--budget-s", type=float, default=560, help="seconds for all runs together (a device call allows 600)")
+    r.add_argument("--budget-s", type=float, default=560, help="seconds for all runs together (a run on our GPU machines is limited to 600)")
     r.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"), help="folder of the records and logs (default: $OUT)")
     r.add_argument("--commit", default=None, help="the commit measured (default: $SEQPAR_COMMIT, else git)")
     r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")

@@ -21,7 +21,7 @@ transformers the same model unmodified as a user runs it: bf16 weights (peft's a
 One record per length: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the steps, the last
 step's time and tokens/s. A length that does not fit (the planner's refusal or a CUDA out-of-memory error) is
 recorded with its error and the longer lengths are skipped; lengths not started before --max-minutes are
-recorded as skipped. Steps longer than a device call allows (1M tokens: ~8 minutes each on an H200) run one
+recorded as skipped. Steps longer than a 10-minute run allows (1M tokens: ~8 minutes each on an H200) run one
 call each: ``--ckpt-dir DIR --stop-after 1`` writes DIR/last.ckpt after this call's step and the next call
 resumes from it (the optimizer state included), e.g. twice
 ``python benchmarks/memory_plan.py --seqs 1048576 --ckpt-dir /tmp/ck --stop-after 1 --out ...`` on a warm machine.
@@ -91,7 +91,7 @@ def run(model: str, lora: int, seq: int, steps: int, loss_chunk: int, row: dict,
     """seqpar: train ``steps`` steps at ``seq`` tokens; fills ``row`` (the plan first, so that it is kept when a step fails).
 
     ``ckpt_dir``: resume from ``ckpt_dir/last.ckpt`` when it exists (the optimizer state included) and, with
-    ``stop_after=n``, stop after n steps in this process and write it there: steps too long for one device call
+    ``stop_after=n``, stop after n steps in this process and write it there: steps too long for one 10-minute run
     run one call each (the record says which steps ran here). ``plan_seq``: the planner's expected_seq_len when it
     differs from ``seq`` (a short run with a long run's options: checks those options and the resume quickly).
     ``options``: strategy options given by hand (the planner keeps them and plans the rest); ``snapshot``: record

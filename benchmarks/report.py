@@ -403,10 +403,10 @@ def finetune_table(rows: list[dict]) -> str:
             "defaults" if plan else "")
         tokens = "out of memory" if error and "out of memory" in error else (error[:40] if error else f(_num(r, "tokens_per_s"), ",.0f"))
         done, steps = r.get("global_step"), r.get("steps")
-        if not error and done is not None and steps and done < steps:  # a run split over device calls, not finished
+        if not error and done is not None and steps and done < steps:  # a run split over several 10-minute runs, not finished
             tokens += f" ({done} of {steps} steps)"
         peak = _num(r, "peak_mem_gb")
-        if not error and r.get("resumed_from_step"):  # the later steps of a run split over device calls
+        if not error and r.get("resumed_from_step"):  # the later steps of a run split over several 10-minute runs
             before = [b for b in rows if b.get("bench") == r["bench"] and b.get("commit") == r.get("commit")
                       and (b.get("device"), b["model"], b["seq"], b["system"]) == (device, model, seq, system)
                       and b.get("global_step") == r["resumed_from_step"] and not b.get("error") and not b.get("plan_seq")]

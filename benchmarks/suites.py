@@ -7,7 +7,7 @@ parallel or Megatron-style TP+SP on the same model, S and GPUs). The driver (ben
 turns a run into a command, so how to start torchrun, carry flash-attention 4 and collect records
 lives there, once.
 
-Runs are ordered by priority: a 10-minute device call runs a named slice (``--only``), and a run whose
+Runs are ordered by priority: one 10-minute run on a GPU machine runs a named slice (``--only``), and a run whose
 limit no longer fits in the call's budget is skipped and says so. Every limit here is wall seconds
 measured on 4 x H200 plus a margin (docs/benchmarks-history.md has the sessions they come from).
 """
@@ -322,7 +322,7 @@ def problems(suite: Suite) -> list[str]:
             if r.system is not None and r.system not in SYSTEMS:
                 out.append(f"{where}: unknown system {r.system!r}")
             if not 0 < r.limit_s <= 600:
-                out.append(f"{where}: limit_s {r.limit_s} outside (0, 600] (one device call)")
+                out.append(f"{where}: limit_s {r.limit_s} outside (0, 600] (the 10-minute limit of a run on our GPU machines)")
             if r.kind in ("longest", "max_seq"):
                 if not r.seqs or [s for s, _ in r.seqs] != sorted((s for s, _ in r.seqs), reverse=True):
                     out.append(f"{where}: seqs must be a non-empty descending list of (S, seconds)")
