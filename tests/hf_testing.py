@@ -382,3 +382,33 @@ def build_eager(config, seed: int = 0):
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     return model.train()
+
+
+def each_document_alone(model, input_ids, lengths, *, attn: str = "eager", router_logits: bool = False):
+    """Every packed document ALONE through a fresh copy of the unmodified ``model`` (positions from 0; no state of
+    another document: dynamic NTK caches the longest length it saw), ``lengths`` per sample. Returns (full logits,
+    the copies, to sum their gradients after a backward, the router logits of each document when asked)."""
+    model = copy.deepcopy(model)
+    model.set_attn_implementation(attn)
+    model.train()
+    rows, copies, routers = [], [], []
+    for b, lens in enumerate(lengths):
+        parts = []
+        for part in input_ids[b:b + 1].split(list(lens), dim=1):
+            alone = copy.deepcopy(model)
+            out = alone(input_ids=part, position_ids=torch.arange(part.shape[1], device=part.device)[None], use_cache=False,
+                        **({"output_router_logits": True} if router_logits else {}))
+            parts.append(out.logits)
+            routers.append(out.router_logits if router_logits else None)
+            copies.append(alone)
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows), copies, routers
+
+
+def summed_grads(model, copies) -> dict:
+    """Each parameter's gradient summed over ``copies`` of ``model`` (None where no copy has one)."""
+    out = {}
+    for name, _ in model.named_parameters():
+        got = [g for g in (dict(c.named_parameters())[name].grad for c in copies) if g is not None]
+        out[name] = sum(got[1:], got[0].clone()) if got else None
+    return out

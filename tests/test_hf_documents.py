@@ -17,7 +17,6 @@ embedding caches the longest length it saw).
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dist_utils import run_distributed  # noqa: E402
-from hf_testing import BATCH, SEQ_LEN, VOCAB, save_tiny_model, train_each, train_under_strategy  # noqa: E402
+from hf_testing import BATCH, SEQ_LEN, VOCAB, each_document_alone, save_tiny_model, summed_grads, train_each, train_under_strategy  # noqa: E402
 
 KINDS = ("llama", "qwen2")
 LENGTHS = ((5, 1, 14, 1, 11), (2, 3, 1, 1, 9, 16))  # each sums to SEQ_LEN
@@ -49,27 +48,11 @@ def per_document_reference(path, data: dict[str, torch.Tensor], lengths=LENGTHS)
     """Every document alone through a fresh copy of the unmodified model (a folder or a model): full logits, mean loss
     over the batch's labels, gradients (summed over the copies)."""
     if isinstance(path, str):
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-    else:
-        model = copy.deepcopy(path)
-        model.set_attn_implementation("eager")
-    model.train()
-    rows, copies = [], []
-    for b, lens in enumerate(lengths):
-        start, parts = 0, []
-        for n in lens:
-            alone = copy.deepcopy(model)  # no state of another document (dynamic NTK caches its longest length)
-            ids = data["input_ids"][b : b + 1, start : start + n]
-            parts.append(alone(input_ids=ids, position_ids=torch.arange(n)[None], use_cache=False).logits)
-            copies.append(alone)
-            start += n
-        rows.append(torch.cat(parts, dim=1))
-    logits = torch.cat(rows)
+        path = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    logits, copies, _ = each_document_alone(path, data["input_ids"], lengths)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
     loss.backward()
-    grads = {name: sum(dict(c.named_parameters())[name].grad for c in copies
-                       if dict(c.named_parameters())[name].grad is not None) for name, _ in model.named_parameters()}
-    return logits.detach(), loss.detach(), {name: g.detach().clone() for name, g in grads.items()}
+    return logits.detach(), loss.detach(), summed_grads(path, copies)
 
 
 @pytest.fixture(scope="module")

@@ -136,37 +136,17 @@ def _router_aux_of_documents(model, router_logits: list[tuple[torch.Tensor, ...]
 
 
 def _packed_reference(model, data, attn: str = "eager"):
-    """Every document ALONE through a fresh copy of the unmodified model (eager attention, positions from 0): logits,
-    the mean loss over the batch's labels (plus the router loss over all the documents' tokens), gradients summed over
-    the copies."""
-    model = copy.deepcopy(model)
-    model.set_attn_implementation(attn)
-    model.train()
+    """Every document ALONE through a fresh copy of the unmodified model (positions from 0): logits, the mean loss over
+    the batch's labels (plus the router loss over all the documents' tokens), gradients summed over the copies."""
+    from hf_testing import each_document_alone, summed_grads
+
     aux = bool(getattr(model.config, "output_router_logits", False))
-    rows, copies, routers = [], [], []
-    for b, lengths in enumerate(PACKED_LENGTHS):
-        parts, start = [], 0
-        for n in lengths:
-            alone = copy.deepcopy(model)  # no state of another document (dynamic NTK caches the longest length it saw)
-            out = alone(input_ids=data["input_ids"][b:b + 1, start:start + n], position_ids=torch.arange(n)[None], use_cache=False,
-                        **({"output_router_logits": True} if aux else {}))
-            parts.append(out.logits)
-            if aux:
-                routers.append(out.router_logits)
-            copies.append(alone)
-            start += n
-        rows.append(torch.cat(parts, dim=1))
-    logits = torch.cat(rows)
+    logits, copies, routers = each_document_alone(model, data["input_ids"], PACKED_LENGTHS, attn=attn, router_logits=aux)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), data["labels"].flatten(), ignore_index=-100)
     if aux:
-        loss = loss + _router_aux_of_documents(model, routers)
+        loss = loss + _router_aux_of_documents(copies[0], routers)
     loss.backward()
-    grads = {}
-    for name, _ in model.named_parameters():
-        got = [dict(c.named_parameters())[name].grad for c in copies]
-        got = [g for g in got if g is not None]
-        grads[name] = sum(got[1:], got[0].clone()) if got else None
-    return logits.detach(), loss.detach(), grads
+    return logits.detach(), loss.detach(), summed_grads(model, copies)
 
 
 def _reference(model, data, attn: str = "eager"):
