@@ -1,0 +1,102 @@
+"""Run the peers and ours one after the other on this machine (Note [One measurement for every peer] in common.py).
+
+    python -m benchmarks.peers --runs torchtitan,seqpar:llama3-8b,trl_cp,deepspeed_alst,seqpar:qwen3-8b \
+        --seq 131072 --out $OUT/peers.json [--time-limit 150]
+
+Each run is its own launcher (torchrun / accelerate launch) under a time limit; a run that fails, runs out of
+memory or out of time leaves a record with ``status`` ("oom", "timeout", "error: <last line>") and the tail of its
+log in ``$OUT/<run>-<seq>.log``, never a silent omission. The peers' packages come from ``--site`` (wheels carried
+to the offline GPU machine and installed there with ``pip install --no-index --no-deps --target``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = {"torchtitan": "llama3-8b", "trl_cp": "qwen3-8b", "deepspeed_alst": "qwen3-8b"}
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    root = psutil.Process(pid)
+    for p in [*root.children(recursive=True), root]:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def command(run: str, seq: int, gpus: int, steps: int, out: str, extra: list[str]) -> list[str]:
+    system, _, model = run.partition(":")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus)]
+    common = ["--seq", str(seq), "--steps", str(steps), "--out", out, *extra]
+    if system == "torchtitan":
+        return [*torchrun, f"{HERE}/torchtitan_llama.py", *common]
+    if system in ("trl_cp", "deepspeed_alst"):
+        cfg = "accelerate_cp.yaml" if system == "trl_cp" else "accelerate_alst.yaml"
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"{HERE}/{cfg}", "--num_processes",
+                str(gpus), f"{HERE}/trl_sft.py", "--system", system, *common]
+    if system == "seqpar":
+        return [*torchrun, f"{HERE}/ours.py", "--model", model or "llama3-8b", *common]
+    raise SystemExit(f"--runs: unknown system {system!r} (torchtitan, trl_cp, deepspeed_alst, seqpar:MODEL)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", required=True, help="comma-separated: torchtitan, trl_cp, deepspeed_alst, seqpar:llama3-8b, "
+                   "seqpar:qwen3-8b; a run may carry its own flags after '+', e.g. 'trl_cp+--offload'")
+    p.add_argument("--seq", type=int, default=131072)
+    p.add_argument("--gpus", type=int, default=None)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--time-limit", type=int, default=300, help="seconds per run")
+    p.add_argument("--site", default="/tmp/site")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "peers.json"))
+    args = p.parse_args()
+    import torch
+
+    gpus = args.gpus or torch.cuda.device_count()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([args.site, os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+               SEQPAR_COMMIT=os.environ.get("SEQPAR_COMMIT", "unknown"), TOKENIZERS_PARALLELISM="false")
+    logs = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(logs, exist_ok=True)
+    for run in args.runs.split(","):
+        name, *flags = run.split("+")
+        cmd = command(name, args.seq, gpus, args.steps, args.out, flags)
+        log = os.path.join(logs, f"{name.replace(':', '-')}-{args.seq}.log")
+        print(f"[peers] {name} S={args.seq}: {' '.join(cmd)}", flush=True)
+        before = len(json.load(open(args.out))) if os.path.exists(args.out) else 0
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=args.time_limit)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+                _kill_tree(proc.pid)  # the launcher and every rank it started (torchrun puts ranks in their own sessions)
+                proc.wait()
+        text = open(log, errors="replace").read()
+        after = len(json.load(open(args.out))) if os.path.exists(args.out) else 0
+        if after > before:
+            continue
+        tail = [line for line in text.splitlines() if line.strip()][-40:]
+        status = ("timeout" if rc == "timeout" else "oom" if "OutOfMemoryError" in text or "CUDA out of memory" in text
+                  else "error: " + next((line for line in reversed(tail) if "Error" in line), tail[-1] if tail else "?")[:300])
+        rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+        system, _, model = name.partition(":")
+        rows.append(dict(bench="peers", system=system, model=model or MODEL.get(system, "llama3-8b"), seq=args.seq, gpus=gpus,
+                         gpu=("H200" if "H200" in torch.cuda.get_device_name() else "H100") if torch.cuda.is_available() else "cpu",
+                         commit=env["SEQPAR_COMMIT"], status=status, flags=flags, time_limit_s=args.time_limit,
+                         log_tail=tail[-15:]))
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"[peers] {name} S={args.seq}: {status}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""What every peer run shares: the two model shapes, one FLOP formula, the step clock and the record.
+
+Note [One measurement for every peer]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each system runs in its own processes (its own launcher: torchrun, accelerate launch, Lightning), one after the
+other on the same machine, batch 1 sequence of ``seq`` tokens split over all GPUs, random init, random tokens.
+The clock is the same for all: a CUDA-synchronised wall clock around each optimizer step, read through the peer's
+own per-step hook (torchtitan's ``Trainer.train_step``, transformers' ``TrainerCallback.on_step_begin/end``,
+Lightning's ``on_train_batch_start/end``); ``warmup`` steps are dropped (compilation, allocator growth) and the
+median of the rest is the step time. tokens/s/GPU = seq / step / GPUs. MFU = tokens/s/GPU x flops_per_token /
+989e12 (H100 / H200 SXM dense bf16, datasheet) with flops_per_token = 6 x N (every parameter but the input
+embedding) + 6 x L x S x (heads x head_dim) (causal attention, forward + backward) -- the formula of
+``benchmarks/train.py``, for every row. Peak memory: ``torch.cuda.max_memory_allocated`` since the first timed
+step, the max over ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+PEAK_BF16 = 989e12
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A dense decoder's shape (the published configs' numbers)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    rope_theta: float
+
+    def params(self) -> float:
+        """Every parameter but the input embedding (the head and the norms included)."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return self.layers * (attn + 3 * self.hidden * self.ffn + 2 * self.hidden) + self.vocab * self.hidden + self.hidden
+
+    def flops_per_token(self, seq: int) -> float:
+        return 6 * self.params() + 6 * self.layers * seq * self.heads * self.head_dim
+
+
+SHAPES = {
+    # Llama-3-8B (torchtitan's llama3 "8B" flavor; the package's "llama3-8b")
+    "llama3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256, rope_theta=500000.0),
+    # Qwen3-8B (its config.json)
+    "qwen3-8b": Shape(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=12288, vocab=151936, rope_theta=1000000.0),
+}
+
+
+def qwen3_config(seq: int):
+    """The Qwen3-8B-shaped transformers config (random init), max_position_embeddings at least ``seq``."""
+    from transformers import Qwen3Config
+
+    s = SHAPES["qwen3-8b"]
+    return Qwen3Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.ffn, num_hidden_layers=s.layers,
+                       num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                       max_position_embeddings=max(40960, seq), rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, torch_dtype="bfloat16")
+
+
+class StepClock:
+    """CUDA-synchronised step times and the peak memory since the first timed step (Note [One measurement ...])."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.times, self._t0 = warmup, [], None
+
+    def begin(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            if len(self.times) == self.warmup:
+                torch.cuda.reset_peak_memory_stats()
+        self._t0 = time.perf_counter()
+
+    def end(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self._t0)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[peers] step {len(self.times)}: {self.times[-1]:.3f} s", flush=True)
+
+    def peak_gb(self) -> float:
+        """max_memory_allocated over every rank (collective: every rank calls it)."""
+        peak = torch.tensor(float(torch.cuda.max_memory_allocated()) / 1e9 if torch.cuda.is_available() else 0.0)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            peak = peak.to("cuda" if torch.cuda.is_available() else "cpu")
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        return float(peak)
+
+
+def gpu_kind() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return "H200" if "H200" in name else "H100" if "H100" in name else name
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("SEQPAR_COMMIT", "unknown")
+
+
+def write_record(out: str, *, system: str, model: str, seq: int, clock: StepClock, peak_gb: float, settings: dict,
+                 changes: list[str], version: str, losses: list[float] | None = None, status: str = "ok") -> dict:
+    """Rank 0 appends the run's record to ``out`` (a JSON list); every rank returns it."""
+    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    timed = clock.times[clock.warmup:]
+    step = statistics.median(timed) if timed else None
+    tps = seq / step / gpus if step else None
+    row = dict(bench="peers", system=system, model=model, seq=seq, gpus=gpus, gpu=gpu_kind(),
+               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", commit=commit(),
+               version=version, status=status, warmup=clock.warmup, steps=len(timed), step_times_s=clock.times,
+               step_time_s=step, tokens_per_s_per_gpu=tps,
+               mfu=tps * SHAPES[model].flops_per_token(seq) / PEAK_BF16 if tps else None,
+               flops_per_token=SHAPES[model].flops_per_token(seq), peak_mem_gb=peak_gb, losses=losses or [],
+               settings=settings, changes=changes, torch=torch.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), shape=asdict(SHAPES[model]))
+    if int(os.environ.get("RANK", "0")) == 0:
+        rows = json.load(open(out)) if os.path.exists(out) else []
+        rows.append(row)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"[peers] {system} {model} S={seq}: {step} s/step, {tps} tokens/s/GPU, peak {peak_gb:.1f} GB", flush=True)
+    return row

@@ -1,0 +1,101 @@
+"""Ours, as a user gets it: ``lightning.Trainer(strategy=SequenceParallelStrategy(sequence_parallel_size=GPUs,
+memory="auto"))`` with ``CausalLMModule`` -- the package's Llama (``model="llama3-8b"``, against torchtitan) or the
+Qwen3-8B-shaped transformers model from its config (``model={"model_type": "qwen3", ...}``, against TRL / ALST).
+
+    torchrun --nproc_per_node 4 benchmarks/peers/ours.py --model llama3-8b --seq 131072 --out $OUT/peers.json
+    torchrun --nproc_per_node 4 benchmarks/peers/ours.py --model qwen3-8b --seq 131072 --out $OUT/peers.json
+
+Every strategy option is its default (attention="auto", attention_backend="auto", memory="auto" for the
+datamodule's seq_len) unless --option NAME=VALUE says otherwise (recorded). Precision: "bf16-mixed" for the
+Llama (fp32 master weights with bf16 compute, as torchtitan's FSDP2 mixed precision) and "bf16-true" for the
+Qwen3 model (bf16 weights, as the peers' bf16 transformers model), both changeable with --precision. Data:
+the copy task with every token labelled (``LongRangeDataModule(supervise="all")``); ``--documents N`` packs N
+documents per row (``PackedDocumentsDataModule``-style ``document_ids``). Note [One measurement for every peer].
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import SHAPES, StepClock, qwen3_config, write_record  # noqa: E402
+
+
+def _value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=sorted(SHAPES), required=True)
+    p.add_argument("--seq", type=int, default=131072)
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps, warm-up included")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--precision", default=None)
+    p.add_argument("--option", action="append", default=[], help="a strategy option NAME=VALUE (Python literal)")
+    p.add_argument("--documents", type=int, default=0, help="pack this many equal documents per row (document_ids)")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU (smoke run)")
+    p.add_argument("--out", default="peers.json")
+    args = p.parse_args()
+
+    import lightning as L
+
+    import lightning_seqpar
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+    from lightning_seqpar.data import LongRangeDataModule
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    options = dict(o.split("=", 1) for o in args.option)
+    options = {k: _value(v) for k, v in options.items()}
+    strategy_kwargs = dict(sequence_parallel_size=world, memory="auto") | options
+    if args.model == "llama3-8b":
+        model = "tiny" if args.tiny else "llama3-8b"
+        precision = args.precision or ("bf16-mixed" if cuda else "32-true")
+    else:
+        cfg = qwen3_config(args.seq).to_dict()
+        if args.tiny:
+            cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=512, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16)
+        keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                "rope_parameters")
+        model = {"model_type": "qwen3", **{k: cfg[k] for k in keep}}
+        precision = args.precision or ("bf16-true" if cuda else "32-true")
+    module = CausalLMModule(model=model, lr=3e-4, warmup_steps=2, weight_decay=0.0)
+    data = LongRangeDataModule(vocab_size=64 if args.tiny else 32000, seq_len=args.seq, batch_size=1,
+                               num_samples=args.steps * 2, val_samples=0, seed=0, supervise="all")
+    clock, losses = StepClock(args.warmup), []
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, *a, **k):
+            clock.begin()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, *a, **k):
+            clock.end()
+            losses.append(float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs))
+
+    strategy = SequenceParallelStrategy(**strategy_kwargs)
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                        strategy=strategy, precision=precision, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
+    trainer.fit(module, datamodule=data)
+    plan = strategy.memory_plan
+    settings = dict(strategy_kwargs, precision=precision, attention=strategy.attention,
+                    memory_plan=None if plan is None else str(plan), data="copy task, every token labelled")
+    changes = [] if not options else [f"options set: {sorted(options)}"]
+    write_record(args.out, system="seqpar", model=args.model, seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
+                 settings=settings, changes=changes, version=f"lightning_seqpar {lightning_seqpar.__version__}", losses=losses)
+
+
+if __name__ == "__main__":
+    main()
