@@ -1,16 +1,17 @@
-"""torchtitan's own trainer and its published Llama-3-8B config, with context parallel over every GPU.
+"""torchtitan's own trainer with its published Llama-3-8B preset, context parallel over every GPU.
 
     torchrun --nproc_per_node 4 benchmarks/peers/torchtitan_llama.py --seq 131072 --steps 5 --out $OUT/peers.json
 
-The config is ``torchtitan.models.llama3.config_registry.llama3_8b()`` as released (0.3.0: FlexAttention, selective
-activation checkpointing, chunked cross entropy in 8 chunks, FSDP2 with bf16 parameters and fp32 reductions, AdamW
-lr 3e-4, no compile), run through ``torchtitan.trainer.Trainer`` and its ``train()`` loop. Changed, each for the
-comparison only (listed in every record): ``context_parallel_degree`` = GPUs (FSDP over the same GPUs, torchtitan's
-default dp_shard = -1), ``training.seq_len`` = --seq, ``training.steps``; random tokens from an in-memory
-dataloader instead of c4 and a stub tokenizer instead of Llama-3.1-8B's files (nothing can be downloaded; the
-model's vocabulary is unchanged); random init (no checkpoint); checkpointing, validation, the profiler and
-TensorBoard off; RoPE's max_seq_len raised to --seq above 131072; ``--compile`` turns on its published compile
-option (``compile.enable``) for the compiled variant. Note [One measurement for every peer] in common.py.
+torchtitan 0.2.2, the release that runs on torch 2.11 (0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims``,
+which torch 2.11 lacks: seen on the GPU image). Its ``torchtitan.train.Trainer`` and ``train()`` loop run the preset
+``torchtitan_llama3_8b.toml`` (v0.2.2's ``llama3_8b.toml`` as published: SDPA attention, op-level selective activation
+checkpointing, no compile, FSDP2 with bf16 parameters and fp32 reductions, AdamW lr 3e-4), changed for the
+comparison only (each change is listed in the record): ``context_parallel_degree`` = GPUs (torch's context parallel;
+FSDP over the same GPUs, the preset's dp_shard = -1), ``training.seq_len`` = --seq (RoPE follows, torchtitan's
+``update_from_config``), ``training.steps``, ``lr_scheduler.warmup_steps`` = 1, ``metrics.log_freq`` = 1, profiling
+and TensorBoard off; random tokens from an in-memory dataloader instead of c4 and a stub tokenizer instead of
+Llama-3.1-8B's files (nothing can be downloaded; the vocabulary is unchanged); random init. ``--compile`` sets the
+preset's ``compile.enable``. Note [One measurement for every peer] in common.py.
 """
 
 from __future__ import annotations
@@ -19,58 +20,79 @@ import argparse
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass
+import tempfile
+import tomllib
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import StepClock, write_record  # noqa: E402
 
+PRESET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchtitan_llama3_8b.toml")
 
-def _walk_set(obj, cls_name: str, field: str, value, seen=None) -> int:
-    """Set ``field`` on every dataclass of type ``cls_name`` inside ``obj``; the count set."""
-    seen = seen if seen is not None else set()
-    if id(obj) in seen:
-        return 0
-    seen.add(id(obj))
-    n = 0
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        if type(obj).__qualname__.endswith(cls_name) and getattr(obj, field) < value:
-            object.__setattr__(obj, field, value)
-            n += 1
-        for f in dataclasses.fields(obj):
-            n += _walk_set(getattr(obj, f.name), cls_name, field, value, seen)
-    elif isinstance(obj, (list, tuple)):
-        n += sum(_walk_set(x, cls_name, field, value, seen) for x in obj)
-    return n
+
+def _toml(d: dict, prefix: str = "") -> str:
+    """A flat TOML writer for the preset's tables of scalars and lists."""
+    lines = []
+    for table, fields in d.items():
+        lines.append(f"[{table}]")
+        for k, v in fields.items():
+            lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v).replace(chr(39), chr(34))}")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=131072)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps, warm-up included")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--flavor", default="8B", help="debugmodel for a CPU smoke run")
+    p.add_argument("--flavor", default="8B", help="debugmodel for a smoke run")
     p.add_argument("--out", default="peers.json")
     args = p.parse_args()
 
     import torchtitan
+    import torchtitan.train as tt_train
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.tokenizer import BaseTokenizer
-    from torchtitan.models.llama3 import config_registry
-    from torchtitan.trainer import Trainer
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols import train_spec as train_spec_module
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    preset = tomllib.load(open(PRESET, "rb"))
+    changes = {("parallelism", "context_parallel_degree"): world, ("training", "seq_len"): args.seq,
+               ("training", "steps"): args.steps, ("lr_scheduler", "warmup_steps"): 1, ("metrics", "log_freq"): 1,
+               ("metrics", "enable_tensorboard"): False, ("profiling", "enable_profiling"): False,
+               ("job", "dump_folder"): os.environ.get("OUT", "/tmp") + "/torchtitan"}
+    if args.flavor != "8B":
+        changes[("model", "flavor")] = args.flavor
+    if args.compile:
+        changes[("compile", "enable")] = True
+    for (table, key), value in changes.items():
+        preset[table][key] = value
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(_toml(preset))
+
+    class StubTokenizer(BaseTokenizer):
+        def __init__(self, vocab: int):
+            super().__init__()
+            self.vocab, self.eos_id, self.bos_id = vocab, 1, 0
+
+        def encode(self, *a, **k):
+            return []
+
+        def decode(self, *a, **k):
+            return ""
+
+        def get_vocab_size(self):
+            return self.vocab
 
     class RandomTokens(BaseDataLoader):
-        """Random token rows of seq_len + 1 (input, shifted labels): the dataloader contract of torchtitan."""
+        """Random rows of seq_len + 1 tokens as (input, shifted labels): torchtitan's dataloader contract."""
 
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            vocab_size: int = 128256
-
-        def __init__(self, config, *, dp_world_size, dp_rank, tokenizer, seq_len, local_batch_size, **_):
-            self.vocab, self.seq_len, self.batch = config.vocab_size, seq_len, local_batch_size
-            self.gen = torch.Generator().manual_seed(dp_rank)
+        def __init__(self, vocab: int, seq_len: int, batch: int, rank: int):
+            self.vocab, self.seq_len, self.batch = vocab, seq_len, batch
+            self.gen = torch.Generator().manual_seed(rank)
 
         def __iter__(self):
             while True:
@@ -83,67 +105,37 @@ def main() -> None:
         def load_state_dict(self, state_dict):
             pass
 
-    class StubTokenizer(BaseTokenizer):
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseTokenizer.Config):
-            vocab_size: int = 128256
+    original_get = train_spec_module.get_train_spec
 
-        def __init__(self, config, *, tokenizer_path=None, **_):
-            super().__init__()
-            self.vocab_size, self.eos_id, self.bos_id = config.vocab_size, 1, 0
+    def get_train_spec(name):
+        spec = original_get(name)
+        vocab = spec.model_args[args.flavor].vocab_size
+        return dataclasses.replace(
+            spec, build_tokenizer_fn=lambda job_config: StubTokenizer(vocab),
+            build_dataloader_fn=lambda *, dp_world_size, dp_rank, tokenizer, job_config, **_: RandomTokens(
+                vocab, job_config.training.seq_len, job_config.training.local_batch_size, dp_rank))
 
-        def encode(self, *a, **k):
-            return []
-
-        def decode(self, *a, **k):
-            return ""
-
-        def get_vocab_size(self):
-            return self.vocab_size
-
-    config = config_registry.llama3_8b() if args.flavor == "8B" else config_registry.llama3_debugmodel()
-    vocab = config.model_spec.model.vocab_size
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    config.training.seq_len = args.seq
-    config.training.steps = args.steps
-    config.parallelism.context_parallel_degree = world
-    config.dataloader = RandomTokens.Config(vocab_size=vocab)
-    config.tokenizer = StubTokenizer.Config(vocab_size=vocab)
-    config.checkpoint.enable = False
-    config.validator.enable = False
-    config.profiler.enable_profiling = False
-    config.metrics.enable_tensorboard = False
-    config.metrics.log_freq = 1
-    config.dump_folder = os.environ.get("OUT", "/tmp") + "/torchtitan"
-    if args.compile:
-        config.compile.enable = True
-    raised = _walk_set(config.model_spec.model, "RoPE.Config", "max_seq_len", args.seq)
-    if not torch.cuda.is_available():
-        config.comm.init_timeout_seconds = 60
-        config.training.mixed_precision_param = "float32"
-
+    train_spec_module.get_train_spec = get_train_spec
     clock = StepClock(args.warmup)
-    original = Trainer.train_step
+    original_step = tt_train.Trainer.train_step
 
-    def timed(self, data_iterator):
+    def timed(self, *a, **k):
         clock.begin()
-        out = original(self, data_iterator)
+        out = original_step(self, *a, **k)
         clock.end()
         return out
 
-    Trainer.train_step = timed
-    trainer = config.build()
+    tt_train.Trainer.train_step = timed
+    config = ConfigManager().parse_args(["--job.config_file", f.name])
+    tt_train.init_logger()
+    trainer = tt_train.Trainer(config)
     trainer.train()
-    changes = [f"context_parallel_degree={world} (FSDP over the same GPUs)", f"training.seq_len={args.seq}",
-               f"training.steps={args.steps}", "random tokens, stub tokenizer (no download), random init",
-               "checkpoint / validation / profiler / tensorboard off"]
-    if raised:
-        changes.append(f"RoPE max_seq_len raised to {args.seq}")
-    settings = dict(attn_backend="flex (published default)", activation_checkpoint=type(config.activation_checkpoint).__qualname__,
-                    compile=config.compile.enable, loss=type(config.loss).__qualname__, dtype=config.training.dtype,
-                    mixed_precision_param=config.training.mixed_precision_param)
+    listed = [f"{t}.{k}={v}" for (t, k), v in changes.items() if k != "dump_folder"]
+    listed += ["random tokens and a stub tokenizer instead of c4 / Llama-3.1-8B's files (no download); random init"]
+    settings = dict(preset=os.path.basename(PRESET), attention="sdpa (preset)", activation_checkpoint=preset["activation_checkpoint"],
+                    compile=preset["compile"]["enable"], fsdp_mixed_precision="bf16 params, fp32 reduce (torchtitan default)")
     write_record(args.out, system="torchtitan", model="llama3-8b", seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
-                 settings=settings, changes=changes, version=f"torchtitan {torchtitan.__version__}")
+                 settings=settings, changes=listed, version=f"torchtitan {torchtitan.__version__}")
     trainer.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
