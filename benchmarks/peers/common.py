@@ -75,18 +75,32 @@ class StepClock:
 
     def __init__(self, warmup: int) -> None:
         self.warmup, self.times, self._t0 = warmup, [], None
+        # PEERS_PROFILE_STEP=k: rank 0 profiles step k (1-based) and writes its kernels by GPU time to
+        # $OUT/profile-<system>.txt (PEERS_PROFILE_NAME names the file)
+        self._profile_step = int(os.environ.get("PEERS_PROFILE_STEP", "0"))
+        self._prof = None
 
     def begin(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             if len(self.times) == self.warmup:
                 torch.cuda.reset_peak_memory_stats()
+        if len(self.times) + 1 == self._profile_step and int(os.environ.get("RANK", "0")) == 0:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            self._prof.__enter__()
         self._t0 = time.perf_counter()
 
     def end(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t0)
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            name = os.environ.get("PEERS_PROFILE_NAME", "run")
+            table = self._prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+            with open(os.path.join(os.environ.get("OUT", "."), f"profile-{name}.txt"), "w") as f:
+                f.write(f"step {len(self.times)}: {self.times[-1]:.3f} s\n{table}")
+            self._prof = None
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[peers] step {len(self.times)}: {self.times[-1]:.3f} s", flush=True)
 
