@@ -53,6 +53,7 @@ import os
 import random
 import shutil
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ from torch import nn
 __all__ = [
     "check_files",
     "check_loadable",
+    "full_optimizer_state",
     "gather_rng_states",
     "get_rng_state",
     "load_full_checkpoint",
@@ -72,6 +74,7 @@ __all__ = [
     "replace",
     "rng_state_of_rank",
     "set_rng_state",
+    "write_complete",
 ]
 
 # --------------------------------------------------------------------------------------------- files
@@ -106,6 +109,23 @@ def replace(source: Path, target: Path) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
     else:
         os.replace(source, target)
+
+
+def write_complete(path: Path, write: Callable[[Path], None], *, barrier: Callable[[str], None], rank_zero: bool,
+                   every_rank_writes: bool) -> None:
+    """Write a checkpoint on every rank (collective) so that ``path`` appears only once it is complete (Note [Complete
+    checkpoints only]): ``write(partial_path(path))``, then rank 0 moves it into place, between barriers (one more
+    before the move when every rank writes its shards)."""
+    partial = partial_path(path)
+    if rank_zero:
+        remove(partial)
+    barrier("seqpar_save_checkpoint_start")
+    write(partial)
+    if every_rank_writes:
+        barrier("seqpar_save_checkpoint_written")
+    if rank_zero:
+        replace(partial, path)
+    barrier("seqpar_save_checkpoint_renamed")
 
 
 def check_loadable(path: Path, *, owner: str) -> None:
@@ -182,6 +202,15 @@ def _torch_save_problems(path: Path) -> str:
     except (zipfile.BadZipFile, OSError) as error:
         return f"is a zip archive without its end ({error}: truncated, {path.stat().st_size} bytes)"
     return "" if end <= path.stat().st_size else f"has {path.stat().st_size} bytes, its zip directory records {end} (truncated)"
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The full (unsharded) state of ``optimizer`` over the sharded ``model``, on the CPU: what a one-file checkpoint
+    holds (Note [Checkpoint formats])."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_full_checkpoint(path: Path, model: nn.Module, optimizers: list[Any], *, strict: bool, fitting: bool,

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["SILENCE_WAIT", "explain_collective_failure", "silent_ranks"]
+__all__ = ["SILENCE_WAIT", "explain_collective_failure", "explaining_collective_failures", "silent_ranks"]
 
 _TIMEOUT_PATTERN = re.compile(r"timed? ?out|watchdog", re.IGNORECASE)
 _PEER_LOST_PATTERN = re.compile(
@@ -61,6 +63,20 @@ def explain_collective_failure(error: BaseException, *, owner: str, rank: int, w
         f"{where}: a rank died (killed, out of memory, a crash) or its host went away.{silent} The run cannot "
         f"continue; resume from the last complete checkpoint (fit(ckpt_path='last')). ({error})"
     )
+
+
+@contextmanager
+def explaining_collective_failures(*, owner: str, rank: int, where: str, timeout: timedelta | None,
+                                   step: Callable[[], int]) -> Iterator[None]:
+    """Run the block; a collective's timeout or lost peer in it is re-raised as :func:`explain_collective_failure`'s
+    error (``step()``: the training step, read when it fails), any other error as it is."""
+    try:
+        yield
+    except RuntimeError as error:  # torch.distributed.DistBackendError is a RuntimeError
+        explained = explain_collective_failure(error, owner=owner, rank=rank, where=where, timeout=timeout, step=step())
+        if explained is None:
+            raise
+        raise explained from error
 
 
 def silent_ranks(*, timeout: timedelta | None, step: int) -> str:

@@ -35,6 +35,7 @@ from lightning_seqpar.sharding import LAYOUTS
 __all__ = [
     "ActivationCheckpointingChoice",
     "AttentionChoice",
+    "ConfigOptions",
     "StrategyConfig",
     "check_lasp_variant",
     "check_offload_checkpoints",
@@ -104,15 +105,111 @@ def check_lasp_variant(value: Any, *, owner: str | None = None) -> None:
 
 # --------------------------------------------------------------------------------------------- the config
 
+OPTIONS_DOC = """\
+    Args:
+        sequence_parallel_size: ranks that share one sequence (sp). ``"auto"``: all devices of a
+            node. Must divide the world size (devices x num_nodes).
+        head_parallel_size: hp, the head-parallel part of sp (1 = pure context parallel).
+            ``attention="2d"`` needs hp > 1 (LoongTrain 2D attention: Ulysses over hp x ring
+            over cp = sp / hp). "ring" and "allgather" need hp = 1; "ulysses" splits heads over
+            all sp ranks and needs hp = 1. ``"auto"`` (with ``attention="auto"``): chosen with the
+            algorithm by the cost model (Note [Choosing attention automatically]).
+        attention: "ring" (LightSeq DistAttn), "allgather" (LSS), "ulysses" (head all-to-all),
+            "2d" (LoongTrain), "lasp" (linear attention: KV-state passing, LASP; needs hp = 1 and
+            the contiguous layout) or "auto": "lasp" when the model's blocks call
+            ``LinearAttention``; else, with ``expected_seq_len``, the algorithm the cost model
+            (``lightning_seqpar.attention.cost.choose_attention``) estimates fastest for the
+            model's heads on the given head_parallel_size; without it "2d" when
+            head_parallel_size > 1, else "ring". Decided in setup; ``attention_plan`` keeps the estimate.
+        expected_seq_len: the global sequence length of the training batches, for
+            ``attention="auto"`` and ``memory="auto"`` (the batches are not known when the model is parallelized).
+        load_balance: how the sequence is split: True / "zigzag" (balanced causal work, LightSeq
+            §3.2), False / "contiguous", or "auto" (contiguous for LASP, zigzag otherwise).
+        lasp_variant: LASP's state exchange: "p2p" (rank to rank, LASP Alg. 2-3) or "allgather"
+            (one all-gather of the local states).
+        inner_ring_size: LoongTrain's double ring (§4.3) for attention "ring" / "2d": the cp ranks
+            form rings of this many consecutive ranks (set it to the GPUs of one node, so that
+            only the outer hops cross nodes); must divide the context-parallel size and, on several
+            nodes, fit inside one. None: one ring, or with ``attention="auto"`` on several nodes the
+            cost model's choice.
+        placement: which group of the 2D grid gets the GPUs of one node (LoongTrain §4.4, Note
+            [Node-aware placement] in ``lightning_seqpar.mesh``): "context-first" (the cp ring),
+            "head-first" (the hp all-to-all) or "auto": the cost model's choice with
+            ``attention="auto"`` and ``expected_seq_len``, else "context-first". The node size
+            is the devices per node (``Trainer(devices=...)``, torchrun's LOCAL_WORLD_SIZE).
+        head_chunks: attention "ring" / "allgather" runs over this many groups of K/V heads one
+            after another: the same result with 1/head_chunks of the attention's working memory
+            (Note [Head chunks] in ``lightning_seqpar.attention.api``); must divide the K/V heads.
+        attention_backend: the local attention kernel: "auto" (flash-attn 4 when installed on
+            Hopper / Blackwell, else torch's flash-attention-2; the pure-torch kernel on CPU), "fa4", "cudnn",
+            "flash", "efficient" or "math" (Note [Choosing the local kernel]).
+        data_parallel_replicate_size: HSDP replicas; the data-parallel ranks inside a replica
+            (dp_shard) are what remains: world / (sp x replicas).
+        activation_checkpointing: "selective++" (save attention outputs, recompute the rest of
+            each block), "full" (recompute whole blocks) or None.
+        uncheckpointed_blocks: leave the last this many blocks without checkpointing: they keep
+            every activation (more memory) and skip the recompute (faster backward).
+        offload_checkpoints: keep the inputs that checkpointed blocks save in pinned host memory
+            (copied on a side stream in forward, back in backward): for the longest contexts,
+            where the saved inputs are what does not fit (Note [Offloading checkpoints to host
+            memory] in ``lightning_seqpar.activation_checkpointing``). Needs activation_checkpointing. An int
+            n: only the first n checkpointed blocks offload (the others keep their inputs on the device), for
+            where the host's memory, not the device's, binds.
+        offload_params: keep the sharded parameters, their gradients and the optimizer state in
+            host memory (FSDP2's ``CPUOffloadPolicy``, ZeRO-Offload style): each block's shard is
+            copied to the GPU for its all-gather, gradients come back after the reduce-scatter
+            and the optimizer step runs on the CPU. Frees 16 bytes per parameter / (dp_shard x sp)
+            of GPU memory (llama-7b on 4 GPUs: ~27 GB) for the same in host memory and a slower
+            step (Note [Offloading parameters to host memory] in ``lightning_seqpar.parallelize``).
+            On CUDA the process group gets a CPU backend too (``process_group_backend=None``
+            becomes "cpu:gloo,cuda:nccl"), for the collectives over CPU tensors (gradient clipping).
+        bf16_adapters: LoRA under ``precision="bf16-true"``: FSDP2 gathers the fp32 adapters in bf16 for the
+            forward and backward (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, what bf16
+            autocast does in Hugging Face training); their shards, gradients and AdamW state stay fp32. peft then
+            no longer keeps an fp32 copy of every adapted layer's input for the backward (Note [Adapters in bf16]
+            in ``lightning_seqpar.lora``): ~4 bytes x (3d + H D + 2d + I) per token and layer less at the block's
+            peak. False (the default): the adapters compute in fp32, as peft's own model does.
+        mlp_chunk_size: run each block's MLP over slices of this many tokens, each checkpointed:
+            the MLP's intermediate activations (3.5x the block width) exist for one slice at a
+            time (Note [Sequence-tiled MLP]). None: the MLP runs on the whole local sequence.
+        compile: ``torch.compile`` each block: True, or a dict of ``torch.compile`` keyword
+            arguments.
+        save_distributed_checkpoint: each rank writes its shard (a folder) if True; else the full
+            state is gathered to rank 0 and written to one file.
+        process_group_backend: torch.distributed backend; None picks "gloo" on CPU, "nccl" on CUDA
+            ("cpu:gloo,cuda:nccl" with ``offload_params``).
+        timeout: timeout of collective operations (a timedelta, or seconds), for the default
+            process group and every group of the device mesh: a rank that stalls makes the others
+            fail after this long.
+        pad_to_multiple: right-pad batches whose sequence length the layout cannot split
+            (labels -100, positions continued, other tensors 0) instead of raising; the loss of
+            the real tokens does not change.
+        validate_batches: compare every batch across the ranks of each sequence-parallel group
+            (one all-gather of 5 integers per rank and batch) and raise, naming the ranks, if they
+            differ in shape, dtype or tokens.
+        memory: "manual" (the options as given) or "auto": before the process group exists, the
+            planner (``lightning_seqpar.memory.plan_memory``) estimates this rank's peak memory for
+            ``expected_seq_len``, else the datamodule's ``seq_len``, else (in setup) the first batch's length
+            (Note [The length memory="auto" plans for] in ``lightning_seqpar.planning``) and sets offload_checkpoints, head_chunks,
+            mlp_chunk_size, offload_params and (LoRA) bf16_adapters, those left at their defaults only, to the set with
+            the least slowdown that fits the device's memory; it logs the choice and the estimate
+            (``memory_plan`` keeps them), or raises a ``ValueError`` with the longest length that
+            would fit. On a CPU device it does not plan (a log line says so). Note [Planning memory].
+    """
+"""The options' ``Args`` section, written once: the docstring of
+:class:`~lightning_seqpar.strategy.SequenceParallelStrategy` (what ``help()`` and ``seqpar fit --help``
+show) and of :class:`StrategyConfig` end with it."""
+
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    """The strategy's options as the user gave them (``"auto"`` included), checked once on creation.
+    __doc__ = """The strategy's options as the user gave them (``"auto"`` included), checked once on creation.
 
     The fields are :class:`~lightning_seqpar.strategy.SequenceParallelStrategy`'s keyword arguments,
-    with the same names, defaults and meaning (see its docstring and docs/strategy.md). ``timeout``
+    with the same names, defaults and meaning (documented here and in docs/strategy.md). ``timeout``
     given as seconds becomes a ``timedelta``. Raises ``ValueError`` naming the argument.
-    """
+
+""" + OPTIONS_DOC
 
     sequence_parallel_size: int | Literal["auto"] = "auto"
     head_parallel_size: int | Literal["auto"] = 1
@@ -260,3 +357,24 @@ class StrategyConfig:
             raise ValueError(f"{name}: memory={self.memory!r} is not supported; expected one of {MEMORY_CHOICES}")
         if self.placement not in ("auto", *PLACEMENTS):
             raise ValueError(f"{name}: placement={self.placement!r} is not supported; expected 'auto' or one of {PLACEMENTS}")
+
+
+class ConfigOptions:
+    """The options that setup does not resolve, read from ``self.config``: the strategy's public attributes of the same
+    names (``attention``, ``layout`` and ``inner_ring_size`` are the strategy's own: setup may resolve them)."""
+
+    config: StrategyConfig
+
+    lasp_variant = property(lambda self: self.config.lasp_variant)
+    head_chunks = property(lambda self: self.config.head_chunks)
+    attention_backend = property(lambda self: self.config.attention_backend)
+    activation_checkpointing = property(lambda self: self.config.activation_checkpointing)
+    uncheckpointed_blocks = property(lambda self: self.config.uncheckpointed_blocks)
+    offload_checkpoints = property(lambda self: self.config.offload_checkpoints)
+    offload_params = property(lambda self: self.config.offload_params)
+    bf16_adapters = property(lambda self: self.config.bf16_adapters)
+    mlp_chunk_size = property(lambda self: self.config.mlp_chunk_size)
+    compile_kwargs = property(lambda self: self.config.compile_kwargs)
+    timeout = property(lambda self: self.config.timeout)
+    pad_to_multiple = property(lambda self: self.config.pad_to_multiple)
+    validate_batches = property(lambda self: self.config.validate_batches)

@@ -132,6 +132,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from lightning_seqpar.attention.cost import estimate_attention
+from lightning_seqpar.models.registry import family_of
 
 __all__ = [
     "LADDER",
@@ -221,8 +222,6 @@ class TransformerShape:
         ``num_key_value_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size``, ``tie_word_embeddings``),
         a dict of those fields, or one of the package's Llama / GPT configs. Raises ``ValueError`` naming what is
         missing, and for a linear-attention (TransNormer) config, whose memory this module does not model."""
-        from lightning_seqpar.models.registry import family_of
-
         family = family_of(config)
         if family is not None:
             if family.linear_attention:

@@ -388,6 +388,22 @@ def host_optimizer_threads(local_processes: int) -> int:
     return max(torch.get_num_threads(), cores // max(1, local_processes))
 
 
+def use_host_optimizer_threads(optimizers: Iterable[torch.optim.Optimizer], local_processes: int) -> None:
+    """Every optimizer's CPU step (``offload_params``) with this process's share of the cores (:func:`host_optimizer_threads`)."""
+    threads = host_optimizer_threads(local_processes)
+    for optimizer in optimizers:
+        with_cpu_threads(optimizer, threads)
+
+
+def process_group_backend(backend: str | None, *, device_type: str, host_gradients: bool) -> str | None:
+    """The default process group's backend: ``backend`` as given, except on CUDA with none given where gradients live
+    in host memory (``offload_params``, or a ``memory="auto"`` plan still to come, which may set it): then
+    "cpu:gloo,cuda:nccl", for clipping's reduction of the per-rank norms of CPU gradients (Note above)."""
+    if host_gradients and backend is None and device_type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return backend
+
+
 def with_cpu_threads(optimizer: torch.optim.Optimizer, threads: int) -> None:
     """Run ``optimizer.step`` with ``threads`` intra-op CPU threads (hooks; the count is restored after)."""
     saved: list[int] = []

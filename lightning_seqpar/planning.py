@@ -7,6 +7,8 @@ before the process group exists), the algorithm of ``attention="auto"`` (:func:`
 in setup; Note [Choosing attention automatically]), and the checks of the options against the model's
 heads, the mesh and the device (:func:`check_options_against_model`); and ``memory="auto"``'s options
 (:func:`plan_memory_options`, before the process group exists, with ``lightning_seqpar.memory``'s estimate).
+It also gives the strategy's hooks the mesh sizes of this world (:func:`plan_parallel_dims`) and ``memory="auto"`` at
+its two moments (:func:`plan_run_memory`).
 
 Note [Planning a step across nodes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -40,12 +42,13 @@ import os
 import random
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -54,11 +57,9 @@ from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose
 from lightning_seqpar.attention.local import available_backends, resolve_backend
 from lightning_seqpar.config import MEMORY_OPTIONS, StrategyConfig, serves_cpu
 from lightning_seqpar.memory import DEFAULT_MARGIN, MemoryEstimate, MemoryPlan, MemoryPlanError, TransformerShape, plan_memory
+from lightning_seqpar.mesh import ParallelDims
 from lightning_seqpar.models.registry import attention_heads, family_of
 from lightning_seqpar.parallelize import uses_linear_attention
-
-if TYPE_CHECKING:
-    from lightning_seqpar.mesh import ParallelDims
 
 PEAK_BF16 = 989e12
 
@@ -185,6 +186,25 @@ def plan_mesh_sizes(module: nn.Module | None, *, config: StrategyConfig, site: R
         if placement == "auto":
             placement = plan.placement if plan is not None else "context-first"
     return hp, placement
+
+
+def plan_parallel_dims(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, world_size: int, node_size: int,
+                       layout: str, inner_ring_size: int | None, owner: str) -> ParallelDims:
+    """The mesh sizes for this world, before the process group exists (no communication): sequence_parallel_size
+    ("auto": the ``node_size`` devices of a node), head_parallel_size and placement as :func:`plan_mesh_sizes` gives
+    them; ``ParallelDims.from_sizes`` checks them (a ``ValueError`` naming the argument)."""
+    sp = node_size if config.sequence_parallel_size == "auto" else config.sequence_parallel_size
+    hp, placement = plan_mesh_sizes(module, config=config, site=site, world_size=world_size, sp=sp, layout=layout,
+                                    inner_ring_size=inner_ring_size, owner=owner)
+    return ParallelDims.from_sizes(
+        world_size=world_size,
+        sequence_parallel_size=sp,
+        head_parallel_size=hp,  # type: ignore[arg-type]
+        data_parallel_replicate_size=config.data_parallel_replicate_size,
+        placement=placement,  # type: ignore[arg-type]
+        node_size=node_size,
+        owner=owner,
+    )
 
 
 def resolve_auto_attention(roots: Sequence[nn.Module], *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
@@ -432,6 +452,21 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
         host_memory=host_memory_bytes() / max(site.gpus_per_node, 1),
         attention=config.initial_attention, head_parallel_size=dims.hp, owner=owner,
     )
+
+
+def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, dims: ParallelDims, device_memory: int,
+                    trainer: Any, in_setup: bool, owner: str) -> tuple[MemoryPlan, StrategyConfig] | None:
+    """memory="auto" at one of its two moments (Note [The length memory="auto" plans for]): the planner's choice for the
+    length known then (:func:`memory_plan_length`) and ``config`` with the options it sets (checked again), logged; None
+    when no length is known yet (before the process group exists: it plans again in setup, for the first batch's)."""
+    length = memory_plan_length(config, trainer=trainer, in_setup=in_setup, owner=owner)
+    if length is None:
+        return None
+    plan = plan_memory_options(module, config=config, length=length, site=site, dims=dims, device_memory=device_memory, owner=owner)
+    assert plan is not None
+    planned = replace(config, **{name: getattr(plan.options, name) for name in MEMORY_OPTIONS})
+    rank_zero_info(f"{owner}: {plan.describe()} ({length.name})")
+    return plan, planned
 
 
 @dataclass(frozen=True, kw_only=True)

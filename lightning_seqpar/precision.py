@@ -1,4 +1,4 @@
-"""Precision plugins of ``SequenceParallelStrategy``.
+"""Precision plugins of ``SequenceParallelStrategy``, and the dtypes FSDP2 gathers and reduces in under them.
 
 Note [Clipping with fused optimizers under bf16-mixed]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
@@ -80,3 +81,22 @@ def convert_module_keeping_rotary(plugin: Precision, module: nn.Module) -> nn.Mo
     for owner, name, buffer in kept:
         owner._buffers[name] = buffer
     return converted
+
+
+def fsdp_dtypes(plugin: Precision, *, bf16_adapters: bool, fp32_adapters: bool,
+                owner: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """FSDP2's ``(param_dtype, reduce_dtype)`` under ``plugin``: "bf16-true" / "16-true" keep the parameters that
+    ``convert_module`` made low precision (None, None); "bf16-mixed" gathers fp32 parameters in bf16 for compute and
+    reduces the gradients in fp32; so does ``bf16_adapters`` for LoRA's fp32 adapters under "bf16-true" (Note
+    [Adapters in bf16] in ``lightning_seqpar.lora``), which needs them (``fp32_adapters``)."""
+    param_dtype = reduce_dtype = None
+    if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
+        param_dtype, reduce_dtype = torch.bfloat16, torch.float32
+    if bf16_adapters:
+        precision = getattr(plugin, "precision", None)
+        if precision != "bf16-true" or not fp32_adapters:
+            raise ValueError(f"{owner}: bf16_adapters=True gathers fp32 LoRA adapters in bf16; it needs "
+                             f"precision='bf16-true' and a LoRA model (CausalLMModule(lora=...)), got precision={precision!r}"
+                             + ("" if fp32_adapters else " and no fp32 trainable parameters"))
+        param_dtype, reduce_dtype = torch.bfloat16, torch.float32
+    return param_dtype, reduce_dtype

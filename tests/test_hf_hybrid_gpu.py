@@ -2,7 +2,7 @@
 the unmodified transformers model, and with the package's torch kernels against it: a
 Qwen3-Next-shaped and a Bamba-shaped model (a few layers), bf16 autocast, S = 4096; skipped without
 CUDA; the fla-core kernels only where fla-core is installed and runs on the GPU (it refuses Hopper
-with Triton < 3.7.1, see lightning_seqpar.attention.recurrent._fla_unusable).
+with Triton < 3.7.1, see lightning_seqpar.attention.recurrent.chunked.fla_unusable).
 
     pytest -s tests/test_hf_hybrid_gpu.py
 """
@@ -23,11 +23,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _kernels() -> list[str]:
     """The package's torch kernels always; fla-core's where it is installed and usable on this GPU."""
-    from lightning_seqpar.attention.recurrent import _fla_unusable
+    from lightning_seqpar.attention.recurrent.chunked import fla_unusable
 
     if importlib.util.find_spec("fla") is None:
         return ["torch"]
-    why = _fla_unusable(torch.cuda.current_device())
+    why = fla_unusable(torch.cuda.current_device())
     if why is not None:
         print(f"[hf-hybrid-gpu] fla-core not tested: {why}")
         return ["torch"]

@@ -1,5 +1,5 @@
 """fla-core's kernels (``chunk_gated_delta_rule``, ``chunk_simple_gla``) against the torch kernels of
-lightning_seqpar/attention/recurrent.py on one GPU, fp32 inputs, with an initial state in and the
+lightning_seqpar/attention/recurrent/chunked.py on one GPU, fp32 inputs, with an initial state in and the
 final state's gradient (the hand-off of the state chain); skipped without CUDA and fla-core.
 
     pip install fla-core-*.whl   (no internet on the GPU machine: carry the wheel)
@@ -27,9 +27,9 @@ def _run(fn, inputs, dout, dstate):
 
 
 def _fla_refused() -> str | None:
-    from lightning_seqpar.attention.recurrent import _fla_unusable
+    from lightning_seqpar.attention.recurrent.chunked import fla_unusable
 
-    return _fla_unusable(torch.cuda.current_device()) if torch.cuda.is_available() else "needs CUDA"
+    return fla_unusable(torch.cuda.current_device()) if torch.cuda.is_available() else "needs CUDA"
 
 
 @pytest.mark.skipif(_fla_refused() is not None, reason=f"fla-core does not run here: {_fla_refused()}")

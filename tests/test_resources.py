@@ -1,4 +1,4 @@
-"""Every Trainer run releases what the strategy created (Note [What a run releases] in strategy.py).
+"""Every Trainer run releases what the strategy created (Note [What a run releases] in lightning_seqpar/resources.py).
 
 Ten consecutive fits in one process, each with a new strategy, Trainer and module (as a user's
 script or notebook runs them), keep the process's threads, open file descriptors and resident

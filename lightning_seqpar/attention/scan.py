@@ -59,7 +59,7 @@ independent of the sequence length; every rank works at once.
 Note [Parallel state passing with packed documents]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 With packed documents (per-document zigzag: global piece p is piece p of every document, Note
-[Documents in a recurrence] in ``recurrent.py``) a rank's piece is a run of segments, one per
+[Documents in a recurrence] in ``recurrent/base.py``) a rank's piece is a run of segments, one per
 document, and every document has its own state chain through the 2W global pieces. A segment
 (b, n, p) is an affine map of its document's state, S_out = M S_in + s, so the parallel scheme
 above carries over with one map per segment instead of one per piece:

@@ -63,6 +63,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_seqpar.documents import PackedDocuments
 from lightning_seqpar.sharding import chunk_ids
 
 
@@ -142,8 +143,6 @@ def shard_halves(rank: int, world: int, layout: str, s_local: int, docs: Tensor 
     """The row runs of ``rank``'s shard with their global positions (one run per layout chunk;
     packed documents: one per piece index, every sample's positions INSIDE their documents)."""
     if docs is not None:
-        from lightning_seqpar.documents import PackedDocuments
-
         P = docs.shape[2]
         S = int(docs[0].sum())
         if world == 1 or P == 1:

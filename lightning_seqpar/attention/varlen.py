@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar.attention.local import Varlen
-from lightning_seqpar.documents import exclusive_cumsum, segment_indices
+from lightning_seqpar.documents import PackedDocuments, exclusive_cumsum, segment_indices
 
 Block = tuple[slice, slice, bool, "Varlen | None"]  # (query rows, key rows, causal, segments)
 
@@ -104,8 +104,6 @@ def sample_order(pieces: Tensor, device: torch.device) -> tuple[Tensor, Tensor] 
     B, N, P = pieces.shape
     if P == 1:
         return None
-    from lightning_seqpar.documents import PackedDocuments
-
     S = int(pieces[0].sum())
     docs = PackedDocuments(pieces, S, P // 2)
     to_rank = docs.rank_order()  # position (in sample order) of each rank-ordered token

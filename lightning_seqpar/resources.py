@@ -1,0 +1,127 @@
+"""What a run of :class:`~lightning_seqpar.strategy.SequenceParallelStrategy` holds and gives back: the
+process groups of its meshes (tied to the module they serve), the default process group it created, the
+device's and the pinned host memory's caches. Local calls only: no collective.
+
+Note [What a run releases]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+The process groups of a run's meshes (Note [Releasing the groups of a mesh] in
+``lightning_seqpar.mesh``: five per run at any world size, each with its own threads on gloo,
+a communicator, proxy thread and GPU memory on NCCL) are what the parallelized module runs
+on: FSDP2 gathers over them, and so does ``get_model_state_dict(full_state_dict=True)`` or a
+``trainer.validate`` after ``fit``. So they live exactly as long as that module:
+
+* ``weakref.finalize`` on the module destroys them when the module is freed, and with them
+  the default process group if this strategy created it (``init_process_group`` ran in the
+  run, not before it) and no other groups are left (another run may be using it);
+* ``teardown`` (the end of every run) runs Python's cycle collector: a finished run's module
+  sits in reference cycles (Trainer <-> LightningModule) that Python frees at no set time, so
+  the module of an earlier run that the program dropped is freed, and its groups released,
+  by the next run's end at the latest (``gc.collect()``, ~0.1 s); what remains are the groups
+  of modules the program still holds;
+* a later run of the same strategy on the same (already parallelized) module reuses the
+  meshes: no new groups;
+* a run that failed (set-up or a step: Lightning calls ``on_exception`` and then
+  ``teardown``) releases its groups and the default group it created at once: after a
+  failure they may be unusable (a dead peer), and the module is not trained further;
+* every run also drops the packed documents of its last batch (device tensors) and, on
+  CUDA, empties the pinned host memory cache (``offload_checkpoints`` / ``offload_params``)
+  and the device memory cache.
+
+``tests/test_resources.py`` counts threads, file descriptors, RSS and CUDA memory over ten
+fits in one process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_seqpar.mesh import release_mesh_groups
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["RunGroups", "empty_device_caches", "free_unreferenced", "launched_by_torchelastic", "release_groups"]
+
+
+class RunGroups:
+    """The process groups that the runs of one strategy create, and when they go (Note [What a run releases]): the
+    default group where a run created it, and the groups of a run's meshes, tied to the module sharded over them."""
+
+    def __init__(self) -> None:
+        self.owns_default_group = False
+        """Whether a run of this strategy created the default process group (``init_process_group`` ran in it)."""
+        self.finalizer: weakref.finalize | None = None
+        """Releases the groups of the meshes when the module sharded over them is freed (or when called)."""
+        self.failed = False
+        """Whether the current run raised (Lightning's ``on_exception``): its groups go at its end."""
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around the start of the default process group: remembers whether this run created it."""
+        created = not (dist.is_available() and dist.is_initialized())
+        yield
+        self.owns_default_group = self.owns_default_group or created
+
+    def tie(self, module: nn.Module, meshes: list[DeviceMesh | None]) -> None:
+        """The groups of ``meshes`` live as long as ``module``, which is sharded over them (:func:`release_groups`)."""
+        self.finalizer = weakref.finalize(module, release_groups, meshes, owns_default_group=self.owns_default_group)
+
+    def release_at_end(self, meshes: list[DeviceMesh | None], *, built: bool) -> bool:
+        """At a run's end: where it failed, or its set-up stopped between building the meshes (``built``) and sharding
+        the module, the groups of ``meshes`` at once (through the finalizer where there is one) and the default group
+        the run created (unless torchrun's agent holds its store). True when they went: the caller drops the meshes."""
+        failed, self.failed = self.failed, False
+        if not (failed or (self.finalizer is None and built)):
+            return False
+        finalizer, self.finalizer = self.finalizer, None
+        if finalizer is not None:
+            finalizer()  # runs release_groups once
+        else:
+            release_groups(meshes, owns_default_group=self.owns_default_group)
+        if self.owns_default_group and not launched_by_torchelastic() and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_default_group = False
+        return True
+
+
+def free_unreferenced(device: torch.device) -> None:
+    """Python's cycle collector (it frees the modules of earlier runs that nothing references any more, and so their
+    groups), then the device's caches."""
+    gc.collect()
+    empty_device_caches(device)
+
+
+def empty_device_caches(device: torch.device) -> None:
+    """Give the CUDA caching allocator's free blocks, and the caching host allocator's pinned ones, back."""
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):  # pinned host memory (torch has no public API for it)
+            torch._C._host_emptyCache()
+
+
+def release_groups(meshes: list[DeviceMesh | None], *, owns_default_group: bool) -> None:
+    """The groups of a run's meshes, and the default group when the run created it and nothing else uses
+    groups any more (Note [What a run releases]). No reference to the module: a ``weakref.finalize`` callback."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    release_mesh_groups(*meshes)
+    registry = getattr(dist.distributed_c10d, "_world", None)  # torch's group registry (private; no public list)
+    if owns_default_group and not launched_by_torchelastic() and registry is not None and len(registry.pg_map) == 1:
+        dist.destroy_process_group()
+
+
+def launched_by_torchelastic() -> bool:
+    """Under torchrun the default group rendezvouses through the agent's store, whose keys a second
+    init_process_group in the same process would collide with: the default group then stays for the
+    process's lifetime (the mesh groups are still released)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
