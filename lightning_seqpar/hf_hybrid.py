@@ -72,7 +72,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.documents import current_documents
-from lightning_seqpar.lora import is_plain
+from lightning_seqpar.head import is_plain
 
 __all__ = ["HYBRID_MIXERS", "SeqparFalconH1Mixer", "SeqparGatedDeltaNet", "SeqparKimiDeltaAttention", "SeqparLightningAttention",
            "SeqparMamba2Mixer", "SeqparMambaMixer", "SeqparOlmoHybridGatedDeltaNet", "SeqparRecurrentGemmaRecurrentBlock",

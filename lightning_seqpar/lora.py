@@ -8,9 +8,11 @@ Public names:
 * :func:`is_peft_model`, :func:`upcast_trainable` — what the strategy and ``CausalLMModule`` use.
 * :func:`adapter_state_dict`, :func:`save_lora_pretrained` — the adapter folder of a (sharded) model.
 * :func:`export_lora` — the adapter folder and, on request, the merged model, from a checkpoint.
-* :func:`logits_head`, :func:`head_operands` — what the chunked loss multiplies by when the output head
-  is wrapped by peft (Note [Adapters in bf16]
-~~~~~~~~~~~~~~~~~~~~~~
+* :data:`PEFT_HEAD` (:class:`PeftHead`) — peft's output head for ``lightning_seqpar.head``: what the chunked
+  loss multiplies by when the output head is wrapped by peft (Note [An adapted output head]).
+
+Note [Adapters in bf16]
+~~~~~~~~~~~~~~~~~~~~~~~
 peft's ``lora.Linear`` casts its input to the adapter's dtype (``x.to(lora_A.weight.dtype)``) and
 ``lora_A`` keeps that cast for its backward: with fp32 adapters over a bf16 base, every adapted layer
 holds an fp32 copy of its input through the block's backward, one per layer even where q, k and v
@@ -27,8 +29,6 @@ The adapter path computes in bf16 (the matmuls accumulate in fp32), what ``torch
 Hugging Face training with fp32 adapters; the frozen base is bf16 either way. Off by default (the
 adapters then compute in fp32, as peft's own model does); ``memory="auto"`` turns it on first when
 memory binds, since it costs no time.
-
-Note [An adapted output head]).
 
 Note [LoRA under the strategy]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -82,14 +82,14 @@ hidden states by ``lm_head.weight`` one chunk at a time. When peft wraps the hea
 is no longer what the head computes with: a LoRA layer's ``weight`` is its frozen base weight (the
 adapters would be left out of the loss and get no gradient: a silent wrong answer, found by an
 independent check with ``target_modules=["q_proj", "lm_head"]``), and a ``TrainableTokensWrapper``
-changes some rows. So the head is resolved first (:func:`logits_head`): a plain ``nn.Linear``
-without bias is used as it is; ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) by its
-active copy; a LoRA layer is written as ONE matrix product over r more columns per adapter,
+changes some rows. So the head is resolved first (``lightning_seqpar.head.logits_head`` with
+:data:`PEFT_HEAD`): a plain ``nn.Linear`` without bias is used as it is; ``ModulesToSaveWrapper``
+(``modules_to_save=["lm_head"]``) by its active copy; a LoRA layer is written as ONE matrix product over r more columns per adapter,
 
     head(h) = h W^T + sum_a s_a (dropout_a(h) A_a^T) B_a^T = [h | u_1 | ... ] @ [W | s_1 B_1 | ... ]^T,
     u_a = dropout_a(h) A_a^T (N, r_a), computed once for all tokens as peft does (fp32 adapters),
 
-so the chunked loss runs unchanged on the widened operands (:func:`head_operands`) and A, B get
+so the chunked loss runs unchanged on the widened operands (:meth:`PeftHead.operands`) and A, B get
 their gradients through it. The price: a copy of the hidden states and of W widened by r columns,
 and W's part of the fp32 weight gradient that the chunked loss forms once the concatenated weight
 needs a gradient (the planner counts them). u and s B enter the product in the hidden states'
@@ -112,17 +112,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_seqpar.head import USE_FULL_LOGITS, is_plain_linear, logits_head
+
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
 
 __all__ = [
+    "PEFT_HEAD",
+    "PeftHead",
     "adapter_state_dict",
     "apply_lora",
     "export_lora",
     "is_peft_model",
     "lora_config",
-    "head_operands",
-    "logits_head",
     "lora_hparams",
     "save_lora_pretrained",
     "upcast_trainable",
@@ -367,26 +369,21 @@ def export_lora(
 # --------------------------------------------------------------------------------------------- the output head
 
 
-def is_plain(module: nn.Module, cls: type[nn.Module]) -> bool:
-    """Whether ``module`` computes as ``cls`` does from its ``weight``: an instance whose class keeps ``cls``'s forward
-    (peft's LoRA layers and other wrappers are not; what reads ``module.weight`` directly is exact only then)."""
-    return isinstance(module, cls) and type(module).forward is cls.forward
+class PeftHead:
+    """peft's wrappers of an output head, for the head interface (:class:`lightning_seqpar.head.HeadAdapter`;
+    Note [An adapted output head]): a LoRA layer over a plain ``nn.Linear`` without bias is written as one product
+    over widened operands; ``ModulesToSaveWrapper`` resolves to its active copy; what the chunked loss would get
+    wrong is refused by name. Nothing is resolved while peft is not imported (then no peft wrapper can exist)."""
 
+    def resolve(self, head: nn.Module, owner: str) -> nn.Module | None:
+        """The module whose product the chunked loss forms for a peft wrapper ``head``; None when ``head`` is none.
 
-def _is_plain_linear(module: nn.Module) -> bool:
-    return is_plain(module, nn.Linear) and module.bias is None
-
-
-def logits_head(head: nn.Module, owner: str) -> nn.Module:
-    """The module whose product the chunked loss may form for ``head`` (Note [An adapted output head]): a plain
-    ``nn.Linear`` without bias, or a peft LoRA layer around one; ``ModulesToSaveWrapper`` resolves to its active copy.
-
-    Raises:
-        ValueError: naming ``owner`` (the model) and what the head is, for anything the chunked loss would get wrong.
-    """
-    use_full = "use loss_chunk_size=None (the full logits through the head's own forward)"
-    peft = sys.modules.get("peft")
-    if peft is not None:
+        Raises:
+            ValueError: naming ``owner`` (the model) and what the head is, for anything the chunked loss would get wrong.
+        """
+        peft = sys.modules.get("peft")
+        if peft is None:
+            return None
         from peft.tuners.lora import LoraLayer
         from peft.tuners.tuners_utils import BaseTunerLayer
         from peft.utils import other
@@ -397,19 +394,19 @@ def logits_head(head: nn.Module, owner: str) -> nn.Module:
             active = [a for a in head.active_adapters if a in head.modules_to_save] if not head.disable_adapters else []
             if len(active) > 1:
                 raise ValueError(f"{owner}: lm_head has {len(active)} active modules_to_save copies {active}; activate one")
-            return logits_head(head.modules_to_save[active[0]] if active else head.original_module, owner)
+            return logits_head(head.modules_to_save[active[0]] if active else head.original_module, owner, adapters=(self,))
         if isinstance(head, TrainableTokensWrapper):
             if head.disable_adapters or not head.active_adapters:
-                return logits_head(head.original_module, owner)
+                return logits_head(head.original_module, owner, adapters=(self,))
             raise ValueError(f"{owner}: lm_head carries peft trainable tokens (trainable_token_indices with tied "
-                             f"embeddings), whose rows the chunked cross entropy would not see: {use_full}")
+                             f"embeddings), whose rows the chunked cross entropy would not see: {USE_FULL_LOGITS}")
         if isinstance(head, LoraLayer):
             base = head.get_base_layer()
-            if not _is_plain_linear(base):
+            if not is_plain_linear(base):
                 raise ValueError(f"{owner}: lm_head is a LoRA layer over a {type(base).__name__}, not a plain nn.Linear "
-                                 f"without bias: {use_full}")
+                                 f"without bias: {USE_FULL_LOGITS}")
             if head.fan_in_fan_out:
-                raise ValueError(f"{owner}: lm_head's LoRA layer has fan_in_fan_out=True: {use_full}")
+                raise ValueError(f"{owner}: lm_head's LoRA layer has fan_in_fan_out=True: {USE_FULL_LOGITS}")
             if head.merged and head.disable_adapters:
                 raise ValueError(f"{owner}: lm_head's adapters are merged into its weight but disabled: unmerge them first")
             if not head.merged and not head.disable_adapters:
@@ -418,37 +415,33 @@ def logits_head(head: nn.Module, owner: str) -> nn.Module:
                         continue
                     if a in getattr(head, "lora_variant", {}) or getattr(head, "use_dora", {}).get(a):
                         raise ValueError(f"{owner}: lm_head's adapter {a!r} is a LoRA variant (DoRA or another "
-                                         f"use_* option of LoraConfig): {use_full}, or leave lm_head out of target_modules")
+                                         f"use_* option of LoraConfig): {USE_FULL_LOGITS}, or leave lm_head out of target_modules")
                     if head.lora_B[a].bias is not None:
-                        raise ValueError(f"{owner}: lm_head's adapter {a!r} has lora_bias=True: {use_full}")
+                        raise ValueError(f"{owner}: lm_head's adapter {a!r} has lora_bias=True: {USE_FULL_LOGITS}")
             return head
         if isinstance(head, BaseTunerLayer):
-            raise ValueError(f"{owner}: lm_head is a peft {type(head).__name__} (only LoRA is supported on the head): {use_full}")
-    if not _is_plain_linear(head):
-        what = type(head).__name__ + (" with a bias" if getattr(head, "bias", None) is not None else "")
-        raise ValueError(f"{owner}: lm_head is a {what}, not a plain nn.Linear without bias; the chunked cross entropy "
-                         f"computes hidden @ lm_head.weight^T only: {use_full}")
-    return head
+            raise ValueError(f"{owner}: lm_head is a peft {type(head).__name__} (only LoRA is supported on the head): {USE_FULL_LOGITS}")
+        return None
+
+    def operands(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, W)`` with ``h @ W^T`` the logits ``layer(hidden)`` of a LoRA head (Note [An adapted output head]):
+        ``hidden`` widened by each active adapter's ``dropout(hidden) A^T`` and the base weight by its
+        ``scaling x B``; a merged or disabled head is its base weight. ``hidden``: ``(..., d)``."""
+        base = layer.get_base_layer()
+        if layer.merged or layer.disable_adapters:
+            return hidden, base.weight
+        xs, ws = [hidden], [base.weight]
+        for a in layer.active_adapters:
+            if a not in layer.lora_A:
+                continue
+            lora_a = layer.lora_A[a]
+            u = lora_a(layer.lora_dropout[a](hidden.to(lora_a.weight.dtype)))  # (..., r): peft's fp32 adapter path
+            xs.append(u.to(hidden.dtype))
+            ws.append((layer.lora_B[a].weight * layer.scaling[a]).to(base.weight.dtype))  # (V, r)
+        if len(xs) == 1:
+            return hidden, base.weight
+        return torch.cat(xs, dim=-1), torch.cat(ws, dim=-1)
 
 
-def head_operands(head: nn.Module, hidden: torch.Tensor, owner: str = "the model") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h, W)`` with ``h @ W^T`` the logits ``head(hidden)`` (Note [An adapted output head]): ``(hidden,
-    head.weight)`` for a plain head; for a LoRA head ``hidden`` widened by each active adapter's ``dropout(hidden)
-    A^T`` and the base weight by its ``scaling x B``. ``hidden``: ``(..., d)``."""
-    layer = logits_head(head, owner)
-    if _is_plain_linear(layer):
-        return hidden, layer.weight
-    base = layer.get_base_layer()
-    if layer.merged or layer.disable_adapters:
-        return hidden, base.weight
-    xs, ws = [hidden], [base.weight]
-    for a in layer.active_adapters:
-        if a not in layer.lora_A:
-            continue
-        lora_a = layer.lora_A[a]
-        u = lora_a(layer.lora_dropout[a](hidden.to(lora_a.weight.dtype)))  # (..., r): peft's fp32 adapter path
-        xs.append(u.to(hidden.dtype))
-        ws.append((layer.lora_B[a].weight * layer.scaling[a]).to(base.weight.dtype))  # (V, r)
-    if len(xs) == 1:
-        return hidden, base.weight
-    return torch.cat(xs, dim=-1), torch.cat(ws, dim=-1)
+PEFT_HEAD = PeftHead()
+"""The head adapter that ``HFCausalLM`` hands to ``lightning_seqpar.head`` (Note [An adapted output head])."""

@@ -345,7 +345,11 @@ def _head_model(base: str, **lora: Any):
 def test_the_operands_of_an_adapted_head_give_its_logits_and_gradients(base):
     """Note [An adapted output head]: h' @ W'^T is lm_head(h) for a LoRA head with two active adapters (one with a
     rank of its own), and the adapters' gradients through it are peft's; a disabled or merged head is its weight."""
-    from lightning_seqpar.lora import head_operands
+    from lightning_seqpar.head import head_operands as operands
+    from lightning_seqpar.lora import PEFT_HEAD
+
+    def head_operands(head, hidden):
+        return operands(head, hidden, adapters=(PEFT_HEAD,))
 
     model = _head_model(base)
     model.add_adapter("second", peft.LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=3, target_modules=["lm_head"],
