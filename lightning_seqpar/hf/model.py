@@ -16,9 +16,9 @@ from lightning_seqpar.head import head_operands, logits_head
 from lightning_seqpar.hf.attention import apply_hf_attention, require_transformers
 from lightning_seqpar.hf.config import HFConfigSpec, is_hf_source, load_hf_config
 from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
+from lightning_seqpar.hf.hybrid import is_hybrid_twin
+from lightning_seqpar.hf.lora import PEFT_HEAD, is_peft_model
 from lightning_seqpar.hf.support import check_sharded_layer
-from lightning_seqpar.hf_hybrid import is_hybrid_twin
-from lightning_seqpar.lora import PEFT_HEAD, is_peft_model
 from lightning_seqpar.parallelize import config_value
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class HFCausalLM(nn.Module):
 
     Args:
         model: a transformers ``PreTrainedModel`` for causal LM (:func:`apply_hf_attention` is applied),
-            or a ``peft.PeftModel`` wrapping one (``lightning_seqpar.lora``).
+            or a ``peft.PeftModel`` wrapping one (``lightning_seqpar.hf.lora``).
         max_seq_len: see :func:`apply_hf_attention`.
     """
 

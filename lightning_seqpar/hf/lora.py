@@ -7,7 +7,6 @@ Public names:
 * :func:`apply_lora` — ``peft.get_peft_model`` over a transformers model (adapters in fp32).
 * :func:`is_peft_model`, :func:`upcast_trainable` — what the strategy and ``CausalLMModule`` use.
 * :func:`adapter_state_dict`, :func:`save_lora_pretrained` — the adapter folder of a (sharded) model.
-* :func:`export_lora` — the adapter folder and, on request, the merged model, from a checkpoint.
 * :data:`PEFT_HEAD` (:class:`PeftHead`) — peft's output head for ``lightning_seqpar.head``: what the chunked
   loss multiplies by when the output head is wrapped by peft (Note [An adapted output head]).
 
@@ -71,7 +70,7 @@ and needs nothing but the checkpoint, at the cost of writing the base with every
 Export. :func:`save_lora_pretrained` (``CausalLMModule.save_hf_pretrained``, ``hf_save_dir``)
 gathers the adapters' FSDP2 shards to rank 0 and writes ``PeftModel.save_pretrained``'s folder
 (``adapter_config.json``, ``adapter_model.safetensors``); ``PeftModel.from_pretrained(base,
-folder)`` loads it. :func:`export_lora` (``seqpar export CKPT OUT --format lora [--merged DIR]``)
+folder)`` loads it. ``lightning_seqpar.hf.export.export_lora`` (``seqpar export CKPT OUT --format lora [--merged DIR]``)
 does the same from a checkpoint in one process and, with ``merged``, writes
 ``merge_and_unload()`` of the model as a plain transformers folder.
 
@@ -106,7 +105,6 @@ import copy
 import os
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -122,7 +120,6 @@ __all__ = [
     "PeftHead",
     "adapter_state_dict",
     "apply_lora",
-    "export_lora",
     "is_peft_model",
     "lora_config",
     "lora_hparams",
@@ -132,7 +129,6 @@ __all__ = [
 
 _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper prefix, not in state_dict names
 _HF_PREFIX = "hf."  # HFCausalLM's child
-_MODULE_PREFIX = "model.hf."  # CausalLMModule -> HFCausalLM -> PeftModel
 # LoraConfig fields that describe the run, not the adapters (peft fills them in)
 _BOOKKEEPING = ("peft_type", "task_type", "peft_version", "auto_mapping", "base_model_name_or_path", "revision")
 
@@ -303,67 +299,6 @@ def _skeleton(peft_model: PeftModel) -> PeftModel:
         skeleton = peft.get_peft_model(skeleton, layout, adapter_name=peft_model.active_adapter, autocast_adapter_dtype=False)
     skeleton.peft_config[skeleton.active_adapter] = config  # the adapter_config.json of the trained adapters
     return skeleton
-
-
-def export_lora(
-    checkpoint: str | os.PathLike,
-    output: str | os.PathLike,
-    *,
-    merged: str | os.PathLike | None = None,
-    dtype: torch.dtype | None = None,
-    tokenizer: str | os.PathLike | None = None,
-) -> Path:
-    """Write the adapters of a ``CausalLMModule(..., lora=...)`` checkpoint as a peft adapter folder
-    ``output`` and, with ``merged``, the model with the adapters merged (``merge_and_unload``) as a
-    plain transformers folder. One process, no GPU (the checkpoint's shards are read here).
-
-    The model is rebuilt from the checkpoint's hyper-parameters (``model``: the local base folder,
-    or the transformers config; ``config_overrides``; ``lora``: the LoRA fields), then the checkpoint's weights (base and
-    adapters) are loaded into it, so the adapter folder and the merged model are those of the
-    trained module. The merged folder also gets the run's tokenizer and generation config
-    (Note [The tokenizer of an export] in ``lightning_seqpar.export``).
-
-    Args:
-        dtype: cast the merged model's floating-point weights (e.g. ``torch.bfloat16``); None
-            keeps the checkpoint's. The adapters keep theirs (fp32).
-        tokenizer: with ``merged``, a tokenizer folder or ``tokenizer.json`` file to copy instead of the
-            one the checkpoint names.
-    """
-    from lightning_seqpar import hf
-    from lightning_seqpar.export import export_tokenizer, load_meta, load_model_state_dict, tokenizer_source
-
-    if tokenizer is not None and merged is None:
-        raise ValueError("export_lora: tokenizer= is copied into the merged model's folder; give merged= as well")
-    src, out = Path(checkpoint), Path(output)
-    meta = load_meta(src)
-    hparams = meta.get("hyper_parameters") or {}
-    spec, source = hparams.get("lora"), hparams.get("model")
-    if not spec:
-        raise ValueError(f"export: {str(src)!r} is not a LoRA checkpoint (its hyper_parameters have no 'lora'); use --format hf or consolidated")
-    if source is None or not hf.is_hf_source(source):
-        raise ValueError(f"export: the checkpoint's model {source!r} is not a Hugging Face model (a local folder or a config with 'model_type')")
-    tokenizer_from = tokenizer_source(meta, tokenizer=tokenizer) if merged is not None else None  # checked before writing
-    state = load_model_state_dict(src)
-    peft_state = {k[len(_MODULE_PREFIX):]: v for k, v in state.items() if k.startswith(_MODULE_PREFIX)}
-    if len(peft_state) != len(state):
-        raise ValueError(f"export: unexpected keys outside {_MODULE_PREFIX!r}: {sorted(set(state))[:5]}")
-    base_dtype = next(v.dtype for k, v in peft_state.items() if ".lora_" not in k and v.is_floating_point())  # bf16 after "bf16-true"
-    base = hf.build_hf_causal_lm(source, dtype=base_dtype, config_overrides=hparams.get("config_overrides"))  # as trained
-    peft_model = apply_lora(base, spec)
-    missing, unexpected = peft_model.load_state_dict(peft_state, strict=False)
-    if unexpected or [k for k in missing if k in dict(peft_model.named_parameters())]:
-        raise ValueError(f"export: the checkpoint does not match the model rebuilt from its hyper-parameters: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    out.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(os.fspath(out))
-    if merged is not None:
-        model = peft_model.merge_and_unload()
-        if dtype is not None:
-            model = model.to(dtype)
-        model.save_pretrained(os.fspath(merged))
-        if tokenizer_from is not None:
-            export_tokenizer(tokenizer_from, merged)
-    return out
 
 
 # --------------------------------------------------------------------------------------------- the output head
