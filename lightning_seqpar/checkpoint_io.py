@@ -1,4 +1,5 @@
-"""Checkpoint files and folders of ``SequenceParallelStrategy``, and the random state they hold.
+"""Checkpoint files and folders of ``SequenceParallelStrategy``: written whole, checked, loaded (also in one
+process, as ``seqpar export`` reads them), and the random state they hold.
 
 Note [Checkpoint formats]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -63,12 +64,16 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "atomic_save",
+    "check_checkpoint",
     "check_files",
     "check_loadable",
     "full_optimizer_state",
     "gather_rng_states",
     "get_rng_state",
     "load_full_checkpoint",
+    "load_meta",
+    "load_model_state_dict",
     "partial_path",
     "remove",
     "replace",
@@ -228,6 +233,72 @@ def load_full_checkpoint(path: Path, model: nn.Module, optimizers: list[Any], *,
         for optimizer, state in zip(optimizers, optimizer_states):
             set_optimizer_state_dict(model, optimizer, state, options=options)
     return checkpoint
+
+# --------------------------------------------------------------------------------------------- reading in one process
+
+_META = "meta.pt"  # Lightning's name for the non-tensor part of a folder checkpoint
+
+
+def _is_folder_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file() and (path / _META).is_file()
+
+
+def check_checkpoint(path: Path, *, owner: str = "export") -> None:
+    """Raise naming ``path`` when it is neither a checkpoint file nor a complete folder of shards, or when one of its
+    files is broken (:func:`check_files`); ``owner`` starts the message. What reading in one process checks first."""
+    if path.is_file() or _is_folder_checkpoint(path):
+        check_files(path, owner=owner)  # every file there and whole (Note [Checking a checkpoint's files])
+        return
+    if path.is_dir():
+        raise ValueError(
+            f"{owner}: {str(path)!r} is not a complete distributed checkpoint (needs .metadata and {_META}); was its "
+            "save interrupted? Pass another checkpoint"
+        )
+    raise FileNotFoundError(f"{owner}: no checkpoint at {str(path)!r}")
+
+
+def load_meta(path: str | os.PathLike, *, owner: str = "export") -> dict[str, Any]:
+    """The non-tensor part of a checkpoint (hyper-parameters, loops, ...), without the model and optimizer."""
+    path = Path(path)
+    check_checkpoint(path, owner=owner)
+    if path.is_dir():
+        return torch.load(path / _META, map_location="cpu", weights_only=True)
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+
+
+def load_model_state_dict(path: str | os.PathLike, *, owner: str = "export") -> dict[str, torch.Tensor]:
+    """The full model state dict of a checkpoint (CausalLMModule names, ``model.`` prefix), on CPU.
+
+    For a folder of shards only the model's tensors are read (not the optimizer's).
+    """
+    path = Path(path)
+    check_checkpoint(path, owner=owner)
+    if path.is_file():
+        return dict(torch.load(path, mmap=True, map_location="cpu", weights_only=True)["state_dict"])
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = "state_dict."
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    model = {
+        key[len(prefix):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not model:
+        raise ValueError(f"{owner}: {str(path)!r} holds no model tensors under 'state_dict' (keys: {sorted(metadata.state_dict_metadata)[:5]})")
+    state = {"state_dict": model}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["state_dict"]
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)`` through ``PATH.partial``: ``path`` never holds a half-written file."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(obj, partial)
+    os.replace(partial, path)
+
 
 
 # --------------------------------------------------------------------------------------------- random state

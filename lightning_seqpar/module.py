@@ -55,7 +55,7 @@ from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_seqpar import hf
-from lightning_seqpar import lora as lora_module
+from lightning_seqpar.hf import lora as lora_module
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.data.chars import BitsPerCharacter
 from lightning_seqpar.documents import batch_documents, documents_error, set_current_documents
@@ -110,7 +110,7 @@ class CausalLMModule(L.LightningModule):
         hf_save_dir: Hugging Face models only: at the end of training write the trained model there
             as one consolidated ``save_pretrained`` folder (:meth:`save_hf_pretrained`).
         lora: LoRA fine-tuning of a Hugging Face model through ``peft`` (Note [LoRA under the strategy]
-            in ``lightning_seqpar.lora``): a dict of ``peft.LoraConfig`` fields (e.g. ``{"r": 16,
+            in ``lightning_seqpar.hf.lora``): a dict of ``peft.LoraConfig`` fields (e.g. ``{"r": 16,
             "lora_alpha": 32, "target_modules": "all-linear"}``) or a ``peft.LoraConfig``. The base is
             frozen (in the Trainer's precision), only the adapters are trained, in fp32, and only they
             have optimizer state; ``hf_save_dir`` then receives the adapter folder. A ``peft.PeftModel``
@@ -152,7 +152,7 @@ class CausalLMModule(L.LightningModule):
         name = type(self).__name__
         original = model
         self._window: list[torch.Tensor] | None = None  # (N_ref, the count so far): Note [Loss under gradient accumulation]
-        # LoRA (lightning_seqpar.lora): a peft config, or a PeftModel given as the model
+        # LoRA (lightning_seqpar.hf.lora): a peft config, or a PeftModel given as the model
         self._lora_config: Any = None
         peft_given = model if lora_module.is_peft_model(model) else None
         if peft_given is not None:

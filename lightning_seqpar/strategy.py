@@ -43,7 +43,7 @@ from lightning_seqpar.cuda_warmup import warm_up_backward_handles
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import set_current_documents
 from lightning_seqpar.loss import counting_global_mean_calls
-from lightning_seqpar.lora import upcast_trainable
+from lightning_seqpar.hf.lora import upcast_trainable
 from lightning_seqpar.memory import MemoryPlan
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh, warn_if_ranks_not_by_node
 from lightning_seqpar.parallelize import (is_parallelized, parallel_roots, parallelize, process_group_backend,

@@ -68,7 +68,7 @@ def tiny_config(kind: str, **overrides: Any):
                                                 "no_rope_layers": [1, 0], "attention_chunk_size": SEQ_LEN,
                                                 "attn_temperature_tuning": False, "pad_token_id": 0, "bos_token_id": 1,
                                                 "eos_token_id": 2, **overrides})
-    # token mixers other than attention: made exact (lightning_seqpar.hf_hybrid) or refused
+    # token mixers other than attention: made exact (lightning_seqpar.hf.hybrid) or refused
     if kind == "lfm2":  # short causal convolutions
         return transformers.Lfm2Config(**{**COMMON, "layer_types": ["conv", "full_attention"], **overrides})
     if kind == "bamba":  # Mamba2 mixers
@@ -85,7 +85,7 @@ def tiny_config(kind: str, **overrides: Any):
                                                  "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
                                                  "linear_value_head_dim": 8, **overrides})
     if kind in _SWEPT_HYBRIDS:  # the support sweep's tiny config, with the fields that make the test bite
-        from lightning_seqpar import hf_support
+        from lightning_seqpar.hf import support as hf_support
 
         config = hf_support.tiny_config(kind)
         for key, value in {**_SWEPT_HYBRIDS[kind], **overrides}.items():
@@ -98,7 +98,7 @@ def tiny_config(kind: str, **overrides: Any):
     raise ValueError(kind)
 
 
-# more Mamba2 / linear-attention hybrids (lightning_seqpar.hf_hybrid): fields set on the sweep's tiny config
+# more Mamba2 / linear-attention hybrids (lightning_seqpar.hf.hybrid): fields set on the sweep's tiny config
 _SWEPT_HYBRIDS: dict[str, dict[str, Any]] = {
     "mamba2": {},
     "zamba2": {},

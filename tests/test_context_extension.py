@@ -490,7 +490,7 @@ def test_extension_under_the_strategy(world, setup, corpus):
 def test_lora_export_rebuilds_the_overridden_model(tmp_path):
     """export_lora rebuilds the base from the checkpoint's hyper-parameters, config_overrides included."""
     pytest.importorskip("peft")
-    from lightning_seqpar.lora import export_lora
+    from lightning_seqpar.hf.export import export_lora
 
     folder = save_tiny_model("llama", str(tmp_path / "llama"), max_position_embeddings=ORIGINAL)
     module = CausalLMModule(folder, config_overrides=YARN, lora={"r": 2, "target_modules": ["q_proj"]})

@@ -117,7 +117,8 @@ def _importable(name: str) -> bool:
 
 
 def test_export_bf16_and_bad_inputs(trained, tmp_path):
-    from lightning_seqpar.export import export_hf, load_model_state_dict
+    from lightning_seqpar.checkpoint_io import load_model_state_dict
+    from lightning_seqpar.hf.export import export_hf
 
     checkpoint, saved = trained
     export_hf(checkpoint, tmp_path / "bf16", dtype=torch.bfloat16)
@@ -138,7 +139,7 @@ def test_broken_checkpoint_files_are_named_before_loading(trained, tmp_path):
     import shutil
 
     from lightning_seqpar import SequenceParallelStrategy
-    from lightning_seqpar.export import export_hf
+    from lightning_seqpar.hf.export import export_hf
 
     checkpoint, _ = trained
     broken = tmp_path / "broken.ckpt"
@@ -179,7 +180,7 @@ def test_broken_checkpoint_files_are_named_before_loading(trained, tmp_path):
 
 def test_transformers_loads_the_export_with_the_same_logits(trained, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from lightning_seqpar.export import export_hf
+    from lightning_seqpar.hf.export import export_hf
     from lightning_seqpar.models import Llama, LlamaConfig
 
     checkpoint, saved = trained
@@ -201,7 +202,8 @@ def test_hf_export_carries_the_datamodules_tokenizer_and_generates(trained, tmp_
 
     from hf_testing import tiny_tokenizer
 
-    from lightning_seqpar.export import export_hf, main, tokenizer_source
+    from lightning_seqpar.export import main
+    from lightning_seqpar.hf.export import export_hf, tokenizer_source
 
     checkpoint, _ = trained
     tokenizer_dir = tiny_tokenizer(["the cat sat on the mat", "a dog ran far away"], str(tmp_path / "tokenizer"))

@@ -98,7 +98,7 @@ def _feature_models():
     Llama with dynamic NTK, Phi-3 with LongRoPE."""
     from hf_testing import tiny_config
 
-    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf import support as hf_support
 
     llama4 = hf_support.build_tiny_model("llama4_text", "chunked")  # chunk 8, layers: chunked (RoPE) + full (NoPE)
     assert llama4.config.attention_chunk_size == 8 and llama4.config.attn_temperature_tuning
@@ -160,7 +160,7 @@ def _restarting(document_ids: torch.Tensor) -> torch.Tensor:
 def test_temperature_tuning_is_refused_with_packed_documents_from_floor_scale_on():
     """Llama 4's attention temperature tuning reads the token index in the packed row (arange over the row), not in
     the document: refused by name once the row reaches config.floor_scale, before any collective, at sp 1 too."""
-    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf import support as hf_support
     from lightning_seqpar.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
 

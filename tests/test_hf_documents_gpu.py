@@ -27,7 +27,7 @@ ATOL = 1e-4
 def _models():
     from hf_testing import tiny_config
 
-    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf import support as hf_support
 
     config = hf_support.tiny_config("llama4_text", "chunked")
     config.head_dim = 16  # FlexAttention (the chunk mask on a GPU) takes head dims >= 16

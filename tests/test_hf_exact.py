@@ -212,7 +212,7 @@ def test_llama4_temperature_tuning_exact_on_one_rank_refused_when_sharded():
 
 
 def test_mixers_the_package_cannot_shard_are_refused_by_name():
-    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf import support as hf_support
 
     model = hf_support.build_tiny_model("rwkv")  # RWKV's time mixing: no sequence-parallel twin
     found = " ".join(find_token_mixers(model))

@@ -1,5 +1,5 @@
 """transformers' hybrid models (Qwen3-Next, Bamba, LFM2; tiny fp32 configs) with their recurrent
-mixers replaced by lightning_seqpar.hf_hybrid and their attention by "seqpar" (ring), sharded
+mixers replaced by lightning_seqpar.hf.hybrid and their attention by "seqpar" (ring), sharded
 over W gloo ranks: logits, loss and every gradient against the unmodified model on one device."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def data(seed: int = 0):
 
 
 def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
-    from lightning_seqpar.hf_hybrid import apply_hf_hybrid
+    from lightning_seqpar.hf.hybrid import apply_hf_hybrid
 
     for kind in KINDS:
         model = build(kind)
@@ -75,7 +75,7 @@ def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
 
 
 def test_cache_padding_and_packed_kwargs_are_refused_by_name():
-    from lightning_seqpar.hf_hybrid import apply_hf_hybrid
+    from lightning_seqpar.hf.hybrid import apply_hf_hybrid
 
     model = build("lfm2")
     apply_hf_hybrid(model)
@@ -95,8 +95,8 @@ def test_lora_on_what_the_twins_read_directly_is_refused_and_elsewhere_exact():
     wrong answer before). Refused by name when the mixers are replaced; LoRA on the projections the twins call stays
     exact on one device (the adapters change the logits: the comparison bites)."""
     peft = pytest.importorskip("peft")
-    from lightning_seqpar import hf_support
-    from lightning_seqpar.hf_hybrid import apply_hf_hybrid
+    from lightning_seqpar.hf import support as hf_support
+    from lightning_seqpar.hf.hybrid import apply_hf_hybrid
 
     def adapted(config, targets):
         model = build_eager(config)
@@ -331,7 +331,7 @@ def test_more_families_are_replaced_and_reset_at_documents_on_one_device():
 
     from lightning_seqpar.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
-    from lightning_seqpar.hf_hybrid import HYBRID_MIXERS
+    from lightning_seqpar.hf.hybrid import HYBRID_MIXERS
 
     lengths = LENGTHS[1]  # documents of 2, 3, 1, 1, 9 and 16 tokens
     ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))

@@ -1,5 +1,5 @@
 """transformers' Mamba1 models (Mamba, Falcon-Mamba, Jamba, Zamba; tiny fp32 configs of the support sweep) with
-their mixers replaced by lightning_seqpar.hf_hybrid's SeqparMambaMixer / SeqparZambaMambaMixer and their attention
+their mixers replaced by lightning_seqpar.hf.hybrid's SeqparMambaMixer / SeqparZambaMambaMixer and their attention
 by "seqpar" (ring), sharded over W gloo ranks: logits, loss and every gradient against the unmodified model on one
 device; packed documents against every document alone (Note [Mamba1's selective scan under sequence sharding])."""
 
@@ -29,13 +29,13 @@ LENGTHS = ((5, 1, 11, 7), (2, 22))  # packed documents of SEQ tokens: some short
 
 
 def build(kind: str):
-    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf import support as hf_support
 
     return build_eager(hf_support.tiny_config(kind))
 
 
 def data(seed: int = 0):
-    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf import support as hf_support
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, hf_support.VOCAB, (BATCH, SEQ + 1), generator=g)
@@ -43,7 +43,7 @@ def data(seed: int = 0):
 
 
 def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
-    from lightning_seqpar.hf_hybrid import (
+    from lightning_seqpar.hf.hybrid import (
         SeqparMambaMixer,
         SeqparZambaMambaMixer,
         apply_hf_hybrid,
@@ -67,7 +67,7 @@ def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
 
 
 def test_cache_and_packed_kwargs_and_other_activations_are_refused_by_name():
-    from lightning_seqpar.hf_hybrid import SeqparMambaMixer, apply_hf_hybrid
+    from lightning_seqpar.hf.hybrid import SeqparMambaMixer, apply_hf_hybrid
 
     model = build("mamba")
     apply_hf_hybrid(model)

@@ -43,7 +43,7 @@ def _config(kind: str):
 
 @pytest.mark.parametrize("kind", ["mamba", "jamba"])
 def test_twins_match_the_unmodified_model_on_the_gpu(kind):
-    from lightning_seqpar.hf_hybrid import apply_hf_hybrid
+    from lightning_seqpar.hf.hybrid import apply_hf_hybrid
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation="eager",

@@ -1,5 +1,5 @@
 """transformers' RecurrentGemma (Griffin: RG-LRU recurrent blocks + local attention; a tiny fp32 config) with its
-recurrent blocks replaced by lightning_seqpar.hf_hybrid's SeqparRecurrentGemmaRecurrentBlock and its attention by
+recurrent blocks replaced by lightning_seqpar.hf.hybrid's SeqparRecurrentGemmaRecurrentBlock and its attention by
 "seqpar" (ring), sharded over W gloo ranks: logits, loss and every gradient against the unmodified model on one
 device; packed documents against every document alone (Note [Diagonal linear recurrences under sequence sharding])."""
 
@@ -43,7 +43,7 @@ def data(seed: int = 0):
 
 def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
     from lightning_seqpar.hf.support import find_token_mixers
-    from lightning_seqpar.hf_hybrid import (
+    from lightning_seqpar.hf.hybrid import (
         SeqparRecurrentGemmaRecurrentBlock,
         apply_hf_hybrid,
     )
@@ -68,7 +68,7 @@ def test_resets_caches_and_packed_kwargs_are_refused_by_name():
     """position_ids restarting at 0 without the batch's documents (transformers would reset the RG-LRU there, the
     chain would not), a cache, packed-document kwargs and padding: ValueError naming each."""
     from lightning_seqpar.documents import PackedDocuments, packed_documents
-    from lightning_seqpar.hf_hybrid import apply_hf_hybrid
+    from lightning_seqpar.hf.hybrid import apply_hf_hybrid
 
     model = build()
     apply_hf_hybrid(model)

@@ -1,4 +1,4 @@
-"""The Hugging Face support sweep (Note [The Hugging Face support sweep] in lightning_seqpar.hf_support).
+"""The Hugging Face support sweep (Note [The Hugging Face support sweep] in lightning_seqpar.hf.support).
 
 Every causal-LM architecture transformers registers, base config and each long-context feature,
 at sp 2 and 4, ring / all-gather / Ulysses / 2D, against the unmodified model on the full
@@ -7,7 +7,7 @@ every document alone: exact, or refused with a ValueError before any collective.
 except the named known defects (:data:`KNOWN_DEFECTS`, being fixed on another branch).
 
 ``SEQPAR_HF_SWEEP=full`` runs everything (minutes) and, with ``SEQPAR_HF_SWEEP_RECORD=path``,
-writes the JSON record that ``python -m lightning_seqpar.hf_support`` renders into
+writes the JSON record that ``python -m lightning_seqpar.hf.support`` renders into
 docs/hf_support.md. The default run (CI) covers :data:`CI_CASES`, a subset hitting every
 feature class, and checks the committed record and table.
 """
@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 from dist_utils import run_distributed  # noqa: E402
 
-from lightning_seqpar import hf_support  # noqa: E402
+from lightning_seqpar.hf import support as hf_support  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "docs" / "hf_support.json"
@@ -474,7 +474,7 @@ def test_the_table_is_generated_from_the_record():
     record = json.loads(RECORD.read_text())
     assert TABLE.read_text() == hf_support.render_markdown(record), (
         "docs/hf_support.md is not the rendering of docs/hf_support.json: run "
-        "python -m lightning_seqpar.hf_support --record docs/hf_support.json --write docs/hf_support.md")
+        "python -m lightning_seqpar.hf.support --record docs/hf_support.json --write docs/hf_support.md")
     assert record["archs_walked"] == len(hf_support.causal_lm_architectures()) or record["transformers"] != transformers.__version__
 
 

@@ -50,7 +50,7 @@ def test_models_say_whether_cudnn_is_exact_for_them():
     apply_attention(model, None, attention="ring")
     assert all(m.cudnn_exact for m in model.modules() if hasattr(m, "cudnn_exact"))
     pytest.importorskip("transformers")
-    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf import support as hf_support
     from lightning_seqpar.hf import HFCausalLM
 
     full = {"llama": True, "qwen3": True, "mistral": True, "gemma3_text": True,  # RoPE over the whole head

@@ -1,4 +1,4 @@
-"""LoRA through peft under SequenceParallelStrategy (CPU, gloo, fp32): lightning_seqpar.lora.
+"""LoRA through peft under SequenceParallelStrategy (CPU, gloo, fp32): lightning_seqpar.hf.lora.
 
 * Parity: the loss, the logits and every adapter gradient of a step under the strategy (sp 2 and
   4) equal those of the same peft model on one process (transformers' eager attention, no
@@ -67,7 +67,7 @@ def _fit_lora(rank: int, world_size: int, path: str, lora: dict[str, Any] | None
     from torch.distributed.tensor import DTensor
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
-    from lightning_seqpar.lora import adapter_state_dict
+    from lightning_seqpar.hf.lora import adapter_state_dict
 
     def clean(name: str) -> str:
         return name.replace("_checkpoint_wrapped_module.", "").removeprefix("hf.")
@@ -245,7 +245,7 @@ def test_adapter_folder_of_a_checkpointed_model(base, tmp_path):
     """One process: the adapter folder of a model whose blocks are wrapped for activation checkpointing
     (parameter names with ``_checkpoint_wrapped_module``) loads with peft and gives the model's logits."""
     from lightning_seqpar import CausalLMModule
-    from lightning_seqpar.lora import save_lora_pretrained
+    from lightning_seqpar.hf.lora import save_lora_pretrained
     from lightning_seqpar.parallelize import apply_ac
 
     module = CausalLMModule(base, lora=LORA_ALL)
@@ -296,7 +296,7 @@ def test_bf16_true_keeps_the_base_in_bf16_and_the_adapters_in_fp32(base):
 
 def test_lora_config_errors():
     from lightning_seqpar import CausalLMModule
-    from lightning_seqpar.lora import lora_config, lora_hparams
+    from lightning_seqpar.hf.lora import lora_config, lora_hparams
 
     with pytest.raises(ValueError, match="Hugging Face"):
         CausalLMModule("tiny", lora=LORA)
@@ -323,7 +323,7 @@ def test_lora_recipes_parse_into_a_lora_config(monkeypatch):
 
     from test_recipes import parse
 
-    from lightning_seqpar.lora import lora_config
+    from lightning_seqpar.hf.lora import lora_config
 
     root = Path(__file__).parent.parent / "recipes"
     for name, devices, sp in (("lora_finetune.yaml", 4, 4), ("lora_finetune_1gpu.yaml", 1, 1)):
@@ -345,7 +345,11 @@ def _head_model(base: str, **lora: Any):
 def test_the_operands_of_an_adapted_head_give_its_logits_and_gradients(base):
     """Note [An adapted output head]: h' @ W'^T is lm_head(h) for a LoRA head with two active adapters (one with a
     rank of its own), and the adapters' gradients through it are peft's; a disabled or merged head is its weight."""
-    from lightning_seqpar.lora import head_operands
+    from lightning_seqpar.head import head_operands as operands
+    from lightning_seqpar.hf.lora import PEFT_HEAD
+
+    def head_operands(head, hidden):
+        return operands(head, hidden, adapters=(PEFT_HEAD,))
 
     model = _head_model(base)
     model.add_adapter("second", peft.LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=3, target_modules=["lm_head"],

@@ -46,7 +46,7 @@ def test_shape_from_hf_config_and_package_config():
 def test_models_the_estimate_does_not_model_are_refused_by_name():
     """Experts and recurrent / convolution layers would make the dense estimate wrong: memory='auto' refuses them."""
     pytest.importorskip("transformers")
-    from lightning_seqpar import hf_support
+    from lightning_seqpar.hf import support as hf_support
 
     for arch, what in [("mixtral", "config.num_local_experts=4"), ("lfm2", "['conv'] (config.layer_types)"),
                        ("falcon_h1", "['hybrid'] (config.layer_types)"), ("mamba", "no integer ['num_attention_heads']")]:

@@ -109,7 +109,7 @@ def test_hybrid_cpu_recipe_builds_a_transformers_hybrid():
     builds transformers' Qwen3-Next from it with its gated DeltaNet layers replaced by the sequence-parallel twins."""
     pytest.importorskip("transformers")
     from lightning_seqpar.hf import HFConfigSpec
-    from lightning_seqpar.hf_hybrid import is_hybrid_twin
+    from lightning_seqpar.hf.hybrid import is_hybrid_twin
     from lightning_seqpar.module import CausalLMModule
 
     config = parse(["fit", "--config", str(RECIPES[0].parent / "hybrid_tiny_cpu.yaml")]).fit

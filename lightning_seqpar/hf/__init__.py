@@ -16,12 +16,20 @@ Public names:
   (linear, dynamic, YaRN, Llama 3, LongRoPE).
 * :func:`save_hf_pretrained` — a consolidated ``save_pretrained`` folder of an FSDP2-sharded model.
 
-Submodules, one concern each: ``attention`` (the ``AttentionInterface`` entry, :func:`apply_hf_attention`),
-``config`` (reading a config, overriding it, extending its RoPE), ``features`` (a layer's window / soft-capping / sinks / chunk size, read from the call, the layer
-and the config: ``attention_features``, ``attention_kwargs``), ``rope`` (length-dependent
-rotary embeddings made global), ``moe`` (the router auxiliary loss across ranks), ``support`` (what
-is exact and what is refused: ``refuse_token_mixers``, ``check_sharded_layer``), ``model``
-(:class:`HFCausalLM`, building, saving).
+Submodules, one concern each, in the order of their imports (each imports only those before it; the
+order is drawn in docs/architecture.md):
+
+* ``config`` (reading a config, overriding it, extending its RoPE), ``features`` (a layer's window /
+  soft-capping / sinks / chunk size, read from the call, the layer and the config: ``attention_features``,
+  ``attention_kwargs``), ``lora`` (LoRA through peft: applying, saving the adapters, peft's output head);
+* ``rope`` (length-dependent rotary embeddings made global), ``moe`` (the router auxiliary loss across
+  ranks), ``hybrid`` (the recurrent mixers of hybrid models replaced by sequence-parallel twins);
+* ``support`` (what is exact and what is refused: ``refuse_token_mixers``, ``check_sharded_layer``,
+  ``check_model_supported``; the support sweep's tiny models and the support table);
+* ``attention`` (the ``AttentionInterface`` entry, :func:`apply_hf_attention`);
+* ``model`` (:class:`HFCausalLM`, building, saving);
+* ``export`` (a package Llama as a transformers folder, a LoRA checkpoint's adapters and merged model, the
+  run's tokenizer: what ``seqpar export --format hf | lora`` writes).
 
 Note [Hugging Face models under the strategy]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -13,11 +13,10 @@ from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.documents import current_documents
-from lightning_seqpar.hf.features import attention_features, attention_kwargs, layer_name
+from lightning_seqpar.hf.features import attention_features, attention_kwargs, is_attention_layer, layer_name
+from lightning_seqpar.hf.hybrid import HYBRID_MIXERS, apply_hf_hybrid, is_hybrid_twin
 from lightning_seqpar.hf.rope import install_global_length_rotary
-from lightning_seqpar.hf_support import refuse_unseen_position_features
-from lightning_seqpar.hf.support import check_sharded_layer, refuse_token_mixers
-from lightning_seqpar.hf_hybrid import HYBRID_MIXERS, apply_hf_hybrid, is_hybrid_twin
+from lightning_seqpar.hf.support import check_sharded_layer, refuse_token_mixers, refuse_unseen_position_features
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -43,7 +42,6 @@ _UNSUPPORTED_KWARGS: dict[str, str] = {
     "head_mask": "a head mask",
 }
 
-# config fields that change the logits after ``lm_head`` (the chunked loss computes hidden @ W^T only)
 
 def require_transformers() -> Any:
     """The transformers module, or an ImportError saying how to install a supported version."""
@@ -194,17 +192,6 @@ def seqpar_attention_forward(
 # --------------------------------------------------------------------------------------------- applying it
 
 
-def _is_attention_layer(module: nn.Module) -> bool:
-    """A transformers attention layer: it has a softmax ``scaling``, an ``is_causal`` flag and the model config."""
-    scaling = getattr(module, "scaling", None)
-    return (
-        isinstance(scaling, (int, float))
-        and not isinstance(scaling, bool)
-        and hasattr(module, "is_causal")
-        and hasattr(module, "config")
-    )
-
-
 def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> int:
     """Make a transformers ``PreTrainedModel`` run the package's attention (Note [Hugging Face models under the strategy]).
 
@@ -215,7 +202,7 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
     Rotary embeddings whose frequencies read the sequence length get the hooks of Note
     [Length-dependent rotary embeddings] (``lightning_seqpar.hf.rope``); the recurrent mixers of
     hybrid models that the package makes exact are replaced by their sequence-parallel twins
-    (``lightning_seqpar.hf_hybrid.apply_hf_hybrid``).
+    (``lightning_seqpar.hf.hybrid.apply_hf_hybrid``).
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention layers call ``AttentionInterface``.
@@ -235,9 +222,9 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 1):
         raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
     refuse_token_mixers(model)  # Note [Exact or refused: position-dependent layers of Hugging Face models]
-    refuse_unseen_position_features(model, max_seq_len=max_seq_len)  # what the support sweep found (lightning_seqpar.hf_support)
+    refuse_unseen_position_features(model, max_seq_len=max_seq_len)  # what the support sweep found (Note [Silent mismatches the sweep found])
     register_attention()
-    layers = [(name, m) for name, m in model.named_modules() if _is_attention_layer(m)]
+    layers = [(name, m) for name, m in model.named_modules() if is_attention_layer(m)]
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     recurrent_only = not layers and any(type(m).__name__ in HYBRID_MIXERS or is_hybrid_twin(m) for m in model.modules())

@@ -21,7 +21,7 @@ global positions), so :func:`attention_features` reads them as the reference app
 
 :func:`attention_kwargs` hands them to the package's ``Attention`` (Note [Attention variants] in
 ``lightning_seqpar.attention.variants``), which computes each of them exactly in every algorithm.
-The support sweep (``lightning_seqpar.hf_support``) checks this reading against the unmodified
+The support sweep (``lightning_seqpar.hf.support``) checks this reading against the unmodified
 model for every architecture transformers registers. Semantics, as transformers'
 masks (``masking_utils.sliding_window_overlay`` / ``chunked_overlay``):
 
@@ -41,7 +41,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["AttentionFeatures", "attention_features", "attention_kwargs", "layer_name"]
+__all__ = ["AttentionFeatures", "attention_features", "attention_kwargs", "is_attention_layer", "layer_name"]
 
 _WINDOWED_LAYER_TYPES = ("sliding_attention",)
 # model types whose model builds the mask of its "full_attention" layers with config.sliding_window (MiniMax:
@@ -76,6 +76,17 @@ class AttentionFeatures:
     def covers(self, seq_len: int) -> bool:
         """Whether over ``seq_len`` tokens the window and the chunks make no difference (full causal attention)."""
         return (self.window is None or seq_len <= self.window) and (self.chunk_size is None or seq_len <= self.chunk_size)
+
+
+def is_attention_layer(module: nn.Module) -> bool:
+    """A transformers attention layer: it has a softmax ``scaling``, an ``is_causal`` flag and the model config."""
+    scaling = getattr(module, "scaling", None)
+    return (
+        isinstance(scaling, (int, float))
+        and not isinstance(scaling, bool)
+        and hasattr(module, "is_causal")
+        and hasattr(module, "config")
+    )
 
 
 def layer_name(module: nn.Module) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -13,12 +12,13 @@ from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.documents import current_documents, documents_error
+from lightning_seqpar.head import head_operands, logits_head
 from lightning_seqpar.hf.attention import apply_hf_attention, require_transformers
 from lightning_seqpar.hf.config import HFConfigSpec, is_hf_source, load_hf_config
 from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
+from lightning_seqpar.hf.hybrid import is_hybrid_twin
+from lightning_seqpar.hf.lora import PEFT_HEAD, is_peft_model
 from lightning_seqpar.hf.support import check_sharded_layer
-from lightning_seqpar.hf_hybrid import is_hybrid_twin
-from lightning_seqpar.lora import head_operands, logits_head
 from lightning_seqpar.parallelize import config_value
 
 if TYPE_CHECKING:
@@ -87,11 +87,6 @@ def _full_rotary(model: nn.Module) -> bool:
     return not (isinstance(no_rope, (list, tuple)) and 0 in no_rope)
 
 
-def _is_peft_model(model: object) -> bool:
-    peft = sys.modules.get("peft")  # a PeftModel exists only once peft is imported
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
 class HFCausalLM(nn.Module):
     """A transformers causal LM with the interface of the package's models (what ``CausalLMModule`` calls).
 
@@ -102,14 +97,14 @@ class HFCausalLM(nn.Module):
 
     Args:
         model: a transformers ``PreTrainedModel`` for causal LM (:func:`apply_hf_attention` is applied),
-            or a ``peft.PeftModel`` wrapping one (``lightning_seqpar.lora``).
+            or a ``peft.PeftModel`` wrapping one (``lightning_seqpar.hf.lora``).
         max_seq_len: see :func:`apply_hf_attention`.
     """
 
     def __init__(self, model: PreTrainedModel, *, max_seq_len: int | None = None) -> None:
         super().__init__()
         # a peft.PeftModel (LoRA): the attention layers are its base model's (Note [LoRA under the strategy])
-        base = model.get_base_model() if _is_peft_model(model) else model
+        base = model.get_base_model() if is_peft_model(model) else model
         apply_hf_attention(base, max_seq_len=max_seq_len)
         self._router_aux = router_aux(base)  # refuses an auxiliary loss it cannot compute exactly
         self._router_stats: RouterStats | None = None
@@ -232,12 +227,12 @@ class HFCausalLM(nn.Module):
                     f"{type(self.hf).__name__} transforms its logits after lm_head (config.{field}={value}), which the "
                     "chunked cross entropy does not: use loss_chunk_size=None"
                 )
-        logits_head(self.lm_head, type(self.hf).__name__)  # a plain head, or one peft wraps (Note [An adapted output head])
+        logits_head(self.lm_head, type(self.hf).__name__, adapters=(PEFT_HEAD,))  # a plain head, or one peft wraps (Note [An adapted output head])
 
     def head_operands(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """``(h, W)`` whose product ``h @ W^T`` is the logits of the final hidden states ``hidden`` ``(B, S, d)``: what
         the chunked loss multiplies (``lm_head.weight`` for a plain head; Note [An adapted output head] for peft's)."""
-        return head_operands(self.lm_head, hidden, type(self.hf).__name__)
+        return head_operands(self.lm_head, hidden, type(self.hf).__name__, adapters=(PEFT_HEAD,))
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at sequence length ``seq_len`` (Note [FLOPs per token] in

@@ -7,6 +7,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_seqpar.head import head_operands
+
 
 def global_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
     """Position ids (B, S) for ``input_ids`` (B, S): ``arange(S)`` when None, a (1, S) row expanded.
@@ -53,5 +55,6 @@ class CausalLM(nn.Module):
         return hidden if output == "hidden" else self.lm_head(hidden)  # (B, S, V)
 
     def head_operands(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(hidden, lm_head.weight)``: what a chunked loss multiplies to get the logits of ``hidden`` (B, S, d)."""
-        return hidden, self.lm_head.weight
+        """``(hidden, lm_head.weight)``: what a chunked loss multiplies to get the logits of ``hidden`` (B, S, d)
+        (``lightning_seqpar.head``; a head other than a plain ``nn.Linear`` without bias is refused by name)."""
+        return head_operands(self.lm_head, hidden, type(self).__name__)
