@@ -167,7 +167,7 @@ OPTIONS_DOC = """\
             forward and backward (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, what bf16
             autocast does in Hugging Face training); their shards, gradients and AdamW state stay fp32. peft then
             no longer keeps an fp32 copy of every adapted layer's input for the backward (Note [Adapters in bf16]
-            in ``lightning_seqpar.lora``): ~4 bytes x (3d + H D + 2d + I) per token and layer less at the block's
+            in ``lightning_seqpar.hf.lora``): ~4 bytes x (3d + H D + 2d + I) per token and layer less at the block's
             peak. False (the default): the adapters compute in fp32, as peft's own model does.
         mlp_chunk_size: run each block's MLP over slices of this many tokens, each checkpointed:
             the MLP's intermediate activations (3.5x the block width) exist for one slice at a

@@ -89,7 +89,7 @@ transformers 28,650; 32K 27,510 against 24,437 at 84.3 GB, estimate 83.8). Other
 from the options as the user gave them and walks :data:`LADDER`, the
 changes that save memory in order of what they cost in time: for fp32 LoRA adapters under
 "bf16-true", ``bf16_adapters`` (no time: the adapters compute in bf16, Note [Adapters in bf16] in
-``lightning_seqpar.lora``; it changes their rounding, so it is dropped again where nothing else is
+``lightning_seqpar.hf.lora``; it changes their rounding, so it is dropped again where nothing else is
 needed), then ``offload_checkpoints`` (copies on
 a side stream that overlap the forward; ~2 GB / 25 GB/s per block in the backward), then
 ``head_chunks`` 2, 4, 8 (more, smaller attention calls and messages), then ``mlp_chunk_size``

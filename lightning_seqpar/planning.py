@@ -269,7 +269,7 @@ LORA_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 def lora_targets(lora_config: Any) -> tuple[str, ...]:
     """The linear layers of :data:`LORA_LINEARS` a ``peft.LoraConfig`` adapts ("all-linear", None or a pattern: all),
     and ``"lm_head"`` where it is adapted too (named in the list, or matched by the pattern; Note [An adapted output
-    head] in ``lightning_seqpar.lora``)."""
+    head] in ``lightning_seqpar.hf.lora``)."""
     targets = getattr(lora_config, "target_modules", None)
     if isinstance(targets, str) and targets in LORA_LINEARS:
         return (targets,)

@@ -88,7 +88,7 @@ def fsdp_dtypes(plugin: Precision, *, bf16_adapters: bool, fp32_adapters: bool,
     """FSDP2's ``(param_dtype, reduce_dtype)`` under ``plugin``: "bf16-true" / "16-true" keep the parameters that
     ``convert_module`` made low precision (None, None); "bf16-mixed" gathers fp32 parameters in bf16 for compute and
     reduces the gradients in fp32; so does ``bf16_adapters`` for LoRA's fp32 adapters under "bf16-true" (Note
-    [Adapters in bf16] in ``lightning_seqpar.lora``), which needs them (``fp32_adapters``)."""
+    [Adapters in bf16] in ``lightning_seqpar.hf.lora``), which needs them (``fp32_adapters``)."""
     param_dtype = reduce_dtype = None
     if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
         param_dtype, reduce_dtype = torch.bfloat16, torch.float32

@@ -15,7 +15,7 @@ history) in the middle of the sequence: wrong logits, silently. The attention la
 models are installed by ``apply_hf_attention`` like any other; their recurrent mixers are
 replaced at set-up, once, by modules of this file (no transformers class is patched):
 
-    transformers class                      replaced by            token mixing (Note in attention/recurrent.py)
+    transformers class                      replaced by            token mixing (Notes in attention/recurrent/)
     Qwen3NextGatedDeltaNet, Qwen3_5(Moe)-   SeqparGatedDeltaNet    causal conv (q|k|v) + gated delta rule
       GatedDeltaNet
     BambaMixer, GraniteMoeHybrid-           SeqparMamba2Mixer      causal conv (x|B|C) + SSD scan
