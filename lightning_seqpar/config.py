@@ -49,7 +49,7 @@ MEMORY_CHOICES: tuple[str, ...] = ("manual", "auto")
 """``memory``: "manual" (the options as given) or "auto" (Note [Planning memory] in ``lightning_seqpar.memory``)."""
 
 MEMORY_OPTIONS: tuple[str, ...] = ("offload_checkpoints", "head_chunks", "mlp_chunk_size", "offload_params", "activation_checkpointing",
-                                   "bf16_adapters")
+                                   "bf16_adapters", "uncheckpointed_blocks")
 """The options ``memory="auto"`` may set, where they are left at their defaults."""
 
 OWNER = "SequenceParallelStrategy"

@@ -108,7 +108,12 @@ blocks offloaded (``offload_checkpoints=k``; the last L - k keep their inputs on
 backward needs first), k the most the host holds. Then what that set does not need is dropped again, the costliest first
 (activation_checkpointing, offload_params, mlp_chunk_size, head_chunks down to the fewest that
 fit, offload_checkpoints, bf16_adapters): head chunks save nothing where the MLP phase is the larger one, but
-once the MLP is tiled the attention phase may be. An option the user set is never changed (its
+once the MLP is tiled the attention phase may be. What the chosen set leaves of the budget then goes to
+speed: the most blocks left without checkpointing (``uncheckpointed_blocks``, the last blocks; no recompute
+in their backward) whose estimate still fits, where checkpointing is on and nothing is offloaded (4 x H200,
+Llama-3-8B at 64K, sequence-parallel 4 with the chunked loss: 24 blocks uncheckpointed gave 4,390 tokens/s
+per GPU against 4,100 with none; a user-set count is counted in the estimate, which before left it out and
+let 12 blocks at 128K stop making progress after the first step). An option the user set is never changed (its
 step is skipped; "selective++", the default, counts as unset). When nothing fits, the error names
 ``expected_seq_len``, the device memory, the estimate nearest to fitting with its largest term
 (and the host's share where the host binds), and the longest length (a multiple of lcm(1024,
@@ -295,6 +300,7 @@ class MemoryOptions:
     mlp_chunk_size: int | None = None
     offload_params: bool = False
     bf16_adapters: bool = False
+    uncheckpointed_blocks: int = 0
 
     def changes(self) -> str:
         """The options that differ from the defaults, short ("offload_checkpoints, head_chunks=4"); "defaults" when none."""
@@ -309,6 +315,8 @@ class MemoryOptions:
                   f"mlp_chunk_size={self.mlp_chunk_size}", f"offload_params={self.offload_params}"]
         if self.bf16_adapters:
             parts.append("bf16_adapters=True")
+        if self.uncheckpointed_blocks:
+            parts.append(f"uncheckpointed_blocks={self.uncheckpointed_blocks}")
         return ", ".join(parts)
 
 
@@ -442,7 +450,9 @@ def estimate_memory(
     mlp_grads = 2 * I * e
     mode = options.activation_checkpointing
     # offload_checkpoints: every checkpointed block (True) or the first k; the others keep their input on the device
-    k = 0 if mode is None else L if options.offload_checkpoints is True else min(int(options.offload_checkpoints), L)
+    # uncheckpointed_blocks: the last u blocks keep every saved tensor, as without checkpointing
+    u = 0 if mode is None else min(int(options.uncheckpointed_blocks), L)
+    k = 0 if mode is None else L - u if options.offload_checkpoints is True else min(int(options.offload_checkpoints), L - u)
     back = x if k else 0  # the offloaded input copied back for the recompute
     # LoRA (peft casts each adapted layer's input to the fp32 adapter's dtype; lora_A keeps that copy), and the
     # fp32 sum of base output and adapter output that the widest adapted attention projection forms
@@ -484,7 +494,7 @@ def estimate_memory(
         head_chunks=options.head_chunks if algorithm in ("ring", "allgather") else 1,
     ).peak_memory_bytes
 
-    kept_on_device = x * (L - k) / L  # the block inputs not offloaded, averaged over the layers
+    kept_on_device = x * (L - u - k) / max(L - u, 1)  # the block inputs not offloaded, averaged over the checkpointed layers
     if mode == "selective++":
         saved_token = kept_on_device + attn_out
         recompute_extra = 0
@@ -494,6 +504,7 @@ def estimate_memory(
     else:  # no checkpointing: every layer keeps what its backward needs
         saved_token = x + 2 * norm + qkv + attn_out + (mlp_saved if options.mlp_chunk_size is None else 0)
         recompute_extra = 0
+    bare_token = x + 2 * norm + qkv + attn_out + (mlp_saved if options.mlp_chunk_size is None else 0) + lora_attn
     if mode is None:  # the saved tensors are in saved_token; the backward adds gradients
         saved_token += lora_attn
         mlp_phase = n * ((mlp_grads if options.mlp_chunk_size is None else 0) + x) + tile + lora_tile
@@ -520,7 +531,7 @@ def estimate_memory(
     return MemoryEstimate(
         seq_len=seq_len, tokens=n, options=options, parameters=float(parameters), gradients=float(gradients),
         optimizer_states=float(optimizer), fsdp_buffers=float(fsdp_buffers), saved_per_layer=float(n * saved_token),
-        saved_activations=float(L * n * saved_token), block_recompute=float(block), attention_working=float(attention_phase),
+        saved_activations=float((L - u) * n * saved_token + u * n * bare_token), block_recompute=float(block), attention_working=float(attention_phase),
         loss_working=float(loss), host=float(host),
     )
 
@@ -614,6 +625,25 @@ def _partial_offload(sets: list[MemoryOptions], estimate: Callable[[MemoryOption
     return None
 
 
+def _uncheckpoint(chosen: MemoryEstimate, estimate: Callable[[MemoryOptions], MemoryEstimate],
+                  fits: Callable[[MemoryEstimate], bool], fixed: Mapping[str, Any], layers: int) -> MemoryEstimate:
+    """Spend what the chosen set leaves of the budget on speed: the most blocks left without checkpointing (no
+    recompute in their backward) that still fit, where checkpointing is on, nothing is offloaded and the user did
+    not set ``uncheckpointed_blocks`` (Note [Planning memory]). Binary search: the estimate grows with the count."""
+    o = chosen.options
+    if "uncheckpointed_blocks" in fixed or o.activation_checkpointing is None or o.offload_checkpoints or o.offload_params:
+        return chosen
+    lo, hi, best = 0, layers - 1, chosen
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        trial = estimate(replace(o, uncheckpointed_blocks=mid))
+        if fits(trial):
+            lo, best = mid, trial
+        else:
+            hi = mid - 1
+    return best
+
+
 def plan_memory(
     *,
     model_shape: TransformerShape,
@@ -697,6 +727,7 @@ def plan_memory(
                 if fits(trial):
                     chosen = trial
                     break
+        chosen = _uncheckpoint(chosen, estimate, fits, fixed, model_shape.num_layers)
         return MemoryPlan(options=chosen.options, estimate=chosen, device_memory=device_memory, tried=tuple(tried))
     best = min(tried, key=lambda t: max(t.total / budget, t.host / host_budget))  # the nearest to fitting
     granule = math.lcm(1024, 2 * sp)

@@ -516,3 +516,20 @@ def test_validation_returns_the_token_losses_chunked_or_not():
     torch.testing.assert_close(losses.sum(), loss_sum, rtol=1e-6, atol=0)
     assert int(n_valid) == int((data["labels"] != -100).sum())
     torch.testing.assert_close(full.val_loss.compute(), loss_sum / n_valid, rtol=1e-6, atol=0)
+
+
+def test_a_config_dict_builds_the_shape_it_names_or_is_refused_by_key():
+    """A dict model: the recipe's nested form {model_type, config: {...}} builds that shape (it was silently the class's
+    default: transformers keeps an unknown keyword such as 'config' as an attribute), and a field the class does not
+    know is refused by name, with the close names (it built the default size)."""
+    from lightning_seqpar.hf.config import load_hf_config
+
+    nested = load_hf_config({"model_type": "qwen3", "config": {"hidden_size": 64, "num_hidden_layers": 2}})
+    flat = load_hf_config({"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2})
+    assert (nested.hidden_size, nested.num_hidden_layers) == (flat.hidden_size, flat.num_hidden_layers) == (64, 2)
+    with pytest.raises(ValueError, match=r"model\['hiden_size'\].*did you mean 'hidden_size'"):
+        load_hf_config({"model_type": "llama", "hiden_size": 64})
+    with pytest.raises(ValueError, match="either inside 'config' or beside 'model_type'"):
+        load_hf_config({"model_type": "llama", "config": {"hidden_size": 64}, "vocab_size": 32})
+    with pytest.raises(ValueError, match=r"model\['hiden_size'\]"):
+        CausalLMModule(model={"model_type": "llama", "config": {"hiden_size": 64}})

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_seqpar.memory import (
+    DEFAULT_MARGIN,
     OVERHEAD_BYTES,
     MemoryOptions,
     TransformerShape,
@@ -131,10 +132,12 @@ def test_plan_no_offload_at_64k_offload_where_plain_does_not_fit():
     assert plan.options == MemoryOptions(activation_checkpointing=None)
     assert len(plan.tried) == 1
     plan = plan_memory(model_shape=LLAMA_1B, seq_len=128 * K, device_memory=H200, loss_chunk_size=8192)
-    assert plan.options == MemoryOptions()
-    assert len(plan.tried) == 2
-    assert plan_memory(model_shape=LLAMA_1B, seq_len=64 * K, device_memory=H200, loss_chunk_size=8192,
-                       fixed={"activation_checkpointing": "selective++"}).options == MemoryOptions()  # the user's choice kept
+    # Selective Checkpoint++, and what it leaves of the budget spent on blocks without checkpointing
+    assert replace(plan.options, uncheckpointed_blocks=0) == MemoryOptions()
+    assert plan.options.uncheckpointed_blocks > 0
+    kept = plan_memory(model_shape=LLAMA_1B, seq_len=64 * K, device_memory=H200, loss_chunk_size=8192,
+                       fixed={"activation_checkpointing": "selective++"}).options  # the user's choice kept
+    assert kept.activation_checkpointing == "selective++" and kept.uncheckpointed_blocks > 0
     plain = estimate_memory(model_shape=LLAMA_1B, seq_len=512 * K, loss_chunk_size=8192)
     assert plain.total > 0.9 * H200
     plan = plan_memory(model_shape=LLAMA_1B, seq_len=512 * K, device_memory=H200, loss_chunk_size=8192)
@@ -448,3 +451,33 @@ def test_seqpar_memory_command(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["memory", "--model", "no-such-model", "--seq", "1K", "--device-memory", "80"])
     assert "--model: 'no-such-model' is neither" in capsys.readouterr().err
+
+
+def test_plan_spends_what_is_left_on_uncheckpointed_blocks():
+    """memory="auto" leaves the most blocks without checkpointing that still fit (Note [Planning memory]); a count
+    the user set is kept and counted in the estimate (it was left out: 12 blocks at 128K on 4 x H200 ran past the
+    device's memory)."""
+    budget = (1 - DEFAULT_MARGIN) * H200
+    plan = plan_memory(model_shape=LLAMA_1B, seq_len=128 * K, device_memory=H200, loss_chunk_size=8192)
+    u = plan.options.uncheckpointed_blocks
+    assert 0 < u < LLAMA_1B.num_layers and plan.estimate.total <= budget
+    more = estimate_memory(model_shape=LLAMA_1B, seq_len=128 * K, options=replace(plan.options, uncheckpointed_blocks=u + 1),
+                           loss_chunk_size=8192)
+    assert more.total > budget  # the largest count that fits
+    none = estimate_memory(model_shape=LLAMA_1B, seq_len=128 * K, options=MemoryOptions(), loss_chunk_size=8192)
+    bare = estimate_memory(model_shape=LLAMA_1B, seq_len=128 * K, options=MemoryOptions(activation_checkpointing=None),
+                           loss_chunk_size=8192)
+    per_block = (bare.saved_activations - none.saved_activations) / LLAMA_1B.num_layers
+    assert plan.estimate.saved_activations == pytest.approx(none.saved_activations + u * per_block)
+    # the user's count: kept, counted, and what it needs planned around it (here: the MLP in tiles)
+    fixed = plan_memory(model_shape=LLAMA_1B, seq_len=192 * K, device_memory=H200, loss_chunk_size=8192,
+                        fixed={"uncheckpointed_blocks": 12})
+    assert fixed.options == MemoryOptions(uncheckpointed_blocks=12, mlp_chunk_size=fixed.options.mlp_chunk_size)
+    assert fixed.options.mlp_chunk_size is not None and fixed.estimate.total <= budget
+    alone = estimate_memory(model_shape=LLAMA_1B, seq_len=192 * K, options=MemoryOptions(uncheckpointed_blocks=12),
+                            loss_chunk_size=8192)
+    assert alone.total > budget  # what the estimate left out before
+    # offloaded checkpoints or host-resident parameters: no blocks are left uncheckpointed by the planner
+    offloaded = plan_memory(model_shape=LLAMA_1B, seq_len=1024 * K, device_memory=H200, loss_chunk_size=8192)
+    if offloaded.options.offload_checkpoints or offloaded.options.offload_params:
+        assert offloaded.options.uncheckpointed_blocks == 0

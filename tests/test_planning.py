@@ -8,6 +8,8 @@ import math
 import re
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_seqpar import cli
@@ -56,7 +58,8 @@ def test_more_gpus_shorten_the_step_and_need_fewer_memory_savings():
         assert b.linear_s == pytest.approx(a.linear_s / 4)
         if a.fits:  # memory="auto" sets no more of the options that trade time for memory on more GPUs
             assert _savings(b) <= _savings(a)
-    assert plans[-1].memory.options.changes() == "defaults" and plans[-1].memory_gb < plans[-2].memory_gb
+    # nothing traded for memory at 1024 GPUs (what is left goes to blocks without checkpointing: speed, not savings)
+    assert replace(plans[-1].memory.options, uncheckpointed_blocks=0).changes() == "defaults"
 
 
 def _savings(p) -> int:
@@ -64,7 +67,8 @@ def _savings(p) -> int:
 
     from lightning_seqpar.memory import MemoryOptions
 
-    return sum(getattr(p.memory.options, f.name) != getattr(MemoryOptions(), f.name) for f in fields(MemoryOptions))
+    return sum(getattr(p.memory.options, f.name) != getattr(MemoryOptions(), f.name) for f in fields(MemoryOptions)
+               if f.name != "uncheckpointed_blocks")  # a speed choice, not a saving
 
 
 def test_auto_is_never_slower_than_megatron_cp_and_megatron_cp_is_one_plain_ring():

@@ -132,7 +132,14 @@ def load_hf_config(source: Any, *, config_overrides: Mapping[str, Any] | None = 
         return load_hf_config(source.as_dict(), config_overrides=config_overrides)
     elif isinstance(source, Mapping):
         fields = dict(source)
-        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        if isinstance(fields.get("config"), Mapping):  # the recipe's form {model_type, config: {...}} given as a dict
+            if extra := sorted(set(fields) - {"model_type", "config"}):
+                raise ValueError(f"model: give the config fields either inside 'config' or beside 'model_type', not both; "
+                                 f"got {extra} beside 'config'")
+            return load_hf_config(HFConfigSpec(fields["model_type"], dict(fields["config"])), config_overrides=config_overrides)
+        model_type = fields.pop("model_type")
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+        _check_fields(config, fields, model_type)
     elif isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -144,6 +151,23 @@ def load_hf_config(source: Any, *, config_overrides: Mapping[str, Any] | None = 
             f"with 'model_type'; got {type(source).__name__}"
         )
     return apply_config_overrides(config, config_overrides) if config_overrides else config
+
+
+def _check_fields(config: PretrainedConfig, fields: Mapping[str, Any], model_type: str) -> None:
+    """Refuse a field the config class does not know: transformers keeps any keyword as an attribute, so a misspelt
+    or misplaced field (``hiden_size``, a nested ``config``) would silently build the class's default shape."""
+    default = _transformers().AutoConfig.for_model(model_type)
+    known = set(default.to_dict()) | set(getattr(type(default), "attribute_map", {}) or {}) | _GENERAL_FIELDS
+    for key in fields:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"model[{key!r}]: {type(config).__name__} (model_type={model_type!r}) has no field {key!r}{hint}")
+
+
+# keywords every PretrainedConfig takes that its to_dict() may leave out
+_GENERAL_FIELDS = frozenset({"torch_dtype", "dtype", "attn_implementation", "name_or_path", "_attn_implementation",
+                             "transformers_version", "architectures", "auto_map"})
 
 
 # --------------------------------------------------------------------------------------------- overriding it
