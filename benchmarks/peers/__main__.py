@@ -22,6 +22,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = {"torchtitan": "llama3-8b", "trl_cp": "qwen3-8b", "deepspeed_alst": "qwen3-8b"}
 
 
+def _cause(lines: list[str], tail: list[str]) -> str:
+    """The last exception line of a failed run that is not the launcher's own ChildFailedError."""
+    for line in reversed(lines):
+        if "Error" in line and ":" in line and "ChildFailedError" not in line and "error_file" not in line:
+            return line.strip()
+    return tail[-1] if tail else "?"
+
+
 def _kill_tree(pid: int) -> None:
     import psutil
 
@@ -86,7 +94,7 @@ def main() -> None:
             continue
         tail = [line for line in text.splitlines() if line.strip()][-40:]
         status = ("timeout" if rc == "timeout" else "oom" if "OutOfMemoryError" in text or "CUDA out of memory" in text
-                  else "error: " + next((line for line in reversed(tail) if "Error" in line), tail[-1] if tail else "?")[:300])
+                  else "error: " + _cause(text.splitlines(), tail)[:300])
         rows = json.load(open(args.out)) if os.path.exists(args.out) else []
         system, _, model = name.partition(":")
         rows.append(dict(bench="peers", system=system, model=model or MODEL.get(system, "llama3-8b"), seq=args.seq, gpus=gpus,

@@ -119,6 +119,9 @@ def gpu_kind() -> str:
 
 
 def commit() -> str:
+    """SEQPAR_COMMIT when set (a GPU machine's copy of the tree may carry another checkout's git state), else HEAD."""
+    if os.environ.get("SEQPAR_COMMIT"):
+        return os.environ["SEQPAR_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -139,6 +142,7 @@ def write_record(out: str, *, system: str, model: str, seq: int, clock: StepCloc
                mfu=tps * SHAPES[model].flops_per_token(seq) / PEAK_BF16 if tps else None,
                flops_per_token=SHAPES[model].flops_per_token(seq), peak_mem_gb=peak_gb, losses=losses or [],
                settings=settings, changes=changes, torch=torch.__version__,
+               profiled_step=int(os.environ.get("PEERS_PROFILE_STEP", "0")) or None,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), shape=asdict(SHAPES[model]))
     if int(os.environ.get("RANK", "0")) == 0:
         rows = json.load(open(out)) if os.path.exists(out) else []
