@@ -96,7 +96,8 @@ def main() -> None:
                          callbacks=[Clock()])
     trainer.train()
     pc = trainer.accelerator.parallelism_config
-    changes = [f"{'cp' if args.system == 'trl_cp' else 'sp'}_size={world}, dp_shard_size=1 (TRL's example: 2 GPUs / sp 2 x dp 2)",
+    example = "cp 2 on 2 GPUs" if args.system == "trl_cp" else "sp 2 x dp 2 on 4 GPUs"
+    changes = [f"{'cp' if args.system == 'trl_cp' else 'sp'}_size={world}, dp_shard_size=1 (TRL's example: {example})",
                f"max_length={args.seq}", f"max_steps={args.steps}", "Qwen3-8B shape from its config, random init, bf16",
                "random token rows (pre-tokenized), stub tokenizer", "saving / reporting off"]
     if args.system == "deepspeed_alst":

@@ -1,0 +1,61 @@
+"""The peers table of docs/benchmarks.md from the records (``python -m benchmarks.peers.report``).
+
+One row per run, grouped by model and length, each system's tokens/s/GPU as a ratio to the best peer's (the peers:
+torchtitan, trl_cp, deepspeed_alst) of the same model, length, GPU kind and count. Profiled steps are left out
+(the profiler slows the step it records); failed runs stay in, with their status.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+PEERS = ("torchtitan", "trl_cp", "deepspeed_alst")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+
+
+def records(paths: list[str] | None = None) -> list[dict]:
+    rows = []
+    for path in paths or sorted(glob.glob(os.path.join(RESULTS, "*peers*.json"))):
+        rows += [r for r in json.load(open(path)) if r.get("bench") == "peers" and not r.get("profiled_step")]
+    return rows
+
+
+def _settings(r: dict) -> str:
+    """What ran: the peer's changes from its published settings, or ours: the options set by hand (else defaults)."""
+    if r["system"] != "seqpar":
+        return "; ".join(r.get("changes", [])[:2]) or "-"
+    s = r.get("settings", {})
+    chosen = "selective++" if "selective++" in (s.get("memory_plan") or "") else None
+    by_hand = [f"{k}={s[k]}" for k in ("attention", "uncheckpointed_blocks", "compile") if k in s and k != "attention"]
+    set_attention = any("attention" in c for c in r.get("changes", []))
+    parts = [f"attention {s['attention']}" + (" (set)" if set_attention else " (auto)")] if s.get("attention") else []
+    parts += ([f"memory=auto: {chosen}"] if chosen else []) + by_hand
+    parts += [f"loss chunks {s['loss_chunk_size']}"] if s.get("loss_chunk_size") else []
+    return ", ".join(parts) if (chosen or by_hand or s.get("loss_chunk_size") or set_attention) else "defaults"
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = ["| model | S | GPUs | system | version | tokens/s/GPU | vs best peer | MFU | peak GB | settings | commit |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"])  # noqa: E731
+    for k in sorted({key(r) for r in rows}):
+        group = [r for r in rows if key(r) == k]
+        peers = [r["tokens_per_s_per_gpu"] for r in group if r["system"] in PEERS and r.get("tokens_per_s_per_gpu")]
+        best = max(peers, default=None)
+        for r in sorted(group, key=lambda r: (r["system"] != "seqpar", r["system"], -(r.get("tokens_per_s_per_gpu") or 0))):
+            tps = r.get("tokens_per_s_per_gpu")
+            if tps:
+                cells = [f"{tps:,.0f}", f"{tps / best:.2f}x" if best and r["system"] == "seqpar" else "-", f"{r['mfu']:.3f}",
+                         f"{r['peak_mem_gb']:.1f}"]
+            else:
+                cells = [r["status"].split(":")[0], "-", "-", "-"]
+            out.append(f"| {r['model']} | {r['seq'] // 1024}K | {r['gpus']} x {r['gpu']} | {r['system']} | "
+                       f"{r.get('version', '-')} | " + " | ".join(cells) + f" | {_settings(r)} | {r['commit']} |")
+    return out
+
+
+if __name__ == "__main__":
+    print("\n".join(table(records(sys.argv[1:] or None))))

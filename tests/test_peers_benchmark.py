@@ -1,0 +1,39 @@
+"""benchmarks/peers: the docs table is the records' table, and a run through the orchestrator leaves a record
+(ours, tiny, one process on CPU) or a record that says why it failed (a run past its time limit)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.peers.report import records, table  # noqa: E402
+
+
+def test_the_peers_table_in_docs_is_the_records_table():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    start = text.index("<!-- generated: peers -->\n") + len("<!-- generated: peers -->\n")
+    end = text.index("<!-- end generated: peers -->")
+    assert text[start:end].strip().splitlines() == table(records()), "regenerate with python -m benchmarks.peers.report"
+    rows = records()
+    assert {r["system"] for r in rows} >= {"seqpar", "torchtitan", "trl_cp", "deepspeed_alst"}
+    assert all(r["gpu"] in ("H100", "H200") and r["commit"] and r["model"] and r["seq"] and r["gpus"] for r in rows)
+
+
+def test_a_run_leaves_a_record_and_a_run_past_its_limit_says_so(tmp_path):
+    out = tmp_path / "peers.json"
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "benchmarks.peers", "--gpus", "1", "--seq", "64", "--out", str(out)]
+    subprocess.run([*cmd, "--runs", "seqpar:llama3-8b+--tiny+--warmup+1", "--steps", "2", "--time-limit", "120"],
+                   cwd=ROOT, env=env, check=True, timeout=180)
+    subprocess.run([*cmd, "--runs", "seqpar:qwen3-8b+--tiny", "--steps", "2", "--time-limit", "1"], cwd=ROOT, env=env,
+                   check=True, timeout=60)
+    ok, late = json.loads(out.read_text())
+    assert ok["status"] == "ok" and ok["system"] == "seqpar" and ok["steps"] == 1 and ok["tokens_per_s_per_gpu"] > 0
+    assert len(ok["step_times_s"]) == 2 and ok["settings"]["memory"] == "auto"
+    assert late["status"] == "timeout" and late["model"] == "qwen3-8b"
