@@ -1,6 +1,6 @@
 """Plots of every record in benchmarks/results/*.json, as PNGs in docs/img/ (matplotlib, Agg backend).
 
-    python benchmarks/plot.py                      # -> docs/img/{attention,local_attention,train,longest,scaling}.png
+    python -m benchmarks plot          # -> docs/img/{attention,attention_memory,local_attention,train,longest}.png
 
 A figure is drawn only when records for it exist; records lacking a field a figure needs are left
 out of that figure (missing fields never stop the script). When one configuration was measured
@@ -11,74 +11,26 @@ more than once, the record read last (files in name order, i.e. by date) is the 
 * local_attention.png  bench=local: one-GPU kernel TFLOP/s against S, per system/backend and H_kv
 * train.png            bench=train: tokens/s/GPU (with MFU on the bars) and peak memory, per model/S/GPUs and system
 * longest.png          bench=longest (or train_max_seq): longest trainable S per model/GPUs and system
-* scaling.png          bench=train with tag "scaling": tokens/s/GPU against the GPU count
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import json
-import math
 import os
-from typing import Any, Iterable
+import sys
+from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import ROOT, _num, last_by, load, longest_per_config, seq_k  # noqa: E402
+
 SYSTEM_NAMES = {"seqpar": "seqpar (ours)", "torch_cp": "FSDP2 + torch CP", "tp_sp": "Megatron TP+SP", "single": "1 GPU",
                 "torch_sdpa": "torch SDPA"}
 
 
-def load(paths: Iterable[str]) -> list[dict[str, Any]]:
-    rows = []
-    for path in sorted(paths):
-        try:
-            data = json.load(open(path))
-        except (OSError, ValueError) as e:
-            print(f"plot.py: skipping {path}: {e}")
-            continue
-        for row in data if isinstance(data, list) else [data]:
-            if isinstance(row, dict):
-                rows.append({**row, "_file": os.path.basename(path)})
-    return rows
-
-
-def _num(row: dict, key: str) -> float | None:
-    v = row.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        return None
-    return float(v)
-
-
 def latest(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
     """One record per value of ``keys``: the last one read."""
-    out: dict[tuple, dict] = {}
-    for row in rows:
-        out[tuple(str(row.get(k)) for k in keys)] = row
-    return list(out.values())
-
-
-def longest_per_config(rows: list[dict], keys: tuple[str, ...] = ("system", "model", "gpus", "device")) -> list[dict]:
-    """One longest-context record per value of ``keys``: the one with the longest S that trained
-    (a later out-of-memory at a longer S does not hide it); a configuration where nothing trained
-    keeps its last record ("none fit"). Records whose every attempt was skipped tried nothing and
-    are left out."""
-    out: dict[tuple, dict] = {}
-    for row in rows:
-        attempts = row.get("attempts") or []
-        if attempts and all(a.get("status") == "skipped" for a in attempts):
-            continue
-        key = tuple(str(row.get(k)) for k in keys)
-        best = out.get(key)
-        if best is None or (_num(row, "seq") or 0) >= (_num(best, "seq") or 0):
-            out[key] = row
-    return list(out.values())
-
-
-def seq_label(s: float) -> str:
-    s = int(s)
-    if s >= 1 << 20 and s % (1 << 20) == 0:
-        return f"{s >> 20}M"
-    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
+    return list(last_by(rows, lambda r: tuple(str(r.get(k)) for k in keys)).values())
 
 
 def _devices(rows: list[dict]) -> str:
@@ -110,7 +62,7 @@ def plot_lines(plt: Any, rows: list[dict], *, y: str, series: tuple[str, ...], l
         ax.plot([r["seq"] for r in rs], [r[y] for r in rs], marker="o", label=label(rs[0]))
     seqs = sorted({r["seq"] for r in rows})
     ax.set_xscale("log", base=2)
-    ax.set_xticks(seqs, [seq_label(s) for s in seqs])
+    ax.set_xticks(seqs, [seq_k(s) for s in seqs])
     ax.minorticks_off()
     ax.set_ylim(bottom=0)
     ax.set_xlabel("sequence length S")
@@ -153,7 +105,7 @@ def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
                                     va="bottom", fontsize=7)
     ax1.set_ylabel("tokens/s/GPU, best setting (MFU on bars)")
     ax2.set_ylabel("peak memory per GPU (GB)")
-    ax2.set_xticks(range(len(configs)), [f"{m}\nS={seq_label(s)}, {g} GPUs" for m, s, g in configs], fontsize=8)
+    ax2.set_xticks(range(len(configs)), [f"{m}\nS={seq_k(s)}, {g} GPUs" for m, s, g in configs], fontsize=8)
     ax1.set_title(f"Training throughput and memory\n{_devices(rows)}", fontsize=10)
     for ax in (ax1, ax2):
         ax.grid(axis="y", alpha=0.3)
@@ -164,7 +116,7 @@ def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
 
 
 def plot_longest(plt: Any, rows: list[dict], out_dir: str) -> str | None:
-    # benchmarks/longest.py writes bench="longest"; train_scaling.py --find-max-seq writes "train_max_seq" (max_seq)
+    # benchmarks/longest.py writes bench="longest"; the older "train_max_seq" records (max_seq) are the same search
     rows = [r if r.get("bench") == "longest" else {**r, "seq": r.get("max_seq")}
             for r in rows if r.get("bench") in ("longest", "train_max_seq") and r.get("model")]
     if not rows:
@@ -186,7 +138,7 @@ def plot_longest(plt: Any, rows: list[dict], out_dir: str) -> str | None:
             label = SYSTEM_NAMES.get(system, system)
             bar = ax.bar([x], [seq / 1024], width, color=f"C{i}", label=None if label in labelled else label)[0]
             labelled.add(label)
-            text = (seq_label(seq) + ("+" if r.get("lower_bound") else "")) if seq else "none fit"
+            text = (seq_k(seq) + ("+" if r.get("lower_bound") else "")) if seq else "none fit"
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(configs)), [f"{m}, {g} GPUs" for m, g in configs], fontsize=8)
     ax.set_ylabel("longest trainable S (K tokens)")
@@ -194,37 +146,6 @@ def plot_longest(plt: Any, rows: list[dict], out_dir: str) -> str | None:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     path = _save(fig, out_dir, "longest.png")
-    plt.close(fig)
-    return path
-
-
-def plot_scaling(plt: Any, rows: list[dict], out_dir: str) -> str | None:
-    rows = [r for r in rows if r.get("bench") == "train" and r.get("tag") == "scaling"
-            and _num(r, "tokens_per_s_per_gpu") is not None and _num(r, "gpus")]
-    if not rows:
-        return None
-    rows = latest(rows, ("system", "algorithm", "model", "seq", "gpus", "device"))
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((str(r.get("system")), str(r.get("model"))), []).append(r)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for (system, model), rs in sorted(groups.items()):
-        rs.sort(key=lambda r: r["gpus"])
-        ax.plot([r["gpus"] for r in rs], [r["tokens_per_s_per_gpu"] for r in rs], marker="o",
-                label=f"{SYSTEM_NAMES.get(system, system)}, {model}")
-        for r in rs:
-            ax.annotate(seq_label(r["seq"]) if _num(r, "seq") else "", (r["gpus"], r["tokens_per_s_per_gpu"]), fontsize=7,
-                        textcoords="offset points", xytext=(3, 3))
-    gpus = sorted({int(r["gpus"]) for r in rows})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(gpus, [str(g) for g in gpus])
-    ax.minorticks_off()
-    ax.set_xlabel("GPUs (S on the points)")
-    ax.set_ylabel("tokens/s/GPU")
-    ax.set_title("Weak scaling", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    path = _save(fig, out_dir, "scaling.png")
     plt.close(fig)
     return path
 
@@ -280,7 +201,6 @@ def main(argv: list[str] | None = None) -> list[str]:
                    out_dir=args.out_dir, name="local_attention.png"),
         plot_train(plt, rows, args.out_dir),
         plot_longest(plt, rows, args.out_dir),
-        plot_scaling(plt, rows, args.out_dir),
     ]
     return [p for p in written if p]
 

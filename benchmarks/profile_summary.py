@@ -1,9 +1,10 @@
 """Where a training step's time goes: a torch.profiler trace summarised by kernel category.
 
-Used by ``benchmarks/train.py --profile DIR`` (one step after the warm-up is profiled on every
-rank; rank 0 writes ``DIR/profile_<system>.json`` with this summary, ``DIR/profile_<system>.txt``
-with the top kernels, and, with ``--profile-trace``, the Chrome trace). Also runs on a saved
-summary: ``python benchmarks/profile_summary.py DIR/profile_seqpar.json``.
+Used by ``benchmarks/train.py --profile DIR`` and ``benchmarks/hf.py families --profile DIR`` (one step
+after the warm-up is profiled on every rank, :func:`profiler_callback`; rank 0 writes
+``DIR/profile_<system>.json`` with this summary, ``DIR/profile_<system>.txt`` with the top kernels,
+and, with ``--profile-trace``, the Chrome trace). Also runs on a saved summary:
+``python benchmarks/profile_summary.py DIR/profile_seqpar.json``.
 
 Categories (first match wins, on the kernel name, case-insensitive; see CATEGORIES):
 
@@ -34,8 +35,10 @@ current stream) are listed apart: the stream is busy then, but with communicatio
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import time
 from typing import Any
 
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -234,6 +237,65 @@ def format_summary(s: dict[str, Any]) -> str:
     for t in s["top"]:
         lines.append(f"  {t['seconds']:8.3f} s  x{t['count']:<6d} [{t['category']}] {t['name']}")
     return "\n".join(lines)
+
+
+def start_profiler(args: Any) -> Any:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else []))
+    prof.__enter__()
+    return prof
+
+
+def finish_profiler(args: Any, prof: Any, t0: float) -> None:
+    """End the profile of one step that started at ``t0``; rank 0 writes its summary (and idle gaps) to ``args.profile``."""
+    import torch
+    import torch.distributed as dist
+
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    step = time.perf_counter() - t0
+    prof.__exit__(None, None, None)
+    if dist.get_rank() != 0:
+        return
+    os.makedirs(args.profile, exist_ok=True)
+    summary = dict(summarize(prof, step), system=args.system, model=args.model, seq=args.seq, commit=args.commit,
+                   backend=getattr(args, "backend", None))
+    base = os.path.join(args.profile, f"profile_{args.system}{'_' + args.tag if args.tag else ''}")
+    text = format_summary(summary)
+    if args.device == "cuda":  # where the idle time is: from the Chrome trace (kept with --profile-trace)
+        prof.export_chrome_trace(base + ".trace.json")
+        with open(base + ".trace.json") as f:
+            summary["idle"] = idle_gaps(json.load(f), step_s=step)
+        if not args.profile_trace:
+            os.remove(base + ".trace.json")
+        text += "\n" + format_gaps(summary["idle"])
+    elif args.profile_trace:
+        prof.export_chrome_trace(base + ".trace.json")
+    with open(base + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(base + ".txt", "w") as f:
+        f.write(text + "\n")
+    print(f"[profile] {text}", flush=True)
+
+
+def profiler_callback(args: Any) -> Any:
+    """A Lightning callback profiling the first timed step (batch ``args.warmup``) on every rank."""
+    import lightning as L
+
+    class StepProfiler(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == args.warmup:
+                self.prof, self.t0 = start_profiler(args), time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == args.warmup and getattr(self, "prof", None) is not None:
+                finish_profiler(args, self.prof, self.t0)
+
+    return StepProfiler()
 
 
 def main(argv: list[str] | None = None) -> None:

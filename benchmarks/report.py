@@ -1,7 +1,13 @@
-"""The tables of docs/benchmarks.md, generated from the records of benchmarks/results/*.json.
+"""The records of benchmarks/results/*.json: merged in (collect), and the tables of docs/benchmarks.md made from them.
 
+    python -m benchmarks collect --kind nvidia-h200-x4 [--date 20261122] /path/to/out/*.json   # merge into results/
     python -m benchmarks tables            # rewrite the generated blocks of docs/benchmarks.md
     python -m benchmarks tables --check    # exit 1 if a block differs from what the records give
+
+``collect``: the GPU machine does not know this workplace's name for it ("nvidia-h200-x4"), so the runners there
+write plain files and this step names them: ``benchmarks/results/<yyyymmdd>-<machine kind>.json``. Each input is a
+JSON list of records (or one record); records are checked (``REQUIRED``) before anything is written, one line per
+bad record otherwise; records already in the target file, or given twice, are kept once (identical JSON).
 
 Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` in the docs; the text
 around it is written by hand, the figures are not. How a table picks its figures (the "method" of
@@ -17,31 +23,139 @@ docs/benchmarks.md says the same in prose):
   runs with parameters on the host (``offload_params``, a memory setting) are left out of the
   throughput tables.
 * A longest context is the longest S that trained in any record of that system, model and GPU
-  count (plot.py's ``longest_per_config``).
+  count (``longest_per_config``).
 * Ratios are ours / the peer's, from the unrounded values, printed with 2 decimals; in the
-  throughput and attention tables a ratio of two records of different commits (different sessions)
-  is marked "*".
+  throughput and attention tables a ratio of two records of different commits is marked "*".
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
+import json
 import math
 import os
 import re
 import sys
-from typing import Any, Callable
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from plot import load, longest_per_config  # noqa: E402
+from typing import Any, Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "*.json")
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 PEERS = {"torch_cp": "FSDP2 + torch CP", "tp_sp": "Megatron TP+SP"}
 NAMES = {"seqpar": "ours", **PEERS, "single": "one GPU"}
+
+
+# ---- reading and merging records -----------------------------------------------------------------------
+
+_COMMON = ("bench", "system", "algorithm", "model", "seq", "gpus", "device", "peak_mem_gb", "commit")
+REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
+    # bench: groups of keys; each group must have at least one key present with a value
+    "train": tuple((k,) for k in _COMMON) + (("tokens_per_s_per_gpu",), ("mfu",)),
+    "attention": tuple((k,) for k in _COMMON) + (("tflops_per_gpu", "tokens_per_s_per_gpu"),),
+    "longest": tuple((k,) for k in ("bench", "system", "model", "gpus", "seq", "device", "commit")),
+    "matmul": (("bench",), ("device",), ("tflops",), ("commit",)),
+}
+"""Required keys per ``bench``. Other bench kinds (e.g. "local", "local_check") need only ``bench``. Keys of a measured
+value may be null in a record of a failed measurement (a non-null ``error``); so may ``seq`` of a "longest" record whose
+search found no S that trains."""
+_MEASURED = ("peak_mem_gb", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "tflops")
+
+
+def problems(row: Any) -> list[str]:
+    """What is wrong with one record (empty when it is fine)."""
+    if not isinstance(row, dict):
+        return [f"not a JSON object: {str(row)[:60]}"]
+    bench = row.get("bench")
+    if not isinstance(bench, str):
+        return ["no 'bench'"]
+    failed = row.get("error") not in (None, "")
+    nullable = _MEASURED + (("seq",) if bench == "longest" else ())
+    missing = ["|".join(group) for group in REQUIRED.get(bench, (("bench",),))
+               if not any(k in row and (row[k] is not None or (failed and k in nullable)) for k in group)]
+    out = [f"missing or null {', '.join(missing)}"] if missing else []
+    for key in ("seq", "gpus"):
+        if row.get(key) is not None and not (isinstance(row[key], int) and row[key] > 0):
+            out.append(f"{key} must be a positive integer, got {row[key]!r}")
+    return out
+
+
+def _rows_of(path: str) -> list[Any]:
+    with open(path) as fh:
+        data = json.load(fh)
+    return data if isinstance(data, list) else [data]
+
+
+def merge(paths: list[str], target: str) -> tuple[list[Any], int]:
+    """All records of ``target`` (if it exists) and of ``paths``, identical ones once; (rows, added)."""
+    errors, incoming = [], []
+    for path in paths:
+        for i, row in enumerate(_rows_of(path)):
+            errors += [f"{path}: record {i} (bench={row.get('bench') if isinstance(row, dict) else None}): {p}" for p in problems(row)]
+            incoming.append(row)
+    if errors:
+        raise SystemExit("collect: invalid records, nothing written:\n" + "\n".join(errors))
+    rows = _rows_of(target) if os.path.exists(target) else []
+    seen = {json.dumps(r, sort_keys=True, allow_nan=True) for r in rows}
+    added = 0
+    for row in incoming:
+        key = json.dumps(row, sort_keys=True, allow_nan=True)
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+            added += 1
+    return rows, added
+
+
+def collect_main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks collect", description="merge records into benchmarks/results/")
+    ap.add_argument("files", nargs="+", help="JSON record files")
+    ap.add_argument("--kind", required=True, help="the machine kind the records were measured on, e.g. nvidia-h200-x4")
+    ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"), help="yyyymmdd (default: today, UTC)")
+    ap.add_argument("--results", default=os.path.dirname(RESULTS), help="folder of the merged files (default: benchmarks/results)")
+    args = ap.parse_args(argv)
+    if not (len(args.date) == 8 and args.date.isdigit()):
+        ap.error(f"--date must be yyyymmdd, got {args.date!r}")
+    if not args.kind or os.sep in args.kind or " " in args.kind:
+        ap.error(f"--kind must be a plain name like nvidia-h200-x4, got {args.kind!r}")
+    target = os.path.join(args.results, f"{args.date}-{args.kind}.json")
+    rows, added = merge(args.files, target)
+    os.makedirs(args.results, exist_ok=True)
+    with open(target, "w") as fh:
+        json.dump(rows, fh, indent=1)
+        fh.write("\n")
+    nan = sum(1 for r in rows if isinstance(r, dict) and any(isinstance(v, float) and math.isnan(v) for v in r.values()))
+    print(f"collect: {target}: {len(rows)} records ({added} new)" + (f", {nan} with NaN values" if nan else ""))
+    return target
+
+
+def load(paths: Iterable[str]) -> list[dict[str, Any]]:
+    """The records of ``paths`` in file-name order, each with ``_file`` (its file's name); unreadable files skipped."""
+    rows = []
+    for path in sorted(paths):
+        try:
+            data = _rows_of(path)
+        except (OSError, ValueError) as e:
+            print(f"report.py: skipping {path}: {e}")
+            continue
+        rows += [{**row, "_file": os.path.basename(path)} for row in data if isinstance(row, dict)]
+    return rows
+
+
+def longest_per_config(rows: list[dict], keys: tuple[str, ...] = ("system", "model", "gpus", "device")) -> list[dict]:
+    """One longest-context record per value of ``keys``: the one with the longest S that trained (a later
+    out-of-memory at a longer S does not hide it); a configuration where nothing trained keeps its last record
+    ("none fit"). Records whose every attempt was skipped tried nothing and are left out."""
+    out: dict[tuple, dict] = {}
+    for row in rows:
+        attempts = row.get("attempts") or []
+        if attempts and all(a.get("status") == "skipped" for a in attempts):
+            continue
+        key = tuple(str(row.get(k)) for k in keys)
+        if key not in out or (_num(row, "seq") or 0) >= (_num(out[key], "seq") or 0):
+            out[key] = row
+    return list(out.values())
 
 
 # ---- formatting ------------------------------------------------------------------------------------
@@ -58,7 +172,7 @@ def f(v: float | None, spec: str) -> str:
 
 
 def ratio(a: float | None, b: float | None, *, rows: tuple[dict | None, dict | None] = (None, None)) -> str:
-    """a / b; marked "*" when the two records come from different commits (different sessions)."""
+    """a / b; marked "*" when the two records come from different commits."""
     if a is None or b is None or b == 0:
         return "-"
     x, y = rows
@@ -116,13 +230,21 @@ def best_of_last_commit(rows: list[dict], metric: str) -> dict | None:
     return max((r for r in rows if r.get("commit") == commit), key=lambda r: _num(r, metric) or 0.0)
 
 
+def _llama(r: dict) -> bool:
+    return str(r.get("model", "")).startswith("llama")
+
+
+def _scaling_model(r: dict) -> bool:  # the LASP and LSS models: the scaling table's
+    return str(r.get("model", "")).startswith(("tnl", "lss-gpt"))
+
+
 def _throughput_run(r: dict) -> bool:
     tag = str(r.get("tag") or "")
     return not (r.get("error") or r.get("offload_params") or "prof" in tag or "smoke" in tag)
 
 
 def setting(r: dict) -> str:
-    if r.get("train_args"):  # longest.py's records of the later sessions: train.py's flags as given
+    if r.get("train_args"):  # longest.py's later records: train.py's flags as given
         args = re.sub(r"--(warmup|steps) \d+ ?", "", str(r["train_args"])).strip()
         return f"`{args}`"
     if r.get("system") != "seqpar":
@@ -148,7 +270,7 @@ def setting(r: dict) -> str:
 
 def train_table(rows: list[dict]) -> str:
     """Training throughput, ours (each kernel) against both peers, per model / S / GPUs."""
-    recs = [r for r in rows if r.get("bench") == "train" and str(r.get("model", "")).startswith("llama") and _throughput_run(r)]
+    recs = [r for r in rows if r.get("bench") == "train" and _llama(r) and _throughput_run(r)]
     groups: dict[tuple, list[dict]] = {}
     for r in recs:
         groups.setdefault((r["model"], r["seq"], r["gpus"]), []).append(r)
@@ -173,7 +295,7 @@ def train_table(rows: list[dict]) -> str:
 
 
 def longest_table(rows: list[dict]) -> str:
-    recs = [r for r in rows if r.get("bench") == "longest"]
+    recs = [r for r in rows if r.get("bench") == "longest" and not _scaling_model(r)]
     best = {(r["model"], r["gpus"], r["system"]): r for r in longest_per_config(recs, ("system", "model", "gpus"))}
     out = []
     for model, gpus in sorted({(m, g) for m, g, _ in best}, key=lambda k: (k[0], -k[1])):
@@ -236,8 +358,7 @@ def attention_table(rows: list[dict]) -> str:
 
 
 def scaling_table(rows: list[dict]) -> str:
-    recs = [r for r in rows if r.get("bench") == "train" and str(r.get("model", "")).startswith(("tnl", "lss-gpt"))
-            and r.get("tag") != "max-seq"]
+    recs = [r for r in rows if r.get("bench") == "train" and _scaling_model(r) and r.get("tag") != "max-seq"]
     out = []
     for model, variant_key in (("tnl-1b", "lasp_variant"), ("lss-gpt-1.5b", "kv_comm")):
         g = [r for r in recs if r["model"] == model]
@@ -253,11 +374,14 @@ def scaling_table(rows: list[dict]) -> str:
             out.append([cell, str(gpus), f"{r.get('tokens_per_gpu', 0):,}", f"{r.get('algorithm')}, {variant_key} {variant}",
                         f"{t:,.0f}" if t else "-", f(t / base if t and base else None, ".3f"), f(_num(r, "mfu"), ".3f"),
                         f(_num(r, "peak_mem_gb"), ".1f"), when(r)])
-    for r in [r for r in rows if r.get("bench") == "train_max_seq"][-1:]:
-        at = [x for x in rows if x.get("bench") == "train" and x.get("tag") == "max-seq" and x.get("seq") == r.get("max_seq")]
-        x = at[-1] if at else {}
+    # the longest TNL-1B sequence: train_scaling.py's "train_max_seq" records (and the train record at that S), or longest.py's
+    for r in [r for r in rows if r.get("bench") == "train_max_seq" or r.get("bench") == "longest" and _scaling_model(r)][-1:]:
+        if r["bench"] == "longest":
+            r = x = {**r, "max_seq": r.get("seq"), "tokens_per_gpu": (r.get("seq") or 0) // r["gpus"]}
+        else:
+            x = ([x for x in rows if x.get("bench") == "train" and x.get("tag") == "max-seq" and x.get("seq") == r.get("max_seq")] or [{}])[-1]
         out.append([f'<a id="{anchor("scaling", "longest", r["model"])}"></a>{r["model"]} (longest)', str(r["gpus"]),
-                    f"{r.get('tokens_per_gpu', 0):,}", f"{r.get('algorithm')}, {r.get('ac')} AC; S = **{r['max_seq']:,}**",
+                    f"{r.get('tokens_per_gpu', 0):,}", f"{r.get('algorithm')}, {r.get('ac')} AC; S = **{r['max_seq'] or 0:,}**",
                     f(_num(x, "tokens_per_s_per_gpu"), ",.0f"), "", f(_num(x, "mfu"), ".3f"), f(_num(x, "peak_mem_gb"), ".1f"),
                     when({**r, "_file": r.get("_file", "")})])
     return table(["model", "GPUs", "tokens/GPU", "setting", "tokens/s/GPU", "vs 1 GPU", "MFU", "peak GB", "commit, date"], out)
@@ -279,7 +403,7 @@ def lasp_op_table(rows: list[dict]) -> str:
 
 
 def hf_table(rows: list[dict]) -> str:
-    """The HF model and the native runs of the same commit (same session)."""
+    """The HF model and the native runs of the same commit."""
     hf = [r for r in rows if r.get("bench") == "train" and str(r.get("model", "")).startswith("hf-")]
     out = []
     for r in hf:
@@ -337,11 +461,52 @@ def suites_table(rows: list[dict]) -> str:
     return table(["suite", "what it measures", "command (one per machine size)", "table", "runs (`--only` names)"], out)
 
 
-def attention_grid(rows: list[dict]) -> str:
-    """Every algorithm of ours and both torch CP rotations, cuDNN, per GPUs and S (benchmarks/attention.py --table)."""
-    from attention import grid_tables_of  # imports torch and the package
+GRID_COLUMNS = (("seqpar", "ring", "ring"), ("seqpar", "allgather", "all-gather"), ("seqpar", "ulysses", "Ulysses"),
+                *(("seqpar", f"2d:{hp}x{cp}", f"2D {hp}x{cp}") for hp, cp in ((2, 2), (8, 1), (4, 2), (2, 4), (1, 8))),
+                ("seqpar", "ring:inner2", "double ring (2)"), ("seqpar", "ring:inner4", "double ring (4)"),
+                ("torch_cp", "allgather", "torch CP allgather"), ("torch_cp", "alltoall", "torch CP alltoall"))
 
-    return grid_tables_of(rows).rstrip("\n")
+
+def attention_grid(rows: list[dict], seqs: list[int] | None = None) -> str:
+    """Every algorithm of ours and both torch CP rotations, cuDNN, one table per (GPUs, S): per heads, each system's
+    TFLOP/s/GPU / peak GB (the latest record of each head-chunk count, the fastest of those; "c<n>": head chunks),
+    the best of ours bold, and the ratios of the best of ours to the best torch CP and to one GPU (the latest
+    one-GPU record at that S and heads, from any run)."""
+    latest: dict[tuple, dict] = {}
+    for r in rows:  # later records win
+        if (r.get("bench") == "attention" and r.get("heads") and (r["system"] == "torch_cp" or r.get("backend", "cudnn") == "cudnn")
+                and (not seqs or r["seq"] in seqs)):
+            latest[(r["gpus"], r["seq"], r["heads"], r["system"], r["algorithm"] if r["system"] != "single" else "", r.get("head_chunks", 1))] = r
+    ok = lambda r: r is not None and r.get("tflops_per_gpu") and not r.get("error")  # noqa: E731
+
+    def cell(gpus, S, heads, system, algorithm):
+        cands = [r for k, r in latest.items() if k[:5] == (gpus, S, heads, system, algorithm)]
+        good = [r for r in cands if ok(r)]
+        if good:
+            r = max(good, key=lambda r: r["tflops_per_gpu"])
+            return r, f"{r['tflops_per_gpu']:.1f} / {r['peak_mem_gb']:.1f}" + (f" c{r['head_chunks']}" if r.get("head_chunks", 1) > 1 else "")
+        errs = [r["error"] for r in cands if r.get("error")]
+        hp = gpus if (system, algorithm) == ("seqpar", "ulysses") else int(algorithm[3:].split("x")[0]) if algorithm.startswith("2d:") else 1
+        if int(heads.split("/")[0]) % hp or any("divide" in e and "head-parallel" in e for e in errs):
+            return None, f"({heads.split('/')[0]} heads)"  # a head-parallel split that does not divide the heads
+        return None, "OOM" if any("OutOfMemory" in e for e in errs) else "-"
+
+    out = []
+    for gpus, S in sorted({(k[0], k[1]) for k in latest if k[3] != "single"}):
+        cols = [c for c in GRID_COLUMNS if any(k[:2] == (gpus, S) and (k[3], k[4]) == c[:2] for k in latest)]
+        out += [f"{gpus} GPUs, S = {S // 1024}K (TFLOP/s/GPU / peak GB):", "",
+                "| heads | one GPU | " + " | ".join(c[2] for c in cols) + " | ours / torch CP | ours / one GPU |", "| --- " * (len(cols) + 4) + "|"]
+        for heads in sorted({k[2] for k in latest if k[:2] == (gpus, S)}, key=lambda h: (int(h.split("/")[0]), -int(h.split("/")[1]))):
+            cells = [cell(gpus, S, heads, *c[:2]) for c in cols]
+            best = max((r for (r, _), c in zip(cells, cols) if r and c[0] == "seqpar"), key=lambda r: r["tflops_per_gpu"], default=None)
+            cp = max((r["tflops_per_gpu"] for (r, _), c in zip(cells, cols) if r and c[0] == "torch_cp"), default=None)
+            one = ([r for k, r in latest.items() if k[1:4] == (S, heads, "single") and ok(r)] or [None])[-1]
+            grid_ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"  # noqa: E731
+            one_text = f"{one['tflops_per_gpu']:.1f} / {one['peak_mem_gb']:.1f}" if one else "-"
+            out.append(f"| {heads} | {one_text} | " + " | ".join(f"**{t}**" if r is best and r else t for r, t in cells)
+                       + f" | {grid_ratio(best and best['tflops_per_gpu'], cp)} | {grid_ratio(best and best['tflops_per_gpu'], one and one['tflops_per_gpu'])} |")
+        out.append("")
+    return "\n".join(out).rstrip("\n")
 
 
 def hf_family_table(rows: list[dict]) -> str:
@@ -386,7 +551,8 @@ _FINETUNE_SYSTEMS = {"seqpar": "**ours** (memory=\"auto\")", "transformers": "tr
 def finetune_table(rows: list[dict]) -> str:
     """benchmarks/memory_plan.py (ours with memory="auto", plain transformers + peft) and benchmarks/alst.py on one
     GPU: the latest run of each (device, model, S, system), 2 optimizer steps each; ours with the planner's estimate."""
-    runs = last_by([r for r in rows if r.get("bench") in ("memory_plan", "alst") and not r.get("plan_seq") and not r.get("options")],
+    runs = last_by([r for r in rows if r.get("bench") in ("memory_plan", "alst") and not r.get("plan_seq") and not r.get("options")
+                    and r.get("memory") != "manual"],
                    lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
     order = {"seqpar": 0, "transformers": 1, "alst": 2}
     out = []
