@@ -1,5 +1,5 @@
-"""Attention and the other token mixers alone, forward + backward: what our kernels and distributed algorithms
-cost against the peers. One runner, a mode per question (its first argument; ``grid`` when none is given).
+"""Attention and the other token mixers alone, forward + backward: our kernels and distributed algorithms against the
+peers. One runner, a mode per question (its first argument; ``grid`` when none is given); options: OPTIONS.
 
     torchrun --nproc_per_node=4 benchmarks/attention.py grid --grid "seqs=32768,131072;heads=32/8,32/32,33/33;systems=all" --out a.json
     python benchmarks/attention.py local --seqs 8192,32768     # our block ops against torch SDPA, one GPU
@@ -10,34 +10,20 @@ cost against the peers. One runner, a mode per question (its first argument; ``g
     python benchmarks/attention.py matmul --sizes 4096,8192,16384          # the bf16 matmul peak of mfu_measured_peak
     torchrun --nproc_per_node=2 benchmarks/attention.py grid --device cpu --grid "seqs=64;heads=4/2,3/3;systems=all" --iters 1 --warmup 0
 
-Every mode times with driver.timed (--warmup calls, then the median of --iters; CUDA events; under torchrun the
-slowest rank and the largest memory) and appends one record per measurement to --out:
-
-grid    bench "attention": causal forward + backward of random q, k, v ([B, S/W, H, D] per rank, bf16, zigzag);
-        TFLOP/s per GPU = 3.5 x 2 x B x H x S^2 x D / W / time (``single``: the whole sequence on one GPU, W = 1);
-        peak_mem_gb (inputs and gradients included) and op_mem_gb (what the call adds); predicted_ms (the cost
-        model) and auto_choice (``attention="auto"``'s pick); torch_cp: SDPA (cuDNN) inside ``context_parallel``
-        (round-robin load balancer) on the local shards. A combination that cannot run: ``error = "skipped: why"``.
-        Systems: seqpar:ring, seqpar:allgather, seqpar:ulysses, seqpar:2d:<hp>x<cp>, seqpar:ring:inner<w>,
-        torch_cp:allgather, torch_cp:alltoall, single; "all" = all of them for this world size; suffixes ":<backend>"
-        (fa4, cudnn, ...) and, for ring / all-gather, ":chunks<c>" (Note [Head chunks]), e.g. seqpar:ring:fa4:chunks4.
-local   bench "local_check" (each backend against fp32 math: relative error) and "local" (ours: block_forward +
-        block_backward; torch_sdpa: the same kernels through SDPA), causal, H = 32, D = 128.
-rates   bench "kernel_rate": the local kernel on the shapes the algorithms call (Ulysses: one causal call with H/W
-        heads; the ring: a causal shard and non-causal half blocks), the fastest of --iters, for the cost model
-        (Note [Choosing the attention algorithm]). FLOPs: non-causal forward 4 Sq Sk H D, causal 2 S^2 H D, x 3.5.
-window  bench "window_time" (accuracy: tests/test_attention_features_gpu.py): a --window window at --seq (the package's
-        choice), + soft-cap 50, through FlexAttention (package: Note [FlexAttention backward with the merged
-        lse]; raw: its own autograd), against full causal attention's time; issue #21's goal: at most 1.2x the
-        window's FLOP share (S w - w (w - 1) / 2) / (S (S + 1) / 2).
-lasp    bench "lasp_op": LASP's state exchanges "p2p" (Alg. 2-3) and "allgather", and "local" (no exchange), at
-        TNL-1B's head shapes (q, k = silu(randn), layer 1's decay): time_ms (forward + backward), fwd_ms, peak_mem_gb.
-scan    bench "delta_rule" (Qwen3-Next's gated DeltaNet layer: 32 value heads of 128, 16 key heads), "ssd_scan"
-        (Mamba2 at Bamba-9B's shape: 128 heads of 64, state 128) or "selective_scan" (Mamba1: d_inner 1536, state
-        16, per --chunks): ours against transformers' torch path and fla-core (delta rule). Under torchrun ours runs
-        sequence-parallel (zigzag; the states pass in parallel, or down the chain with SEQPAR_STATE_CHAIN=1);
-        --docs packs equal documents; --check compares with the whole sequence on one device. peak_mem_gb in GiB.
-matmul  bench "matmul": ``torch.mm`` of n x n bf16 matrices; tflops = 2 n^3 / time at the best n.
+Every mode times with driver.timed (the median of --iters after --warmup; CUDA events; under torchrun the slowest rank
+and the largest memory) and appends a record per measurement to --out. grid (bench "attention"): causal forward +
+backward of random q, k, v ([B, S/W, H, D] per rank, bf16, zigzag); TFLOP/s per GPU = 3.5 x 2 x B x H x S^2 x D / W /
+time (``single``: the whole sequence on one GPU); peak_mem_gb (inputs and gradients included), op_mem_gb (what the call
+adds), predicted_ms (the cost model), auto_choice; torch_cp: SDPA (cuDNN) inside ``context_parallel`` on the local
+shards; systems seqpar:ring | allgather | ulysses | 2d:<hp>x<cp> | ring:inner<w>, torch_cp:allgather | alltoall,
+single, "all" (every one for this world size), suffixes ":<backend>" and, for ring / all-gather, ":chunks<c>" (Note
+[Head chunks]). local: "local_check" (each backend against fp32 math) and "local" (ours against torch SDPA with the same
+kernel). rates: "kernel_rate" on the calls the algorithms make, the fastest of --iters (Note [Choosing the attention
+algorithm]). window: "window_time" against full causal attention (issue #21's goal: at most 1.2x the window's FLOP
+share). lasp: "lasp_op", LASP's p2p and all-gather exchanges and "local" at TNL-1B's heads. scan: "delta_rule" (Qwen3-Next's
+gated DeltaNet layer), "ssd_scan" (Mamba2, Bamba-9B's shape) or "selective_scan" (Mamba1) against transformers' torch
+path (and fla-core); under torchrun ours is sequence parallel (SEQPAR_STATE_CHAIN=1: the states down the chain);
+peak_mem_gb in GiB. matmul: "matmul", torch.mm of n x n bf16, 2 n^3 / time at the best n.
 """
 
 from __future__ import annotations
@@ -50,14 +36,43 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo.config as dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+from lightning_seqpar.agreement import RankAgreement
+from lightning_seqpar.attention import BACKENDS, lasp_attention, linear_attention, local_attention, sequence_parallel_attention
+from lightning_seqpar.attention import local, masked
+from lightning_seqpar.attention import recurrent as ours
+from lightning_seqpar.attention.cost import DeviceProfile, causal_flops, choose_attention, estimate_attention
+from lightning_seqpar.attention.lasp import _resolve_kernel
+from lightning_seqpar.attention.variants import Mask, Variant
+from lightning_seqpar.documents import PackedDocuments
+from lightning_seqpar.models.transnormer import tnl_decay_log
+from lightning_seqpar.sharding import shard_sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from driver import append_records, device_name, error_text, mode_of, runner_args, setup, timed  # noqa: E402
 
-DEFAULTS = {"grid": (3, 1), "local": (10, 3), "rates": (2, 1), "window": (5, 2), "lasp": (5, 2), "scan": (3, 1), "matmul": (50, 10)}
-"""(--iters, --warmup) of each mode."""
+OPTIONS: dict[str, dict] = {  # each mode's options and defaults (a list: repeatable; True / False: a switch). grid: without
+    # a --grid spec, --seqs at --heads with --systems; --backend of ours and single without a suffix. rates: --labels of
+    # RATE_SHAPES, --heads Hq/Hkv for all. lasp: tokens per GPU, TNL-1B's heads, the decay of --layer. scan: --rule delta /
+    # ssd / mamba1; --kernel (delta, ssd); --heads (value heads; key heads: half), --dim, --docs (delta); --channels, --state,
+    # --chunks (mamba1)
+    "grid": dict(iters=3, warmup=1, grid=[], seqs="131072,524288", heads="32/8", systems="seqpar:ring,torch_cp:allgather,torch_cp:alltoall",
+                 head_dim=128, batch=1, single_max_seq=131072, backend="cudnn"),
+    "local": dict(iters=10, warmup=3, seqs="8192,32768"),
+    "rates": dict(iters=2, warmup=1, backend="cudnn", head_dim=128, labels=None, heads=None),
+    "window": dict(iters=5, warmup=2, seq=131072, window=4096, heads=16, kv_heads=8, head_dims="128,256"),
+    "lasp": dict(iters=5, warmup=2, local_seqs="8192,32768,262144", heads=16, dk=128, dv=128, layer=1,
+                 algorithms="local,lasp-p2p,lasp-allgather", kernel="auto"),
+    "scan": dict(iters=3, warmup=1, rule="delta", seqs="16384,131072", systems="seqpar,transformers,fla", kernel="torch", heads=32, dim=128,
+                 channels=1536, state=16, chunks="8,16,32", docs=0, check=False),
+    "matmul": dict(iters=50, warmup=10, sizes="4096,8192,16384"),
+}
 
 
 def _free(device) -> None:
@@ -66,27 +81,30 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
+def _block(q, k, v, do, *, backend: str, causal: bool = True, mask=None) -> tuple:
+    """One forward + backward of the package's block ops on q, k, v [B, S, H, D] (with a ``mask``: the variant ops, Note
+    [Attention variants]), as the distributed algorithms call them: (out, lse, (dq, dk, dv))."""
+    scale = q.shape[-1] ** -0.5
+    if mask is None:
+        o, lse = local.block_forward(q, k, v, causal=causal, scale=scale, backend=backend)
+        return o, lse, local.block_backward(do, q, k, v, o, lse, causal=causal, scale=scale, backend=backend)
+    o, lse = masked.variant_block_forward(q, k, v, mask, scale=scale, backend=backend)
+    return o, lse, masked.variant_block_backward(do, q, k, v, o, lse, mask, scale=scale, backend=backend)
+
+
 # ---- grid: distributed attention, every algorithm against torch CP and one GPU -----------------------------
 
-@dataclass(frozen=True)
-class Grid:
-    seqs: tuple[int, ...]
-    heads: tuple[tuple[int, int], ...]
-    systems: tuple[str, ...]
-    iters: int
-    warmup: int
-
-
-def parse_grid(spec: str, defaults: argparse.Namespace) -> Grid:
-    """``"seqs=32768,131072;heads=32/8,33/33;systems=all;iters=2;warmup=1"`` (keys optional but seqs)."""
+def parse_grid(spec: str, defaults: argparse.Namespace) -> argparse.Namespace:
+    """``"seqs=32768,131072;heads=32/8,33/33;systems=all;iters=2;warmup=1"`` (keys optional but seqs): seqs, heads
+    ((H_q, H_kv) pairs), systems, iters, warmup."""
     fields = dict(part.split("=", 1) for part in spec.split(";") if part.strip())
     if set(fields) - {"seqs", "heads", "systems", "iters", "warmup"} or "seqs" not in fields:
         raise SystemExit(f"--grid {spec!r}: expected keys seqs (required), heads, systems, iters, warmup; got {sorted(fields)}")
     heads = tuple((int(h.partition("/")[0]), int(h.partition("/")[2] or h.partition("/")[0]))
                   for h in fields.get("heads", defaults.heads).split(","))
-    return Grid(seqs=tuple(int(s) for s in fields["seqs"].split(",")), heads=heads,
-                systems=tuple(fields.get("systems", defaults.systems).split(",")),
-                iters=int(fields.get("iters", defaults.iters)), warmup=int(fields.get("warmup", defaults.warmup)))
+    return argparse.Namespace(seqs=tuple(int(s) for s in fields["seqs"].split(",")), heads=heads,
+                              systems=tuple(fields.get("systems", defaults.systems).split(",")),
+                              iters=int(fields.get("iters", defaults.iters)), warmup=int(fields.get("warmup", defaults.warmup)))
 
 
 def expand_systems(systems: tuple[str, ...], world: int) -> list[str]:
@@ -114,8 +132,6 @@ class System:
 
 
 def parse_system(name: str, world: int) -> System:
-    from lightning_seqpar.attention import BACKENDS
-
     kind, _, rest = name.partition(":")
     if kind == "single" and (not rest or rest in BACKENDS):
         return System("single", "local", backend=rest or None)
@@ -168,9 +184,6 @@ def skip_reason(s: System, world: int, S: int, hq: int, single_max: int, device_
 
 def _step(s: System, mesh, q, k, v, do, backend: str):
     """One forward + backward of system ``s`` on this rank's q, k, v [B, n, H, D]."""
-    from lightning_seqpar.agreement import RankAgreement
-    from lightning_seqpar.attention import local_attention, sequence_parallel_attention
-
     if s.kind == "seqpar":
         agreed = RankAgreement()  # the ranks' inputs are compared on the first (warm-up) call only, as an Attention module does
 
@@ -190,9 +203,6 @@ def _step(s: System, mesh, q, k, v, do, backend: str):
 
 
 def _torch_cp_step(mesh, rotate, q, k, v, do):
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import set_rotate_method
-
     set_rotate_method(rotate)
     qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dot = do.transpose(1, 2).contiguous()
@@ -218,10 +228,6 @@ def _torch_cp_step(mesh, rotate, q, k, v, do):
 
 
 def run_grid(args) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from lightning_seqpar.attention.cost import DeviceProfile, causal_flops, choose_attention, estimate_attention
-
     device, mesh_1d, rank, W = setup(args.device, group=True, axis="cp")
     cuda = args.device == "cuda"
     name, dtype, backend = device_name(device), torch.bfloat16 if cuda else torch.float32, args.backend if cuda else "math"
@@ -315,25 +321,17 @@ def run_grid(args) -> None:
 
 # ---- one GPU: the local kernels, their rates, windows, the matmul peak --------------------------------------
 
-def _rel_err(got, ref) -> float:
-    return max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(got, ref))
-
-
 def run_local(args, device) -> list[dict]:
-    from lightning_seqpar.attention.local import available_backends, block_backward, block_forward
-
     rows, name = [], device_name(device)
-    backends = [b for b in available_backends(device, torch.bfloat16) if b != "math"]
+    backends = [b for b in local.available_backends(device, torch.bfloat16) if b != "math"]
     for be in backends:  # correctness first: every backend against fp32 math
         for hq, hkv in ((4, 4), (8, 2), (4, 1), (3, 3)):
             for causal in (True, False):
                 g = torch.Generator(device=device).manual_seed(0)
-                q, k, v, do = (torch.randn(2, 384, h, 64, device=device, generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq))
-                o, lse = block_forward(q, k, v, causal=causal, scale=64**-0.5, backend=be)
-                grads = block_backward(do, q, k, v, o, lse, causal=causal, scale=64**-0.5, backend=be)
-                f = [t.float() for t in (q, k, v, do)]
-                ro, rl = block_forward(*f[:3], causal=causal, scale=64**-0.5, backend="math")
-                err = _rel_err((o, lse, *grads), (ro, rl, *block_backward(f[3], *f[:3], ro, rl, causal=causal, scale=64**-0.5, backend="math")))
+                x = [torch.randn(2, 384, h, 64, device=device, generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq)]
+                o, lse, grads = _block(*x, causal=causal, backend=be)
+                ro, rl, rg = _block(*[t.float() for t in x], causal=causal, backend="math")
+                err = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip((o, lse, *grads), (ro, rl, *rg)))
                 rows.append(dict(bench="local_check", backend=be, hq=hq, hkv=hkv, causal=causal, rel_err=err, ok=err < 2e-2))
                 print(f"[attention] check {be:9s} hq={hq} hkv={hkv} causal={causal}: rel err {err:.2e} {'OK' if err < 2e-2 else 'FAIL'}")
     H, D = 32, 128
@@ -341,19 +339,14 @@ def run_local(args, device) -> list[dict]:
         for hkv in (32, 8):
             q, k, v = (torch.randn(1, S, h, D, device=device, dtype=torch.bfloat16) for h in (H, hkv, hkv))
             do = torch.randn_like(q)
-            flops = 3.5 * 2 * H * S * S * D  # causal forward 4 B H S^2 D / 2, backward 2.5x forward
-            steps = {}
-            for be in backends:
-                def ours(be=be):
-                    o, l = block_forward(q, k, v, causal=True, scale=D**-0.5, backend=be)
-                    block_backward(do, q, k, v, o, l, causal=True, scale=D**-0.5, backend=be)
-                steps[("seqpar", be)] = ours
             qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+            steps = {("seqpar", be): lambda be=be: _block(q, k, v, do, backend=be) for be in backends}
             for be, sdpb in (("cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION), ("flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION)):
                 def ref(sdpb=sdpb):
                     with torch.nn.attention.sdpa_kernel(sdpb):
                         F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=hkv != H).backward(do.transpose(1, 2))
                 steps[("torch_sdpa", be)] = ref
+            flops = 3.5 * 2 * H * S * S * D  # causal forward 4 B H S^2 D / 2, backward 2.5x forward
             for (system, be), step in steps.items():
                 try:
                     t = timed(step, args.iters, args.warmup, device)[0]
@@ -380,21 +373,14 @@ RATE_SHAPES = [  # (label, Sq, Sk, Hq, Hkv, causal)
 
 
 def run_rates(args, device) -> list[dict]:
-    from lightning_seqpar.attention.local import block_backward, block_forward
-
     rows, D = [], args.head_dim
     for label, sq, sk, hq, hkv, causal in RATE_SHAPES:
         if args.labels is not None and label not in args.labels.split(","):
             continue
         if args.heads:
             hq, hkv = (int(h) for h in args.heads.split("/"))
-        q, do = (torch.randn(1, sq, hq, D, device=device, dtype=torch.bfloat16) for _ in range(2))
-        k, v = (torch.randn(1, sk, hkv, D, device=device, dtype=torch.bfloat16) for _ in range(2))
-
-        def step():
-            o, lse = block_forward(q, k, v, causal=causal, scale=D**-0.5, backend=args.backend)
-            block_backward(do, q, k, v, o, lse, causal=causal, scale=D**-0.5, backend=args.backend)
-        t = timed(step, args.iters, args.warmup, device, best=True)[0]
+        q, k, v, do = (torch.randn(1, n, h, D, device=device, dtype=torch.bfloat16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+        t = timed(lambda: _block(q, k, v, do, causal=causal, backend=args.backend), args.iters, args.warmup, device, best=True)[0]
         tflops = 3.5 * (2.0 if causal else 4.0) * sq * sk * hq * D / t / 1e12
         rows.append(dict(bench="kernel_rate", backend=args.backend, label=label, sq=sq, sk=sk, hq=hq, hkv=hkv, head_dim=D, causal=causal,
                          time_s=t, tflops=tflops, device=device_name(device), commit=args.commit))
@@ -405,14 +391,7 @@ def run_rates(args, device) -> list[dict]:
 
 
 def run_window(args, device) -> list[dict]:
-    import torch._dynamo.config as dynamo
-
-    from lightning_seqpar.attention.local import block_backward, block_forward, resolve_backend
-    from lightning_seqpar.attention.masked import (_flex, _flex_block_mask, _flex_call, flex_backward, flex_forward, variant_block_backward,
-                                                   variant_block_forward)
-    from lightning_seqpar.attention.variants import Mask, Variant
-
-    _flex()  # import + compile wrapper
+    masked._flex()  # import + compile wrapper
     setattr(dynamo, "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit", 256)
     rows, name = [], device_name(device)
 
@@ -420,39 +399,30 @@ def run_window(args, device) -> list[dict]:
         pos = torch.arange(S, device=device)[None]
         return Mask(pos, pos, None, None, variant, False, 0)
 
-    def variant_step(q, k, v, do, mask, be, D):
-        def step():
-            o, l = variant_block_forward(q, k, v, mask, scale=D**-0.5, backend=be)
-            variant_block_backward(do, q, k, v, o, l, mask, scale=D**-0.5, backend=be)
-        return step
-
     S, w = args.seq, args.window
     share = (S * w - w * (w - 1) / 2) / (S * (S + 1) / 2)
     for D in (int(x) for x in args.head_dims.split(",")):
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v, do = (torch.randn(1, S, h, D, device=device, generator=g, dtype=torch.bfloat16)
                        for h in (args.heads, args.kv_heads, args.kv_heads, args.heads))
-        be = resolve_backend("auto", device, torch.bfloat16, D)
+        be = local.resolve_backend("auto", device, torch.bfloat16, D)
         mask, cap = whole(S, Variant(True, w)), whole(S, Variant(True, w, 0, 50.0))
-        bm, bm_cap = _flex_block_mask(mask), _flex_block_mask(cap)
-
-        def dense():
-            o, l = block_forward(q, k, v, causal=True, scale=D**-0.5, backend=be)
-            block_backward(do, q, k, v, o, l, causal=True, scale=D**-0.5, backend=be)
+        bm, bm_cap = masked._flex_block_mask(mask), masked._flex_block_mask(cap)
 
         def flex(m, b):
             def step():
-                o, l = flex_forward(q, k, v, m, D**-0.5, b)
-                flex_backward(do, q, k, v, o, l, m, D**-0.5, b)
+                o, l = masked.flex_forward(q, k, v, m, D**-0.5, b)
+                masked.flex_backward(do, q, k, v, o, l, m, D**-0.5, b)
             return step
 
         def flex_raw():
             qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-            torch.autograd.grad(_flex_call(qr, kr, vr, mask, D**-0.5, bm)[0], (qr, kr, vr), do)
+            torch.autograd.grad(masked._flex_call(qr, kr, vr, mask, D**-0.5, bm)[0], (qr, kr, vr), do)
 
         t_causal = None
-        for kernel, step in {"causal": dense, "window": variant_step(q, k, v, do, mask, be, D), "window_softcap": variant_step(q, k, v, do, cap, be, D),
-                             "flex": flex(mask, bm), "flex_raw": flex_raw, "softcap": flex(cap, bm_cap)}.items():
+        for kernel, step in {"causal": lambda: _block(q, k, v, do, backend=be), "window": lambda: _block(q, k, v, do, mask=mask, backend=be),
+                             "window_softcap": lambda: _block(q, k, v, do, mask=cap, backend=be), "flex": flex(mask, bm), "flex_raw": flex_raw,
+                             "softcap": flex(cap, bm_cap)}.items():
             try:
                 t = timed(step, args.iters, args.warmup, device)[0]
             except Exception as e:  # noqa: BLE001 - report the kernel that cannot run, measure the others
@@ -486,9 +456,6 @@ def run_matmul(args, device) -> list[dict]:
 # ---- LASP and the recurrent scans, one device or sequence parallel ------------------------------------------
 
 def run_lasp(args) -> None:
-    from lightning_seqpar.attention.lasp import _resolve_kernel, lasp_attention, linear_attention
-    from lightning_seqpar.models.transnormer import tnl_decay_log
-
     device, mesh, rank, W = setup(args.device, group=True)
     kernel = _resolve_kernel(args.kernel, device)
     H, Dk, Dv = args.heads, args.dk, args.dv
@@ -547,14 +514,12 @@ def _scan_inputs(args, T: int, device) -> tuple[dict[str, torch.Tensor], torch.T
         return ({"x": make(1, T, 128, 64).bfloat16(), "dt": F.softplus(make(1, T, 128) - 4), "A": -torch.rand(128, generator=g).to(device) - 0.5,
                  "B": make(1, T, 1, 128).bfloat16(), "C": make(1, T, 1, 128).bfloat16(), "D": torch.ones(128, device=device)}, dy(1, T, 128, 64))
     E, N = args.channels, args.state  # Mamba1 (fp32)
-    return ({"x": make(1, T, E), "dt": F.softplus(make(1, T, E) - 4), "A": -torch.arange(1, N + 1, dtype=torch.float32).expand(E, N).contiguous().to(device),
+    return ({"x": make(1, T, E), "dt": F.softplus(make(1, T, E) - 4), "A": -torch.arange(1.0, N + 1).expand(E, N).contiguous().to(device),
              "B": make(1, T, 1, N), "C": make(1, T, 1, N), "D": torch.ones(E, device=device)}, dy(1, T, E))
 
 
 def _scan_step(args, system: str, inputs: dict, do: torch.Tensor, mesh, docs=None, chunk: int = 0) -> tuple[torch.Tensor, dict]:
     """One forward + backward of sum(out * do); (out, the inputs' gradients)."""
-    from lightning_seqpar.attention import recurrent as ours
-
     x = {k: v.detach().requires_grad_() for k, v in inputs.items()}
     if args.rule == "delta" and system != "seqpar":
         rep = x["v"].shape[2] // x["q"].shape[2]
@@ -588,9 +553,6 @@ def _scan_step(args, system: str, inputs: dict, do: torch.Tensor, mesh, docs=Non
 
 
 def run_scan(args) -> None:
-    from lightning_seqpar.documents import PackedDocuments
-    from lightning_seqpar.sharding import shard_sequence
-
     device, mesh, rank, world = setup(args.device)
     bench = {"delta": "delta_rule", "ssd": "ssd_scan", "mamba1": "selective_scan"}[args.rule]
     systems = ["seqpar"] if mesh is not None or args.docs else args.systems.split(",")
@@ -611,9 +573,7 @@ def run_scan(args) -> None:
                 if args.rule != "delta" and args.docs or args.rule == "ssd" and world > 1 or system == "fla" and args.rule != "delta":
                     raise ValueError("--docs is for --rule delta; --rule ssd runs on one device; fla-core is a system of --rule delta")
                 if system == "fla":
-                    from lightning_seqpar.attention.recurrent import _fla_installed, _fla_unusable
-
-                    why = "fla-core is not installed" if not _fla_installed() else _fla_unusable(device.index)
+                    why = "fla-core is not installed" if not ours._fla_installed() else ours._fla_unusable(device.index)
                     if why:
                         raise RuntimeError(why)
                 full, do_full = _scan_inputs(args, T, device)
@@ -631,7 +591,8 @@ def run_scan(args) -> None:
                 if device.type == "cuda":
                     row["peak_mem_gb"] = round(peak * 1e9 / 2**30, 3)
                 if check:  # Note [Parallel state passing across ranks]: against the whole sequence here
-                    ref = _scan_step(args, system, full, do_full, None, None if docs is None else PackedDocuments.from_lengths(lengths, world=1), chunk)
+                    one = None if docs is None else PackedDocuments.from_lengths(lengths, world=1)
+                    ref = _scan_step(args, system, full, do_full, None, one, chunk)
                     got = _scan_step(args, system, inputs, do, mesh, docs, chunk)
                     pairs = [("o", got[0], ref[0])] + [(f"d{k}", got[1][k], ref[1][k]) for k in got[1] if got[1][k] is not None]
                     row["rel_err_vs_one_device"] = {n: float(f"{((a.float() - shard(b).float()).norm() / shard(b).float().norm()).item():.3g}")
@@ -652,55 +613,14 @@ def run_scan(args) -> None:
 # ---- main -----------------------------------------------------------------------------------------------------
 
 def parser(mode: str) -> argparse.ArgumentParser:
+    """A mode's options: the keys of OPTIONS[mode] as flags ("_" -> "-"), their type and default from the value."""
     ap = runner_args(argparse.ArgumentParser(prog=f"benchmarks/attention.py {mode}", description=__doc__.split("\n\n")[0]))
-    iters, warmup = DEFAULTS[mode]
-    ap.add_argument("--iters", type=int, default=iters)
-    ap.add_argument("--warmup", type=int, default=warmup)
-    add = ap.add_argument
-    if mode == "grid":
-        add("--grid", action="append", default=[], help='"seqs=...;heads=...;systems=...;iters=...;warmup=..." (repeatable)')
-        add("--seqs", default="131072,524288", help="without --grid: the sequence lengths")
-        add("--heads", default="32/8", help="comma list of H_q/H_kv (default of --grid)")
-        add("--systems", default="seqpar:ring,torch_cp:allgather,torch_cp:alltoall", help="default of --grid")
-        add("--head-dim", type=int, default=128)
-        add("--batch", type=int, default=1)
-        add("--single-max-seq", type=int, default=131072, help="longest S of the one-GPU reference")
-        add("--backend", default="cudnn", help="local kernel of seqpar and single without a backend suffix (CUDA)")
-    elif mode == "local":
-        add("--seqs", default="8192,32768")
-    elif mode == "rates":
-        add("--backend", default="cudnn")
-        add("--head-dim", type=int, default=128, help="64: the Llama-3.2-1B shape")
-        add("--labels", default=None, help="comma-separated labels of RATE_SHAPES to run (default: all)")
-        add("--heads", default=None, help="Hq/Hkv instead of each shape's, e.g. 8/2 (one of four head chunks of 32/8)")
-    elif mode == "window":
-        add("--seq", type=int, default=131072)
-        add("--window", type=int, default=4096)
-        add("--heads", type=int, default=16)
-        add("--kv-heads", type=int, default=8)
-        add("--head-dims", default="128,256")
-    elif mode == "lasp":
-        add("--local-seqs", default="8192,32768,262144", help="comma list of tokens per GPU")
-        add("--heads", type=int, default=16, help="TNL-1B: 16")
-        add("--dk", type=int, default=128, help="TNL-1B: 128 (256 on the LRPE layer 0)")
-        add("--dv", type=int, default=128)
-        add("--layer", type=int, default=1, help="the decay of this TNL layer (of 16)")
-        add("--algorithms", default="local,lasp-p2p,lasp-allgather")
-        add("--kernel", default="auto", choices=["auto", "torch", "fla"])
-    elif mode == "scan":
-        add("--rule", default="delta", choices=["delta", "ssd", "mamba1"])
-        add("--seqs", default="16384,131072")
-        add("--systems", default="seqpar,transformers,fla", help="seqpar, transformers, fla (delta only); one device")
-        add("--kernel", default="torch", choices=["torch", "fla", "auto"], help="delta, ssd: the package's kernel=")
-        add("--heads", type=int, default=32, help="delta: value heads (key heads: half)")
-        add("--dim", type=int, default=128, help="delta: key and value head dim")
-        add("--channels", type=int, default=1536, help="mamba1: d_inner (Mamba-130m: 1536; Jamba: 8192)")
-        add("--state", type=int, default=16, help="mamba1: state size")
-        add("--chunks", default="8,16,32", help="mamba1: chunk sizes of the package's kernel")
-        add("--docs", type=int, default=0, help="delta: this many equal packed documents (the state resets at each)")
-        add("--check", action="store_true", help="under torchrun: compare with the whole sequence on one device")
-    elif mode == "matmul":
-        add("--sizes", default="4096,8192,16384", help="comma-separated n")
+    for name, default in OPTIONS[mode].items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, (bool, list)):
+            ap.add_argument(flag, action="store_true" if isinstance(default, bool) else "append", default=default)
+        else:
+            ap.add_argument(flag, type=str if default is None else type(default), default=default)
     return ap
 
 

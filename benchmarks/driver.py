@@ -5,40 +5,34 @@
     python -m benchmarks fa4                                     # flash-attention 4, step 1 of 2 (below)
     python -m benchmarks collect --kind nvidia-h200-x4 DIR/*.json     # here: merge into benchmarks/results/
     python -m benchmarks tables [--check]                        # here: regenerate docs/benchmarks.md's tables
+    python -m benchmarks auto [--worst N]                        # here: attention="auto" replayed on the records
     python -m benchmarks plot                                    # here: docs/img/*.png
 
-Everything a benchmark run needs that the runners (train.py, longest.py, attention.py, hf.py) do not do
-lives here, once: the environment (NCCL without NVLink multicast, caches on /tmp, PYTHONPATH with the
-carried wheels), torchrun's start (``--standalone``: a free rendezvous port per run), the time budget
-(every run under ``timeout`` with min(its limit, what is left); a run whose limit does not fit is skipped
-and says so; longest-context searches get the deadline), flash-attention 4 from carried wheels, and the
-records: each run writes its own JSON file; the driver stamps every record with ``suite``, ``run``,
-``commit`` (from --commit, $SEQPAR_COMMIT or git) and appends it to ``DIR/<suite>.json``, and writes one
-log line per run plus the run's result lines to ``DIR/<suite>.log`` (full logs in ``DIR/logs/``).
-
-The second half of this file is what the runners share: where a process runs (device, process group,
-mesh), how a step is timed, how a record is written, how an out-of-memory error ends a rank, and the
-Lightning Trainer and step timer of every training run.
+What a run needs that the runners (train.py, longest.py, attention.py, hf.py) do not do lives here: the environment
+(NCCL without NVLink multicast, caches on /tmp, the carried wheels on PYTHONPATH), torchrun's start, the time budget
+(every run under ``timeout`` with min(its limit, what is left); a run that does not fit is skipped and says so), the
+records (stamped with ``suite``, ``run``, ``commit`` into ``DIR/<suite>.json``; one line per run and its result lines in
+``DIR/<suite>.log``, full logs in ``DIR/logs/``). Then what the runners share: device and process group, timing,
+records, out-of-memory exits, the Trainer.
 
 Note [Carrying flash-attention 4]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The GPU machine has no internet; flash-attention 4 and its CuTe DSL wheels (``pip download
-flash-attn-4`` on a machine with internet) come as two folders, ``.whl/`` and ``.whl2/`` (the largest
-wheel split in two), each under the 64 MiB one command may carry to the machine. So it takes two
-commands on one warm machine:
+The GPU machine has no internet; flash-attention 4 and its CuTe DSL wheels (``pip download flash-attn-4`` on a machine
+with internet) come as two folders, ``.whl/`` and ``.whl2/`` (the largest wheel split in two), each under the 64 MiB one
+command may carry to the machine. So it takes two commands on one warm machine:
 
     command 1, carry [".whl"]:   python -m benchmarks fa4            # copies .whl/* to /tmp/whl
     command 2, carry [".whl2"]:  python -m benchmarks run SUITE ...  # joins the split wheel, installs into /tmp/site
 
-``run`` always does whatever of this the carried folders allow (nothing when neither is there), and
-puts /tmp/site on PYTHONPATH for its runs; runs marked ``fa4`` are skipped, by name, when flash-attention
-4 does not load. A machine that went cold has lost /tmp: start again at command 1.
+``run`` does whatever of this the carried folders allow and puts /tmp/site on PYTHONPATH; runs marked ``fa4`` are
+skipped, by name, when flash-attention 4 does not load. A machine that went cold has lost /tmp: start at command 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import glob
 import json
 import os
@@ -47,8 +41,11 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 from suites import MODES, SUITES, Run, Suite
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,10 +58,8 @@ ENV = {
     "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "/tmp/fa4cache",
     "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor_cache",
 }
-PY = "python"
-"""The interpreter of the runners: the image's python, on PATH (as torchrun is)."""
-MIN_S = 60
-"""A run is skipped when less than this many seconds (or its limit, if smaller) are left."""
+PY = "python"  # the interpreter of the runners: the image's python, on PATH (as torchrun is)
+MIN_S = 60  # a run is skipped when less than this many seconds (or its limit, if smaller) are left
 RESULT_PREFIXES = ("[train]", "[longest]", "[attention]", "[hf]", "[lasp-gpu]", "[documents-gpu]")
 SCRIPTS = {"train": "train.py", "longest": "longest.py", "attention": "attention.py", "hf": "hf.py"}
 ONE_PROCESS = {("longest", None), ("attention", "local"), ("attention", "rates"), ("attention", "matmul"), ("train", "host-adamw")}
@@ -72,13 +67,11 @@ ONE_PROCESS = {("longest", None), ("attention", "local"), ("attention", "rates")
 
 
 def commit_of(explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    if os.environ.get("SEQPAR_COMMIT"):
-        return os.environ["SEQPAR_COMMIT"]
+    if explicit or os.environ.get("SEQPAR_COMMIT"):
+        return explicit or os.environ["SEQPAR_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+        return out.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -157,14 +150,8 @@ def _stamp(path: str, suite: str, run: str, commit: str) -> list[dict]:
         data = json.load(open(path))
     except (OSError, ValueError):
         return []
-    rows = []
-    for row in data if isinstance(data, list) else [data]:
-        if isinstance(row, dict):
-            row = {**row, "suite": suite, "run": run}
-            if row.get("commit") in (None, "", "unknown"):
-                row["commit"] = commit
-            rows.append(row)
-    return rows
+    return [{**row, "suite": suite, "run": run, "commit": commit if row.get("commit") in (None, "", "unknown") else row["commit"]}
+            for row in (data if isinstance(data, list) else [data]) if isinstance(row, dict)]
 
 
 def run_suite(suite: Suite, *, gpus: int, only: tuple[str, ...] = (), budget_s: float = 560, out_dir: str = "/tmp/out",
@@ -243,10 +230,8 @@ def run_suite(suite: Suite, *, gpus: int, only: tuple[str, ...] = (), budget_s: 
 
 
 def describe(suite: Suite) -> str:
-    lines = [f"{suite.name}: {suite.question}"]
-    for gpus, runs in sorted(suite.runs.items()):
-        lines.append(f"  --gpus {gpus}: " + ", ".join(f"{r.name} ({r.limit_s}s{', fa4' if r.fa4 else ''})" for r in runs))
-    return "\n".join(lines)
+    return "\n".join([f"{suite.name}: {suite.question}"] + [f"  --gpus {gpus}: " + ", ".join(
+        f"{r.name} ({r.limit_s}s{', fa4' if r.fa4 else ''})" for r in runs) for gpus, runs in sorted(suite.runs.items())])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,12 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("collect", help="merge records into benchmarks/results/ (benchmarks/report.py)", add_help=False)
     sub.add_parser("tables", help="regenerate docs/benchmarks.md's tables (benchmarks/report.py)", add_help=False)
     sub.add_parser("plot", help="redraw docs/img/*.png (benchmarks/plot.py)", add_help=False)
+    sub.add_parser("auto", help='replay attention="auto" over every measured attention point (benchmarks/report.py)', add_help=False)
     args, rest = ap.parse_known_args(argv)
-    if args.cmd in ("collect", "tables", "plot"):
+    if args.cmd in ("collect", "tables", "plot", "auto"):
         import plot
         import report
 
-        result = {"collect": report.collect_main, "tables": report.main, "plot": plot.main}[args.cmd](rest)
+        result = {"collect": report.collect_main, "tables": report.main, "plot": plot.main, "auto": report.auto_main}[args.cmd](rest)
         return result if isinstance(result, int) else 0
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -291,10 +277,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # ==== what the runners share ===============================================================================
 
-PEAK_BF16 = 989e12
-"""H100 / H200 SXM dense bf16 (datasheet): the denominator of every MFU."""
-OOM_EXIT = 3
-"""The exit code of a rank that ran out of GPU memory (longest.py tells it from other failures)."""
+PEAK_BF16 = 989e12  # H100 / H200 SXM dense bf16 (datasheet): the denominator of every MFU
+OOM_EXIT = 3  # the exit code of a rank that ran out of GPU memory (longest.py tells it from other failures)
 
 
 def runner_args(ap: argparse.ArgumentParser, *, device: bool = True) -> argparse.ArgumentParser:
@@ -317,9 +301,6 @@ def mode_of(argv: list[str] | None, kind: str) -> tuple[str | None, list[str]]:
 def setup(device_type: str, *, group: bool = False, axis: str = "sp", timeout_min: float = 5.0) -> tuple[Any, Any, int, int]:
     """(device, 1-D mesh named ``axis`` or None, rank, world) of this process: a plain launch (world 1) or torchrun.
     The process group (NCCL on CUDA, gloo on the CPU) is initialised when WORLD_SIZE > 1 or ``group``."""
-    import torch
-    import torch.distributed as dist
-
     world, rank, mesh = int(os.environ.get("WORLD_SIZE", "1")), 0, None
     cuda = device_type == "cuda"
     if cuda:
@@ -336,16 +317,11 @@ def setup(device_type: str, *, group: bool = False, axis: str = "sp", timeout_mi
 
 
 def device_name(device: Any) -> str:
-    import torch
-
     return torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
 
 
 def max_over_ranks(*values: float, device: Any = "cpu") -> list[float]:
     """``values``, each the largest over the ranks of the default process group (as they are without one)."""
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -358,9 +334,6 @@ def timed(step: Callable[[], Any], iters: int, warmup: int, device: Any, *, best
     events on a GPU). (seconds: the median, or with ``best`` the fastest; peak GB: torch.cuda.max_memory_allocated
     over the timed calls; op GB: that peak minus what was allocated before them). Under a process group the
     slowest rank's time and the largest memory."""
-    import torch
-    import torch.distributed as dist
-
     cuda = device.type == "cuda"
     for _ in range(warmup):
         step()
@@ -406,10 +379,6 @@ def error_text(error: BaseException, limit: int = 300) -> str:
 def record_and_release(path: str | None, row: dict, *, end_group: bool = True) -> None:
     """After one measurement: append ``row`` to ``path`` (when given), then free what the run left (collected
     objects, the CUDA cache and, with ``end_group``, a default process group) before the next one."""
-    import gc
-
-    import torch
-
     if path:
         append_records(path, row)
     gc.collect()
@@ -423,11 +392,6 @@ def held_gb(cuda: bool) -> float:
     """Before the next run of one process: free what the previous run left (its trainer, model and optimizer are
     unreachable once it returned) and return what is still allocated, GB, max over ranks (a record's
     ``held_before_gb``: a leak shows there rather than as a peak that silently includes it)."""
-    import gc
-
-    import torch
-    import torch.distributed as dist
-
     gc.collect()
     if not cuda or not dist.is_initialized():
         return 0.0
@@ -438,8 +402,6 @@ def held_gb(cuda: bool) -> float:
 
 def is_oom(exc: BaseException | None) -> bool:
     """torch.OutOfMemoryError, or an allocation failure that a kernel library reports as a RuntimeError."""
-    import torch
-
     while exc is not None:
         if isinstance(exc, torch.OutOfMemoryError) or (
                 isinstance(exc, RuntimeError) and ("out of memory" in str(exc).lower() or "ALLOC_FAILED" in str(exc))):
@@ -452,10 +414,6 @@ def oom_state(exc: BaseException) -> str:
     """Where an out-of-memory error happened (the innermost frames of ours, of torch if none) and the memory then:
     what PyTorch's allocator held, had reserved and peaked at, and what the driver had free (a library's own
     allocation, e.g. cuBLAS's handle, fails when the allocator has reserved the card)."""
-    import traceback
-
-    import torch
-
     frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
     ours = [f for f in frames if "lightning_seqpar" in f.filename or "benchmarks" in f.filename] or frames
     where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(ours[-3:])) or "?"
@@ -496,7 +454,6 @@ def step_timer(times: list, losses: list, *, warmup: int, cuda: bool) -> Any:
     collecting ``train/loss`` into ``losses``; the peak memory statistics are reset when the timed steps start
     (``warmup=-1``: every step timed, no reset)."""
     import lightning as L
-    import torch
 
     class StepTimer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

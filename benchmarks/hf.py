@@ -8,32 +8,17 @@ one runner, a mode per question (its first argument; ``families`` when none is g
     PYTHONPATH=$PWD python benchmarks/hf.py memory --model llama-3-8b --lora 16 --system transformers --seqs 32768,65536
     PYTHONPATH=$PWD python benchmarks/hf.py memory --memory manual --options offload_checkpoints=true --loss-chunk 4096 --seqs 65536
 
-families  A Gemma-3-shaped, a gpt-oss-shaped and a Qwen3-Next-shaped hybrid model, LoRA on the Llama-3-8B shape and
-          the Llama-3.2-1B shape (SHAPES), a few steps at --seq tokens (issues #21, #23, #26, #43). Ours:
-          ``SequenceParallelStrategy(sequence_parallel_size=WORLD_SIZE, attention=--algorithm)`` + ``CausalLMModule(<config>,
-          loss_chunk_size=4096)``, "bf16-mixed" (LoRA: "bf16-true" with ``bf16_adapters=True``, the configuration of
-          docs/hf_finetune.md). Plain transformers (one GPU only: it cannot split one sequence over GPUs): the same
-          model unmodified, fp32 weights (bf16 base + peft's fp32 adapters for LoRA), ``torch.autocast(bf16)``, fused
-          AdamW, gradient checkpointing, the first of sdpa / flex_attention / eager it accepts, its own loss on the full
-          logits. Median step after --warmup, peak memory after the warm-up (max over ranks), tokens/s/GPU, and MFU =
-          tokens/s/GPU x model FLOPs per token / 989e12 (:func:`model_flops`: 6 x the parameters a token runs through
-          but the input embedding, only the top-k experts; 12 x S_eff x heads x head_dim per softmax layer, S_eff the
-          mean keys a query sees; the delta-rule state update and sinks left out; LoRA: 4 x N_frozen + 6 x N_adapters +
-          attention). Records: bench "hf_family" on one GPU, "hf-families" under torchrun; a shape that fails (out of
-          memory, a refusal) is recorded with its error and the next one runs. Under torchrun every rank first tells
-          the others how its run ended (Agreement); a rank left waiting in a collective exits, torchrun stops the rest.
-finetune  ``transformers.LlamaForCausalLM`` of the llama3-8b shape at --seq over the GPUs, random tokens in documents
-          of exponential lengths (mean --mean-doc; ``document_ids``: attention stays inside each document). Record
-          bench "train", model "hf-llama3-8b"; MFU counts 6 N_non-embedding + 6 L d sum(len_i^2) / S.
-memory    One GPU (issue #22): ``SequenceParallelStrategy(sequence_parallel_size=1, memory="auto", expected_seq_len=S)``
-          (``--memory manual``: the options of --options only), "bf16-true" (LoRA adapters fp32): the planner's options
-          and estimate (every term, GB) against the measured peak, and what the last step keeps for its backward (Note
-          [Memory per token]: kept_bytes_per_token_per_layer = (allocated when the backward starts - when the step
-          starts) / (S x layers)); or --system transformers: the model unmodified, bf16 weights (peft's adapters fp32),
-          SDPA, non-reentrant gradient checkpointing, its own loss. --steps AdamW steps per length, shortest first; a
-          length that does not fit is recorded with its error and the longer ones skipped. A step longer than a 10-minute
-          run: ``--ckpt-dir DIR --stop-after 1`` writes DIR/last.ckpt after this run's step and the next run resumes from
-          it (end it with ``timeout -s KILL``: Lightning takes a SIGTERM at the end of the step).
+families  SHAPES a few steps at --seq: ours (``SequenceParallelStrategy`` over WORLD_SIZE GPUs, ``CausalLMModule``, "bf16-mixed";
+          LoRA "bf16-true" with ``bf16_adapters``) and, on one GPU, plain transformers (fp32 weights under bf16 autocast,
+          fused AdamW, gradient checkpointing, its own loss); MFU from :func:`model_flops`. Records "hf_family" (one GPU) or
+          "hf-families" (torchrun); a shape that fails is recorded with its error and the next one runs.
+finetune  ``transformers.LlamaForCausalLM`` of llama3-8b's shape over the GPUs, random tokens in packed documents of
+          exponential lengths (mean --mean-doc): bench "train", MFU of 6 N_non-embedding + 6 L d sum(len_i^2) / S.
+memory    One GPU (issue #22): ``memory="auto"`` (``--memory manual``: --options only), "bf16-true": the planner's options
+          and estimate against the measured peak, what the last step keeps for its backward (Note [Memory per token]);
+          or --system transformers (+ peft): bf16 weights, SDPA, non-reentrant checkpointing. Shortest length first; once
+          one does not fit, the longer ones are skipped. A step longer than a 10-minute run: ``--ckpt-dir DIR
+          --stop-after 1`` saves after this run's step and the next run resumes (stop a run with ``timeout -s KILL``).
 """
 
 from __future__ import annotations
@@ -45,14 +30,17 @@ import os
 import sys
 import time
 import traceback
-from collections import defaultdict
 
+import lightning as L
 import torch
 import torch.distributed as dist
+
+from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from driver import (PEAK_BF16, append_records, error_text, held_gb, is_oom, max_over_ranks, mode_of, record_and_release,  # noqa: E402
                     runner_args, step_timer, trainer)
+from profile_summary import profiler_callback  # noqa: E402
 
 LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=1 << 20, rms_norm_eps=1e-5,
@@ -83,8 +71,7 @@ SHAPES: dict[str, dict] = {
                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
-LORA: dict[str, dict] = {"llama3-8b-lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}}
-"""The shapes trained with LoRA (``CausalLMModule(lora=...)``), with their peft.LoraConfig fields."""
+LORA: dict[str, dict] = {"llama3-8b-lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}}  # CausalLMModule(lora=...)
 TINY: dict[str, dict] = {  # --device cpu: each shape shrunk, its layer pattern kept (windows below the smoke test's --seq)
     "gemma3": dict(_TINY, query_pre_attn_scalar=16, sliding_window=32),
     "gpt-oss": dict(_TINY, intermediate_size=32, sliding_window=16, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
@@ -93,11 +80,8 @@ TINY: dict[str, dict] = {  # --device cpu: each shape shrunk, its layer pattern 
     "llama3-8b-lora": dict(_TINY, num_hidden_layers=2), "llama3.2-1b": dict(_TINY, num_hidden_layers=2),
 }
 MEMORY_SHAPES = {"llama-3.2-1b": dict(LLAMA3_1B, rope_theta=500000.0, max_position_embeddings=1 << 21, rms_norm_eps=1e-5),
-                 "llama-3-8b": dict(LLAMA3_8B, head_dim=128, max_position_embeddings=1 << 21), "tiny": TINY_LLAMA}
-"""The shapes of ``memory`` (tiny: CPU smoke runs, no memory figures)."""
-AGREE_TIMEOUT_S = 120
-"""Under torchrun: how long a rank waits for the others to say how their run of a shape ended (the ranks leave a run
-within seconds of each other; one that does not answer waits in a collective for a rank that failed)."""
+                 "llama-3-8b": dict(LLAMA3_8B, head_dim=128, max_position_embeddings=1 << 21), "tiny": TINY_LLAMA}  # tiny: CPU smoke runs
+AGREE_TIMEOUT_S = 120  # how long a rank waits for the others to say how a shape ended (one that does not answer waits for a failed one)
 
 
 def _spec(shape: str, *, tiny: bool = False) -> dict:
@@ -113,8 +97,7 @@ def _spec(shape: str, *, tiny: bool = False) -> dict:
 def _config(spec: dict):
     from transformers import AutoConfig
 
-    spec = dict(spec)
-    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+    return AutoConfig.for_model(spec["model_type"], **{k: v for k, v in spec.items() if k != "model_type"})
 
 
 def _mean_keys(seq: int, window: int | None) -> float:
@@ -126,8 +109,11 @@ def _mean_keys(seq: int, window: int | None) -> float:
 
 
 def model_flops(config, seq: int, lora: dict | None = None) -> dict:
-    """Model FLOPs per trained token (forward + backward) of ``config`` at ``seq`` tokens, and their parts (the
-    conventions: the module docstring). Counted on the model built on the meta device (no memory)."""
+    """Model FLOPs per trained token (forward + backward) of ``config`` at ``seq`` tokens, and their parts, counted on
+    the model built on the meta device: 6 x the parameters a token runs through but the input embedding (the head
+    counts, also tied; of an MoE layer only the top-k experts); 12 x S_eff x heads x head_dim per softmax layer, S_eff
+    the mean keys a query sees (:func:`_mean_keys`; recomputation, sinks and the delta-rule state update not counted);
+    LoRA: the frozen base gets no weight gradient, 4 x N_base + 6 x N_adapters + the attention term."""
     from torch import nn
     from transformers import AutoModelForCausalLM
 
@@ -178,8 +164,6 @@ def _ids(vocab: int, seq: int, n: int) -> list[torch.Tensor]:
 def _fit(config, data: list[dict], strategy, *, steps: int, precision: str, callbacks: list, cuda: bool, lora=None, loss_chunk: int,
          warmup_steps: int = 1, ckpt_path: str | None = None):
     """``CausalLMModule(config)`` trained ``steps`` steps on ``data`` (batch 1) under ``strategy``; the Trainer."""
-    from lightning_seqpar import CausalLMModule
-
     fit = trainer(strategy, steps=steps, precision=precision, callbacks=callbacks, cuda=cuda)
     module = CausalLMModule(model=config, lora=lora, lr=1e-5, warmup_steps=warmup_steps, weight_decay=0.0, loss_chunk_size=loss_chunk)
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=ckpt_path)
@@ -238,7 +222,7 @@ def run_plain(config, seq: int, row: dict, *, lora: dict | None, steps: int, war
 
 # ---- families -------------------------------------------------------------------------------------------------
 
-class Agreement:
+class Agreement(L.Callback):
     """Under torchrun: one exchange per shape, over a gloo group with a timeout, of how each rank's run ended (None or
     its error), so that all ranks take the same path after a failure. A rank whose run raises inside ``trainer.fit``
     exchanges in ``on_exception`` (before Lightning's teardown, which may wait on the device); the others after
@@ -261,21 +245,11 @@ class Agreement:
             self.result = got
         return self.result
 
-    def callback(self):
-        import lightning as L
-
-        agreement = self
-
-        class Exchange(L.Callback):
-            def on_exception(self, trainer, pl_module, exception):
-                agreement(error_text(exception))
-
-        return Exchange()
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self(error_text(exception))
 
 
 def run_ours(args, shape: str, world: int, callbacks: list) -> dict:
-    from lightning_seqpar import SequenceParallelStrategy
-
     config = _config(_spec(shape, tiny=args.device == "cpu"))
     lora = LORA.get(shape)
     times, losses = [], []
@@ -288,8 +262,6 @@ def run_ours(args, shape: str, world: int, callbacks: list) -> dict:
                                         timeout=datetime.timedelta(seconds=args.timeout), **extra,
                                         **({"memory": args.memory} if args.memory is not None else {}))
     if args.profile:
-        from profile_summary import profiler_callback
-
         callbacks = [*callbacks, profiler_callback(argparse.Namespace(**vars(args), system="seqpar", model="hf", tag="", profile_trace=False))]
     _fit(config, data, strategy, steps=args.warmup + args.steps, precision=_precision(args, shape), cuda=args.device == "cuda", lora=lora,
          callbacks=[step_timer(times, losses, warmup=args.warmup, cuda=args.device == "cuda"), *callbacks], loss_chunk=args.loss_chunk)
@@ -359,7 +331,7 @@ def families(args) -> None:
                         append_records(args.out, dict(row, error=error, error_ranks=[0], aborted=True))
 
                 agreement = Agreement(group, abort)
-                callbacks = [agreement.callback()]
+                callbacks = [agreement]
             if system == "transformers" and not cuda:
                 print(f"[hf] {shape} transformers: skipped on --device cpu", flush=True)
                 continue
@@ -405,8 +377,6 @@ def doc_lengths(seq: int, mean_doc: int | None, seed: int) -> list[int]:
 
 
 def finetune(args) -> None:
-    from lightning_seqpar import SequenceParallelStrategy
-
     cuda, world = args.device == "cuda", int(os.environ["WORLD_SIZE"])
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -453,10 +423,8 @@ def run_memory(args, seq: int, row: dict) -> None:
     """Ours with memory="auto": ``args.steps`` steps at ``seq`` tokens; fills ``row`` (the plan first, so that it is kept
     when a step fails). ``--ckpt-dir``: resume from DIR/last.ckpt when it exists and, with ``--stop-after n``, stop
     after n steps in this process and write it there. ``--plan-seq``: the planner's length when it differs from
-    ``seq``; ``--options``: strategy options by hand (the planner plans the rest); ``--snapshot``: the breakdown of the
-    peak from the allocator's history."""
-    from lightning_seqpar import SequenceParallelStrategy
-
+    ``seq``; ``--options``: strategy options by hand (the planner plans the rest); ``--snapshot DIR``: the CUDA allocator's
+    history (every allocation alive at the peak with its Python stack: how Note [Memory per token] was checked)."""
     cuda = torch.cuda.is_available()
     config = _config(MEMORY_SHAPES[args.model])
     times, losses, kept = [], [], {}
@@ -486,18 +454,17 @@ def run_memory(args, seq: int, row: dict) -> None:
     data = [_sample(ids) for ids in _ids(config.vocab_size, seq, args.steps)]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    if args.snapshot and cuda:  # every allocation with its Python stack; open the file in https://pytorch.org/memory_viz
+        torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
     try:
-        def fit() -> None:
-            row["global_step"] = _fit(config, data, strategy, steps=args.steps, precision="bf16-true", callbacks=[StopAfter()], cuda=cuda,
-                                      lora=lora, loss_chunk=args.loss_chunk, ckpt_path=resume).global_step
-
-        if args.snapshot and cuda:
-            row["peak_breakdown"] = peak_breakdown(fit)
-            print(row["peak_breakdown"], flush=True)
-        else:
-            fit()
+        row["global_step"] = _fit(config, data, strategy, steps=args.steps, precision="bf16-true", callbacks=[StopAfter()], cuda=cuda,
+                                  lora=lora, loss_chunk=args.loss_chunk, ckpt_path=resume).global_step
         row["resumed_from_step"] = None if resume is None else row["global_step"] - len(times)
     finally:  # the plan is known before the first step, also when a step runs out of memory
+        if args.snapshot and cuda:
+            os.makedirs(args.snapshot, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(os.path.join(args.snapshot, f"memory-{seq}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
         plan = strategy.memory_plan
         if plan is not None:
             est = plan.estimate
@@ -542,93 +509,36 @@ def memory(args) -> None:
         record_and_release(args.out, row)
 
 
-def peak_breakdown(fn, max_entries: int = 400_000, top: int = 25) -> str:
-    """Run ``fn`` with the CUDA allocator's history recorded; replay its trace: the peak of (alloc - free_completed)
-    and what is alive then, grouped by the package / transformers / peft source line that allocated it (how Note
-    [Memory per token] was calibrated against what really stays alive)."""
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
-    try:
-        fn()
-        trace = torch.cuda.memory._snapshot()["device_traces"][0]
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-
-    def where(frames: list[dict], depth: int = 3) -> str:  # the innermost frames of ours / transformers / peft, else any
-        keep = [f for f in frames if any(k in f.get("filename", "") for k in ("lightning_seqpar", "transformers", "peft", "benchmarks"))] or frames
-        return " < ".join(f"{f['filename'].split('site-packages/')[-1].split('/work/')[-1]}:{f['line']}({f['name']})" for f in keep[:depth])
-
-    live: dict[int, tuple[int, str]] = {}
-    cur = peak = 0
-    peak_live: dict[int, tuple[int, str]] = {}
-    peak_index = -1
-    for i, ev in enumerate(trace):
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], where(ev.get("frames", [])))
-            cur += ev["size"]
-            if cur > peak:
-                peak, peak_index, peak_live = cur, i, dict(live)
-        elif ev["action"] == "free_completed" and ev["addr"] in live:
-            cur -= live.pop(ev["addr"])[0]
-    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, at in peak_live.values():
-        groups[at][0] += size
-        groups[at][1] += 1
-    lines = [f"peak of the traced allocations {peak / 1e9:.2f} GB at event {peak_index} of {len(trace)} "
-             f"(allocated before tracing not included); largest groups alive then:"]
-    for at, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
-        sizes = "" if at else " sizes GB: " + ", ".join(f"{b / 1e9:.2f}" for b, w in sorted(peak_live.values(), reverse=True) if not w)
-        lines.append(f"  {size / 1e9:8.2f} GB  {count:5d} x  {at or '(allocated outside Python: autograd)'}{sizes}")
-    lines.append("the allocation that made the peak: " + where((trace[peak_index] if peak_index >= 0 else {}).get("frames", []), depth=6))
-    return "\n".join(lines)
-
-
 # ---- main -----------------------------------------------------------------------------------------------------
+
+OPTIONS: dict[str, dict] = {  # each mode's options and defaults (True / False: a switch). families: --shapes of SHAPES; --docs:
+    # equal packed documents (ours); --algorithm, --attention-backend, --activation-checkpointing ("none": None), --memory: the
+    # strategy's (None: its default); --timeout: seconds a collective may wait; --profile DIR: our first timed step
+    "families": dict(seq=32768, steps=3, warmup=1, algorithm="auto", loss_chunk=4096, shapes=",".join(SHAPES), systems="seqpar,transformers",
+                     docs=0, attention_backend="auto", activation_checkpointing=None, memory=None, timeout=600.0, profile=None),
+    "finetune": dict(seq=131072, steps=3, warmup=1, algorithm="ring", loss_chunk=8192, model="hf-llama3-8b", documents=False, mean_doc=16384),
+    # memory: --lora R: rank R on every linear layer (0: full fine-tune); --plan-seq: plan for this length instead; --options
+    # "head_chunks=8,offload_params=true"; --snapshot DIR: the CUDA allocator's history (https://pytorch.org/memory_viz)
+    "memory": dict(seqs="32768,131072,262144", model="llama-3.2-1b", max_minutes=25.0, memory="auto", lora=0, system="seqpar", ckpt_dir=None,
+                   stop_after=None, plan_seq=None, options="", snapshot=None, steps=2, loss_chunk=8192),
+}
+_INTS = ("stop_after", "plan_seq")
+
 
 def main(argv: list[str] | None = None) -> None:
     mode, argv = mode_of(argv, "hf")
     ap = runner_args(argparse.ArgumentParser(prog=f"benchmarks/hf.py {mode}", description=__doc__.split("\n\n")[0]))
-    add = ap.add_argument
-    if mode in ("families", "finetune"):
-        add("--seq", type=int, default=32768 if mode == "families" else 131072, help="tokens per sequence (one per step, split over the GPUs)")
-        add("--steps", type=int, default=3, help="timed steps (the median is recorded)")
-        add("--warmup", type=int, default=1, help="untimed steps first (the peak memory counts from the end of these)")
-        add("--algorithm", default="auto" if mode == "families" else "ring", help="the strategy's attention= ('auto': the cost model's)")
-        add("--loss-chunk", type=int, default=4096 if mode == "families" else 8192, help="CausalLMModule(loss_chunk_size=)")
-    if mode == "families":
-        add("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
-        add("--systems", default="seqpar,transformers", help="seqpar, transformers (one GPU only)")
-        add("--docs", type=int, default=0, help="pack this many equal documents into each sequence (document_ids; ours only)")
-        add("--attention-backend", default="auto", help="the strategy's attention_backend= (auto, cudnn, flash, fa4, ...)")
-        add("--activation-checkpointing", default=None, help="the strategy's activation_checkpointing= ('none': None); default: its default")
-        add("--memory", default=None, help="the strategy's memory= ('auto': the planner); default: its default")
-        add("--timeout", type=float, default=600.0, help="seconds a collective may wait (process group and strategy)")
-        add("--profile", default=None, metavar="DIR", help="profile our first timed step (benchmarks/profile_summary.py)")
-    elif mode == "finetune":
-        add("--model", default="hf-llama3-8b", choices=["hf-llama3-8b"], help="the llama3-8b shape (a tiny one on --device cpu)")
-        add("--documents", action="store_true", help="packed documents of random lengths (document masking)")
-        add("--mean-doc", type=int, default=16384)
-    else:
-        add("--seqs", default="32768,131072,262144", help="sequence lengths, shortest first")
-        add("--model", default="llama-3.2-1b", choices=sorted(MEMORY_SHAPES))
-        add("--max-minutes", type=float, default=25.0, help="lengths not started by then are recorded as skipped")
-        add("--memory", default="auto", choices=("auto", "manual"), help="the strategy's memory= (manual: --options only)")
-        add("--lora", type=int, default=0, help="LoRA rank on every linear layer (0: full fine-tune)")
-        add("--system", default="seqpar", choices=("seqpar", "transformers"))
-        add("--ckpt-dir", default=None, help="resume from DIR/last.ckpt if it exists; write it when stopping early")
-        add("--stop-after", type=int, default=None, help="steps in this process (with --ckpt-dir)")
-        add("--plan-seq", type=int, default=None, help="plan for this length instead (a quick check of a long plan)")
-        add("--options", default="", help="strategy options by hand, e.g. head_chunks=8,offload_params=true")
-        add("--snapshot", action="store_true", help="the breakdown of the peak (the allocator's history)")
-        add("--steps", type=int, default=2)
-        add("--loss-chunk", type=int, default=8192)
+    for name, default in OPTIONS[mode].items():
+        kind = int if name in _INTS else str if default is None else type(default)
+        ap.add_argument("--" + name.replace("_", "-"), **({"action": "store_true"} if kind is bool else {"type": kind, "default": default}))
     args = ap.parse_args(argv)
     if mode == "families":
         args.shapes, args.systems = [s for s in args.shapes.split(",") if s], [s for s in args.systems.split(",") if s]
         unknown = [s for s in args.shapes if s not in SHAPES] + [s for s in args.systems if s not in ("seqpar", "transformers")]
         if unknown:
             ap.error(f"unknown shape or system {unknown}; shapes: {', '.join(SHAPES)}; systems: seqpar, transformers")
-    if getattr(args, "warmup", 0) < 0 or getattr(args, "steps", 1) < 1:
-        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or getattr(args, "warmup", 0) < 0 or mode == "memory" and args.model not in MEMORY_SHAPES:
+        ap.error(f"--steps must be >= 1, --warmup >= 0 and --model one of {', '.join(MEMORY_SHAPES)}")
     {"families": families, "finetune": finetune, "memory": memory}[mode](args)
 
 

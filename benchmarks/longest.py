@@ -1,29 +1,13 @@
 """Longest trainable context: the first sequence length of a descending list that trains 2 steps.
 
-    python benchmarks/longest.py --system seqpar --model llama3-8b --nproc 4 \
-        --seqs 524288:420,458752:360,393216:300 --out longest.json --log longest.log
-    python benchmarks/longest.py --system seqpar --model tnl-1b --nproc 4 --seqs 2097152:200,1048576:200 \
-        --out longest.json -- --algorithm lasp --ac full --loss-chunk 4096
+    python benchmarks/longest.py --system seqpar --model llama3-8b --nproc 4 --seqs 524288:420,458752:360 --out l.json --log l.log
+    python benchmarks/longest.py --system seqpar --model tnl-1b --nproc 4 --seqs 2097152:200,1048576:200 -- --algorithm lasp --ac full
 
-Each attempt is its own ``torchrun ... benchmarks/train.py --warmup 1 --steps 1 --prealloc-optimizer`` process
-(any system and model train.py runs; arguments after ``--`` go to train.py unchanged, later flags win): 2
-optimizer steps, with AdamW's state allocated before the first (a step on zero gradients), so that an attempt
-that does not fit fails in step 1 rather than after a whole step. It runs in a process session of its own under
-a wall-clock limit: an out-of-memory error on one rank would otherwise leave the others waiting in a collective.
-train.py exits a rank with code 3 and prints ``[train] OOM`` on CUDA OOM; torchrun then stops the other ranks.
-An attempt ends as
-
-    ok        the 2 steps ran (its throughput and peak memory are kept)
-    oom       "[train] OOM" (or a CUDA out-of-memory message) in its output
-    timeout   the limit passed: the process tree is stopped (SIGTERM, then SIGKILL)
-    error     anything else (last error line kept)
-    skipped   its limit did not fit before --deadline; smaller S are still tried, and a success
-              after a skipped S is only a lower bound (``lower_bound: true``)
-
-One record is appended to --out: {"bench": "longest", "system", "algorithm", "model", "gpus", "seq" (the first
-S that trained; null if none), "device", "commit", "attempts": [{"seq", "status", "wall_s", "detail"}],
-"tokens_per_s_per_gpu", "peak_mem_gb", "mfu" and the settings of that attempt, "lower_bound", "train_args"}.
-``S:T`` entries of --seqs give an attempt its own limit T (seconds); plain ``S`` entries use --timeout.
+Each attempt is ``torchrun benchmarks/train.py --warmup 1 --steps 1 --prealloc-optimizer`` (arguments after ``--`` go to
+train.py; later flags win; AdamW's state exists before step 1, so what does not fit fails there) in a process session
+of its own under its limit (``S:T``, else --timeout): ok, oom (train.py's exit code 3), timeout (the process tree is
+stopped), error, or skipped (no time before --deadline; a later success is then a lower bound). One record (bench
+"longest"): the first S that trained (null if none), the attempts, that attempt's figures and settings, ``train_args``.
 """
 
 from __future__ import annotations
@@ -32,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -108,23 +91,6 @@ def _device_name() -> str:
         return "unknown"
 
 
-def _free_port() -> int:
-    # a fresh rendezvous port per attempt: a stopped attempt's port may still be held
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def parse_seqs(text: str, default_timeout: float) -> list[tuple[int, float]]:
-    out = []
-    for item in text.split(","):
-        s, _, t = item.strip().partition(":")
-        out.append((int(s), float(t) if t else default_timeout))
-    if [s for s, _ in out] != sorted((s for s, _ in out), reverse=True):
-        raise SystemExit(f"longest.py: --seqs must be in descending order, got {text}")
-    return out
-
-
 def attempt(cmd: list[str], limit: float) -> tuple[str, str, float, int | None, str, dict | None]:
     """Run one attempt (train.py under torchrun, writing its record to the ``--out`` of ``cmd``) within ``limit``
     seconds: (status, detail, wall seconds, exit code, output, the record when it trained)."""
@@ -155,10 +121,7 @@ def attempt(cmd: list[str], limit: float) -> tuple[str, str, float, int | None, 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = runner_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     ap.add_argument("--system", required=True, choices=["seqpar", "torch_cp", "tp_sp"])
     ap.add_argument("--model", default="llama3-8b")
@@ -168,19 +131,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--deadline", type=float, default=None, help="unix time by which every attempt must have ended")
     ap.add_argument("--log", default=None, help="append every attempt's output to this file")
     args = ap.parse_args(argv)
-    attempts: list[dict] = []
-    found: dict | None = None
-    skipped = False
-    for seq, limit in parse_seqs(args.seqs, args.timeout):
+    attempts, found, skipped = [], None, False
+    seqs = [(int(s), float(t) if t else args.timeout) for s, _, t in (item.strip().partition(":") for item in args.seqs.split(","))]
+    if [s for s, _ in seqs] != sorted((s for s, _ in seqs), reverse=True):
+        ap.error(f"--seqs must be in descending order, got {args.seqs}")
+    for seq, limit in seqs:
         if args.deadline is not None and time.time() + limit > args.deadline:
             attempts.append(dict(seq=seq, status="skipped", wall_s=0.0, detail=f"limit {limit:.0f}s does not fit before the deadline"))
             print(f"[longest] {args.system} S={seq}: skipped (limit {limit:.0f}s, {args.deadline - time.time():.0f}s left)", flush=True)
             skipped = True
             continue
-        fd, rec_path = tempfile.mkstemp(prefix="longest-", suffix=".json")
-        os.close(fd)
-        os.unlink(rec_path)
-        cmd = ["torchrun", f"--nproc_per_node={args.nproc}", f"--master_port={_free_port()}", os.path.join(HERE, "train.py"),
+        rec_path = os.path.join(tempfile.gettempdir(), f"longest-{os.getpid()}-{seq}.json")  # the attempt's record
+        # --standalone: a fresh rendezvous port per attempt (a stopped attempt's port may still be held)
+        cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.nproc}", os.path.join(HERE, "train.py"),
                "--system", args.system, "--model", args.model, "--seq", str(seq), "--warmup", "1", "--steps", "1", "--device", args.device,
                "--commit", args.commit, "--out", rec_path, "--tag", "longest", "--prealloc-optimizer", *extra]
         status, detail, wall, rc, output, record = attempt(cmd, limit)

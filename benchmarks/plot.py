@@ -1,16 +1,7 @@
-"""Plots of every record in benchmarks/results/*.json, as PNGs in docs/img/ (matplotlib, Agg backend).
-
-    python -m benchmarks plot          # -> docs/img/{attention,attention_memory,local_attention,train,longest}.png
-
-A figure is drawn only when records for it exist; records lacking a field a figure needs are left
-out of that figure (missing fields never stop the script). When one configuration was measured
-more than once, the record read last (files in name order, i.e. by date) is the one drawn.
-
-* attention.png        bench=attention: TFLOP/s/GPU against S, heads 32/8 on 4 GPUs (one GPU: its own line), one line per
-                       system / algorithm / kernel / head chunks
-* local_attention.png  bench=local: one-GPU kernel TFLOP/s against S, per system/backend and H_kv
-* train.png            bench=train: tokens/s/GPU (with MFU on the bars) and peak memory, per model/S/GPUs and system
-* longest.png          bench=longest (or train_max_seq): longest trainable S per model/GPUs and system
+"""Plots of every record in benchmarks/results/*.json in docs/img/ (``python -m benchmarks plot``, matplotlib): attention
+(TFLOP/s and peak memory against S, heads 32/8 on 4 GPUs and one GPU), local_attention (one-GPU kernels), train (tokens/s/GPU
+with MFU, and peak memory: each system's best setting), longest (the longest S that trains). A configuration measured
+more than once is drawn from its last record (files by date); records lacking a field a figure needs are left out of it.
 """
 
 from __future__ import annotations
@@ -34,14 +25,14 @@ def latest(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
 
 
 def _devices(rows: list[dict]) -> str:
-    devs = sorted({f"{r.get('gpus', 1)} x {r['device']}" for r in rows if r.get("device")})
-    return "; ".join(devs)
+    return "; ".join(sorted({f"{r.get('gpus', 1)} x {r['device']}" for r in rows if r.get("device")}))
 
 
-def _save(fig: Any, out_dir: str, name: str) -> str:
+def _save(plt: Any, fig: Any, out_dir: str, name: str) -> str:
     path = os.path.join(out_dir, name)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     print(f"plot.py: wrote {os.path.relpath(path, ROOT)}")
     return path
 
@@ -70,9 +61,26 @@ def plot_lines(plt: Any, rows: list[dict], *, y: str, series: tuple[str, ...], l
     ax.set_title(f"{title}\n{_devices(rows)}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines stay readable
-    path = _save(fig, out_dir, name)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, name)
+
+
+def _bars(plt: Any, ax: Any, rows: list[dict], config, key: str, *, best: str, note) -> list:
+    """One bar per (configuration, system): the system's record of the configuration with the largest ``best``, its
+    ``key`` as the height and ``note(record)`` on top; the configurations (the x ticks, in order)."""
+    configs = sorted({config(r) for r in rows})
+    systems = sorted({str(r.get("system")) for r in rows}, key=lambda s: (s != "seqpar", s))
+    width, labelled = 0.8 / len(systems), set()
+    for i, system in enumerate(systems):
+        for j, cfg in enumerate(configs):
+            match = [r for r in rows if str(r.get("system")) == system and config(r) == cfg and _num(r, key) is not None]
+            if match:
+                r, label = max(match, key=lambda r: _num(r, best) or 0), SYSTEM_NAMES.get(system, system)
+                bar = ax.bar([j + (i - (len(systems) - 1) / 2) * width], [_num(r, key)], width, color=f"C{i}",
+                             label=None if label in labelled else label)[0]
+                labelled.add(label)
+                if note(r):
+                    ax.annotate(note(r), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+    return configs
 
 
 def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
@@ -83,26 +91,11 @@ def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
         return None
     # the latest record of each setting (tag: e.g. compile / uncheckpointed blocks), then each system's best
     rows = latest(rows, ("system", "algorithm", "model", "seq", "gpus", "device", "tag"))
-    configs = sorted({(str(r.get("model")), int(r["seq"]), int(r.get("gpus") or 0)) for r in rows})
-    systems = sorted({str(r.get("system")) for r in rows}, key=lambda s: (s != "seqpar", s))
-    width = 0.8 / len(systems)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(configs)), 7.5), sharex=True)
-    for i, system in enumerate(systems):
-        for ax, key in ((ax1, "tokens_per_s_per_gpu"), (ax2, "peak_mem_gb")):
-            xs, ys, mfus = [], [], []
-            for j, cfg in enumerate(configs):
-                match = [r for r in rows if str(r.get("system")) == system and (str(r.get("model")), int(r["seq"]), int(r.get("gpus") or 0)) == cfg]
-                best = max(match, key=lambda r: r["tokens_per_s_per_gpu"]) if match else None
-                if best is not None and _num(best, key) is not None:
-                    xs.append(j + (i - (len(systems) - 1) / 2) * width)
-                    ys.append(best[key])
-                    mfus.append(_num(best, "mfu"))
-            bars = ax.bar(xs, ys, width, label=SYSTEM_NAMES.get(system, system))
-            if key == "tokens_per_s_per_gpu":
-                for bar, mfu in zip(bars, mfus):
-                    if mfu is not None:
-                        ax.annotate(f"{mfu:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                                    va="bottom", fontsize=7)
+    config = lambda r: (str(r.get("model")), int(r["seq"]), int(r.get("gpus") or 0))  # noqa: E731
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(7, 1.6 * len({config(r) for r in rows})), 7.5), sharex=True)
+    mfu = lambda r: f"{r['mfu']:.2f}" if _num(r, "mfu") is not None else ""  # noqa: E731
+    configs = _bars(plt, ax1, rows, config, "tokens_per_s_per_gpu", best="tokens_per_s_per_gpu", note=mfu)
+    _bars(plt, ax2, rows, config, "peak_mem_gb", best="tokens_per_s_per_gpu", note=lambda r: "")
     ax1.set_ylabel("tokens/s/GPU, best setting (MFU on bars)")
     ax2.set_ylabel("peak memory per GPU (GB)")
     ax2.set_xticks(range(len(configs)), [f"{m}\nS={seq_k(s)}, {g} GPUs" for m, s, g in configs], fontsize=8)
@@ -110,9 +103,7 @@ def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
     for ax in (ax1, ax2):
         ax.grid(axis="y", alpha=0.3)
     ax1.legend(fontsize=8)
-    path = _save(fig, out_dir, "train.png")
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, "train.png")
 
 
 def plot_longest(plt: Any, rows: list[dict], out_dir: str) -> str | None:
@@ -121,33 +112,17 @@ def plot_longest(plt: Any, rows: list[dict], out_dir: str) -> str | None:
             for r in rows if r.get("bench") in ("longest", "train_max_seq") and r.get("model")]
     if not rows:
         return None
-    rows = longest_per_config(rows)
-    configs = sorted({(str(r["model"]), int(r.get("gpus") or 0)) for r in rows})
-    systems = sorted({str(r.get("system")) for r in rows}, key=lambda s: (s != "seqpar", s))
-    width = 0.8 / len(systems)
-    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(configs)), 4.2))
-    labelled: set[str] = set()
-    for i, system in enumerate(systems):
-        for j, cfg in enumerate(configs):
-            match = [r for r in rows if str(r.get("system")) == system and (str(r["model"]), int(r.get("gpus") or 0)) == cfg]
-            if not match:
-                continue
-            r = match[-1]
-            seq = _num(r, "seq") or 0
-            x = j + (i - (len(systems) - 1) / 2) * width
-            label = SYSTEM_NAMES.get(system, system)
-            bar = ax.bar([x], [seq / 1024], width, color=f"C{i}", label=None if label in labelled else label)[0]
-            labelled.add(label)
-            text = (seq_k(seq) + ("+" if r.get("lower_bound") else "")) if seq else "none fit"
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    rows = [{**r, "seq_k": (_num(r, "seq") or 0) / 1024} for r in longest_per_config(rows)]
+    config = lambda r: (str(r["model"]), int(r.get("gpus") or 0))  # noqa: E731
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len({config(r) for r in rows})), 4.2))
+    note = lambda r: (seq_k(r["seq"]) + ("+" if r.get("lower_bound") else "")) if r.get("seq") else "none fit"  # noqa: E731
+    configs = _bars(plt, ax, rows, config, "seq_k", best="seq_k", note=note)
     ax.set_xticks(range(len(configs)), [f"{m}, {g} GPUs" for m, g in configs], fontsize=8)
     ax.set_ylabel("longest trainable S (K tokens)")
     ax.set_title(f"Longest context that trains (whole optimizer steps; +: lower bound)\n{_devices(rows)}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    path = _save(fig, out_dir, "longest.png")
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, "longest.png")
 
 
 ATTENTION_SERIES = ("system", "algorithm", "backend", "head_chunks", "gpus", "device")

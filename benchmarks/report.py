@@ -1,31 +1,16 @@
 """The records of benchmarks/results/*.json: merged in (collect), and the tables of docs/benchmarks.md made from them.
 
     python -m benchmarks collect --kind nvidia-h200-x4 [--date 20261122] /path/to/out/*.json   # merge into results/
-    python -m benchmarks tables            # rewrite the generated blocks of docs/benchmarks.md
-    python -m benchmarks tables --check    # exit 1 if a block differs from what the records give
+    python -m benchmarks tables [--check]  # rewrite (check) the generated blocks of docs/benchmarks.md
 
-``collect``: the GPU machine does not know this workplace's name for it ("nvidia-h200-x4"), so the runners there
-write plain files and this step names them: ``benchmarks/results/<yyyymmdd>-<machine kind>.json``. Each input is a
-JSON list of records (or one record); records are checked (``REQUIRED``) before anything is written, one line per
-bad record otherwise; records already in the target file, or given twice, are kept once (identical JSON).
-
-Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` in the docs; the text
-around it is written by hand, the figures are not. How a table picks its figures (the "method" of
-docs/benchmarks.md says the same in prose):
-
-* Records are read in file-name order (files are named ``<yyyymmdd>-<machine kind>.json``, so by
-  date), and in each file in the order they were appended. The date and the machine of a figure
-  are those of its file.
-* One configuration (system, settings, model, S, GPUs) measured more than once shows its last
-  record. Where a table shows one row per system and several settings of ours were measured,
-  ours is the fastest setting of the last commit that measured that model, S and GPUs (the peers
-  have one setting). Runs with a profiler on (tag ``*prof*``) or smoke runs (``*smoke*``) and
-  runs with parameters on the host (``offload_params``, a memory setting) are left out of the
-  throughput tables.
-* A longest context is the longest S that trained in any record of that system, model and GPU
-  count (``longest_per_config``).
-* Ratios are ours / the peer's, from the unrounded values, printed with 2 decimals; in the
-  throughput and attention tables a ratio of two records of different commits is marked "*".
+``collect`` names what a GPU machine wrote ``results/<yyyymmdd>-<machine kind>.json``, records checked (``REQUIRED``)
+before anything is written and kept once. Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME
+-->``; the text around it is written by hand, the figures are not. Records are read by file name (date), each file in
+the order it was appended. A configuration (system, settings, model, S, GPUs) measured more than once shows its last
+record; where a table has one row per system, ours is the fastest setting of the last commit that measured that
+model, S and GPUs; profiled (``*prof*``), smoke (``*smoke*``) and ``offload_params`` runs are not throughput figures. A
+longest context is the longest S that trained in any record of that system, model and GPU count. Ratios are ours /
+the peer's, unrounded, with 2 decimals; in the throughput and attention tables "*" marks records of different commits.
 """
 
 from __future__ import annotations
@@ -37,6 +22,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 from typing import Any, Callable, Iterable
 
@@ -115,18 +101,15 @@ def collect_main(argv: list[str] | None = None) -> str:
     ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"), help="yyyymmdd (default: today, UTC)")
     ap.add_argument("--results", default=os.path.dirname(RESULTS), help="folder of the merged files (default: benchmarks/results)")
     args = ap.parse_args(argv)
-    if not (len(args.date) == 8 and args.date.isdigit()):
-        ap.error(f"--date must be yyyymmdd, got {args.date!r}")
-    if not args.kind or os.sep in args.kind or " " in args.kind:
-        ap.error(f"--kind must be a plain name like nvidia-h200-x4, got {args.kind!r}")
+    if not (len(args.date) == 8 and args.date.isdigit()) or not args.kind or os.sep in args.kind or " " in args.kind:
+        ap.error(f"--date must be yyyymmdd and --kind a plain name like nvidia-h200-x4, got {args.date!r}, {args.kind!r}")
     target = os.path.join(args.results, f"{args.date}-{args.kind}.json")
     rows, added = merge(args.files, target)
     os.makedirs(args.results, exist_ok=True)
     with open(target, "w") as fh:
         json.dump(rows, fh, indent=1)
         fh.write("\n")
-    nan = sum(1 for r in rows if isinstance(r, dict) and any(isinstance(v, float) and math.isnan(v) for v in r.values()))
-    print(f"collect: {target}: {len(rows)} records ({added} new)" + (f", {nan} with NaN values" if nan else ""))
+    print(f"collect: {target}: {len(rows)} records ({added} new)")
     return target
 
 
@@ -181,9 +164,7 @@ def ratio(a: float | None, b: float | None, *, rows: tuple[dict | None, dict | N
 
 
 def seq_k(s: int | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s >> 20}M" if s % (1 << 20) == 0 else f"{s >> 10}K" if s % 1024 == 0 else str(s)
+    return "-" if s is None else f"{s >> 20}M" if s % (1 << 20) == 0 else f"{s >> 10}K" if s % 1024 == 0 else str(s)
 
 
 def date_of(row: dict) -> str:
@@ -208,17 +189,13 @@ def table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def kernel(row: dict) -> str:
-    b = row.get("backend")
-    return "cuDNN" if b in (None, "cudnn", "auto") else str(b)
+    return "cuDNN" if row.get("backend") in (None, "cudnn", "auto") else str(row["backend"])
 
 
 # ---- selection -------------------------------------------------------------------------------------
 
 def last_by(rows: list[dict], key: Callable[[dict], Any]) -> dict[Any, dict]:
-    out: dict[Any, dict] = {}
-    for r in rows:
-        out[key(r)] = r
-    return out
+    return {key(r): r for r in rows}  # later records win
 
 
 def best_of_last_commit(rows: list[dict], metric: str) -> dict | None:
@@ -228,10 +205,6 @@ def best_of_last_commit(rows: list[dict], metric: str) -> dict | None:
         return None
     commit = rows[-1].get("commit")
     return max((r for r in rows if r.get("commit") == commit), key=lambda r: _num(r, metric) or 0.0)
-
-
-def _llama(r: dict) -> bool:
-    return str(r.get("model", "")).startswith("llama")
 
 
 def _scaling_model(r: dict) -> bool:  # the LASP and LSS models: the scaling table's
@@ -250,19 +223,10 @@ def setting(r: dict) -> str:
     if r.get("system") != "seqpar":
         return {"torch_cp": "full AC", "tp_sp": "full AC" + (f", {r['heads']} heads" if r.get("padded_heads") else "")}.get(
             str(r.get("system")), "")
-    parts = [str(r.get("algorithm", "")), kernel(r) if r.get("bench") != "longest" or r.get("backend") else "", str(r.get("ac") or "")]
-    if r.get("compiled"):
-        parts.append("compiled")
-    if r.get("uncheckpointed_blocks"):
-        parts.append(f"{r['uncheckpointed_blocks']} blocks unckpt")
-    if (r.get("head_chunks") or 1) > 1:
-        parts.append(f"head chunks {r['head_chunks']}")
-    if r.get("offload_checkpoints"):
-        parts.append("offloaded ckpts")
-    if r.get("mlp_chunk_size"):
-        parts.append(f"MLP slices {r['mlp_chunk_size'] >> 10}K")
-    if r.get("offload_params"):
-        parts.append("offload_params")
+    parts = [str(r.get("algorithm", "")), kernel(r) if r.get("bench") != "longest" or r.get("backend") else "", str(r.get("ac") or ""),
+             "compiled" if r.get("compiled") else "", f"{r['uncheckpointed_blocks']} blocks unckpt" if r.get("uncheckpointed_blocks") else "",
+             f"head chunks {r['head_chunks']}" if (r.get("head_chunks") or 1) > 1 else "", "offloaded ckpts" if r.get("offload_checkpoints") else "",
+             f"MLP slices {r['mlp_chunk_size'] >> 10}K" if r.get("mlp_chunk_size") else "", "offload_params" if r.get("offload_params") else ""]
     return ", ".join(p for p in parts if p and p != "None")
 
 
@@ -270,20 +234,17 @@ def setting(r: dict) -> str:
 
 def train_table(rows: list[dict]) -> str:
     """Training throughput, ours (each kernel) against both peers, per model / S / GPUs."""
-    recs = [r for r in rows if r.get("bench") == "train" and _llama(r) and _throughput_run(r)]
+    recs = [r for r in rows if r.get("bench") == "train" and str(r.get("model", "")).startswith("llama") and _throughput_run(r)]
     groups: dict[tuple, list[dict]] = {}
     for r in recs:
         groups.setdefault((r["model"], r["seq"], r["gpus"]), []).append(r)
     out = []
-    for (model, seq, gpus) in sorted(groups, key=lambda k: (k[0], k[1], k[2])):
-        g = groups[(model, seq, gpus)]
+    for (model, seq, gpus), g in sorted(groups.items(), key=lambda kv: kv[0]):
         peers = {s: best_of_last_commit([r for r in g if r["system"] == s], "tokens_per_s_per_gpu") for s in PEERS}
         ours = [best_of_last_commit([r for r in g if r["system"] == "seqpar" and kernel(r) == k], "tokens_per_s_per_gpu")
                 for k in ("fa4", "cuDNN")]
-        first = True
-        for r in [x for x in ours if x] + [x for x in peers.values() if x]:
-            cell = f'<a id="{anchor("train", model, seq_k(seq), gpus)}"></a>{model}' if first else model
-            first = False
+        for i, r in enumerate([x for x in ours if x] + [x for x in peers.values() if x]):
+            cell = f'<a id="{anchor("train", model, seq_k(seq), gpus)}"></a>{model}' if i == 0 else model
             mine = r["system"] == "seqpar"
             t = _num(r, "tokens_per_s_per_gpu")
             out.append([cell, seq_k(seq), str(gpus), NAMES[r["system"]] if not mine else f"**ours** ({kernel(r)})", setting(r),
@@ -300,13 +261,8 @@ def longest_table(rows: list[dict]) -> str:
     out = []
     for model, gpus in sorted({(m, g) for m, g, _ in best}, key=lambda k: (k[0], -k[1])):
         peer = {s: _num(best.get((model, gpus, s)), "seq") for s in PEERS}
-        first = True
-        for system in ("seqpar", *PEERS):
-            r = best.get((model, gpus, system))
-            if r is None:
-                continue
-            cell = f'<a id="{anchor("longest", model, gpus)}"></a>{model}' if first else model
-            first = False
+        for i, (system, r) in enumerate((x, best[(model, gpus, x)]) for x in ("seqpar", *PEERS) if (model, gpus, x) in best):
+            cell = f'<a id="{anchor("longest", model, gpus)}"></a>{model}' if i == 0 else model
             s = _num(r, "seq")
             attempts = ", ".join(f"{a.get('seq'):,}: {a.get('status')}" for a in r.get("attempts", []))
             longest = ("none fit" if s is None else f"{int(s):,}") + (" (lower bound)" if r.get("lower_bound") else "")
@@ -468,7 +424,7 @@ GRID_COLUMNS = (("seqpar", "ring", "ring"), ("seqpar", "allgather", "all-gather"
 
 
 def attention_grid(rows: list[dict], seqs: list[int] | None = None) -> str:
-    """Every algorithm of ours and both torch CP rotations, cuDNN, one table per (GPUs, S): per heads, each system's
+    """Every algorithm of ours and both torch CP rotations, cuDNN, a table per (GPUs, S): per heads, each system's
     TFLOP/s/GPU / peak GB (the latest record of each head-chunk count, the fastest of those; "c<n>": head chunks),
     the best of ours bold, and the ratios of the best of ours to the best torch CP and to one GPU (the latest
     one-GPU record at that S and heads, from any run)."""
@@ -501,23 +457,20 @@ def attention_grid(rows: list[dict], seqs: list[int] | None = None) -> str:
             best = max((r for (r, _), c in zip(cells, cols) if r and c[0] == "seqpar"), key=lambda r: r["tflops_per_gpu"], default=None)
             cp = max((r["tflops_per_gpu"] for (r, _), c in zip(cells, cols) if r and c[0] == "torch_cp"), default=None)
             one = ([r for k, r in latest.items() if k[1:4] == (S, heads, "single") and ok(r)] or [None])[-1]
-            grid_ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"  # noqa: E731
+            ratios = [f"{best['tflops_per_gpu'] / b:.3f}" if best and b else "-" for b in (cp, one and one["tflops_per_gpu"])]
             one_text = f"{one['tflops_per_gpu']:.1f} / {one['peak_mem_gb']:.1f}" if one else "-"
-            out.append(f"| {heads} | {one_text} | " + " | ".join(f"**{t}**" if r is best and r else t for r, t in cells)
-                       + f" | {grid_ratio(best and best['tflops_per_gpu'], cp)} | {grid_ratio(best and best['tflops_per_gpu'], one and one['tflops_per_gpu'])} |")
+            out.append(f"| {heads} | {one_text} | " + " | ".join(f"**{t}**" if r is best and r else t for r, t in cells) + f" | {' | '.join(ratios)} |")
         out.append("")
     return "\n".join(out).rstrip("\n")
 
 
 def hf_family_table(rows: list[dict]) -> str:
-    """benchmarks/hf_families.py: ours and plain transformers on one GPU, the latest run of each (model, S, system, our
-    settings, device, commit label); the ratio only against transformers of the same call (same machine)."""
+    """hf.py families on one GPU: the latest run of each (model, S, system, our settings, device, commit label); the
+    ratio only against plain transformers of the same commit label (the same machine, warm)."""
     def settings(r: dict) -> str:  # our non-default strategy settings, as the row names them
         options = {"attention_backend": r.get("attention_backend"), **(r.get("strategy_options") or {})}
         return ", ".join(f"{k}={v}" for k, v in options.items() if v is not None)
 
-    # one row per run of a (model, S, system, settings) on a GPU in one benchmark call (its commit label); the
-    # ratio only against plain transformers of the same call: the same machine, warm
     runs = last_by([r for r in rows if r.get("bench") == "hf_family"],
                    lambda r: (r["model"], r["seq"], r["system"], settings(r), r.get("device", "?"), r.get("commit", "?")))
     out = []
@@ -534,7 +487,7 @@ def hf_family_table(rows: list[dict]) -> str:
 
 
 def window_table(rows: list[dict]) -> str:
-    """benchmarks/window_attention.py: a window's step time as a share of full causal attention's, the latest run per device."""
+    """attention.py window: a window's step time as a share of full causal attention's, the latest run per device."""
     timed = last_by([r for r in rows if r.get("bench") == "window_time"],
                     lambda r: (r.get("device"), r["kernel"], r["seq_len"], r["window"], r["head_dim"]))
     out = []
@@ -549,8 +502,8 @@ _FINETUNE_SYSTEMS = {"seqpar": "**ours** (memory=\"auto\")", "transformers": "tr
 
 
 def finetune_table(rows: list[dict]) -> str:
-    """benchmarks/memory_plan.py (ours with memory="auto", plain transformers + peft) and benchmarks/alst.py on one
-    GPU: the latest run of each (device, model, S, system), 2 optimizer steps each; ours with the planner's estimate."""
+    """hf.py memory (ours with memory="auto", plain transformers + peft) and alst.py on one GPU: the latest run of each
+    (device, model, S, system), 2 optimizer steps each; ours with the planner's estimate."""
     runs = last_by([r for r in rows if r.get("bench") in ("memory_plan", "alst") and not r.get("plan_seq") and not r.get("options")
                     and r.get("memory") != "manual"],
                    lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
@@ -588,9 +541,9 @@ def finetune_table(rows: list[dict]) -> str:
 
 
 def delta_rule_table(rows: list[dict]) -> str:
-    """benchmarks/delta_rule.py: one gated DeltaNet layer's forward + backward; per (device, S, GPUs, documents) the
-    latest record of each (system, commit), ours first (the last record not marked ``baseline``: a baseline is the
-    package's code before a change, measured in the same call); "row's time / ours" is the row's time over ours'."""
+    """attention.py scan: one layer's forward + backward; per (device, S, GPUs, documents) the latest record of each
+    (system, commit), ours first (the last record not marked ``baseline``, the package's code before a change measured
+    beside it); "row's time / ours" is the row's time over ours'."""
     runs = last_by([r for r in rows if r.get("bench") in ("delta_rule", "ssd_scan") or (r.get("bench") == "selective_scan" and r.get("gpus", 1) > 1)],
                    lambda r: (r["bench"], r.get("device"), r["seq"], r["gpus"], r.get("documents") or 0, r["system"], r["commit"],
                              r.get("state_passing")))
@@ -629,7 +582,7 @@ _HF_FAMILY_LABELS = {"gemma3": "gemma3-shaped (5 sliding : 1 global)", "gpt-oss"
 
 
 def hf_families_gpus_table(rows: list[dict]) -> str:
-    """benchmarks/hf_families.py under torchrun: the latest run that trained, per (device, GPUs, S, shape)."""
+    """hf.py families under torchrun: the latest run that trained, per (device, GPUs, S, shape)."""
     runs = last_by([r for r in rows if r.get("bench") == "hf-families" and not r.get("error")],
                    lambda r: (r.get("device"), r["gpus"], r["seq"], r["shape"], r.get("documents") or 0, r.get("state_passing") or "parallel"))
     order = list(_HF_FAMILY_LABELS)
@@ -687,6 +640,80 @@ def main(argv: list[str] | None = None) -> int:
     if new != doc:
         open(args.doc, "w").write(new)
     print(f"{args.doc}: {len(re.findall('<!-- generated: ', new))} tables written")
+    return 0
+
+
+# ---- attention="auto" replayed over every measured point (issue #7 item 4; no GPU) ------------------------
+
+def _label_to_args(label: str) -> dict | None:
+    """attention.py's algorithm label -> estimate_attention keywords (None: not a cost-model algorithm)."""
+    parts = label.split(":")
+    if parts[0] not in ("ring", "allgather", "ulysses", "2d"):
+        return None
+    kw: dict = {"algorithm": parts[0]}
+    for p in parts[1:]:
+        if p.startswith("inner"):
+            kw["inner_ring_size"] = int(p[5:])
+        elif "x" in p and parts[0] == "2d":
+            kw["hp"] = int(p.split("x")[0])
+    return kw
+
+
+def auto_points(rows: list[dict]) -> dict:
+    """{(gpus, seq, heads, backend): {label: (tflops, time_ms)}} of our attention records: the latest of a label and
+    head-chunk count, the best over chunk counts."""
+    latest: dict = {}
+    for r in rows:
+        if r.get("bench") == "attention" and r.get("system") == "seqpar" and not r.get("error") and r.get("tflops_per_gpu"):
+            heads = r.get("heads") or r["model"].split("x")[0].lstrip("H")  # older records: model "H32/8xD128"
+            key = (r["gpus"], r["seq"], heads, r.get("backend") or "cudnn")
+            latest[(key, r["algorithm"], r.get("head_chunks") or 1)] = (r["tflops_per_gpu"], r["time_ms"] if "time_ms" in r else r["time_s"] * 1e3)
+    points: dict = {}
+    for (key, label, _), value in latest.items():
+        if _label_to_args(label) is not None and value[0] > points.setdefault(key, {}).get(label, (0.0,))[0]:
+            points[key][label] = value
+    return points
+
+
+def evaluate(points: dict) -> tuple[list[dict], list[tuple]]:
+    """(per point where two or more of our algorithms were measured: the cost model's pick among them (the profile of
+    that kernel) against the measured best; the model's time error on every run)."""
+    from lightning_seqpar.attention.cost import DeviceProfile, choose_attention, estimate_attention
+
+    decided, errors = [], []
+    for (gpus, seq, heads, backend), measured in sorted(points.items()):
+        hq, hkv = (int(x) for x in heads.split("/"))
+        profile = DeviceProfile.for_device("NVIDIA H200", backend=backend, gpus_per_node=max(gpus, 1))
+        kw = dict(seq_len=seq, num_heads=hq, num_kv_heads=hkv, head_dim=128, world_size=gpus, profile=profile)
+        errors += [(estimate_attention(**kw, **_label_to_args(label)).est_time_s * 1e3 / ms - 1, gpus, seq, heads, backend, label)
+                   for label, (_, ms) in measured.items()]
+        if len(measured) < 2:
+            continue
+        ranked = [c.label for c in choose_attention(**kw).candidates]
+        pick = next(label for label in ranked if label in measured)  # the model's order among what was measured
+        best = max(measured, key=lambda k: measured[k][0])
+        decided.append(dict(gpus=gpus, seq=seq, heads=heads, backend=backend, pick=pick, pick_tflops=measured[pick][0], best=best,
+                            best_tflops=measured[best][0], ratio=measured[pick][0] / measured[best][0], first=ranked[0],
+                            first_measured=ranked[0] in measured))
+    return decided, errors
+
+
+def auto_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks auto", description='replay attention="auto" over every measured point')
+    ap.add_argument("--results", default=RESULTS, help="glob of the record files")
+    ap.add_argument("--worst", type=int, default=0, help="also the N largest time errors")
+    args = ap.parse_args(argv)
+    decided, errors = evaluate(auto_points(load(glob.glob(args.results))))
+    for d in decided:
+        print(f"W={d['gpus']} S={d['seq']:>8} H={d['heads']:>5} {d['backend']:5s} pick {d['pick']:12s} {d['pick_tflops']:6.1f}  "
+              f"best {d['best']:12s} {d['best_tflops']:6.1f}  {d['ratio']:.3f} {'ok' if d['ratio'] >= 0.95 else 'MISS'}"
+              f"{'' if d['first_measured'] else '  (its first choice, ' + d['first'] + ', was not measured)'}")
+    rel = [e[0] for e in errors]
+    print(f"{len(decided)} points, {sum(d['ratio'] < 0.95 for d in decided)} outside 5%, the model's first choice measured at "
+          f"{sum(d['first_measured'] for d in decided)}; time error over {len(rel)} runs: median {statistics.median(rel):+.1%}, "
+          f"range {min(rel):+.1%} .. {max(rel):+.1%}")
+    for e in sorted(errors, key=lambda e: -abs(e[0]))[: args.worst]:
+        print(f"  {e[0]:+.1%}  W={e[1]} S={e[2]} H={e[3]} {e[4]} {e[5]}")
     return 0
 
 

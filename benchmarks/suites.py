@@ -1,15 +1,8 @@
-"""The benchmark suites: what each measures, as declarative lists of runs (``python -m benchmarks list``).
-
-A suite answers one question of docs/benchmarks.md. For each GPU count it can run on, it lists its
-runs; a run is one process (or one torchrun) of a runner of benchmarks/ (``kind``: train.py,
-longest.py, attention.py, hf.py, or pytest) with its settings, and names the peers it is compared
-against (runs of the same suite measuring torch-native context parallel or Megatron-style TP+SP on the
-same model, S and GPUs). The driver (benchmarks/driver.py) turns a run into a command, so how to start
-torchrun, carry flash-attention 4 and collect records lives there, once.
-
-Runs are ordered by priority. Each benchmark run is limited to 10 minutes on the GPU machines we measure
-on, so a suite runs as named slices (``--only``), and a run whose limit no longer fits in what is left of
-the budget is skipped and says so. Every limit here is wall seconds measured on 4 x H200 plus a margin.
+"""The benchmark suites (``python -m benchmarks list``): each answers one question of docs/benchmarks.md with, per GPU count,
+its runs: one process (or torchrun) of a runner (``kind``: train.py, longest.py, attention.py, hf.py, or pytest) with its
+settings and the peers it is compared against. The driver (benchmarks/driver.py) turns a run into a command. Each benchmark
+run is limited to 10 minutes on the GPU machines we measure on, so runs are ordered by priority and a suite runs as named
+slices (``--only``); every limit here is wall seconds measured on 4 x H200 plus a margin.
 """
 
 from __future__ import annotations
@@ -22,20 +15,16 @@ Kind = Literal["train", "longest", "attention", "hf", "pytest"]
 KINDS: tuple[str, ...] = Kind.__args__  # type: ignore[attr-defined]
 MODES: dict[str, tuple[str | None, ...]] = {"train": (None, "host-adamw"), "longest": (None,), "pytest": (None,),
                                             "attention": ("grid", "local", "rates", "window", "lasp", "scan", "matmul"),
-                                            "hf": ("families", "finetune", "memory")}
-"""The modes of each runner (its first argument; None: the runner has one)."""
+                                            "hf": ("families", "finetune", "memory")}  # a runner's first argument
 SYSTEMS = ("seqpar", "torch_cp", "tp_sp", "single")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
-    """One measurement: a process of a runner (``kind``, ``mode``) on ``gpus`` GPUs, at most ``limit_s`` seconds.
-
-    ``system``, ``model``, ``seq`` say what is measured; ``args`` are the remaining settings, passed to the
-    runner unchanged; ``seqs`` (longest) are the descending ``(S, seconds)`` attempts; ``grids`` (attention grid)
-    are ``--grid`` specs; ``peers`` name the runs of the same suite it is compared against; ``fa4`` marks runs that
-    need flash-attention 4 (skipped, and said so, without it); ``env``: environment variables of the run.
-    """
+    """One measurement: a process of a runner (``kind``, ``mode``) on ``gpus`` GPUs, at most ``limit_s`` seconds: what it
+    measures (``system``, ``model``, ``seq``), the other settings (``args``, passed unchanged), the descending ``(S,
+    seconds)`` attempts of a longest-context search (``seqs``), the specs of the attention grid (``grids``), the runs
+    it is compared against (``peers``), whether it needs flash-attention 4 (``fa4``), its environment (``env``)."""
 
     name: str
     kind: Kind

@@ -1,42 +1,26 @@
-"""Training throughput of the package's models (Llama, TransNormerLLM, the LSS GPT): our strategy against
-FSDP2 + torch-native context parallel and against Megatron-style tensor + sequence parallelism.
+"""Training throughput of the package's models (Llama, TransNormerLLM, the LSS GPT): our strategy against FSDP2 +
+torch-native context parallel and against Megatron-style tensor + sequence parallelism.
 
-    torchrun --nproc_per_node=4 benchmarks/train.py --system seqpar --model llama3-8b --seq 131072
-    torchrun --nproc_per_node=4 benchmarks/train.py --system torch_cp --model llama3-8b --seq 131072
-    torchrun --nproc_per_node=4 benchmarks/train.py --system tp_sp --model llama3-8b --seq 131072
+    torchrun --nproc_per_node=4 benchmarks/train.py --system seqpar --model llama3-8b --seq 131072     # also torch_cp, tp_sp
     torchrun --nproc_per_node=4 benchmarks/train.py --system seqpar --model tnl-1b --seq 131072 --algorithm lasp --lasp-variant p2p,allgather
     torchrun --nproc_per_node=4 benchmarks/train.py --system seqpar --model lss-gpt-1.5b --seq 65536 --algorithm allgather --kv-comm input,kv
     python benchmarks/train.py host-adamw --model llama-7b --ranks 4 --threads 16      # offload_params' CPU AdamW step
     torchrun --nproc_per_node=2 benchmarks/train.py --system seqpar --device cpu --model tiny --seq 64   # smoke (gloo)
 
-All systems train the same model code (random init) on the same synthetic long-range copy data, with AdamW,
-bf16 compute and fp32 master weights (FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), all
-GPUs in one sequence-parallel (for tp_sp: tensor-parallel) group, batch 1 sequence of --seq tokens.
-
-* seqpar: the product path, ``lightning.Trainer(strategy=SequenceParallelStrategy(...), precision="bf16-mixed")``
-  with ``CausalLMModule`` (Selective Checkpoint++, FSDP2 over the SP ranks, chunked cross entropy). Any named
-  model: TNL under LASP (``--lasp-variant``, ``--lasp-kernel``), the GPT with ``--kv-comm`` ("input": LSS's fused
-  all-gather of the layer input; "kv": the K/V handed to the strategy's algorithm). Comma lists of
-  --lasp-variant / --kv-comm run one training after the other in this process.
-* torch_cp (the torchtitan way): FSDP2 ``fully_shard`` per block + root, full activation checkpointing,
-  ``torch.distributed.tensor.experimental.context_parallel`` around forward and backward (round-robin load
-  balancer; SDPA with the cuDNN kernel), plain cross entropy on the full logits. Llama only.
-* tp_sp (the Megatron-LM baseline of the papers): Note [The TP+SP baseline] below. Llama only.
-
-``--seqs 32768:3,65536:3 --models llama-7b,llama-33h`` runs several lengths (each for every model before the
-next; ``S:STEPS`` times STEPS steps) in one process, a record each with ``in_process`` and ``held_before_gb``.
-
-Each run times --steps optimizer steps after --warmup (synchronised wall clock, median) and appends one record
-(bench "train") to --out: tokens/s/GPU, MFU = tokens/s/GPU x flops_per_token(S) / 989e12 (the config's count:
-6 N_non-embedding + 6 L S d for Llama), peak_mem_gb (torch.cuda.max_memory_allocated after the warm-up, max over
-ranks), the losses and the settings; ``--matmul-peak TFLOPS`` adds ``mfu_measured_peak``. A CUDA out-of-memory
-error prints ``[train] OOM`` and exits the rank with code 3, which longest.py tells from other failures.
+Every system trains the same model code (random init) on the same synthetic copy-task data with AdamW, bf16 compute
+and fp32 master weights, all GPUs in one sequence-parallel (tp_sp: tensor-parallel) group, one sequence of --seq
+tokens: seqpar is ``SequenceParallelStrategy`` + ``CausalLMModule`` ("bf16-mixed"; comma lists of --lasp-variant /
+--kv-comm train one after the other); torch_cp is torchtitan's way (FSDP2 per block, full activation checkpointing,
+``context_parallel`` around cuDNN SDPA, the loss on the full logits); tp_sp is Note [The TP+SP baseline]. ``--seqs
+32768:3,65536:3 --models a,b`` trains several lengths (S:STEPS) and models in one process. A record (bench "train") per
+run: the median of --steps after --warmup, tokens/s/GPU, MFU = tokens/s/GPU x flops_per_token(S) / 989e12, peak_mem_gb
+(after the warm-up, max over ranks), losses, settings. A CUDA out-of-memory error exits the rank with code 3.
 
 Note [The TP+SP baseline]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-Korthikanti et al. 2023 ("Reducing Activation Recomputation in Large Transformer Models", §4.2.2), written
-with torch's DTensor tensor-parallel styles as torchtitan's Llama plan (``apply_tp``), on Lightning's own
-``ModelParallelStrategy`` and the package's unchanged ``Llama``:
+Korthikanti et al. 2023 ("Reducing Activation Recomputation in Large Transformer Models", §4.2.2), with torch's DTensor
+tensor-parallel styles as torchtitan's Llama plan (``apply_tp``), on Lightning's ``ModelParallelStrategy`` and the
+package's unchanged ``Llama``:
 
     residual stream  (B, S/W, d)   sequence-sharded ("SP" regions: norms, residual adds)
          | all-gather S        (PrepareModuleInput: Shard(1) -> Replicate)
@@ -45,21 +29,18 @@ with torch's DTensor tensor-parallel styles as torchtitan's Llama plan (``apply_
          | reduce-scatter S    (RowwiseParallel(output_layouts=Shard(1)) of o_proj / down_proj)
     residual stream  (B, S/W, d)
 
-The embedding is vocabulary-sharded (RowwiseParallel, output reduce-scattered to Shard(1)); lm_head is
-ColwiseParallel and, with loss parallel (default), ``loss_parallel`` computes the fp32 cross entropy on logits
-sharded on the vocabulary (Megatron's vocab-parallel cross entropy). Every rank holds the FULL sequence for
-attention: its activations and the logits grow with S, not S/W. Full activation checkpointing of every block;
-bf16 compute with fp32 master weights through FSDP2's MixedPrecisionPolicy on the size-1 data-parallel axis.
-Order: TP -> AC -> FSDP2, as torchtitan.
+The embedding is vocabulary-sharded; ``loss_parallel`` computes the fp32 cross entropy on logits sharded on the
+vocabulary (Megatron's vocab-parallel cross entropy). Every rank holds the FULL sequence for attention: its activations
+and the logits grow with S, not S/W. Full activation checkpointing; bf16 compute with fp32 master weights through
+FSDP2's MixedPrecisionPolicy on the size-1 data-parallel axis. Order: TP -> AC -> FSDP2, as torchtitan.
 
 Note [Heads that do not divide W]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Megatron-LM needs n_head % W == 0 and n_kv_head % W == 0; LightSeq (§4.2) padded heads for Llama-33H, and so
-do we: MHA pads q, k, v with zero heads (zero rows of q/k/v_proj, zero columns of o_proj). A dummy head has
-v = 0, so its output and every gradient of its rows / columns are exactly 0: the padded model IS the H-head
-model at every step. Their FLOPs are the record's ``padding_flops_waste`` (Llama-33H on 4 GPUs: 36 heads,
-+6.7% at 128K); MFU counts only the real model's. GQA with n_kv_head % W != 0 repeats every K/V head
-r = W / gcd(H_kv, W) times, as Megatron does; anything else raises ValueError.
+Megatron-LM needs n_head % W == 0 and n_kv_head % W == 0; LightSeq (§4.2) padded heads for Llama-33H, and so do we: MHA
+gets zero heads (zero rows of q/k/v_proj, zero columns of o_proj): a dummy head has v = 0, so its output and every
+gradient of its rows / columns are 0, and the padded model IS the H-head model at every step. Their FLOPs are the
+record's ``padding_flops_waste`` (Llama-33H on 4 GPUs: 36 heads, +6.7% at 128K); MFU counts the real model's. GQA with
+n_kv_head % W != 0 repeats every K/V head W / gcd(H_kv, W) times, as Megatron does; anything else: ValueError.
 """
 
 from __future__ import annotations
@@ -69,38 +50,54 @@ import dataclasses
 import datetime
 import math
 import os
+import resource
 import sys
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
+import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+from lightning_seqpar.attention import Attention
+from lightning_seqpar.attention.fused import FusedKVAttention
+from lightning_seqpar.attention.lasp import LinearAttention, _resolve_kernel
+from lightning_seqpar.attention.local import resolve_backend
+from lightning_seqpar.data import LongRangeDataModule
+from lightning_seqpar.models import Llama, LlamaConfig
+from lightning_seqpar.models.gpt import GPTConfig
+from lightning_seqpar.models.registry import resolve_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from driver import (PEAK_BF16, append_records, exit_oom, held_gb, is_oom, max_over_ranks, mode_of,  # noqa: E402
                     runner_args, step_timer, trainer)
+from profile_summary import finish_profiler, profiler_callback, start_profiler  # noqa: E402
 
 ALGORITHMS = {"torch_cp": "allgather-cp", "tp_sp": "megatron-tp-sp"}
 
 
 # ---- the TP+SP baseline -------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class HeadLayout:
-    """Head counts of the TP model (Note [Heads that do not divide W]): query / K/V heads after padding or
-    repetition (multiples of W), the K/V repeat and the dummy heads added."""
+class HeadLayout(NamedTuple):
+    """Head counts of the TP model (Note [Heads that do not divide W]): query and K/V heads after padding or repetition
+    (multiples of W), how often each K/V head is repeated, and the dummy heads added."""
 
     n_head: int
     n_kv_head: int
     kv_repeat: int
     padded: int
-
-    def config(self, config):
-        """``config`` with these head counts (what actually runs, for the padding FLOPs)."""
-        return dataclasses.replace(config, n_head=self.n_head, n_kv_head=self.n_kv_head, head_dim=config.head_dim)
 
 
 def head_layout(config, tp: int) -> HeadLayout:
@@ -143,20 +140,21 @@ def pad_heads(model, layout: HeadLayout) -> None:
         attn.n_head, attn.n_kv_head = layout.n_head, layout.n_kv_head
 
 
-class SDPAttention(nn.Module):
-    """Plain local causal attention over this rank's heads: q (B, S, H_local, D), k/v (B, S, H_kv_local, D) ->
-    (B, S, H_local, D); GQA natively (``enable_gqa``); ``backends``: the SDPA kernels allowed (cuDNN on GPU)."""
+class SDPA(nn.Module):
+    """Plain causal SDPA over this rank's heads, q (B, S, H, D), k/v (B, S, H_kv, D) -> (B, S, H, D): TP+SP's local
+    attention (GQA natively) and what torch's context_parallel intercepts (``repeat_kv``: K/V repeated first, as
+    torchtitan's Llama); ``backends``: the SDPA kernels allowed (cuDNN on GPU)."""
 
-    def __init__(self, backends: list[Any] | None = None) -> None:
+    def __init__(self, backends: list[Any] | None = None, repeat_kv: bool = False) -> None:
         super().__init__()
-        self.backends = backends
+        self.backends, self.repeat_kv = backends, repeat_kv
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from torch.nn.attention import sdpa_kernel
-
+        if self.repeat_kv:
+            k, v = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2), v.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
         with sdpa_kernel(self.backends) if self.backends else nullcontext():
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                                 enable_gqa=q.shape[2] != k.shape[2])  # (B, H_local, S, D)
+                                                 enable_gqa=q.shape[2] != k.shape[2])  # (B, H, S, D)
         return out.transpose(1, 2)
 
 
@@ -164,11 +162,6 @@ def parallelize_tp_sp(model, device_mesh, *, loss_parallel: bool = True, activat
                       param_dtype: torch.dtype | None = None, attention_backends: list[Any] | None = None) -> HeadLayout:
     """Apply Note [The TP+SP baseline] to ``model`` in place over Lightning's 2-D mesh ("data_parallel",
     "tensor_parallel"); returns the head layout it ran with."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
-
     tp_mesh, dp_mesh = device_mesh["tensor_parallel"], device_mesh["data_parallel"]
     tp = tp_mesh.size()
     layout = head_layout(model.config, tp)
@@ -179,7 +172,7 @@ def parallelize_tp_sp(model, device_mesh, *, loss_parallel: bool = True, activat
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                    use_local_output=not loss_parallel)})
     for i, block in enumerate(model.layers):
-        block.self_attn.attn_core = SDPAttention(attention_backends)
+        block.self_attn.attn_core = SDPA(attention_backends)
         parallelize_module(block, tp_mesh, {
             "input_layernorm": SequenceParallel(),
             # (x, freqs_cis): gather the sequence of x; the RoPE rotations are a plain full-S tensor
@@ -201,13 +194,9 @@ def parallelize_tp_sp(model, device_mesh, *, loss_parallel: bool = True, activat
     return layout
 
 
-def _tp_sp_module(config, *, lr: float, loss_parallel: bool, activation_checkpointing: bool, bf16: bool, backends):
-    """Next-token training of ``Llama(config)`` with Megatron-style TP+SP under ``ModelParallelStrategy``: every
-    rank builds the full model from one seed (as the seqpar path), then shards it; AdamW without weight decay."""
-    import lightning as L
-
-    from lightning_seqpar.models import Llama
-
+def _tp_sp_module(config, *, lr: float, activation_checkpointing: bool, bf16: bool, backends):
+    """Next-token training of ``Llama(config)`` with Megatron-style TP+SP under ``ModelParallelStrategy``: every rank
+    builds the full model from one seed (as the seqpar path), then shards it; AdamW without weight decay."""
     class TPSPModule(L.LightningModule):
         def configure_model(self) -> None:
             if getattr(self, "model", None) is not None:
@@ -216,25 +205,19 @@ def _tp_sp_module(config, *, lr: float, loss_parallel: bool, activation_checkpoi
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
                 torch.manual_seed(0)
                 model = Llama(config)
-            self.layout = parallelize_tp_sp(model, self.device_mesh, loss_parallel=loss_parallel, param_dtype=torch.bfloat16 if bf16 else None,
-                                            activation_checkpointing=activation_checkpointing, attention_backends=backends)
+            parallelize_tp_sp(model, self.device_mesh, param_dtype=torch.bfloat16 if bf16 else None,
+                              activation_checkpointing=activation_checkpointing, attention_backends=backends)
             self.model = model
 
-        def _loss_context(self):
-            from torch.distributed.tensor.parallel import loss_parallel as context
-
-            return context() if loss_parallel else nullcontext()
-
         def training_step(self, batch, batch_idx):
-            logits = self.model(batch["input_ids"], batch["position_ids"])  # (B, S, V), sharded on V under loss parallel
-            with self._loss_context():
+            logits = self.model(batch["input_ids"], batch["position_ids"])  # (B, S, V), a DTensor sharded on V
+            with loss_parallel():
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
-            reported = loss.detach()
-            self.log("train/loss", reported.full_tensor() if hasattr(reported, "full_tensor") else reported)
+            self.log("train/loss", loss.detach().full_tensor())
             return loss
 
         def backward(self, loss, *args, **kwargs):
-            with self._loss_context():  # the backward of the vocabulary-parallel cross entropy needs the context too
+            with loss_parallel():  # the backward of the vocabulary-parallel cross entropy needs the context too
                 loss.backward(*args, **kwargs)
 
         def configure_optimizers(self):
@@ -247,9 +230,6 @@ def _tp_sp_module(config, *, lr: float, loss_parallel: bool, activation_checkpoi
 
 def model_config(name: str, seq: int, kv_comm: str | None = None):
     """The named config of any family (lightning_seqpar's model registry); a GPT's learned positions cover ``seq``."""
-    from lightning_seqpar.models.gpt import GPTConfig
-    from lightning_seqpar.models.registry import resolve_config
-
     cfg = resolve_config(name)
     if isinstance(cfg, GPTConfig):
         return dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq), kv_comm=kv_comm or cfg.kv_comm)
@@ -260,7 +240,7 @@ def model_config(name: str, seq: int, kv_comm: str | None = None):
 
 def _row(args, cfg, times, losses, world, **extra):
     step = sorted(times)[len(times) // 2]
-    tps = args.seq * args.batch / step / world
+    tps = args.seq / step / world
     flops_per_s = tps * cfg.flops_per_token(args.seq)  # model FLOPs per second per GPU
     peak = max_over_ranks(torch.cuda.max_memory_allocated() / 1e9, device="cuda")[0] if args.device == "cuda" else float("nan")
     row = dict(bench="train", system=args.system, algorithm=ALGORITHMS.get(args.system, args.algorithm), model=args.model, seq=args.seq,
@@ -277,8 +257,8 @@ def _row(args, cfg, times, losses, world, **extra):
 
 @torch.no_grad()
 def _prealloc_optimizer(optimizer) -> None:
-    """Allocate the optimizer's state now: one step on zero gradients (AdamW with no weight decay leaves the
-    parameters unchanged). The memory peak of step 1 is then that of every later step (longest.py)."""
+    """Allocate the optimizer's state now: one step on zero gradients (AdamW without weight decay leaves the parameters
+    unchanged), so that step 1 peaks as every later step does (longest.py)."""
     for group in optimizer.param_groups:
         if group.get("weight_decay", 0.0) != 0.0:
             raise ValueError("--prealloc-optimizer needs weight_decay=0 (the zero-gradient step must not change parameters)")
@@ -291,10 +271,6 @@ def _prealloc_optimizer(optimizer) -> None:
 def _trainer(args, strategy, callbacks: list, precision: str):
     """The Trainer of seqpar / tp_sp: warm-up + timed steps; a CUDA out-of-memory error ends the rank at once
     (Lightning's own handling would first tear down while the other ranks wait in a collective)."""
-    import lightning as L
-
-    from profile_summary import profiler_callback
-
     class Extras(L.Callback):
         def on_exception(self, trainer, pl_module, exception):
             if is_oom(exception):
@@ -309,20 +285,11 @@ def _trainer(args, strategy, callbacks: list, precision: str):
 
 
 def _datamodule(args, cfg):
-    from lightning_seqpar.data import LongRangeDataModule
-
-    return LongRangeDataModule(vocab_size=cfg.vocab_size, seq_len=args.seq, batch_size=args.batch,
-                               num_samples=(args.warmup + args.steps) * args.batch * 8, val_samples=1, seed=0)
+    return LongRangeDataModule(vocab_size=cfg.vocab_size, seq_len=args.seq, batch_size=1, num_samples=(args.warmup + args.steps) * 8,
+                               val_samples=1, seed=0)
 
 
 def run_seqpar(args, variant: str, kv_comm: str | None):
-    import lightning as L
-
-    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
-    from lightning_seqpar.attention.fused import FusedKVAttention
-    from lightning_seqpar.attention.lasp import LinearAttention, _resolve_kernel
-    from lightning_seqpar.attention.local import resolve_backend
-
     cfg = model_config(args.model, args.seq, kv_comm)
     cuda = args.device == "cuda"
     times, losses, info = [], [], {}
@@ -338,15 +305,14 @@ def run_seqpar(args, variant: str, kv_comm: str | None):
             if cuda:
                 info["mem_start_gb"] = torch.cuda.memory_allocated() / 1e9
 
-    hp = args.head_parallel if args.head_parallel == "auto" else int(args.head_parallel)
     strategy = SequenceParallelStrategy(sequence_parallel_size=int(os.environ["WORLD_SIZE"]), attention=args.algorithm,
-                                        head_parallel_size=hp, expected_seq_len=args.seq if args.algorithm == "auto" else None,
+                                        expected_seq_len=args.seq if args.algorithm == "auto" else None,
                                         activation_checkpointing=None if args.ac == "none" else args.ac, lasp_variant=variant,
                                         attention_backend=args.backend, head_chunks=args.head_chunks,
                                         uncheckpointed_blocks=args.uncheckpointed_blocks, compile=args.compile,
                                         offload_checkpoints=args.offload, offload_params=args.offload_params,
                                         mlp_chunk_size=args.mlp_chunk)
-    precision = args.precision or ("bf16-mixed" if cuda else "32-true")
+    precision = "bf16-mixed" if cuda else "32-true"
     fit = _trainer(args, strategy, [step_timer(times, losses, warmup=args.warmup, cuda=cuda), Resolved()], precision)
     fused = {"auto": None, "fused": True, "default": False}[args.optimizer]
     module = CausalLMModule(model=cfg, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size=args.loss_chunk, fused_optimizer=fused)
@@ -355,60 +321,35 @@ def run_seqpar(args, variant: str, kv_comm: str | None):
     be = resolve_backend(args.backend, torch.device(args.device), torch.bfloat16 if cuda else torch.float32, head_dim)
     dims = strategy.parallel_dims  # what "auto" chose, named as benchmarks/attention.py names it
     algorithm = f"2d:{dims.hp}x{dims.cp}" if strategy.attention == "2d" else strategy.attention
-    host = args.offload or args.offload_params
+    host = {"host_peak_gb": max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, device=args.device)[0]}  # pinned buffers too
     return _row(args, cfg, times, losses, dist.get_world_size(), backend=be, head_chunks=args.head_chunks, algorithm=algorithm,
                 **({"auto": True} if args.algorithm == "auto" else {}), uncheckpointed_blocks=args.uncheckpointed_blocks,
                 compiled=args.compile, **({"offload_checkpoints": True} if args.offload else {}),
-                **({"host_peak_gb": _host_peak_gb(args)} if host else {}), **({"mlp_chunk_size": args.mlp_chunk} if args.mlp_chunk else {}),
-                tokens_per_gpu=args.seq // dist.get_world_size(), loss_chunk=args.loss_chunk, precision=precision, step_times_s=times, **info)
-
-
-def _host_peak_gb(args) -> float:
-    """Peak resident host memory of this process (pinned offload buffers included), max over ranks."""
-    import resource
-
-    return max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, device=args.device)[0]
+                **(host if args.offload or args.offload_params else {}), **({"mlp_chunk_size": args.mlp_chunk} if args.mlp_chunk else {}),
+                tokens_per_gpu=args.seq // dist.get_world_size(),
+                loss_chunk=args.loss_chunk, precision=precision, step_times_s=times, **info)
 
 
 def run_tp_sp(args, *_):
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     cfg = model_config(args.model, args.seq)
     world = int(os.environ["WORLD_SIZE"])
     layout = head_layout(cfg, world)  # ValueError (before any collective) when Megatron TP cannot run the model
     backends = None
     if args.device == "cuda":
-        from torch.nn.attention import SDPBackend
-
         backends = [SDPBackend.CUDNN_ATTENTION]
     times, losses = [], []
     strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world)
     # precision "32-true": bf16 compute with fp32 master weights comes from FSDP2's MixedPrecisionPolicy inside the module
     fit = _trainer(args, strategy, [step_timer(times, losses, warmup=args.warmup, cuda=args.device == "cuda")], "32-true")
-    module = _tp_sp_module(cfg, lr=3e-4, loss_parallel=not args.no_loss_parallel, activation_checkpointing=args.ac != "none",
-                           bf16=args.device == "cuda", backends=backends)
+    module = _tp_sp_module(cfg, lr=3e-4, activation_checkpointing=args.ac != "none", bf16=args.device == "cuda", backends=backends)
     fit.fit(module, datamodule=_datamodule(args, cfg))
-    waste = layout.config(cfg).flops_per_token(args.seq) / cfg.flops_per_token(args.seq) - 1
+    ran = dataclasses.replace(cfg, n_head=layout.n_head, n_kv_head=layout.n_kv_head, head_dim=cfg.head_dim)  # the padded heads' FLOPs
     return _row(args, cfg, times, losses, world, heads=f"{layout.n_head}/{layout.n_kv_head}", padded_heads=layout.padded,
-                kv_repeat=layout.kv_repeat, padding_flops_waste=waste, loss_parallel=not args.no_loss_parallel)
+                kv_repeat=layout.kv_repeat, padding_flops_waste=ran.flops_per_token(args.seq) / cfg.flops_per_token(args.seq) - 1,
+                loss_parallel=True)
 
 
 def run_torch_cp(args, *_):
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    from torch.distributed.tensor.experimental import context_parallel
-
-    from lightning_seqpar.attention import Attention
-    from lightning_seqpar.models import Llama
-    from profile_summary import finish_profiler, start_profiler
-
-    class SDPA(nn.Module):  # what torch's context_parallel intercepts; K/V repeated first, as torchtitan's Llama does
-        def forward(self, q, k, v):
-            g = q.shape[2] // k.shape[2]
-            k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
-
     world = dist.get_world_size()
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("cp",))
     cfg = model_config(args.model, args.seq)
@@ -417,7 +358,7 @@ def run_torch_cp(args, *_):
     for mod in list(model.modules()):
         for child_name, child in list(mod.named_children()):
             if isinstance(child, Attention):
-                setattr(mod, child_name, SDPA())
+                setattr(mod, child_name, SDPA(repeat_kv=True))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # --offload-params: torchtitan's way (the shards materialised on the host; Llama has no buffers that would need the GPU)
     offload = CPUOffloadPolicy() if args.offload_params else OffloadPolicy()
@@ -471,11 +412,6 @@ def host_adamw(argv: list[str]) -> None:
     the time scaled to all blocks by parameter count (exact for a memory-bound step). ``optimizer.step()`` after
     one warm-up step, for AdamW's ``forloop`` (torch's default for DTensors), ``foreach`` and ``fused``, at 1
     thread (what torchrun gives a process) and at ``--threads``. One record (bench "offload_optimizer") each."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from lightning_seqpar.models import Llama, LlamaConfig
-
     ap = runner_args(argparse.ArgumentParser(prog="train.py host-adamw", description=host_adamw.__doc__), device=False)
     ap.add_argument("--model", default="llama-7b")
     ap.add_argument("--ranks", type=int, default=4, help="ranks FSDP shards over (dp_shard x sp)")
@@ -537,16 +473,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default=None, metavar="M1,M2,...", help="several models in turn in this one process (see --seqs)")
     ap.add_argument("--seq", type=int, default=131072)
     ap.add_argument("--seqs", default=None, metavar="S[:STEPS],...", help="several lengths in turn in this one process, a record each")
-    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--algorithm", default="ring", help="seqpar: the attention algorithm ('auto': the cost model's, for --seq)")
-    ap.add_argument("--head-parallel", default="1", help="seqpar: head_parallel_size (hp of 2D attention), or 'auto' with --algorithm auto")
     ap.add_argument("--lasp-variant", default="p2p", help="seqpar, TNL: comma list of p2p, allgather (lasp_variant), one run each")
     ap.add_argument("--lasp-kernel", default=None, choices=["auto", "torch", "fla"], help="TNL: LinearAttention.kernel (default: the model's)")
     ap.add_argument("--kv-comm", default=None, help="seqpar, GPT: comma list of input, kv, auto (GPTConfig.kv_comm), one run each")
     ap.add_argument("--ac", default="selective++", choices=["selective++", "full", "none"],
                     help="seqpar: the checkpointing policy; tp_sp: 'none' turns full checkpointing off")
     ap.add_argument("--loss-chunk", type=int, default=8192, help="seqpar: chunked cross entropy")
-    ap.add_argument("--precision", default=None, help="seqpar: Lightning's precision (default: bf16-mixed on CUDA, 32-true on the CPU)")
     ap.add_argument("--backend", default="auto", help="seqpar: the local attention kernel (auto: fa4 when installed, else flash-attention-2)")
     ap.add_argument("--compile", action="store_true", help="seqpar: torch.compile each block (strategy compile=True)")
     ap.add_argument("--uncheckpointed-blocks", type=int, default=0, help="seqpar: the last N blocks without checkpointing")
@@ -557,7 +490,6 @@ def main(argv: list[str] | None = None) -> None:
                     "AdamW state in host memory, the optimizer step on the CPU (offload_params; CPUOffloadPolicy)")
     ap.add_argument("--optimizer", choices=("auto", "fused", "default"), default="auto",
                     help="AdamW: auto = CausalLMModule's choice (fused on CUDA and for --offload-params), default = torch's default")
-    ap.add_argument("--no-loss-parallel", action="store_true", help="tp_sp: gather the logits instead of the vocab-parallel loss")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--matmul-peak", type=float, default=None, metavar="TFLOPS", help="measured bf16 matmul peak per GPU: adds mfu_measured_peak")
