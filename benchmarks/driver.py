@@ -206,7 +206,7 @@ def run_suite(suite: Suite, *, gpus: int, only: tuple[str, ...] = (), budget_s: 
         logfile = os.path.join(out_dir, "logs", f"{suite.name}-{run.name}.log")
         t0 = time.time()
         with open(logfile, "w") as f:
-            # its own session, so that `timeout` ends torchrun's workers too
+            # its own process session, so that `timeout` ends torchrun's workers too
             rc = subprocess.run(["timeout", "-k", "20", f"{limit:.0f}", *cmd], cwd=ROOT, env={**env, **dict(run.env)},
                                 stdout=f, stderr=subprocess.STDOUT).returncode
         text = open(logfile, errors="replace").read().splitlines()
