@@ -1,27 +1,13 @@
 """Longest trainable context: the first sequence length of a descending list that trains 2 steps.
 
-    python benchmarks/longest.py --system seqpar --model llama3-8b --nproc 4 \
-        --seqs 524288:420,458752:360,393216:300 --out longest.json --log longest.log
+    python benchmarks/longest.py --system seqpar --model llama3-8b --nproc 4 --seqs 524288:420,458752:360 --out l.json --log l.log
+    python benchmarks/longest.py --system seqpar --model tnl-1b --nproc 4 --seqs 2097152:200,1048576:200 -- --algorithm lasp --ac full
 
-Each attempt is its own ``torchrun ... benchmarks/train.py --warmup 1 --steps 1 --prealloc-optimizer``
-process: 2 optimizer steps, with AdamW's state allocated before the first (a step on zero
-gradients), so that an attempt that does not fit fails in step 1 rather than after a whole step.
-It runs in a new session under a wall-clock limit: an out-of-memory error on one rank would otherwise leave the others waiting
-in a collective. train.py exits a rank with code 3 and prints ``[train] OOM`` on CUDA OOM;
-torchrun then stops the other ranks. An attempt ends as
-
-    ok        the 2 steps ran (its throughput and peak memory are kept)
-    oom       "[train] OOM" (or a CUDA out-of-memory message) in its output
-    timeout   the limit passed: the process tree is stopped (SIGTERM, then SIGKILL)
-    error     anything else (last error line kept)
-    skipped   its limit did not fit before --deadline; smaller S are still tried, and a success
-              after a skipped S is only a lower bound (``lower_bound: true``)
-
-One record is appended to --out: {"bench": "longest", "system", "algorithm", "model", "gpus",
-"seq" (the first S that trained; null if none), "device", "commit", "attempts": [{"seq",
-"status", "wall_s", "detail"}], "tokens_per_s_per_gpu" and "peak_mem_gb" of that attempt,
-"lower_bound"}. ``S:T`` entries of --seqs give an attempt its own limit T (seconds); plain ``S``
-entries use --timeout. Arguments after ``--`` go to train.py unchanged.
+Each attempt is ``torchrun benchmarks/train.py --warmup 1 --steps 1 --prealloc-optimizer`` (arguments after ``--`` go to
+train.py; later flags win; AdamW's state exists before step 1, so what does not fit fails there) in a process session
+of its own under its limit (``S:T``, else --timeout): ok, oom (train.py's exit code 3), timeout (the process tree is
+stopped), error, or skipped (no time before --deadline; a later success is then a lower bound). One record (bench
+"longest"): the first S that trained (null if none), the attempts, that attempt's figures and settings, ``train_args``.
 """
 
 from __future__ import annotations
@@ -30,29 +16,28 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-from collect import append_records  # benchmarks/ is on sys.path when this file runs as a script
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from driver import OOM_EXIT, append_records, runner_args  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OOM_EXIT = 3  # train.OOM_EXIT
+KEPT = ("step_time_s", "ac", "backend", "head_chunks", "offload_checkpoints", "offload_params", "optimizer", "host_peak_gb",
+        "mlp_chunk_size", "tokens_per_gpu", "lasp_variant", "lasp_kernel", "kv_comm")
+"""What a record keeps of the attempt that trained, besides its throughput, memory and MFU."""
 
 
 def _children(pid: int) -> list[int]:
     """Process ids whose parent is ``pid`` (from /proc)."""
     out = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                out.append(int(entry))
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
         except (OSError, IndexError, ValueError):
             continue
     return out
@@ -67,7 +52,7 @@ def _alive(pid: int) -> bool:
 
 
 def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """Stop torchrun (its own session) and its workers (each in a session of its own, see
+    """Stop torchrun (its own process session) and its workers (each in a process session of its own, see
     torch.distributed.elastic's subprocess handler): SIGTERM, then SIGKILL after ``grace`` seconds."""
     groups = [proc.pid, *_children(proc.pid)]
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
@@ -100,86 +85,68 @@ def classify(rc: int | None, output: str, timed_out: bool) -> tuple[str, str]:
 
 def _device_name() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"], capture_output=True, text=True, timeout=30)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
-def _free_port() -> int:
-    # a fresh rendezvous port per attempt: a stopped attempt's port may still be held
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def parse_seqs(text: str, default_timeout: float) -> list[tuple[int, float]]:
-    out = []
-    for item in text.split(","):
-        s, _, t = item.strip().partition(":")
-        out.append((int(s), float(t) if t else default_timeout))
-    if [s for s, _ in out] != sorted((s for s, _ in out), reverse=True):
-        raise SystemExit(f"longest.py: --seqs must be in descending order, got {text}")
-    return out
+def attempt(cmd: list[str], limit: float) -> tuple[str, str, float, int | None, str, dict | None]:
+    """Run one attempt (train.py under torchrun, writing its record to the ``--out`` of ``cmd``) within ``limit``
+    seconds: (status, detail, wall seconds, exit code, output, the record when it trained)."""
+    rec_path = cmd[cmd.index("--out") + 1]
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop(proc)
+            rc = proc.returncode
+        log.seek(0)
+        output = log.read()
+    status, detail = classify(rc, output, timed_out)
+    record = None
+    if status == "ok":
+        try:
+            record = json.load(open(rec_path))[-1]
+        except (OSError, ValueError, IndexError):
+            status, detail = "error", "train.py wrote no record"
+    if os.path.exists(rec_path):
+        os.unlink(rec_path)
+    return status, detail, time.monotonic() - t0, rc, output, record
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = runner_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     ap.add_argument("--system", required=True, choices=["seqpar", "torch_cp", "tp_sp"])
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per attempt")
     ap.add_argument("--seqs", required=True, help="descending S or S:timeout_s, comma-separated")
     ap.add_argument("--timeout", type=float, default=300.0, help="limit of an attempt without its own")
     ap.add_argument("--deadline", type=float, default=None, help="unix time by which every attempt must have ended")
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--out", default=None, help="append the record to this JSON list")
     ap.add_argument("--log", default=None, help="append every attempt's output to this file")
-    ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args(argv)
-    seqs = parse_seqs(args.seqs, args.timeout)
-    attempts: list[dict] = []
-    found: dict | None = None
-    skipped = False
+    attempts, found, skipped = [], None, False
+    seqs = [(int(s), float(t) if t else args.timeout) for s, _, t in (item.strip().partition(":") for item in args.seqs.split(","))]
+    if [s for s, _ in seqs] != sorted((s for s, _ in seqs), reverse=True):
+        ap.error(f"--seqs must be in descending order, got {args.seqs}")
     for seq, limit in seqs:
         if args.deadline is not None and time.time() + limit > args.deadline:
             attempts.append(dict(seq=seq, status="skipped", wall_s=0.0, detail=f"limit {limit:.0f}s does not fit before the deadline"))
             print(f"[longest] {args.system} S={seq}: skipped (limit {limit:.0f}s, {args.deadline - time.time():.0f}s left)", flush=True)
             skipped = True
             continue
-        fd, rec_path = tempfile.mkstemp(prefix="longest-", suffix=".json")
-        os.close(fd)
-        os.unlink(rec_path)
-        cmd = ["torchrun", f"--nproc_per_node={args.nproc}", f"--master_port={_free_port()}", os.path.join(HERE, "train.py"), "--system", args.system,
-               "--model", args.model, "--seq", str(seq), "--warmup", "1", "--steps", "1", "--device", args.device,
+        rec_path = os.path.join(tempfile.gettempdir(), f"longest-{os.getpid()}-{seq}.json")  # the attempt's record
+        # --standalone: a fresh rendezvous port per attempt (a stopped attempt's port may still be held)
+        cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.nproc}", os.path.join(HERE, "train.py"),
+               "--system", args.system, "--model", args.model, "--seq", str(seq), "--warmup", "1", "--steps", "1", "--device", args.device,
                "--commit", args.commit, "--out", rec_path, "--tag", "longest", "--prealloc-optimizer", *extra]
-        t0 = time.monotonic()
-        with tempfile.TemporaryFile(mode="w+") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            timed_out = False
-            try:
-                rc = proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _stop(proc)
-                rc = proc.returncode
-            log.seek(0)
-            output = log.read()
-        wall = time.monotonic() - t0
-        status, detail = classify(rc, output, timed_out)
-        record = None
-        if status == "ok":
-            try:
-                record = json.load(open(rec_path))[-1]
-            except (OSError, ValueError, IndexError):
-                status, detail = "error", "train.py wrote no record"
-        if os.path.exists(rec_path):
-            os.unlink(rec_path)
+        status, detail, wall, rc, output, record = attempt(cmd, limit)
         attempts.append(dict(seq=seq, status=status, wall_s=round(wall, 1), detail=detail))
         print(f"[longest] {args.system} {args.model} S={seq}: {status} ({wall:.0f}s){' ' + detail if detail else ''}", flush=True)
         if args.log:
@@ -189,21 +156,18 @@ def main(argv: list[str] | None = None) -> dict:
         if status == "ok":
             found = record
             break
+    got = found or {}
     row = dict(bench="longest", system=args.system,
-               algorithm=(found or {}).get("algorithm", {"torch_cp": "allgather-cp", "tp_sp": "megatron-tp-sp"}.get(args.system, "ring")),
-               model=args.model, gpus=args.nproc, seq=found["seq"] if found else None,
-               device=(found or {}).get("device") or (_device_name() if args.device == "cuda" else "cpu"),
-               commit=args.commit, attempts=attempts, lower_bound=bool(found and skipped),
-               tokens_per_s_per_gpu=(found or {}).get("tokens_per_s_per_gpu"), peak_mem_gb=(found or {}).get("peak_mem_gb"),
-               mfu=(found or {}).get("mfu"), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    row["train_args"] = " ".join(extra)  # the settings of every attempt
-    for key in ("step_time_s", "ac", "backend", "head_chunks", "offload_checkpoints", "offload_params", "optimizer", "host_peak_gb", "mlp_chunk_size"):
-        if found and key in found:
-            row[key] = found[key]
+               algorithm=got.get("algorithm", {"torch_cp": "allgather-cp", "tp_sp": "megatron-tp-sp"}.get(args.system, "ring")),
+               model=args.model, gpus=args.nproc, seq=got.get("seq"),
+               device=got.get("device") or (_device_name() if args.device == "cuda" else "cpu"), commit=args.commit, attempts=attempts,
+               lower_bound=bool(found and skipped), tokens_per_s_per_gpu=got.get("tokens_per_s_per_gpu"), peak_mem_gb=got.get("peak_mem_gb"),
+               mfu=got.get("mfu"), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), train_args=" ".join(extra),
+               **{k: got[k] for k in KEPT if k in got})
     if found is None:
         row["error"] = "no sequence length of the list trained" + (" (some were skipped)" if skipped else "")
-    print(f"[longest] {args.system} {args.model} GPUs={args.nproc}: longest S = {row['seq']}"
-          + (" (lower bound)" if row["lower_bound"] else "") + "; " + ", ".join(f"{a['seq']}:{a['status']}" for a in attempts), flush=True)
+    print(f"[longest] {args.system} {args.model} GPUs={args.nproc}: longest S = {row['seq']}" + (" (lower bound)" if row["lower_bound"] else "")
+          + "; " + ", ".join(f"{a['seq']}:{a['status']}" for a in attempts), flush=True)
     if args.out:
         append_records(args.out, row)
     return row

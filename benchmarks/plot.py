@@ -1,95 +1,38 @@
-"""Plots of every record in benchmarks/results/*.json, as PNGs in docs/img/ (matplotlib, Agg backend).
-
-    python benchmarks/plot.py                      # -> docs/img/{attention,local_attention,train,longest,scaling}.png
-
-A figure is drawn only when records for it exist; records lacking a field a figure needs are left
-out of that figure (missing fields never stop the script). When one configuration was measured
-more than once, the record read last (files in name order, i.e. by date) is the one drawn.
-
-* attention.png        bench=attention: TFLOP/s/GPU against S, heads 32/8 on 4 GPUs (one GPU: its own line), one line per
-                       system / algorithm / kernel / head chunks
-* local_attention.png  bench=local: one-GPU kernel TFLOP/s against S, per system/backend and H_kv
-* train.png            bench=train: tokens/s/GPU (with MFU on the bars) and peak memory, per model/S/GPUs and system
-* longest.png          bench=longest (or train_max_seq): longest trainable S per model/GPUs and system
-* scaling.png          bench=train with tag "scaling": tokens/s/GPU against the GPU count
+"""Plots of every record in benchmarks/results/*.json in docs/img/ (``python -m benchmarks plot``, matplotlib): attention
+(TFLOP/s and peak memory against S, heads 32/8 on 4 GPUs and one GPU), local_attention (one-GPU kernels), train (tokens/s/GPU
+with MFU, and peak memory: each system's best setting), longest (the longest S that trains). A configuration measured
+more than once is drawn from its last record (files by date); records lacking a field a figure needs are left out of it.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import json
-import math
 import os
-from typing import Any, Iterable
+import sys
+from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import ROOT, _num, last_by, load, longest_per_config, seq_k  # noqa: E402
+
 SYSTEM_NAMES = {"seqpar": "seqpar (ours)", "torch_cp": "FSDP2 + torch CP", "tp_sp": "Megatron TP+SP", "single": "1 GPU",
                 "torch_sdpa": "torch SDPA"}
 
 
-def load(paths: Iterable[str]) -> list[dict[str, Any]]:
-    rows = []
-    for path in sorted(paths):
-        try:
-            data = json.load(open(path))
-        except (OSError, ValueError) as e:
-            print(f"plot.py: skipping {path}: {e}")
-            continue
-        for row in data if isinstance(data, list) else [data]:
-            if isinstance(row, dict):
-                rows.append({**row, "_file": os.path.basename(path)})
-    return rows
-
-
-def _num(row: dict, key: str) -> float | None:
-    v = row.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        return None
-    return float(v)
-
-
 def latest(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
     """One record per value of ``keys``: the last one read."""
-    out: dict[tuple, dict] = {}
-    for row in rows:
-        out[tuple(str(row.get(k)) for k in keys)] = row
-    return list(out.values())
-
-
-def longest_per_config(rows: list[dict], keys: tuple[str, ...] = ("system", "model", "gpus", "device")) -> list[dict]:
-    """One longest-context record per value of ``keys``: the one with the longest S that trained
-    (a later out-of-memory at a longer S does not hide it); a configuration where nothing trained
-    keeps its last record ("none fit"). Records whose every attempt was skipped tried nothing and
-    are left out."""
-    out: dict[tuple, dict] = {}
-    for row in rows:
-        attempts = row.get("attempts") or []
-        if attempts and all(a.get("status") == "skipped" for a in attempts):
-            continue
-        key = tuple(str(row.get(k)) for k in keys)
-        best = out.get(key)
-        if best is None or (_num(row, "seq") or 0) >= (_num(best, "seq") or 0):
-            out[key] = row
-    return list(out.values())
-
-
-def seq_label(s: float) -> str:
-    s = int(s)
-    if s >= 1 << 20 and s % (1 << 20) == 0:
-        return f"{s >> 20}M"
-    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
+    return list(last_by(rows, lambda r: tuple(str(r.get(k)) for k in keys)).values())
 
 
 def _devices(rows: list[dict]) -> str:
-    devs = sorted({f"{r.get('gpus', 1)} x {r['device']}" for r in rows if r.get("device")})
-    return "; ".join(devs)
+    return "; ".join(sorted({f"{r.get('gpus', 1)} x {r['device']}" for r in rows if r.get("device")}))
 
 
-def _save(fig: Any, out_dir: str, name: str) -> str:
+def _save(plt: Any, fig: Any, out_dir: str, name: str) -> str:
     path = os.path.join(out_dir, name)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     print(f"plot.py: wrote {os.path.relpath(path, ROOT)}")
     return path
 
@@ -110,7 +53,7 @@ def plot_lines(plt: Any, rows: list[dict], *, y: str, series: tuple[str, ...], l
         ax.plot([r["seq"] for r in rs], [r[y] for r in rs], marker="o", label=label(rs[0]))
     seqs = sorted({r["seq"] for r in rows})
     ax.set_xscale("log", base=2)
-    ax.set_xticks(seqs, [seq_label(s) for s in seqs])
+    ax.set_xticks(seqs, [seq_k(s) for s in seqs])
     ax.minorticks_off()
     ax.set_ylim(bottom=0)
     ax.set_xlabel("sequence length S")
@@ -118,9 +61,26 @@ def plot_lines(plt: Any, rows: list[dict], *, y: str, series: tuple[str, ...], l
     ax.set_title(f"{title}\n{_devices(rows)}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines stay readable
-    path = _save(fig, out_dir, name)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, name)
+
+
+def _bars(plt: Any, ax: Any, rows: list[dict], config, key: str, *, best: str, note) -> list:
+    """One bar per (configuration, system): the system's record of the configuration with the largest ``best``, its
+    ``key`` as the height and ``note(record)`` on top; the configurations (the x ticks, in order)."""
+    configs = sorted({config(r) for r in rows})
+    systems = sorted({str(r.get("system")) for r in rows}, key=lambda s: (s != "seqpar", s))
+    width, labelled = 0.8 / len(systems), set()
+    for i, system in enumerate(systems):
+        for j, cfg in enumerate(configs):
+            match = [r for r in rows if str(r.get("system")) == system and config(r) == cfg and _num(r, key) is not None]
+            if match:
+                r, label = max(match, key=lambda r: _num(r, best) or 0), SYSTEM_NAMES.get(system, system)
+                bar = ax.bar([j + (i - (len(systems) - 1) / 2) * width], [_num(r, key)], width, color=f"C{i}",
+                             label=None if label in labelled else label)[0]
+                labelled.add(label)
+                if note(r):
+                    ax.annotate(note(r), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+    return configs
 
 
 def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
@@ -131,102 +91,38 @@ def plot_train(plt: Any, rows: list[dict], out_dir: str) -> str | None:
         return None
     # the latest record of each setting (tag: e.g. compile / uncheckpointed blocks), then each system's best
     rows = latest(rows, ("system", "algorithm", "model", "seq", "gpus", "device", "tag"))
-    configs = sorted({(str(r.get("model")), int(r["seq"]), int(r.get("gpus") or 0)) for r in rows})
-    systems = sorted({str(r.get("system")) for r in rows}, key=lambda s: (s != "seqpar", s))
-    width = 0.8 / len(systems)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(configs)), 7.5), sharex=True)
-    for i, system in enumerate(systems):
-        for ax, key in ((ax1, "tokens_per_s_per_gpu"), (ax2, "peak_mem_gb")):
-            xs, ys, mfus = [], [], []
-            for j, cfg in enumerate(configs):
-                match = [r for r in rows if str(r.get("system")) == system and (str(r.get("model")), int(r["seq"]), int(r.get("gpus") or 0)) == cfg]
-                best = max(match, key=lambda r: r["tokens_per_s_per_gpu"]) if match else None
-                if best is not None and _num(best, key) is not None:
-                    xs.append(j + (i - (len(systems) - 1) / 2) * width)
-                    ys.append(best[key])
-                    mfus.append(_num(best, "mfu"))
-            bars = ax.bar(xs, ys, width, label=SYSTEM_NAMES.get(system, system))
-            if key == "tokens_per_s_per_gpu":
-                for bar, mfu in zip(bars, mfus):
-                    if mfu is not None:
-                        ax.annotate(f"{mfu:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                                    va="bottom", fontsize=7)
+    config = lambda r: (str(r.get("model")), int(r["seq"]), int(r.get("gpus") or 0))  # noqa: E731
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(7, 1.6 * len({config(r) for r in rows})), 7.5), sharex=True)
+    mfu = lambda r: f"{r['mfu']:.2f}" if _num(r, "mfu") is not None else ""  # noqa: E731
+    configs = _bars(plt, ax1, rows, config, "tokens_per_s_per_gpu", best="tokens_per_s_per_gpu", note=mfu)
+    _bars(plt, ax2, rows, config, "peak_mem_gb", best="tokens_per_s_per_gpu", note=lambda r: "")
     ax1.set_ylabel("tokens/s/GPU, best setting (MFU on bars)")
     ax2.set_ylabel("peak memory per GPU (GB)")
-    ax2.set_xticks(range(len(configs)), [f"{m}\nS={seq_label(s)}, {g} GPUs" for m, s, g in configs], fontsize=8)
+    ax2.set_xticks(range(len(configs)), [f"{m}\nS={seq_k(s)}, {g} GPUs" for m, s, g in configs], fontsize=8)
     ax1.set_title(f"Training throughput and memory\n{_devices(rows)}", fontsize=10)
     for ax in (ax1, ax2):
         ax.grid(axis="y", alpha=0.3)
     ax1.legend(fontsize=8)
-    path = _save(fig, out_dir, "train.png")
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, "train.png")
 
 
 def plot_longest(plt: Any, rows: list[dict], out_dir: str) -> str | None:
-    # benchmarks/longest.py writes bench="longest"; train_scaling.py --find-max-seq writes "train_max_seq" (max_seq)
+    # benchmarks/longest.py writes bench="longest"; the older "train_max_seq" records (max_seq) are the same search
     rows = [r if r.get("bench") == "longest" else {**r, "seq": r.get("max_seq")}
             for r in rows if r.get("bench") in ("longest", "train_max_seq") and r.get("model")]
     if not rows:
         return None
-    rows = longest_per_config(rows)
-    configs = sorted({(str(r["model"]), int(r.get("gpus") or 0)) for r in rows})
-    systems = sorted({str(r.get("system")) for r in rows}, key=lambda s: (s != "seqpar", s))
-    width = 0.8 / len(systems)
-    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(configs)), 4.2))
-    labelled: set[str] = set()
-    for i, system in enumerate(systems):
-        for j, cfg in enumerate(configs):
-            match = [r for r in rows if str(r.get("system")) == system and (str(r["model"]), int(r.get("gpus") or 0)) == cfg]
-            if not match:
-                continue
-            r = match[-1]
-            seq = _num(r, "seq") or 0
-            x = j + (i - (len(systems) - 1) / 2) * width
-            label = SYSTEM_NAMES.get(system, system)
-            bar = ax.bar([x], [seq / 1024], width, color=f"C{i}", label=None if label in labelled else label)[0]
-            labelled.add(label)
-            text = (seq_label(seq) + ("+" if r.get("lower_bound") else "")) if seq else "none fit"
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    rows = [{**r, "seq_k": (_num(r, "seq") or 0) / 1024} for r in longest_per_config(rows)]
+    config = lambda r: (str(r["model"]), int(r.get("gpus") or 0))  # noqa: E731
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len({config(r) for r in rows})), 4.2))
+    note = lambda r: (seq_k(r["seq"]) + ("+" if r.get("lower_bound") else "")) if r.get("seq") else "none fit"  # noqa: E731
+    configs = _bars(plt, ax, rows, config, "seq_k", best="seq_k", note=note)
     ax.set_xticks(range(len(configs)), [f"{m}, {g} GPUs" for m, g in configs], fontsize=8)
     ax.set_ylabel("longest trainable S (K tokens)")
     ax.set_title(f"Longest context that trains (whole optimizer steps; +: lower bound)\n{_devices(rows)}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    path = _save(fig, out_dir, "longest.png")
-    plt.close(fig)
-    return path
-
-
-def plot_scaling(plt: Any, rows: list[dict], out_dir: str) -> str | None:
-    rows = [r for r in rows if r.get("bench") == "train" and r.get("tag") == "scaling"
-            and _num(r, "tokens_per_s_per_gpu") is not None and _num(r, "gpus")]
-    if not rows:
-        return None
-    rows = latest(rows, ("system", "algorithm", "model", "seq", "gpus", "device"))
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((str(r.get("system")), str(r.get("model"))), []).append(r)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for (system, model), rs in sorted(groups.items()):
-        rs.sort(key=lambda r: r["gpus"])
-        ax.plot([r["gpus"] for r in rs], [r["tokens_per_s_per_gpu"] for r in rs], marker="o",
-                label=f"{SYSTEM_NAMES.get(system, system)}, {model}")
-        for r in rs:
-            ax.annotate(seq_label(r["seq"]) if _num(r, "seq") else "", (r["gpus"], r["tokens_per_s_per_gpu"]), fontsize=7,
-                        textcoords="offset points", xytext=(3, 3))
-    gpus = sorted({int(r["gpus"]) for r in rows})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(gpus, [str(g) for g in gpus])
-    ax.minorticks_off()
-    ax.set_xlabel("GPUs (S on the points)")
-    ax.set_ylabel("tokens/s/GPU")
-    ax.set_title("Weak scaling", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    path = _save(fig, out_dir, "scaling.png")
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, "longest.png")
 
 
 ATTENTION_SERIES = ("system", "algorithm", "backend", "head_chunks", "gpus", "device")
@@ -280,7 +176,6 @@ def main(argv: list[str] | None = None) -> list[str]:
                    out_dir=args.out_dir, name="local_attention.png"),
         plot_train(plt, rows, args.out_dir),
         plot_longest(plt, rows, args.out_dir),
-        plot_scaling(plt, rows, args.out_dir),
     ]
     return [p for p in written if p]
 

@@ -1,41 +1,21 @@
-"""Where a training step's time goes: a torch.profiler trace summarised by kernel category.
+"""Where a training step's time goes: a torch.profiler trace summarised by kernel category, and its idle gaps.
 
-Used by ``benchmarks/train.py --profile DIR`` (one step after the warm-up is profiled on every
-rank; rank 0 writes ``DIR/profile_<system>.json`` with this summary, ``DIR/profile_<system>.txt``
-with the top kernels, and, with ``--profile-trace``, the Chrome trace). Also runs on a saved
-summary: ``python benchmarks/profile_summary.py DIR/profile_seqpar.json``.
-
-Categories (first match wins, on the kernel name, case-insensitive; see CATEGORIES):
-
-    attention   flash-attention / cuDNN SDPA / FA4 kernels (and, on CPU, the seqpar attention ops)
-    gemm        matmul kernels (cuBLAS / CUTLASS / nvjet), and aten mm / addmm / bmm on CPU
-    comm        NCCL kernels (gloo / c10d ops on CPU): time on the GPU, overlapped or not
-    copy        memcpy / memset / cat / copy kernels
-    other       everything else: norms, rotary, activations, casts, optimizer, loss, merges
-
-``compute_s`` sums every category but comm as ``key_averages()`` reports it, and ``exposed_s`` =
-step time - compute_s. That is only an upper bound of the idle time: on llama3-8b steps on H200
-the key_averages sums come out ~0.7 s below the kernel durations in the trace. The idle time
-itself comes from the trace, below.
-
-``idle_gaps(trace)`` (run by ``train.py --profile DIR`` on CUDA) finds WHERE the idle time is, from
-the Chrome trace: every gap on the compute stream is classed as
-
-    host   the next kernel was launched after the GPU ran dry: the CPU was late (Python, hooks,
-           dispatch, a synchronisation); charged to what the launching thread was running
-    wait   the next kernel was queued in time but waited for another stream (an NCCL kernel,
-           a copy): charged to the other-stream kernel that ended last before it started
-    edge   before the first / after the last kernel of the profiled step (data, hooks, step end)
-
-and NCCL kernels that run ON the compute stream (synchronous collectives are enqueued on the
-current stream) are listed apart: the stream is busy then, but with communication only.
+``train.py --profile DIR`` and ``hf.py families --profile DIR`` profile the first timed step on every rank
+(:func:`profiler_callback`); rank 0 writes ``DIR/profile_<system>.json`` and ``.txt`` (and ``--profile-trace``: the
+Chrome trace). Categories (the first match of CATEGORIES on the kernel name): attention, gemm, comm, copy, other.
+``exposed_s`` = step - the non-comm categories of ``key_averages()``: an upper bound of the idle time (on llama3-8b steps
+on H200 those sums come out ~0.7 s below the kernels in the trace). ``idle_gaps(trace)`` finds WHERE the idle time is:
+every gap on the compute stream is "host" (the next kernel was launched after the GPU ran dry: charged to what the
+launching thread was running), "wait" (queued in time, waiting for another stream: charged to the kernel it waited for)
+or "edge" (before / after the step's kernels); NCCL kernels ON the compute stream (synchronous collectives) are apart.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import sys
+import time
 from typing import Any
 
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -47,11 +27,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
 
 
 def category(name: str) -> str:
-    low = name.lower()
-    for cat, pattern in CATEGORIES:
-        if re.search(pattern, low):
-            return cat
-    return "other"
+    return next((cat for cat, pattern in CATEGORIES if re.search(pattern, name.lower())), "other")
 
 
 def summarize(prof: Any, step_s: float) -> dict[str, Any]:
@@ -79,18 +55,12 @@ def summarize(prof: Any, step_s: float) -> dict[str, Any]:
                 top=[dict(name=n[:160], seconds=s, count=c, category=category(n)) for n, s, c in top])
 
 
-def _annotation(evt: Any) -> bool:
-    """A user annotation's span on the GPU (``Optimizer.step#AdamW.step``, ``nccl:coalesced``), not a kernel:
-    counting it would count its kernels twice."""
+def _annotation(evt: Any) -> bool:  # a user annotation's span on the GPU (Optimizer.step#AdamW.step, nccl:...): its kernels again
     return bool(getattr(evt, "is_user_annotation", False)) or "#" in evt.key or evt.key.startswith(("nccl:", "ProfilerStep"))
 
 
 def _device_us(evt: Any) -> float:
-    for attr in ("self_device_time_total", "self_cuda_time_total"):
-        v = getattr(evt, attr, None)
-        if v:
-            return float(v)
-    return 0.0
+    return float(getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0) or 0)
 
 
 _KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -236,12 +206,60 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    for path in argv if argv is not None else sys.argv[1:]:
-        print(f"== {path}")
-        data = json.load(open(path))
-        print(format_gaps(idle_gaps(data)) if "traceEvents" in data else format_summary(data))
+def start_profiler(args: Any) -> Any:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else []))
+    prof.__enter__()
+    return prof
 
 
-if __name__ == "__main__":
-    main()
+def finish_profiler(args: Any, prof: Any, t0: float) -> None:
+    """End the profile of one step that started at ``t0``; rank 0 writes its summary (and idle gaps) to ``args.profile``."""
+    import torch
+    import torch.distributed as dist
+
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    step = time.perf_counter() - t0
+    prof.__exit__(None, None, None)
+    if dist.get_rank() != 0:
+        return
+    os.makedirs(args.profile, exist_ok=True)
+    summary = dict(summarize(prof, step), system=args.system, model=args.model, seq=args.seq, commit=args.commit,
+                   backend=getattr(args, "backend", None))
+    base = os.path.join(args.profile, f"profile_{args.system}{'_' + args.tag if args.tag else ''}")
+    text = format_summary(summary)
+    if args.device == "cuda":  # where the idle time is: from the Chrome trace (kept with --profile-trace)
+        prof.export_chrome_trace(base + ".trace.json")
+        with open(base + ".trace.json") as f:
+            summary["idle"] = idle_gaps(json.load(f), step_s=step)
+        if not args.profile_trace:
+            os.remove(base + ".trace.json")
+        text += "\n" + format_gaps(summary["idle"])
+    elif args.profile_trace:
+        prof.export_chrome_trace(base + ".trace.json")
+    with open(base + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(base + ".txt", "w") as f:
+        f.write(text + "\n")
+    print(f"[profile] {text}", flush=True)
+
+
+def profiler_callback(args: Any) -> Any:
+    """A Lightning callback profiling the first timed step (batch ``args.warmup``) on every rank."""
+    import lightning as L
+
+    class StepProfiler(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == args.warmup:
+                self.prof, self.t0 = start_profiler(args), time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == args.warmup and getattr(self, "prof", None) is not None:
+                finish_profiler(args, self.prof, self.t0)
+
+    return StepProfiler()

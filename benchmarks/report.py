@@ -1,47 +1,144 @@
-"""The tables of docs/benchmarks.md, generated from the records of benchmarks/results/*.json.
+"""The records of benchmarks/results/*.json: merged in (collect), and the tables of docs/benchmarks.md made from them.
 
-    python -m benchmarks tables            # rewrite the generated blocks of docs/benchmarks.md
-    python -m benchmarks tables --check    # exit 1 if a block differs from what the records give
+    python -m benchmarks collect --kind nvidia-h200-x4 [--date 20261122] /path/to/out/*.json   # merge into results/
+    python -m benchmarks tables [--check]  # rewrite (check) the generated blocks of docs/benchmarks.md
 
-Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->`` in the docs; the text
-around it is written by hand, the figures are not. How a table picks its figures (the "method" of
-docs/benchmarks.md says the same in prose):
-
-* Records are read in file-name order (files are named ``<yyyymmdd>-<machine kind>.json``, so by
-  date), and in each file in the order they were appended. The date and the machine of a figure
-  are those of its file.
-* One configuration (system, settings, model, S, GPUs) measured more than once shows its last
-  record. Where a table shows one row per system and several settings of ours were measured,
-  ours is the fastest setting of the last commit that measured that model, S and GPUs (the peers
-  have one setting). Runs with a profiler on (tag ``*prof*``) or smoke runs (``*smoke*``) and
-  runs with parameters on the host (``offload_params``, a memory setting) are left out of the
-  throughput tables.
-* A longest context is the longest S that trained in any record of that system, model and GPU
-  count (plot.py's ``longest_per_config``).
-* Ratios are ours / the peer's, from the unrounded values, printed with 2 decimals; in the
-  throughput and attention tables a ratio of two records of different commits (different sessions)
-  is marked "*".
+``collect`` names what a GPU machine wrote ``results/<yyyymmdd>-<machine kind>.json``, records checked (``REQUIRED``)
+before anything is written and kept once. Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME
+-->``; the text around it is written by hand, the figures are not. Records are read by file name (date), each file in
+the order it was appended. A configuration (system, settings, model, S, GPUs) measured more than once shows its last
+record; where a table has one row per system, ours is the fastest setting of the last commit that measured that
+model, S and GPUs; profiled (``*prof*``), smoke (``*smoke*``) and ``offload_params`` runs are not throughput figures. A
+longest context is the longest S that trained in any record of that system, model and GPU count. Ratios are ours /
+the peer's, unrounded, with 2 decimals; in the throughput and attention tables "*" marks records of different commits.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
+import json
 import math
 import os
 import re
+import statistics
 import sys
-from typing import Any, Callable
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from plot import load, longest_per_config  # noqa: E402
+from typing import Any, Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "*.json")
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 PEERS = {"torch_cp": "FSDP2 + torch CP", "tp_sp": "Megatron TP+SP"}
 NAMES = {"seqpar": "ours", **PEERS, "single": "one GPU"}
+
+
+# ---- reading and merging records -----------------------------------------------------------------------
+
+_COMMON = ("bench", "system", "algorithm", "model", "seq", "gpus", "device", "peak_mem_gb", "commit")
+REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
+    # bench: groups of keys; each group must have at least one key present with a value
+    "train": tuple((k,) for k in _COMMON) + (("tokens_per_s_per_gpu",), ("mfu",)),
+    "attention": tuple((k,) for k in _COMMON) + (("tflops_per_gpu", "tokens_per_s_per_gpu"),),
+    "longest": tuple((k,) for k in ("bench", "system", "model", "gpus", "seq", "device", "commit")),
+    "matmul": (("bench",), ("device",), ("tflops",), ("commit",)),
+}
+"""Required keys per ``bench``. Other bench kinds (e.g. "local", "local_check") need only ``bench``. Keys of a measured
+value may be null in a record of a failed measurement (a non-null ``error``); so may ``seq`` of a "longest" record whose
+search found no S that trains."""
+_MEASURED = ("peak_mem_gb", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "tflops")
+
+
+def problems(row: Any) -> list[str]:
+    """What is wrong with one record (empty when it is fine)."""
+    if not isinstance(row, dict):
+        return [f"not a JSON object: {str(row)[:60]}"]
+    bench = row.get("bench")
+    if not isinstance(bench, str):
+        return ["no 'bench'"]
+    failed = row.get("error") not in (None, "")
+    nullable = _MEASURED + (("seq",) if bench == "longest" else ())
+    missing = ["|".join(group) for group in REQUIRED.get(bench, (("bench",),))
+               if not any(k in row and (row[k] is not None or (failed and k in nullable)) for k in group)]
+    out = [f"missing or null {', '.join(missing)}"] if missing else []
+    for key in ("seq", "gpus"):
+        if row.get(key) is not None and not (isinstance(row[key], int) and row[key] > 0):
+            out.append(f"{key} must be a positive integer, got {row[key]!r}")
+    return out
+
+
+def _rows_of(path: str) -> list[Any]:
+    with open(path) as fh:
+        data = json.load(fh)
+    return data if isinstance(data, list) else [data]
+
+
+def merge(paths: list[str], target: str) -> tuple[list[Any], int]:
+    """All records of ``target`` (if it exists) and of ``paths``, identical ones once; (rows, added)."""
+    errors, incoming = [], []
+    for path in paths:
+        for i, row in enumerate(_rows_of(path)):
+            errors += [f"{path}: record {i} (bench={row.get('bench') if isinstance(row, dict) else None}): {p}" for p in problems(row)]
+            incoming.append(row)
+    if errors:
+        raise SystemExit("collect: invalid records, nothing written:\n" + "\n".join(errors))
+    rows = _rows_of(target) if os.path.exists(target) else []
+    seen = {json.dumps(r, sort_keys=True, allow_nan=True) for r in rows}
+    added = 0
+    for row in incoming:
+        key = json.dumps(row, sort_keys=True, allow_nan=True)
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+            added += 1
+    return rows, added
+
+
+def collect_main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks collect", description="merge records into benchmarks/results/")
+    ap.add_argument("files", nargs="+", help="JSON record files")
+    ap.add_argument("--kind", required=True, help="the machine kind the records were measured on, e.g. nvidia-h200-x4")
+    ap.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"), help="yyyymmdd (default: today, UTC)")
+    ap.add_argument("--results", default=os.path.dirname(RESULTS), help="folder of the merged files (default: benchmarks/results)")
+    args = ap.parse_args(argv)
+    if not (len(args.date) == 8 and args.date.isdigit()) or not args.kind or os.sep in args.kind or " " in args.kind:
+        ap.error(f"--date must be yyyymmdd and --kind a plain name like nvidia-h200-x4, got {args.date!r}, {args.kind!r}")
+    target = os.path.join(args.results, f"{args.date}-{args.kind}.json")
+    rows, added = merge(args.files, target)
+    os.makedirs(args.results, exist_ok=True)
+    with open(target, "w") as fh:
+        json.dump(rows, fh, indent=1)
+        fh.write("\n")
+    print(f"collect: {target}: {len(rows)} records ({added} new)")
+    return target
+
+
+def load(paths: Iterable[str]) -> list[dict[str, Any]]:
+    """The records of ``paths`` in file-name order, each with ``_file`` (its file's name); unreadable files skipped."""
+    rows = []
+    for path in sorted(paths):
+        try:
+            data = _rows_of(path)
+        except (OSError, ValueError) as e:
+            print(f"report.py: skipping {path}: {e}")
+            continue
+        rows += [{**row, "_file": os.path.basename(path)} for row in data if isinstance(row, dict)]
+    return rows
+
+
+def longest_per_config(rows: list[dict], keys: tuple[str, ...] = ("system", "model", "gpus", "device")) -> list[dict]:
+    """One longest-context record per value of ``keys``: the one with the longest S that trained (a later
+    out-of-memory at a longer S does not hide it); a configuration where nothing trained keeps its last record
+    ("none fit"). Records whose every attempt was skipped tried nothing and are left out."""
+    out: dict[tuple, dict] = {}
+    for row in rows:
+        attempts = row.get("attempts") or []
+        if attempts and all(a.get("status") == "skipped" for a in attempts):
+            continue
+        key = tuple(str(row.get(k)) for k in keys)
+        if key not in out or (_num(row, "seq") or 0) >= (_num(out[key], "seq") or 0):
+            out[key] = row
+    return list(out.values())
 
 
 # ---- formatting ------------------------------------------------------------------------------------
@@ -58,7 +155,7 @@ def f(v: float | None, spec: str) -> str:
 
 
 def ratio(a: float | None, b: float | None, *, rows: tuple[dict | None, dict | None] = (None, None)) -> str:
-    """a / b; marked "*" when the two records come from different commits (different sessions)."""
+    """a / b; marked "*" when the two records come from different commits."""
     if a is None or b is None or b == 0:
         return "-"
     x, y = rows
@@ -67,9 +164,7 @@ def ratio(a: float | None, b: float | None, *, rows: tuple[dict | None, dict | N
 
 
 def seq_k(s: int | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s >> 20}M" if s % (1 << 20) == 0 else f"{s >> 10}K" if s % 1024 == 0 else str(s)
+    return "-" if s is None else f"{s >> 20}M" if s % (1 << 20) == 0 else f"{s >> 10}K" if s % 1024 == 0 else str(s)
 
 
 def date_of(row: dict) -> str:
@@ -94,17 +189,13 @@ def table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def kernel(row: dict) -> str:
-    b = row.get("backend")
-    return "cuDNN" if b in (None, "cudnn", "auto") else str(b)
+    return "cuDNN" if row.get("backend") in (None, "cudnn", "auto") else str(row["backend"])
 
 
 # ---- selection -------------------------------------------------------------------------------------
 
 def last_by(rows: list[dict], key: Callable[[dict], Any]) -> dict[Any, dict]:
-    out: dict[Any, dict] = {}
-    for r in rows:
-        out[key(r)] = r
-    return out
+    return {key(r): r for r in rows}  # later records win
 
 
 def best_of_last_commit(rows: list[dict], metric: str) -> dict | None:
@@ -116,31 +207,26 @@ def best_of_last_commit(rows: list[dict], metric: str) -> dict | None:
     return max((r for r in rows if r.get("commit") == commit), key=lambda r: _num(r, metric) or 0.0)
 
 
+def _scaling_model(r: dict) -> bool:  # the LASP and LSS models: the scaling table's
+    return str(r.get("model", "")).startswith(("tnl", "lss-gpt"))
+
+
 def _throughput_run(r: dict) -> bool:
     tag = str(r.get("tag") or "")
     return not (r.get("error") or r.get("offload_params") or "prof" in tag or "smoke" in tag)
 
 
 def setting(r: dict) -> str:
-    if r.get("train_args"):  # longest.py's records of the later sessions: train.py's flags as given
+    if r.get("train_args"):  # longest.py's later records: train.py's flags as given
         args = re.sub(r"--(warmup|steps) \d+ ?", "", str(r["train_args"])).strip()
         return f"`{args}`"
     if r.get("system") != "seqpar":
         return {"torch_cp": "full AC", "tp_sp": "full AC" + (f", {r['heads']} heads" if r.get("padded_heads") else "")}.get(
             str(r.get("system")), "")
-    parts = [str(r.get("algorithm", "")), kernel(r) if r.get("bench") != "longest" or r.get("backend") else "", str(r.get("ac") or "")]
-    if r.get("compiled"):
-        parts.append("compiled")
-    if r.get("uncheckpointed_blocks"):
-        parts.append(f"{r['uncheckpointed_blocks']} blocks unckpt")
-    if (r.get("head_chunks") or 1) > 1:
-        parts.append(f"head chunks {r['head_chunks']}")
-    if r.get("offload_checkpoints"):
-        parts.append("offloaded ckpts")
-    if r.get("mlp_chunk_size"):
-        parts.append(f"MLP slices {r['mlp_chunk_size'] >> 10}K")
-    if r.get("offload_params"):
-        parts.append("offload_params")
+    parts = [str(r.get("algorithm", "")), kernel(r) if r.get("bench") != "longest" or r.get("backend") else "", str(r.get("ac") or ""),
+             "compiled" if r.get("compiled") else "", f"{r['uncheckpointed_blocks']} blocks unckpt" if r.get("uncheckpointed_blocks") else "",
+             f"head chunks {r['head_chunks']}" if (r.get("head_chunks") or 1) > 1 else "", "offloaded ckpts" if r.get("offload_checkpoints") else "",
+             f"MLP slices {r['mlp_chunk_size'] >> 10}K" if r.get("mlp_chunk_size") else "", "offload_params" if r.get("offload_params") else ""]
     return ", ".join(p for p in parts if p and p != "None")
 
 
@@ -153,15 +239,12 @@ def train_table(rows: list[dict]) -> str:
     for r in recs:
         groups.setdefault((r["model"], r["seq"], r["gpus"]), []).append(r)
     out = []
-    for (model, seq, gpus) in sorted(groups, key=lambda k: (k[0], k[1], k[2])):
-        g = groups[(model, seq, gpus)]
+    for (model, seq, gpus), g in sorted(groups.items(), key=lambda kv: kv[0]):
         peers = {s: best_of_last_commit([r for r in g if r["system"] == s], "tokens_per_s_per_gpu") for s in PEERS}
         ours = [best_of_last_commit([r for r in g if r["system"] == "seqpar" and kernel(r) == k], "tokens_per_s_per_gpu")
                 for k in ("fa4", "cuDNN")]
-        first = True
-        for r in [x for x in ours if x] + [x for x in peers.values() if x]:
-            cell = f'<a id="{anchor("train", model, seq_k(seq), gpus)}"></a>{model}' if first else model
-            first = False
+        for i, r in enumerate([x for x in ours if x] + [x for x in peers.values() if x]):
+            cell = f'<a id="{anchor("train", model, seq_k(seq), gpus)}"></a>{model}' if i == 0 else model
             mine = r["system"] == "seqpar"
             t = _num(r, "tokens_per_s_per_gpu")
             out.append([cell, seq_k(seq), str(gpus), NAMES[r["system"]] if not mine else f"**ours** ({kernel(r)})", setting(r),
@@ -173,18 +256,13 @@ def train_table(rows: list[dict]) -> str:
 
 
 def longest_table(rows: list[dict]) -> str:
-    recs = [r for r in rows if r.get("bench") == "longest"]
+    recs = [r for r in rows if r.get("bench") == "longest" and not _scaling_model(r)]
     best = {(r["model"], r["gpus"], r["system"]): r for r in longest_per_config(recs, ("system", "model", "gpus"))}
     out = []
     for model, gpus in sorted({(m, g) for m, g, _ in best}, key=lambda k: (k[0], -k[1])):
         peer = {s: _num(best.get((model, gpus, s)), "seq") for s in PEERS}
-        first = True
-        for system in ("seqpar", *PEERS):
-            r = best.get((model, gpus, system))
-            if r is None:
-                continue
-            cell = f'<a id="{anchor("longest", model, gpus)}"></a>{model}' if first else model
-            first = False
+        for i, (system, r) in enumerate((x, best[(model, gpus, x)]) for x in ("seqpar", *PEERS) if (model, gpus, x) in best):
+            cell = f'<a id="{anchor("longest", model, gpus)}"></a>{model}' if i == 0 else model
             s = _num(r, "seq")
             attempts = ", ".join(f"{a.get('seq'):,}: {a.get('status')}" for a in r.get("attempts", []))
             longest = ("none fit" if s is None else f"{int(s):,}") + (" (lower bound)" if r.get("lower_bound") else "")
@@ -236,8 +314,7 @@ def attention_table(rows: list[dict]) -> str:
 
 
 def scaling_table(rows: list[dict]) -> str:
-    recs = [r for r in rows if r.get("bench") == "train" and str(r.get("model", "")).startswith(("tnl", "lss-gpt"))
-            and r.get("tag") != "max-seq"]
+    recs = [r for r in rows if r.get("bench") == "train" and _scaling_model(r) and r.get("tag") != "max-seq"]
     out = []
     for model, variant_key in (("tnl-1b", "lasp_variant"), ("lss-gpt-1.5b", "kv_comm")):
         g = [r for r in recs if r["model"] == model]
@@ -253,11 +330,14 @@ def scaling_table(rows: list[dict]) -> str:
             out.append([cell, str(gpus), f"{r.get('tokens_per_gpu', 0):,}", f"{r.get('algorithm')}, {variant_key} {variant}",
                         f"{t:,.0f}" if t else "-", f(t / base if t and base else None, ".3f"), f(_num(r, "mfu"), ".3f"),
                         f(_num(r, "peak_mem_gb"), ".1f"), when(r)])
-    for r in [r for r in rows if r.get("bench") == "train_max_seq"][-1:]:
-        at = [x for x in rows if x.get("bench") == "train" and x.get("tag") == "max-seq" and x.get("seq") == r.get("max_seq")]
-        x = at[-1] if at else {}
+    # the longest TNL-1B sequence: train_scaling.py's "train_max_seq" records (and the train record at that S), or longest.py's
+    for r in [r for r in rows if r.get("bench") == "train_max_seq" or r.get("bench") == "longest" and _scaling_model(r)][-1:]:
+        if r["bench"] == "longest":
+            r = x = {**r, "max_seq": r.get("seq"), "tokens_per_gpu": (r.get("seq") or 0) // r["gpus"]}
+        else:
+            x = ([x for x in rows if x.get("bench") == "train" and x.get("tag") == "max-seq" and x.get("seq") == r.get("max_seq")] or [{}])[-1]
         out.append([f'<a id="{anchor("scaling", "longest", r["model"])}"></a>{r["model"]} (longest)', str(r["gpus"]),
-                    f"{r.get('tokens_per_gpu', 0):,}", f"{r.get('algorithm')}, {r.get('ac')} AC; S = **{r['max_seq']:,}**",
+                    f"{r.get('tokens_per_gpu', 0):,}", f"{r.get('algorithm')}, {r.get('ac')} AC; S = **{r['max_seq'] or 0:,}**",
                     f(_num(x, "tokens_per_s_per_gpu"), ",.0f"), "", f(_num(x, "mfu"), ".3f"), f(_num(x, "peak_mem_gb"), ".1f"),
                     when({**r, "_file": r.get("_file", "")})])
     return table(["model", "GPUs", "tokens/GPU", "setting", "tokens/s/GPU", "vs 1 GPU", "MFU", "peak GB", "commit, date"], out)
@@ -279,7 +359,7 @@ def lasp_op_table(rows: list[dict]) -> str:
 
 
 def hf_table(rows: list[dict]) -> str:
-    """The HF model and the native runs of the same commit (same session)."""
+    """The HF model and the native runs of the same commit."""
     hf = [r for r in rows if r.get("bench") == "train" and str(r.get("model", "")).startswith("hf-")]
     out = []
     for r in hf:
@@ -337,22 +417,60 @@ def suites_table(rows: list[dict]) -> str:
     return table(["suite", "what it measures", "command (one per machine size)", "table", "runs (`--only` names)"], out)
 
 
-def attention_grid(rows: list[dict]) -> str:
-    """Every algorithm of ours and both torch CP rotations, cuDNN, per GPUs and S (benchmarks/attention.py --table)."""
-    from attention import grid_tables_of  # imports torch and the package
+GRID_COLUMNS = (("seqpar", "ring", "ring"), ("seqpar", "allgather", "all-gather"), ("seqpar", "ulysses", "Ulysses"),
+                *(("seqpar", f"2d:{hp}x{cp}", f"2D {hp}x{cp}") for hp, cp in ((2, 2), (8, 1), (4, 2), (2, 4), (1, 8))),
+                ("seqpar", "ring:inner2", "double ring (2)"), ("seqpar", "ring:inner4", "double ring (4)"),
+                ("torch_cp", "allgather", "torch CP allgather"), ("torch_cp", "alltoall", "torch CP alltoall"))
 
-    return grid_tables_of(rows).rstrip("\n")
+
+def attention_grid(rows: list[dict], seqs: list[int] | None = None) -> str:
+    """Every algorithm of ours and both torch CP rotations, cuDNN, a table per (GPUs, S): per heads, each system's
+    TFLOP/s/GPU / peak GB (the latest record of each head-chunk count, the fastest of those; "c<n>": head chunks),
+    the best of ours bold, and the ratios of the best of ours to the best torch CP and to one GPU (the latest
+    one-GPU record at that S and heads, from any run)."""
+    latest: dict[tuple, dict] = {}
+    for r in rows:  # later records win
+        if (r.get("bench") == "attention" and r.get("heads") and (r["system"] == "torch_cp" or r.get("backend", "cudnn") == "cudnn")
+                and (not seqs or r["seq"] in seqs)):
+            latest[(r["gpus"], r["seq"], r["heads"], r["system"], r["algorithm"] if r["system"] != "single" else "", r.get("head_chunks", 1))] = r
+    ok = lambda r: r is not None and r.get("tflops_per_gpu") and not r.get("error")  # noqa: E731
+
+    def cell(gpus, S, heads, system, algorithm):
+        cands = [r for k, r in latest.items() if k[:5] == (gpus, S, heads, system, algorithm)]
+        good = [r for r in cands if ok(r)]
+        if good:
+            r = max(good, key=lambda r: r["tflops_per_gpu"])
+            return r, f"{r['tflops_per_gpu']:.1f} / {r['peak_mem_gb']:.1f}" + (f" c{r['head_chunks']}" if r.get("head_chunks", 1) > 1 else "")
+        errs = [r["error"] for r in cands if r.get("error")]
+        hp = gpus if (system, algorithm) == ("seqpar", "ulysses") else int(algorithm[3:].split("x")[0]) if algorithm.startswith("2d:") else 1
+        if int(heads.split("/")[0]) % hp or any("divide" in e and "head-parallel" in e for e in errs):
+            return None, f"({heads.split('/')[0]} heads)"  # a head-parallel split that does not divide the heads
+        return None, "OOM" if any("OutOfMemory" in e for e in errs) else "-"
+
+    out = []
+    for gpus, S in sorted({(k[0], k[1]) for k in latest if k[3] != "single"}):
+        cols = [c for c in GRID_COLUMNS if any(k[:2] == (gpus, S) and (k[3], k[4]) == c[:2] for k in latest)]
+        out += [f"{gpus} GPUs, S = {S // 1024}K (TFLOP/s/GPU / peak GB):", "",
+                "| heads | one GPU | " + " | ".join(c[2] for c in cols) + " | ours / torch CP | ours / one GPU |", "| --- " * (len(cols) + 4) + "|"]
+        for heads in sorted({k[2] for k in latest if k[:2] == (gpus, S)}, key=lambda h: (int(h.split("/")[0]), -int(h.split("/")[1]))):
+            cells = [cell(gpus, S, heads, *c[:2]) for c in cols]
+            best = max((r for (r, _), c in zip(cells, cols) if r and c[0] == "seqpar"), key=lambda r: r["tflops_per_gpu"], default=None)
+            cp = max((r["tflops_per_gpu"] for (r, _), c in zip(cells, cols) if r and c[0] == "torch_cp"), default=None)
+            one = ([r for k, r in latest.items() if k[1:4] == (S, heads, "single") and ok(r)] or [None])[-1]
+            ratios = [f"{best['tflops_per_gpu'] / b:.3f}" if best and b else "-" for b in (cp, one and one["tflops_per_gpu"])]
+            one_text = f"{one['tflops_per_gpu']:.1f} / {one['peak_mem_gb']:.1f}" if one else "-"
+            out.append(f"| {heads} | {one_text} | " + " | ".join(f"**{t}**" if r is best and r else t for r, t in cells) + f" | {' | '.join(ratios)} |")
+        out.append("")
+    return "\n".join(out).rstrip("\n")
 
 
 def hf_family_table(rows: list[dict]) -> str:
-    """benchmarks/hf_families.py: ours and plain transformers on one GPU, the latest run of each (model, S, system, our
-    settings, device, commit label); the ratio only against transformers of the same call (same machine)."""
+    """hf.py families on one GPU: the latest run of each (model, S, system, our settings, device, commit label); the
+    ratio only against plain transformers of the same commit label (the same machine, warm)."""
     def settings(r: dict) -> str:  # our non-default strategy settings, as the row names them
         options = {"attention_backend": r.get("attention_backend"), **(r.get("strategy_options") or {})}
         return ", ".join(f"{k}={v}" for k, v in options.items() if v is not None)
 
-    # one row per run of a (model, S, system, settings) on a GPU in one benchmark call (its commit label); the
-    # ratio only against plain transformers of the same call: the same machine, warm
     runs = last_by([r for r in rows if r.get("bench") == "hf_family"],
                    lambda r: (r["model"], r["seq"], r["system"], settings(r), r.get("device", "?"), r.get("commit", "?")))
     out = []
@@ -369,7 +487,7 @@ def hf_family_table(rows: list[dict]) -> str:
 
 
 def window_table(rows: list[dict]) -> str:
-    """benchmarks/window_attention.py: a window's step time as a share of full causal attention's, the latest run per device."""
+    """attention.py window: a window's step time as a share of full causal attention's, the latest run per device."""
     timed = last_by([r for r in rows if r.get("bench") == "window_time"],
                     lambda r: (r.get("device"), r["kernel"], r["seq_len"], r["window"], r["head_dim"]))
     out = []
@@ -384,9 +502,10 @@ _FINETUNE_SYSTEMS = {"seqpar": "**ours** (memory=\"auto\")", "transformers": "tr
 
 
 def finetune_table(rows: list[dict]) -> str:
-    """benchmarks/memory_plan.py (ours with memory="auto", plain transformers + peft) and benchmarks/alst.py on one
-    GPU: the latest run of each (device, model, S, system), 2 optimizer steps each; ours with the planner's estimate."""
-    runs = last_by([r for r in rows if r.get("bench") in ("memory_plan", "alst") and not r.get("plan_seq") and not r.get("options")],
+    """hf.py memory (ours with memory="auto", plain transformers + peft) and alst.py on one GPU: the latest run of each
+    (device, model, S, system), 2 optimizer steps each; ours with the planner's estimate."""
+    runs = last_by([r for r in rows if r.get("bench") in ("memory_plan", "alst") and not r.get("plan_seq") and not r.get("options")
+                    and r.get("memory") != "manual"],
                    lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
     order = {"seqpar": 0, "transformers": 1, "alst": 2}
     out = []
@@ -422,9 +541,9 @@ def finetune_table(rows: list[dict]) -> str:
 
 
 def delta_rule_table(rows: list[dict]) -> str:
-    """benchmarks/delta_rule.py: one gated DeltaNet layer's forward + backward; per (device, S, GPUs, documents) the
-    latest record of each (system, commit), ours first (the last record not marked ``baseline``: a baseline is the
-    package's code before a change, measured in the same call); "row's time / ours" is the row's time over ours'."""
+    """attention.py scan: one layer's forward + backward; per (device, S, GPUs, documents) the latest record of each
+    (system, commit), ours first (the last record not marked ``baseline``, the package's code before a change measured
+    beside it); "row's time / ours" is the row's time over ours'."""
     runs = last_by([r for r in rows if r.get("bench") in ("delta_rule", "ssd_scan") or (r.get("bench") == "selective_scan" and r.get("gpus", 1) > 1)],
                    lambda r: (r["bench"], r.get("device"), r["seq"], r["gpus"], r.get("documents") or 0, r["system"], r["commit"],
                              r.get("state_passing")))
@@ -463,7 +582,7 @@ _HF_FAMILY_LABELS = {"gemma3": "gemma3-shaped (5 sliding : 1 global)", "gpt-oss"
 
 
 def hf_families_gpus_table(rows: list[dict]) -> str:
-    """benchmarks/hf_families.py under torchrun: the latest run that trained, per (device, GPUs, S, shape)."""
+    """hf.py families under torchrun: the latest run that trained, per (device, GPUs, S, shape)."""
     runs = last_by([r for r in rows if r.get("bench") == "hf-families" and not r.get("error")],
                    lambda r: (r.get("device"), r["gpus"], r["seq"], r["shape"], r.get("documents") or 0, r.get("state_passing") or "parallel"))
     order = list(_HF_FAMILY_LABELS)
@@ -521,6 +640,80 @@ def main(argv: list[str] | None = None) -> int:
     if new != doc:
         open(args.doc, "w").write(new)
     print(f"{args.doc}: {len(re.findall('<!-- generated: ', new))} tables written")
+    return 0
+
+
+# ---- attention="auto" replayed over every measured point (issue #7 item 4; no GPU) ------------------------
+
+def _label_to_args(label: str) -> dict | None:
+    """attention.py's algorithm label -> estimate_attention keywords (None: not a cost-model algorithm)."""
+    parts = label.split(":")
+    if parts[0] not in ("ring", "allgather", "ulysses", "2d"):
+        return None
+    kw: dict = {"algorithm": parts[0]}
+    for p in parts[1:]:
+        if p.startswith("inner"):
+            kw["inner_ring_size"] = int(p[5:])
+        elif "x" in p and parts[0] == "2d":
+            kw["hp"] = int(p.split("x")[0])
+    return kw
+
+
+def auto_points(rows: list[dict]) -> dict:
+    """{(gpus, seq, heads, backend): {label: (tflops, time_ms)}} of our attention records: the latest of a label and
+    head-chunk count, the best over chunk counts."""
+    latest: dict = {}
+    for r in rows:
+        if r.get("bench") == "attention" and r.get("system") == "seqpar" and not r.get("error") and r.get("tflops_per_gpu"):
+            heads = r.get("heads") or r["model"].split("x")[0].lstrip("H")  # older records: model "H32/8xD128"
+            key = (r["gpus"], r["seq"], heads, r.get("backend") or "cudnn")
+            latest[(key, r["algorithm"], r.get("head_chunks") or 1)] = (r["tflops_per_gpu"], r["time_ms"] if "time_ms" in r else r["time_s"] * 1e3)
+    points: dict = {}
+    for (key, label, _), value in latest.items():
+        if _label_to_args(label) is not None and value[0] > points.setdefault(key, {}).get(label, (0.0,))[0]:
+            points[key][label] = value
+    return points
+
+
+def evaluate(points: dict) -> tuple[list[dict], list[tuple]]:
+    """(per point where two or more of our algorithms were measured: the cost model's pick among them (the profile of
+    that kernel) against the measured best; the model's time error on every run)."""
+    from lightning_seqpar.attention.cost import DeviceProfile, choose_attention, estimate_attention
+
+    decided, errors = [], []
+    for (gpus, seq, heads, backend), measured in sorted(points.items()):
+        hq, hkv = (int(x) for x in heads.split("/"))
+        profile = DeviceProfile.for_device("NVIDIA H200", backend=backend, gpus_per_node=max(gpus, 1))
+        kw = dict(seq_len=seq, num_heads=hq, num_kv_heads=hkv, head_dim=128, world_size=gpus, profile=profile)
+        errors += [(estimate_attention(**kw, **_label_to_args(label)).est_time_s * 1e3 / ms - 1, gpus, seq, heads, backend, label)
+                   for label, (_, ms) in measured.items()]
+        if len(measured) < 2:
+            continue
+        ranked = [c.label for c in choose_attention(**kw).candidates]
+        pick = next(label for label in ranked if label in measured)  # the model's order among what was measured
+        best = max(measured, key=lambda k: measured[k][0])
+        decided.append(dict(gpus=gpus, seq=seq, heads=heads, backend=backend, pick=pick, pick_tflops=measured[pick][0], best=best,
+                            best_tflops=measured[best][0], ratio=measured[pick][0] / measured[best][0], first=ranked[0],
+                            first_measured=ranked[0] in measured))
+    return decided, errors
+
+
+def auto_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks auto", description='replay attention="auto" over every measured point')
+    ap.add_argument("--results", default=RESULTS, help="glob of the record files")
+    ap.add_argument("--worst", type=int, default=0, help="also the N largest time errors")
+    args = ap.parse_args(argv)
+    decided, errors = evaluate(auto_points(load(glob.glob(args.results))))
+    for d in decided:
+        print(f"W={d['gpus']} S={d['seq']:>8} H={d['heads']:>5} {d['backend']:5s} pick {d['pick']:12s} {d['pick_tflops']:6.1f}  "
+              f"best {d['best']:12s} {d['best_tflops']:6.1f}  {d['ratio']:.3f} {'ok' if d['ratio'] >= 0.95 else 'MISS'}"
+              f"{'' if d['first_measured'] else '  (its first choice, ' + d['first'] + ', was not measured)'}")
+    rel = [e[0] for e in errors]
+    print(f"{len(decided)} points, {sum(d['ratio'] < 0.95 for d in decided)} outside 5%, the model's first choice measured at "
+          f"{sum(d['first_measured'] for d in decided)}; time error over {len(rel)} runs: median {statistics.median(rel):+.1%}, "
+          f"range {min(rel):+.1%} .. {max(rel):+.1%}")
+    for e in sorted(errors, key=lambda e: -abs(e[0]))[: args.worst]:
+        print(f"  {e[0]:+.1%}  W={e[1]} S={e[2]} H={e[3]} {e[4]} {e[5]}")
     return 0
 
 

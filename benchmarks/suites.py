@@ -1,15 +1,8 @@
-"""The benchmark suites: what each measures, as declarative lists of runs (``python -m benchmarks list``).
-
-A suite answers one question of docs/benchmarks.md. For each GPU count it can run on, it lists its
-runs; a run is one process (or one torchrun) of a per-run script of benchmarks/ with its settings,
-and names the peers it is compared against (runs of the same suite measuring torch-native context
-parallel or Megatron-style TP+SP on the same model, S and GPUs). The driver (benchmarks/driver.py)
-turns a run into a command, so how to start torchrun, carry flash-attention 4 and collect records
-lives there, once.
-
-Runs are ordered by priority: one 10-minute run on a GPU machine runs a named slice (``--only``), and a run whose
-limit no longer fits in the call's budget is skipped and says so. Every limit here is wall seconds
-measured on 4 x H200 plus a margin (docs/benchmarks-history.md has the sessions they come from).
+"""The benchmark suites (``python -m benchmarks list``): each answers one question of docs/benchmarks.md with, per GPU count,
+its runs: one process (or torchrun) of a runner (``kind``: train.py, longest.py, attention.py, hf.py, or pytest) with its
+settings and the peers it is compared against. The driver (benchmarks/driver.py) turns a run into a command. Each benchmark
+run is limited to 10 minutes on the GPU machines we measure on, so runs are ordered by priority and a suite runs as named
+slices (``--only``); every limit here is wall seconds measured on 4 x H200 plus a margin.
 """
 
 from __future__ import annotations
@@ -18,26 +11,26 @@ import dataclasses
 import fnmatch
 from typing import Literal
 
-Kind = Literal["train", "longest", "attention", "scaling", "max_seq", "lasp_op", "hf_finetune", "hf_families", "matmul",
-               "local_attention", "kernel_rates", "offload_optimizer", "pytest"]
+Kind = Literal["train", "longest", "attention", "hf", "pytest"]
 KINDS: tuple[str, ...] = Kind.__args__  # type: ignore[attr-defined]
+MODES: dict[str, tuple[str | None, ...]] = {"train": (None, "host-adamw"), "longest": (None,), "pytest": (None,),
+                                            "attention": ("grid", "local", "rates", "window", "lasp", "scan", "matmul"),
+                                            "hf": ("families", "finetune", "memory")}  # a runner's first argument
 SYSTEMS = ("seqpar", "torch_cp", "tp_sp", "single")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
-    """One measurement: a process of a per-run script (``kind``) on ``gpus`` GPUs, at most ``limit_s`` seconds.
-
-    ``system``, ``model``, ``seq`` say what is measured; ``args`` are the remaining settings, passed to the
-    script unchanged; ``seqs`` (longest / max_seq) are the descending ``(S, seconds)`` attempts;
-    ``grids`` (attention) are attention.py ``--grid`` specs; ``peers`` name the runs of the same suite it is
-    compared against; ``fa4`` marks runs that need flash-attention 4 (skipped, and said so, without it).
-    """
+    """One measurement: a process of a runner (``kind``, ``mode``) on ``gpus`` GPUs, at most ``limit_s`` seconds: what it
+    measures (``system``, ``model``, ``seq``), the other settings (``args``, passed unchanged), the descending ``(S,
+    seconds)`` attempts of a longest-context search (``seqs``), the specs of the attention grid (``grids``), the runs
+    it is compared against (``peers``), whether it needs flash-attention 4 (``fa4``), its environment (``env``)."""
 
     name: str
     kind: Kind
     gpus: int
     limit_s: int
+    mode: str | None = None
     system: str | None = None
     model: str | None = None
     seq: int | None = None
@@ -85,16 +78,17 @@ OURS_2GPU = _a("--ac full --backend cudnn") + ONE_STEP
 OURS_128K = _a("--backend fa4 --compile --uncheckpointed-blocks 14 --algorithm ulysses")
 OURS_MODELS = _a("--backend fa4 --compile --uncheckpointed-blocks 10")
 EXPANDABLE = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+FLA_SMALL = (("SEQPAR_FLA_AUTOTUNE", "small"),)
+MATMUL_PEAK = dict(name="matmul-peak", kind="attention", mode="matmul", gpus=1, limit_s=60, args=_a("--sizes 8192 --iters 20"))
 
 
 def _compare(model: str, seq: int, gpus: int, ours: tuple[str, ...], *, prefix: str, limits: tuple[int, int, int],
-             fa4: bool = True, extra: tuple[str, ...] = (), ours_name: str = "ours",
-             ours_env: tuple[tuple[str, str], ...] = ()) -> tuple[Run, ...]:
+             extra: tuple[str, ...] = (), ours_env: tuple[tuple[str, str], ...] = ()) -> tuple[Run, ...]:
     """Ours against FSDP2 + torch CP and Megatron TP+SP: one train.py run each, same model, S, GPUs."""
-    names = (f"{prefix}-{ours_name}", f"{prefix}-torch_cp", f"{prefix}-tp_sp")
+    names = (f"{prefix}-ours", f"{prefix}-torch_cp", f"{prefix}-tp_sp")
     return (
         Run(name=names[0], kind="train", gpus=gpus, limit_s=limits[0], system="seqpar", model=model, seq=seq,
-            args=ours + extra, peers=names[1:], fa4=fa4, env=ours_env),
+            args=ours + extra, peers=names[1:], fa4=True, env=ours_env),
         Run(name=names[1], kind="train", gpus=gpus, limit_s=limits[1], system="torch_cp", model=model, seq=seq, args=extra),
         Run(name=names[2], kind="train", gpus=gpus, limit_s=limits[2], system="tp_sp", model=model, seq=seq, args=extra),
     )
@@ -119,6 +113,11 @@ _W4_128K = "seqs=131072;heads=32/8,32/32,33/33;systems=all"
 _W4_FA4 = "seqs=131072,524288;heads=32/8;systems=single:fa4,seqpar:ring:fa4,seqpar:ring:fa4:chunks4,seqpar:ulysses:fa4,torch_cp:allgather,torch_cp:alltoall"
 _CP = "torch_cp:allgather,torch_cp:alltoall"
 
+
+def _grid(name: str, gpus: int, limit_s: int, *grids: str, fa4: bool = False) -> Run:
+    return Run(name=name, kind="attention", mode="grid", gpus=gpus, limit_s=limit_s, grids=grids, fa4=fa4)
+
+
 ATTENTION = Suite(
     name="attention",
     question="Distributed attention alone (forward + backward): TFLOP/s per GPU and peak memory, every algorithm "
@@ -126,33 +125,29 @@ ATTENTION = Suite(
     table="attention",
     runs={
         4: (
-            Run(name="128k", kind="attention", gpus=4, limit_s=240, grids=(_W4_128K,)),
-            Run(name="512k", kind="attention", gpus=4, limit_s=300, grids=(
-                f"seqs={K};heads=32/8;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,seqpar:ring:inner2,{_CP};iters=1",
-                f"seqs={K};heads=32/32;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,seqpar:2d:2x2,{_CP};iters=1",
-                f"seqs={K};heads=33/33;systems=seqpar:ring:chunks3,seqpar:ring:inner2,{_CP};iters=1")),
-            Run(name="1m", kind="attention", gpus=4, limit_s=540, grids=(
-                f"seqs={M};heads=32/8;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,{_CP};iters=1",
-                f"seqs={M};heads=32/32;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,seqpar:2d:2x2,{_CP};iters=1",
-                f"seqs={M};heads=33/33;systems=seqpar:ring:chunks3,seqpar:allgather:chunks3,seqpar:ring:inner2,{_CP};iters=1")),
-            Run(name="fa4", kind="attention", gpus=4, limit_s=300, fa4=True, grids=(_W4_FA4,
-                f"seqs={M};heads=32/8;systems=seqpar:ring:fa4:chunks4,seqpar:ulysses:fa4;iters=1")),
+            _grid("128k", 4, 240, _W4_128K),
+            _grid("512k", 4, 300,
+                  f"seqs={K};heads=32/8;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,seqpar:ring:inner2,{_CP};iters=1",
+                  f"seqs={K};heads=32/32;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,seqpar:2d:2x2,{_CP};iters=1",
+                  f"seqs={K};heads=33/33;systems=seqpar:ring:chunks3,seqpar:ring:inner2,{_CP};iters=1"),
+            _grid("1m", 4, 540,
+                  f"seqs={M};heads=32/8;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,{_CP};iters=1",
+                  f"seqs={M};heads=32/32;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,seqpar:2d:2x2,{_CP};iters=1",
+                  f"seqs={M};heads=33/33;systems=seqpar:ring:chunks3,seqpar:allgather:chunks3,seqpar:ring:inner2,{_CP};iters=1"),
+            _grid("fa4", 4, 300, _W4_FA4, f"seqs={M};heads=32/8;systems=seqpar:ring:fa4:chunks4,seqpar:ulysses:fa4;iters=1", fa4=True),
         ),
         2: (
-            Run(name="128k", kind="attention", gpus=2, limit_s=150, grids=(_W4_128K,)),
-            Run(name="512k-1m", kind="attention", gpus=2, limit_s=420, grids=(
-                f"seqs={K},{M};heads=32/8;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,torch_cp:allgather;iters=1",
-                f"seqs={K},{M};heads=32/32;systems=seqpar:ring:chunks4,seqpar:ulysses,torch_cp:allgather;iters=1",
-                f"seqs={K},{M};heads=33/33;systems=seqpar:ring:chunks3,torch_cp:allgather;iters=1")),
+            _grid("128k", 2, 150, _W4_128K),
+            _grid("512k-1m", 2, 420,
+                  f"seqs={K},{M};heads=32/8;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,torch_cp:allgather;iters=1",
+                  f"seqs={K},{M};heads=32/32;systems=seqpar:ring:chunks4,seqpar:ulysses,torch_cp:allgather;iters=1",
+                  f"seqs={K},{M};heads=33/33;systems=seqpar:ring:chunks3,torch_cp:allgather;iters=1"),
         ),
         8: (
-            Run(name="128k", kind="attention", gpus=8, limit_s=300, grids=(
-                "seqs=131072;heads=32/32,32/8;systems=all,seqpar:2d:8x1,seqpar:2d:1x8",
-                "seqs=131072;heads=33/33;systems=single,seqpar:ring,seqpar:allgather,seqpar:ring:inner2,seqpar:ring:inner4,"
-                + _CP)),
-            Run(name="512k", kind="attention", gpus=8, limit_s=240, grids=(
-                f"seqs={K};heads=32/8;systems=seqpar:ring,seqpar:ulysses,seqpar:2d:4x2,seqpar:2d:2x4,seqpar:ring:inner4,"
-                "torch_cp:allgather;iters=1",)),
+            _grid("128k", 8, 300, "seqs=131072;heads=32/32,32/8;systems=all,seqpar:2d:8x1,seqpar:2d:1x8",
+                  "seqs=131072;heads=33/33;systems=single,seqpar:ring,seqpar:allgather,seqpar:ring:inner2,seqpar:ring:inner4," + _CP),
+            _grid("512k", 8, 240, f"seqs={K};heads=32/8;systems=seqpar:ring,seqpar:ulysses,seqpar:2d:4x2,seqpar:2d:2x4,"
+                  "seqpar:ring:inner4,torch_cp:allgather;iters=1"),
         ),
     },
 )
@@ -164,7 +159,7 @@ TRAIN = Suite(
     table="train",
     runs={
         4: (
-            Run(name="matmul-peak", kind="matmul", gpus=1, limit_s=60, args=_a("--sizes 8192 --iters 20")),
+            Run(**MATMUL_PEAK),
             # expandable segments: at 137.8 GB of 139.8 the overlapped Ulysses' buffers left the allocator 8.9 GB
             # reserved but unusable (out of memory at the loss, 2026-11-26)
             *_compare("llama3-8b", 131072, 4, OURS_128K, prefix="llama3-8b-128k", limits=(200, 150, 200), ours_env=EXPANDABLE),
@@ -191,8 +186,8 @@ TRAIN = Suite(
                         "--tag offload-params-auto"), env=EXPANDABLE),
         ),
         8: (
-            Run(name="matmul-peak", kind="matmul", gpus=1, limit_s=60, args=_a("--sizes 8192 --iters 20")),
-            # LightSeq's single-node table (benchmarks/lightseq_table.py): several S in one process per system
+            Run(**MATMUL_PEAK),
+            # LightSeq's single-node setting (arXiv:2310.03294, Table 1): several S in one process per system
             Run(name="lightseq-ours", kind="train", gpus=8, limit_s=420, system="seqpar", fa4=True,
                 args=_a("--backend fa4 --algorithm ring --ac selective++ --uncheckpointed-blocks 8 --models "
                         "llama-7b,llama-7b-gqa,llama-33h --seqs 32768:3,65536:3,131072:2,262144:1 --warmup 1"),
@@ -241,19 +236,16 @@ SCALING = Suite(
     table="scaling",
     runs={
         4: (
-            Run(name="lasp-gpu-tests", kind="pytest", gpus=4, limit_s=200, args=("tests/test_lasp_gpu.py",),
-                env=(("SEQPAR_FLA_AUTOTUNE", "small"),)),
-            *(Run(name=f"tnl-x{n}", kind="scaling", gpus=n, limit_s=150 if n == 4 else 120, system="seqpar", model="tnl-1b",
-                  seq=32768 * n, args=_a(f"--attention lasp --lasp-variant {'p2p,allgather' if n == 4 else 'p2p'}"),
-                  env=EXPANDABLE + (("SEQPAR_FLA_AUTOTUNE", "small"),)) for n in (1, 2, 4)),
-            *(Run(name=f"gpt-x{n}", kind="scaling", gpus=n, limit_s=90 if n == 1 else 130, system="seqpar", model="lss-gpt-1.5b",
-                  seq=16384 * n, args=_a("--attention allgather --kv-comm input,kv"), env=EXPANDABLE) for n in (1, 2, 4)),
-            Run(name="lasp-op", kind="lasp_op", gpus=4, limit_s=100, system="seqpar",
-                args=_a("--local-seqs 8192,32768,262144 --iters 5 --warmup 2")),
-            Run(name="tnl-longest", kind="max_seq", gpus=4, limit_s=560, system="seqpar", model="tnl-1b",
+            Run(name="lasp-gpu-tests", kind="pytest", gpus=4, limit_s=200, args=("tests/test_lasp_gpu.py",), env=FLA_SMALL),
+            *(Run(name=f"tnl-x{n}", kind="train", gpus=n, limit_s=150 if n == 4 else 120, system="seqpar", model="tnl-1b",
+                  seq=32768 * n, args=_a(f"--algorithm lasp --lasp-variant {'p2p,allgather' if n == 4 else 'p2p'}"),
+                  env=EXPANDABLE + FLA_SMALL) for n in (1, 2, 4)),
+            *(Run(name=f"gpt-x{n}", kind="train", gpus=n, limit_s=90 if n == 1 else 130, system="seqpar", model="lss-gpt-1.5b",
+                  seq=16384 * n, args=_a("--algorithm allgather --kv-comm input,kv"), env=EXPANDABLE) for n in (1, 2, 4)),
+            Run(name="lasp-op", kind="attention", mode="lasp", gpus=4, limit_s=100, args=_a("--local-seqs 8192,32768,262144 --iters 5 --warmup 2")),
+            Run(name="tnl-longest", kind="longest", gpus=4, limit_s=560, system="seqpar", model="tnl-1b",
                 seqs=((2097152, 200), (1048576, 200), (524288, 200)),
-                args=_a("--attention lasp --ac full --loss-chunk 4096 --warmup 1 --steps 1"),
-                env=EXPANDABLE + (("SEQPAR_FLA_AUTOTUNE", "small"),)),
+                args=_a("--algorithm lasp --ac full --loss-chunk 4096 --warmup 1 --steps 1 --tag max-seq"), env=EXPANDABLE + FLA_SMALL),
         ),
     },
 )
@@ -265,12 +257,12 @@ HF = Suite(
     runs={
         4: (
             Run(name="documents-gpu-tests", kind="pytest", gpus=4, limit_s=150, args=("tests/test_documents_gpu.py",)),
-            Run(name="hf-llama3-8b-128k", kind="hf_finetune", gpus=4, limit_s=170, system="seqpar", model="hf-llama3-8b",
+            Run(name="hf-llama3-8b-128k", kind="hf", mode="finetune", gpus=4, limit_s=170, system="seqpar", model="hf-llama3-8b",
                 seq=131072, args=_a("--documents --mean-doc 16384 --warmup 1 --steps 3")),
             # issue #26 item 3: the long-context families at 128K over 4 GPUs (sliding layers, sinks, a hybrid; LoRA)
-            Run(name="hf-families-128k", kind="hf_families", gpus=4, limit_s=220, system="seqpar", seq=131072,
+            Run(name="hf-families-128k", kind="hf", mode="families", gpus=4, limit_s=220, system="seqpar", seq=131072,
                 args=_a("--shapes gemma3,gpt-oss,qwen3-next --warmup 1 --steps 3"), env=EXPANDABLE),
-            Run(name="hf-llama3-8b-lora-128k", kind="hf_families", gpus=4, limit_s=240, system="seqpar", seq=131072,
+            Run(name="hf-llama3-8b-lora-128k", kind="hf", mode="families", gpus=4, limit_s=240, system="seqpar", seq=131072,
                 args=_a("--shapes llama3-8b-lora --warmup 1 --steps 3"), env=EXPANDABLE, fa4=True),
         ),
     },
@@ -283,10 +275,10 @@ ONE_GPU = Suite(
     table="one-gpu",
     runs={
         1: (
-            Run(name="matmul-peak", kind="matmul", gpus=1, limit_s=90, args=_a("--sizes 8192,16384 --iters 30")),
-            Run(name="local-kernels", kind="local_attention", gpus=1, limit_s=200, args=_a("--seqs 8192,32768")),
-            Run(name="kernel-rates", kind="kernel_rates", gpus=1, limit_s=150, args=_a("--backend cudnn --iters 2")),
-            Run(name="offload-optimizer", kind="offload_optimizer", gpus=1, limit_s=120, system="seqpar", model="llama-7b",
+            Run(**dict(MATMUL_PEAK, limit_s=90, args=_a("--sizes 8192,16384 --iters 30"))),
+            Run(name="local-kernels", kind="attention", mode="local", gpus=1, limit_s=200, args=_a("--seqs 8192,32768")),
+            Run(name="kernel-rates", kind="attention", mode="rates", gpus=1, limit_s=150, args=_a("--backend cudnn --iters 2")),
+            Run(name="offload-optimizer", kind="train", mode="host-adamw", gpus=1, limit_s=120, system="seqpar", model="llama-7b",
                 args=_a("--ranks 4 --threads 16")),
         ),
     },
@@ -315,23 +307,23 @@ def problems(suite: Suite) -> list[str]:
         out += [f"{suite.name}/{gpus}: run name {n!r} given twice" for n in sorted({n for n in names if names.count(n) > 1})]
         for r in runs:
             where = f"{suite.name}/{gpus}/{r.name}"
-            if r.kind not in KINDS:
-                out.append(f"{where}: unknown kind {r.kind!r}")
+            if r.kind not in KINDS or r.mode not in MODES[r.kind]:
+                out.append(f"{where}: unknown kind {r.kind!r} (mode {r.mode!r})")
             if not 1 <= r.gpus <= gpus:
                 out.append(f"{where}: needs {r.gpus} GPUs on a machine of {gpus}")
             if r.system is not None and r.system not in SYSTEMS:
                 out.append(f"{where}: unknown system {r.system!r}")
             if not 0 < r.limit_s <= 600:
                 out.append(f"{where}: limit_s {r.limit_s} outside (0, 600] (the 10-minute limit of a run on our GPU machines)")
-            if r.kind in ("longest", "max_seq"):
+            if r.kind == "longest":
                 if not r.seqs or [s for s, _ in r.seqs] != sorted((s for s, _ in r.seqs), reverse=True):
                     out.append(f"{where}: seqs must be a non-empty descending list of (S, seconds)")
                 if r.model is None or r.system is None:
-                    out.append(f"{where}: {r.kind} needs a model and a system")
-            if r.kind in ("train", "scaling", "hf_finetune") and r.seq is None and "--seqs" not in r.args:
+                    out.append(f"{where}: longest needs a model and a system")
+            if (r.kind, r.mode) in (("train", None), ("hf", "finetune")) and r.seq is None and "--seqs" not in r.args:
                 out.append(f"{where}: {r.kind} needs seq (or --seqs in args)")
-            if r.kind == "attention" and not r.grids:
-                out.append(f"{where}: attention needs grids")
+            if r.mode == "grid" and not r.grids:
+                out.append(f"{where}: the attention grid needs grids")
             for p in r.peers:
                 if p not in names:
                     out.append(f"{where}: peer {p!r} is not a run of this suite on {gpus} GPUs")

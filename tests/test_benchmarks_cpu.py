@@ -1,5 +1,5 @@
-"""The benchmark tools on CPU: the Megatron-style TP+SP baseline (benchmarks/tp_sp.py) trains the same
-model as one device, and benchmarks/collect.py checks and merges records."""
+"""The benchmark tools on CPU: the Megatron-style TP+SP baseline (benchmarks/train.py, Note [The TP+SP baseline])
+trains the same model as one device, benchmarks/report.py checks and merges records and makes the tables."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _tp_sp_vs_one_device(rank: int, world_size: int, name: str, steps: int) -> l
 
     from lightning_seqpar.data import LongRangeDataModule
     from lightning_seqpar.models import Llama, LlamaConfig
-    from tp_sp import parallelize_tp_sp
+    from train import parallelize_tp_sp
 
     cfg = LlamaConfig.from_name(name)
     mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("data_parallel", "tensor_parallel"))
@@ -75,7 +75,7 @@ def test_tp_sp_repeated_kv_heads_start_equal():
 
 def test_head_layout():
     from lightning_seqpar.models import LlamaConfig
-    from tp_sp import head_layout
+    from train import head_layout
 
     assert head_layout(LlamaConfig.from_name("llama-33h"), 4) == head_layout(LlamaConfig.from_name("llama-33h"), 4)
     lay = head_layout(LlamaConfig.from_name("llama-33h"), 4)
@@ -153,15 +153,15 @@ def test_longest_passes_offload_params_through(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.timeout(300)
 def test_offload_optimizer_times_each_implementation(tmp_path):
-    """benchmarks/offload_optimizer.py: one record per implementation and thread count, step time scaled
+    """benchmarks/train.py host-adamw: one record per implementation and thread count, step time scaled
     from the materialised blocks to the model's per-rank parameter count."""
-    import offload_optimizer
+    import train
     from dist_utils import ForkedProcess, _free_port
 
     # a process of its own (the script starts a world-1 process group), forked from the pools' server
     out, log = tmp_path / "opt.json", tmp_path / "opt.log"
-    argv = ["--model", "tiny", "--ranks", "2", "--layers", "1", "--threads", "2", "--steps", "1", "--out", str(out), "--commit", "abc"]
-    with ForkedProcess(offload_optimizer.main, (argv,), {**os.environ, "MASTER_PORT": str(_free_port())}, str(log)) as run:
+    argv = ["host-adamw", "--model", "tiny", "--ranks", "2", "--layers", "1", "--threads", "2", "--steps", "1", "--out", str(out), "--commit", "abc"]
+    with ForkedProcess(train.main, (argv,), {**os.environ, "MASTER_PORT": str(_free_port())}, str(log)) as run:
         assert run.wait(timeout=240) == 0, log.read_text()[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["algorithm"], r["threads"]) for r in rows] == [(i, t) for t in (1, 2) for i in ("forloop", "foreach", "fused")]
@@ -170,7 +170,7 @@ def test_offload_optimizer_times_each_implementation(tmp_path):
     with torch.device("meta"):
         full = Llama(LlamaConfig.from_name("tiny"))
     assert all(r["params_per_rank"] == sum((p.shape[0] + 1) // 2 * p[0].numel() for p in full.parameters()) for r in rows)
-    assert all(r["step_s"] > 0 and r["gb_per_s"] > 0 and r["bench"] == "offload_optimizer" and r["commit"] == "abc" for r in rows)
+    assert all(r["step_s"] > 0 and r["gb_per_s"] > 0 and r["bench"] == "offload_optimizer" and r["commit"] == "abc" for r in rows), rows
 
 
 def _record(**kw):
@@ -181,21 +181,21 @@ def _record(**kw):
 
 
 def test_collect_merges_deduplicates_and_validates(tmp_path):
-    import collect
+    import report
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps([_record(), _record(seq=262144)]))
     b.write_text(json.dumps([_record(), {"bench": "matmul", "device": "NVIDIA H200", "tflops": 800.0, "commit": "x"}]))
-    out = collect.main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(a), str(b)])
+    out = report.collect_main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(a), str(b)])
     rows = json.loads(open(out).read())
     assert out.endswith("20261122-nvidia-h200-x4.json") and len(rows) == 3
     # merging again adds nothing
-    collect.main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(a)])
+    report.collect_main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(a)])
     assert len(json.loads(open(out).read())) == 3
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([_record(mfu=None), {k: v for k, v in _record().items() if k != "commit"}]))
     with pytest.raises(SystemExit, match=r"record 0 .*mfu.*\n.*record 1 .*commit"):
-        collect.main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(bad)])
+        report.collect_main(["--kind", "nvidia-h200-x4", "--date", "20261122", "--results", str(tmp_path / "res"), str(bad)])
 
 
 def test_profile_summary_categories():
@@ -268,8 +268,9 @@ def _attn(system, algorithm, tflops, peak, heads="32/8", gpus=4, seq=1048576, ch
 
 
 def test_attention_grid_table(tmp_path):
-    import attention
+    import report
 
+    grid_tables = lambda paths, seqs=None: report.attention_grid(report.load(paths), seqs)  # noqa: E731
     old, new = tmp_path / "20261121.json", tmp_path / "20261122.json"
     old.write_text(json.dumps([_attn("seqpar", "ring", 400.0, 9.0), _attn("single", "cudnn", 500.0, 70.0, gpus=1)]))
     new.write_text(json.dumps([
@@ -283,7 +284,7 @@ def test_attention_grid_table(tmp_path):
         _attn("seqpar", "ring", 1.0, 1.0, seq=131072),  # filtered out by seqs
         dict(_attn("seqpar", "ulysses", 700.0, 1.0), backend="fa4"),  # another kernel: not in the cuDNN grid
     ]))
-    table = attention.grid_tables([str(new), str(old)], [1048576])
+    table = grid_tables([str(new), str(old)], [1048576])
     lines = table.splitlines()
     assert lines[0] == "4 GPUs, S = 1024K (TFLOP/s/GPU / peak GB):" and "131072" not in table and "128K" not in table
     assert lines[2] == ("| heads | one GPU | ring | all-gather | torch CP allgather | torch CP alltoall | ours / torch CP | ours / one GPU |")
@@ -292,47 +293,20 @@ def test_attention_grid_table(tmp_path):
     assert lines[5] == "| 33/33 | - | **490.0 / 30.0 c3** | - | 500.0 / 90.0 | - | 0.980 | - |"
     # a head-parallel system that cannot split the heads reads "(33 heads)", measured or not
     new.write_text(json.dumps([_attn("seqpar", "ulysses", 500.0, 5.0), _attn("seqpar", "ring", 490.0, 30.0, heads="33/33")]))
-    assert "| 33/33 | - | **490.0 / 30.0** | (33 heads) |" in attention.grid_tables([str(new)])
+    assert "| 33/33 | - | **490.0 / 30.0** | (33 heads) |" in grid_tables([str(new)])
     # eight GPUs: the 2D splits and the double ring of 4 get columns, in hp order; 2D 4x2 cannot split 33 heads
     new.write_text(json.dumps([_attn("seqpar", "ring", 450.0, 9.0, gpus=8), _attn("seqpar", "2d:4x2", 470.0, 8.0, gpus=8),
                                _attn("seqpar", "2d:8x1", 480.0, 7.0, gpus=8), _attn("seqpar", "ring:inner4", 440.0, 9.5, gpus=8),
                                _attn("seqpar", "ring", 430.0, 9.0, gpus=8, heads="33/33")]))
-    lines = attention.grid_tables([str(new)]).splitlines()
+    lines = grid_tables([str(new)]).splitlines()
     assert lines[0] == "8 GPUs, S = 1024K (TFLOP/s/GPU / peak GB):"
     assert lines[2] == "| heads | one GPU | ring | 2D 8x1 | 2D 4x2 | double ring (4) | ours / torch CP | ours / one GPU |"
     assert lines[4] == "| 32/8 | - | 450.0 / 9.0 | **480.0 / 7.0** | 470.0 / 8.0 | 440.0 / 9.5 | - | - |"
     assert lines[5] == "| 33/33 | - | **430.0 / 9.0** | (33 heads) | (33 heads) | - | - | - |"
 
 
-def test_lightseq_table(tmp_path):
-    import lightseq_table
-
-    def rec(system, model, seq, step, peak, gpus=8):
-        return dict(bench="train", system=system, model=model, seq=seq, gpus=gpus, step_time_s=step, peak_mem_gb=peak)
-
-    old, new = tmp_path / "a.json", tmp_path / "b.json"
-    old.write_text(json.dumps([rec("seqpar", "llama-7b", 32768, 9.0, 1.0)]))
-    new.write_text(json.dumps([
-        rec("seqpar", "llama-7b", 32768, 1.0, 30.0),  # the later record wins
-        rec("tp_sp", "llama-7b", 32768, 1.5, 40.0), rec("torch_cp", "llama-7b", 32768, 1.25, 35.0),
-        rec("seqpar", "llama-7b", 262144, 10.0, 90.0), rec("tp_sp", "llama-7b", 262144, 14.0, 60.0),
-        rec("seqpar", "llama-7b", 131072, 5.0, 50.0, gpus=4),  # another GPU count: not in the 8-GPU table
-        rec("tp_sp", "llama-33h", 65536, 3.0, 20.0),
-    ]))
-    lines = lightseq_table.main([str(old), str(new)]).splitlines()
-    assert lines[0] == "Llama-7B (MHA, 32 heads), 8 GPUs (seconds per step / peak GB):"
-    assert lines[2] == ("| tokens per GPU | S | Megatron TP+SP | torch CP | ours | ours / TP+SP | ours / torch CP "
-                        "| LightSeq / Megatron (paper, 8 x A100) |")
-    assert lines[4] == "| 4K | 32K | 1.50 / 40.0 | 1.25 / 35.0 | 1.00 / 30.0 | **1.50x** | **1.25x** | 1.02x |"
-    assert lines[5] == "| 32K | 256K | 14.00 / 60.0 | - | 10.00 / 90.0 | **1.40x** | - | 1.24x |"
-    assert "128K |" not in "\n".join(lines[:7])
-    assert lines[7] == "Llama-33H, 8 GPUs (seconds per step / peak GB):"
-    assert lines[11] == "| 8K | 64K | 3.00 / 20.0 | - | - | - | - | 1.38x |"
-    assert "Llama-GQA" not in "\n".join(lines)
-
-
 def test_longest_per_config_keeps_the_longest_that_trained():
-    import plot
+    import report
 
     def rec(system, seq, *statuses, gpus=4):
         return dict(bench="longest", system=system, model="llama-7b", gpus=gpus, device="H200", seq=seq,
@@ -343,12 +317,12 @@ def test_longest_per_config_keeps_the_longest_that_trained():
         rec("seqpar", None, "oom"), rec("seqpar", 786432, "ok"), rec("seqpar", None, "oom"),  # a later OOM at 1M
         rec("torch_cp", None, "oom", "oom"),  # nothing trained: kept as "none fit"
     ]
-    got = {(r["system"], r["gpus"]): r["seq"] for r in plot.longest_per_config(rows)}
+    got = {(r["system"], r["gpus"]): r["seq"] for r in report.longest_per_config(rows)}
     assert got == {("seqpar", 2): 393216, ("seqpar", 4): 786432, ("torch_cp", 4): None}
 
 
 def test_oom_state_names_where_and_memory():
-    import train
+    import driver
 
     def kernel_call():
         raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
@@ -356,8 +330,8 @@ def test_oom_state_names_where_and_memory():
     try:
         kernel_call()
     except RuntimeError as exc:
-        assert train._is_oom(exc)
-        state = train._oom_state(exc)
+        assert driver.is_oom(exc)
+        state = driver.oom_state(exc)
     where = state.split("; at ", 1)[1]
     assert where.startswith("test_benchmarks_cpu.py:") and " kernel_call <- " in where, state
     assert state.startswith("no CUDA" if not torch.cuda.is_available() else "allocated "), state

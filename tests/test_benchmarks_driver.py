@@ -1,5 +1,5 @@
 """The benchmark driver and the generated docs, on CPU: every suite parses and expands to runs whose
-arguments the per-run scripts accept; the driver runs a suite within its budget and stamps the
+arguments the runners accept; the driver runs a suite within its budget and stamps the
 records; docs/benchmarks.md's tables are what benchmarks/results/ gives, and every figure the
 README states is in them."""
 
@@ -22,9 +22,6 @@ import driver  # noqa: E402
 import report  # noqa: E402
 from suites import SUITES, Run, Suite, problems  # noqa: E402
 
-SCRIPT_MODULES = {"train.py": "train", "longest.py": "longest", "attention.py": "attention", "train_scaling.py": "train_scaling",
-                  "lasp.py": "lasp", "hf_finetune.py": "hf_finetune", "hf_families.py": "hf_families", "matmul_peak.py": "matmul_peak",
-                  "local_attention.py": "local_attention", "kernel_rates.py": "kernel_rates", "offload_optimizer.py": "offload_optimizer"}
 
 
 class _Parsed(Exception):
@@ -33,7 +30,7 @@ class _Parsed(Exception):
 
 
 def parse_with_script(module: str, argv: list[str], monkeypatch) -> argparse.Namespace:
-    """The namespace the script's own parser makes of ``argv`` (its main() stops right after parsing)."""
+    """The namespace the runner's own parser makes of ``argv`` (its main() stops right after parsing)."""
     import importlib
 
     mod = importlib.import_module(module)
@@ -45,7 +42,7 @@ def parse_with_script(module: str, argv: list[str], monkeypatch) -> argparse.Nam
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
     monkeypatch.setattr(sys, "argv", [module + ".py", *argv])
     try:
-        mod.main() if module != "longest" else mod.main(argv)
+        mod.main(argv)
     except _Parsed as p:
         return p.ns
     finally:
@@ -83,29 +80,32 @@ def test_every_run_expands_to_arguments_its_script_accepts(monkeypatch):
                 assert os.path.exists(os.path.join(ROOT, path)), where
             continue
         i = next(i for i, x in enumerate(cmd) if x.endswith(".py"))
-        assert os.path.exists(os.path.join(ROOT, cmd[i])), where
+        assert os.path.exists(os.path.join(ROOT, cmd[i])) and os.path.basename(cmd[i]) == f"{run.kind}.py", where
+        assert ((cmd[0] == "python") == ((run.kind, run.mode) in driver.ONE_PROCESS)), where  # torchrun for the others
         argv = cmd[i + 1:]
         rest: list[str] = []
         if "--" in argv:
             argv, rest = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-        ns = parse_with_script(SCRIPT_MODULES[os.path.basename(cmd[i])], argv, monkeypatch)
+        assert argv[:1] == ([run.mode] if run.mode else []) or run.mode is None, where
+        ns = parse_with_script(run.kind, argv, monkeypatch)
         if rest:  # longest.py hands these to train.py
             parse_with_script("train", ["--system", run.system, *rest], monkeypatch)
-        if run.kind == "attention":
+        if run.mode == "grid":
             for spec in ns.grid:
                 grid = parse_grid(spec, ns)
                 assert grid.seqs and grid.heads, where
                 for name in grid.systems:
                     if name != "all":
                         parse_system(name, run.gpus)
-        if hasattr(ns, "commit") and run.kind != "local_attention":
-            assert ns.commit == "abc1234", where
-        if run.kind == "train":
+        assert ns.commit == "abc1234" and ns.out == "/tmp/x/r.json", where
+        if (run.kind, run.mode) == ("train", None):
             assert (ns.system, ns.matmul_peak, ns.out) == (run.system, 700.0, "/tmp/x/r.json"), where
             if run.seq is not None:
                 assert ns.seq == run.seq and (ns.model == run.model or ns.models), where
         n += 1
     assert n > 40
+    assert {(r.kind, r.mode) for _, _, r in all_runs()} >= {("train", None), ("train", "host-adamw"), ("longest", None), ("hf", "finetune"),
+                                                            ("hf", "families"), *(("attention", m) for m in ("grid", "local", "rates", "lasp", "matmul"))}
 
 
 def test_dry_run_prints_each_selected_command(capsys):

@@ -370,9 +370,9 @@ def test_auto_is_within_5_percent_of_the_measured_best_on_every_recorded_point()
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    from cost_model_check import evaluate, load
+    from report import auto_points, evaluate, records
 
-    decided, errors = evaluate(load(str(Path(__file__).parent.parent / "benchmarks" / "results" / "*.json")))
+    decided, errors = evaluate(auto_points(records()))
     assert len(decided) >= 20 and {d["backend"] for d in decided} == {"cudnn", "fa4"}
     misses = [d for d in decided if d["ratio"] < 0.95]
     assert not misses, misses
