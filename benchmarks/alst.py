@@ -69,9 +69,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from collect import error_text, record_and_release
-from hf_finetune import LLAMA3_8B
-from memory_plan import LLAMA_1B
+from driver import error_text, record_and_release
+from hf import LLAMA3_8B, MEMORY_SHAPES
+
+LLAMA_1B = MEMORY_SHAPES["llama-3.2-1b"]
 
 MODELS = {
     # name -> (config dict, LoRA?, record's model name)

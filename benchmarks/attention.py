@@ -573,7 +573,7 @@ def run_scan(args) -> None:
                 if args.rule != "delta" and args.docs or args.rule == "ssd" and world > 1 or system == "fla" and args.rule != "delta":
                     raise ValueError("--docs is for --rule delta; --rule ssd runs on one device; fla-core is a system of --rule delta")
                 if system == "fla":
-                    why = "fla-core is not installed" if not ours._fla_installed() else ours._fla_unusable(device.index)
+                    why = "fla-core is not installed" if not ours.fla_installed() else ours.fla_unusable(device.index)
                     if why:
                         raise RuntimeError(why)
                 full, do_full = _scan_inputs(args, T, device)

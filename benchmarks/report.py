@@ -598,7 +598,19 @@ def hf_families_gpus_table(rows: list[dict]) -> str:
     return table(["model", "GPUs", "S", "documents", "algorithm (auto)", "tokens/s/GPU", "MFU", "peak GB", "device, commit, date"], out)
 
 
+def peers_table(rows: list[dict]) -> str:
+    """The peers from their own code beside ours (``benchmarks/peers/report.py``); profiled steps left out."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "report.py")
+    spec = importlib.util.spec_from_file_location("benchmarks_peers_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return "\n".join(module.table([r for r in rows if r.get("bench") == "peers" and not r.get("profiled_step")]))
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "peers": peers_table,
     "hf-families-gpus": hf_families_gpus_table,
     "delta-rule": delta_rule_table,
     "hf-family": hf_family_table, "window": window_table, "finetune-one-gpu": finetune_table,

@@ -514,7 +514,7 @@ class CausalLMModule(L.LightningModule):
     def _parameters_offloaded(self, model: torch.nn.Module) -> bool:
         """Every parameter in host memory while the run computes on CUDA (``offload_params``): the
         AdamW step runs on the CPU, where torch's fused kernel is ~6x faster than its default
-        (Note [Offloading parameters to host memory]; ``benchmarks/offload_optimizer.py``)."""
+        (Note [Offloading parameters to host memory]; ``benchmarks/train.py host-adamw``)."""
         trainer = self._trainer
         root = getattr(trainer.strategy, "root_device", None) if trainer is not None else None
         return root is not None and root.type == "cuda" and all(p.device.type == "cpu" for p in model.parameters())

@@ -368,7 +368,7 @@ def apply_compile(
 #   for the step itself, to the host's cores / the processes on it (``with_cpu_threads``,
 #   ``host_optimizer_threads``), and restores it afterwards. One rank of llama-7b on 4 x H200
 #   (1.685e9 parameters, 64-core host): 13.50 s per step (default, 1 thread) -> 2.26 s (fused,
-#   1 thread) -> 0.46 s (fused, 16 threads) (``benchmarks/offload_optimizer.py``). The optimizer
+#   1 thread) -> 0.46 s (fused, 16 threads) (``benchmarks/train.py host-adamw``). The optimizer
 #   is built after ``fully_shard`` (Lightning calls ``configure_optimizers`` in the strategy's
 #   ``setup`` after ``parallelize``), so it sees the CPU shards.
 # * The cost: host memory, 16 bytes per parameter / ranks per process (parameters and

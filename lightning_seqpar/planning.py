@@ -32,7 +32,7 @@ FSDP2 over the same W ranks, bf16-mixed, selective++ checkpointing. Per GPU and 
 
 MFU counts model FLOPs as ``Llama.flops_per_token`` does (Note [FLOPs per token], causal
 attention halved, no recompute) against 989 TFLOP/s dense bf16. This is a planning estimate:
-only the attention part is validated against measurements (benchmarks/cost_model_check.py, one
+only the attention part is validated against measurements (python -m benchmarks auto, one
 node); the linear rate, the FSDP overlap and the inter-node constants are assumptions.
 """
 

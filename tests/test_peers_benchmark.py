@@ -18,7 +18,7 @@ from benchmarks.peers.report import records, table  # noqa: E402
 def test_the_peers_table_in_docs_is_the_records_table():
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     start = text.index("<!-- generated: peers -->\n") + len("<!-- generated: peers -->\n")
-    end = text.index("<!-- end generated: peers -->")
+    end = text.index("<!-- end: peers -->")
     assert text[start:end].strip().splitlines() == table(records()), "regenerate with python -m benchmarks.peers.report"
     rows = records()
     assert {r["system"] for r in rows} >= {"seqpar", "torchtitan", "trl_cp", "deepspeed_alst"}

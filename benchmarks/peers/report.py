@@ -45,6 +45,7 @@ def table(rows: list[dict]) -> list[str]:
         group = [r for r in rows if key(r) == k]
         peers = [r["tokens_per_s_per_gpu"] for r in group if r["system"] in PEERS and r.get("tokens_per_s_per_gpu")]
         best = max(peers, default=None)
+        anchor = f'<a id="peers-{k[0]}-{k[1] // 1024}k-{k[2]}"></a>'  # README rows link here
         for r in sorted(group, key=lambda r: (r["system"] != "seqpar", r["system"], -(r.get("tokens_per_s_per_gpu") or 0))):
             tps = r.get("tokens_per_s_per_gpu")
             if tps:
@@ -52,8 +53,9 @@ def table(rows: list[dict]) -> list[str]:
                          f"{r['peak_mem_gb']:.1f}"]
             else:
                 cells = [r["status"].split(":")[0], "-", "-", "-"]
-            out.append(f"| {r['model']} | {r['seq'] // 1024}K | {r['gpus']} x {r['gpu']} | {r['system']} | "
+            out.append(f"| {anchor}{r['model']} | {r['seq'] // 1024}K | {r['gpus']} x {r['gpu']} | {r['system']} | "
                        f"{r.get('version', '-')} | " + " | ".join(cells) + f" | {_settings(r)} | {r['commit']} |")
+            anchor = ""
     return out
 
 

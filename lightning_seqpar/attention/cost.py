@@ -58,7 +58,7 @@ over NVLink and (size - m)/size over the NICs, at the same time (all-to-all), or
 (size - 1)/size at the NIC's rate (ring all-gather / reduce-scatter, which NCCL runs as a ring
 through every node); its latency grows by ``inter_node_latency_s`` per further node. With
 ``gpus_per_node`` >= W every term is intra-node and the model is the one validated on one node
-(benchmarks/cost_model_check.py).
+(python -m benchmarks auto).
 
 The candidates: ring, double ring (every inner size 1 < w < W dividing W), all-gather, Ulysses
 (hp = W; needs W | H_q) and 2D (every 1 < hp < W with hp | W and hp | H_q, with and without inner
@@ -146,7 +146,7 @@ class DeviceProfile:
         H200 reaches 538-545 TFLOP/s causal forward + backward at S = 8K-32K (519-541 at
         128K-1M); ``full_block_speedup`` — the same kernel without a mask runs 555-562 TFLOP/s on
         the ring's half blocks at 128K-1M, against 522-541 for causal calls of those lengths
-        (``benchmarks/kernel_rates.py``, 2026-11-22: 1.04-1.07x); the rest was checked
+        (``benchmarks/attention.py rates``, 2026-11-22: 1.04-1.07x); the rest was checked
         against 4xH200, H 32/8, D 128: ring 510.8 / 528.3 and all-gather 513.4 / 537.3 TFLOP/s per
         GPU at S = 128K / 512K (the model gives 515 / 533 and 516 / 535).
         Assumed: the link rates (NVLink 4 is 450 GB/s per direction, NCCL reaches ~350; checked

@@ -60,5 +60,3 @@ __all__ = [
     "ssd_scan_chunked",
 ]
 
-# the names these two had when the recurrences were one module (benchmarks/delta_rule.py imports them so)
-_fla_installed, _fla_unusable = fla_installed, fla_unusable
