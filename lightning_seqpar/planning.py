@@ -74,8 +74,12 @@ PEAK_BF16 = 989e12
 # ring, all-gather or Ulysses; with hp > 1, 2D. head_parallel_size="auto" must be known
 # earlier, when the mesh is built (setup_environment, before configure_model): it is read
 # from the LightningModule's ``config`` (CausalLMModule has one) and is 1 when there is none.
-# The batches come later still, hence expected_seq_len; without it "auto" stays "2d" if
-# hp > 1 else "ring". Across nodes (sp > devices per node) it also picks the rank order of the
+# The batches come later still, hence expected_seq_len; without it, the length memory="auto"
+# planned for (the datamodule's seq_len or the first batch's: both plans read one length, and
+# the memory plan estimates the algorithm this choice will take, since Ulysses holds whole-
+# sequence heads where ring holds blocks); with neither "auto" stays "2d" if hp > 1 else
+# "ring" (4 x H200, Llama-3-8B at 64K without expected_seq_len: ring 4,390 tokens/s/GPU
+# where the cost model's Ulysses ran 4,536). Across nodes (sp > devices per node) it also picks the rank order of the
 # mesh (placement="auto": head-first or context-first, decided with hp when the mesh is built)
 # and, unless inner_ring_size is set, the inner ring size; on one node no double ring is
 # weighed (it only pays off when the outer hops cross nodes).
@@ -140,9 +144,12 @@ def auto_candidates(config: StrategyConfig, *, inner_ring_size: int | None) -> t
 
 def plan_attention(shape: tuple[int, int, int] | None, *, config: StrategyConfig, site: RunSite, sp: int,
                    head_parallel_size: int | None, placement: str | None, layout: str, inner_ring_size: int | None,
-                   owner: str) -> AttentionPlan | None:
-    """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks; None when not asked for or unknown."""
-    if config.attention != "auto" or config.expected_seq_len is None or shape is None or sp == 1:
+                   owner: str, seq_len: int | None = None) -> AttentionPlan | None:
+    """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks, for ``expected_seq_len``
+    or else ``seq_len`` (the length memory="auto" planned for: the two plans read one length, Note [Choosing attention
+    automatically]); None when not asked for or unknown."""
+    length = config.expected_seq_len if config.expected_seq_len is not None else seq_len
+    if config.attention != "auto" or length is None or shape is None or sp == 1:
         return None
     h_q, h_kv, head_dim = shape
     # the local kernel the attention will run (the cost model's rates differ per kernel)
@@ -152,7 +159,7 @@ def plan_attention(shape: tuple[int, int, int] | None, *, config: StrategyConfig
     profile = DeviceProfile.for_device(device_name, backend=kernel, gpus_per_node=max(1, site.gpus_per_node))
     try:
         return choose_attention(
-            seq_len=config.expected_seq_len, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
+            seq_len=length, num_heads=h_q, num_kv_heads=h_kv, head_dim=head_dim, world_size=sp,
             layout=layout, dtype_bytes=site.dtype_bytes, profile=profile,  # type: ignore[arg-type]
             algorithms=auto_candidates(config, inner_ring_size=inner_ring_size), head_parallel_size=head_parallel_size,
             # inner rings pay off only across nodes (Note [Choosing attention automatically])
@@ -161,7 +168,7 @@ def plan_attention(shape: tuple[int, int, int] | None, *, config: StrategyConfig
         )
     except ValueError as error:
         raise ValueError(
-            f"{owner}: attention='auto' with expected_seq_len={config.expected_seq_len}, "
+            f"{owner}: attention='auto' with expected_seq_len={length}, "
             f"head_parallel_size={config.head_parallel_size!r} and sequence_parallel_size={sp}: {error}"
         ) from error
 
@@ -208,14 +215,15 @@ def plan_parallel_dims(module: nn.Module | None, *, config: StrategyConfig, site
 
 
 def resolve_auto_attention(roots: Sequence[nn.Module], *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
-                           layout: str, inner_ring_size: int | None, owner: str) -> ResolvedAttention | None:
+                           layout: str, inner_ring_size: int | None, owner: str, seq_len: int | None = None) -> ResolvedAttention | None:
     """attention="auto": LASP on a linear-attention model, else the cost model's plan (Note [Choosing attention
     automatically]); None when nothing changes (not "auto", no plan)."""
     if not (config.attention == "auto" and roots):
         return None
     if not all(uses_linear_attention(root) for root in roots):
         plan = plan_attention(_first_shape(roots), config=config, site=site, sp=dims.sp, head_parallel_size=dims.hp,
-                              placement=dims.placement, layout=layout, inner_ring_size=inner_ring_size, owner=owner)
+                              placement=dims.placement, layout=layout, inner_ring_size=inner_ring_size, owner=owner,
+                              seq_len=seq_len)
         if plan is None:
             return None
         if inner_ring_size is None and plan.inner_ring_size is not None:  # chosen across nodes
@@ -450,8 +458,19 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
         trainable_params=None if lora is None else lora_trainable_params(shape, lora),
         lora_targets=() if lora is None else lora_targets(lora),
         host_memory=host_memory_bytes() / max(site.gpus_per_node, 1),
-        attention=config.initial_attention, head_parallel_size=dims.hp, owner=owner,
+        attention=_planned_attention(shape, config=config, site=site, dims=dims, seq_len=length.seq_len, owner=owner),
+        head_parallel_size=dims.hp, owner=owner,
     )
+
+
+def _planned_attention(shape: TransformerShape, *, config: StrategyConfig, site: RunSite, dims: ParallelDims, seq_len: int,
+                       owner: str) -> str:
+    """The algorithm memory="auto" estimates for: with attention="auto" the cost model's choice for the planned length,
+    the one setup then resolves (its memory differs: Ulysses holds whole-sequence heads), else the option's."""
+    plan = plan_attention((shape.num_heads, shape.num_kv_heads, shape.head_dim), config=config, site=site, sp=dims.sp,
+                          head_parallel_size=dims.hp, placement=dims.placement, layout=config.layout,
+                          inner_ring_size=config.inner_ring_size, owner=owner, seq_len=seq_len)
+    return config.initial_attention if plan is None else plan.algorithm
 
 
 def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, dims: ParallelDims, device_memory: int,

@@ -481,3 +481,50 @@ def test_plan_spends_what_is_left_on_uncheckpointed_blocks():
     offloaded = plan_memory(model_shape=LLAMA_1B, seq_len=1024 * K, device_memory=H200, loss_chunk_size=8192)
     if offloaded.options.offload_checkpoints or offloaded.options.offload_params:
         assert offloaded.options.uncheckpointed_blocks == 0
+
+
+def _auto_attention_reads_the_planned_length(rank: int, world_size: int) -> dict:
+    import os
+    import warnings
+
+    import lightning as L
+
+    from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+
+    class FakeMemory(SequenceParallelStrategy):
+        def _device_memory_bytes(self, device):
+            return 1e12
+
+    batch = {"input_ids": torch.randint(0, 256, (1, 64)), "labels": torch.randint(0, 256, (1, 64))}
+
+    class SeqLenData(L.LightningDataModule):
+        seq_len = 64
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader([batch], batch_size=None)
+
+    strategy = FakeMemory(sequence_parallel_size=world_size, memory="auto", attention_backend="math")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    module = CausalLMModule("tiny", warmup_steps=0, max_steps=1, loss_chunk_size=16)
+    trainer.fit(module, datamodule=SeqLenData())
+    plan = strategy.attention_plan
+    shape = TransformerShape.from_config(module.config)
+    expected = estimate_memory(model_shape=shape, seq_len=64, sp=world_size, precision="32-true",
+                               options=strategy.memory_plan.options, loss_chunk_size=16,
+                               attention=plan.algorithm if plan else "none")
+    return dict(attention=strategy.attention, algorithm=plan.algorithm if plan else None,
+                planned=strategy.memory_plan.estimate.seq_len, total=strategy.memory_plan.estimate.total, expected=expected.total)
+
+
+def test_auto_attention_and_the_memory_plan_read_one_length():
+    """Without expected_seq_len, attention="auto" takes the length memory="auto" planned for (the datamodule's seq_len)
+    and the memory plan estimates the algorithm it then runs (it fell back to ring, planned as ring)."""
+    from dist_utils import run_distributed
+
+    result = run_distributed(_auto_attention_reads_the_planned_length, 2, timeout=180)[0]
+    assert result["algorithm"] is not None and result["attention"] == result["algorithm"]
+    assert result["planned"] == 64 and result["total"] == pytest.approx(result["expected"])
