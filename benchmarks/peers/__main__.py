@@ -2,6 +2,7 @@
 
     python -m benchmarks.peers --runs torchtitan,seqpar:llama3-8b,trl_cp,deepspeed_alst,seqpar:qwen3-8b \
         --seq 131072 --out $OUT/peers.json [--time-limit 150]
+    python -m benchmarks.peers --runs trl_cp --seq 262144,393216,524288 --steps 3 --time-limit 590   # the longest
 
 Each run is its own launcher (torchrun / accelerate launch) under a time limit; a run that fails, runs out of
 memory or out of time leaves a record with ``status`` ("oom", "timeout", "error: <last line>") and the tail of its
@@ -60,7 +61,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", required=True, help="comma-separated: torchtitan, trl_cp, deepspeed_alst, seqpar:llama3-8b, "
                    "seqpar:qwen3-8b; a run may carry its own flags after '+', e.g. 'trl_cp+--offload'")
-    p.add_argument("--seq", type=int, default=131072)
+    p.add_argument("--seq", default="131072", help="a length, or ascending lengths (comma-separated): each run goes up "
+                   "until its first failure, so its last 'ok' record is the longest that trains")
     p.add_argument("--gpus", type=int, default=None)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--time-limit", type=int, default=300, help="seconds per run")
@@ -74,37 +76,46 @@ def main() -> None:
                SEQPAR_COMMIT=os.environ.get("SEQPAR_COMMIT", "unknown"), TOKENIZERS_PARALLELISM="false")
     logs = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(logs, exist_ok=True)
+    lengths = [int(x) for x in str(args.seq).split(",")]
     for run in args.runs.split(","):
         name, *flags = run.split("+")
-        cmd = command(name, args.seq, gpus, args.steps, args.out, flags)
-        log = os.path.join(logs, f"{name.replace(':', '-')}-{args.seq}.log")
-        print(f"[peers] {name} S={args.seq}: {' '.join(cmd)}", flush=True)
-        before = len(json.load(open(args.out))) if os.path.exists(args.out) else 0
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=args.time_limit)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-                _kill_tree(proc.pid)  # the launcher and every rank it started (torchrun puts ranks in their own sessions)
-                proc.wait()
-        text = open(log, errors="replace").read()
-        after = len(json.load(open(args.out))) if os.path.exists(args.out) else 0
-        if after > before:
-            continue
-        tail = [line for line in text.splitlines() if line.strip()][-40:]
-        status = ("timeout" if rc == "timeout" else "oom" if "OutOfMemoryError" in text or "CUDA out of memory" in text
-                  else "error: " + _cause(text.splitlines(), tail)[:300])
-        rows = json.load(open(args.out)) if os.path.exists(args.out) else []
-        system, _, model = name.partition(":")
-        rows.append(dict(bench="peers", system=system, model=model or MODEL.get(system, "llama3-8b"), seq=args.seq, gpus=gpus,
-                         gpu=("H200" if "H200" in torch.cuda.get_device_name() else "H100") if torch.cuda.is_available() else "cpu",
-                         commit=env["SEQPAR_COMMIT"], status=status, flags=flags, time_limit_s=args.time_limit,
-                         log_tail=tail[-15:]))
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"[peers] {name} S={args.seq}: {status}", flush=True)
+        for seq in lengths:  # ascending: the longest that trains is the last "ok" before the first failure
+            if _run_one(name, flags, seq, args=args, gpus=gpus, env=env, logs=logs) != "ok":
+                break
 
+
+def _run_one(name: str, flags: list[str], seq: int, *, args, gpus: int, env: dict, logs: str) -> str:
+    """One system at one length under the time limit; its record's status ("ok", "oom", "timeout", "error: ...")."""
+    import torch
+
+    cmd = command(name, seq, gpus, args.steps, args.out, flags)
+    log = os.path.join(logs, f"{name.replace(':', '-')}-{seq}.log")
+    print(f"[peers] {name} S={seq}: {' '.join(cmd)}", flush=True)
+    before = len(json.load(open(args.out))) if os.path.exists(args.out) else 0
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.time_limit)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            _kill_tree(proc.pid)  # the launcher and every rank it started (torchrun puts ranks in their own sessions)
+            proc.wait()
+    text = open(log, errors="replace").read()
+    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    if len(rows) > before:
+        return rows[-1].get("status", "ok")
+    tail = [line for line in text.splitlines() if line.strip()][-40:]
+    status = ("timeout" if rc == "timeout" else "oom" if "OutOfMemoryError" in text or "CUDA out of memory" in text
+              else "error: " + _cause(text.splitlines(), tail)[:300])
+    system, _, model = name.partition(":")
+    rows.append(dict(bench="peers", system=system, model=model or MODEL.get(system, "llama3-8b"), seq=seq, gpus=gpus,
+                     gpu=("H200" if "H200" in torch.cuda.get_device_name() else "H100") if torch.cuda.is_available() else "cpu",
+                     commit=env["SEQPAR_COMMIT"], status=status, flags=flags, time_limit_s=args.time_limit,
+                     log_tail=tail[-15:]))
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"[peers] {name} S={seq}: {status}", flush=True)
+    return status
 
 if __name__ == "__main__":
     main()
