@@ -347,3 +347,22 @@ def test_train_plot_leaves_out_offload_params_runs(tmp_path):
     offloaded = _record(seq=65536, offload_params=True, tag="offload-params-auto")
     assert plot.plot_train(plt, [offloaded], str(tmp_path)) is None
     assert plot.plot_train(plt, [offloaded, _record()], str(tmp_path)).endswith("train.png")
+
+
+def test_context_extension_demonstration_runs_end_to_end(tmp_path):
+    """benchmarks/extend.py --tiny (issue #40's demonstration at toy size): trains, evaluates (a) unchanged and (b)
+    after YaRN to 4L and a fine-tune at 4L, and writes each evaluation's numbers and figures and the summary."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    import extend
+
+    extend.main(["--tiny", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["overrides"]["rope_parameters"]["rope_type"] == "yarn"
+    assert summary["overrides"]["max_position_embeddings"] == 4 * summary["seq"]
+    for phase in ("a_unchanged", "b_yarn_finetuned"):
+        accuracy = summary["accuracy_by_length"][phase]
+        assert sorted(map(int, accuracy)) == [summary["seq"] // 2, summary["seq"], 2 * summary["seq"], 4 * summary["seq"]]
+        assert all(0.0 <= a <= 1.0 for a in accuracy.values())
+    for files in summary["files"].values():
+        assert {os.path.splitext(f)[1] for f in files} == {".json", ".png"} and all(os.path.exists(f) for f in files)

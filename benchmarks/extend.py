@@ -1,0 +1,144 @@
+"""Context extension, shown (issue #40): does the evaluation tell a model that uses a longer context from one that
+does not? One GPU (or CPU at toy size), random init, a passkey-retrieval task.
+
+    PYTHONPATH=$PWD python benchmarks/extend.py --seq 2048 --steps 600 --extend-steps 150 --out $OUT/extend
+    PYTHONPATH=$PWD python benchmarks/extend.py --tiny --out /tmp/extend          # CPU, a minute
+
+1. A word-level tokenizer of the passkey prompts' words (digits one token each) and a small Llama-shaped
+   transformers model with ``max_position_embeddings`` = L (--seq) train ``--steps`` on passkey prompts of L
+   tokens at random depths (labels: every next token, so the only way to predict the answer is to find the needle).
+2. Evaluated by :class:`~lightning_seqpar.callbacks.LongContextEval` (passkey accuracy over depths x lengths up to
+   4L, loss by position) through ``trainer.validate``: (a) as trained, at L ... 4L, RoPE unchanged;
+   (b) after ``rope_extension(..., 4L, rope_type="yarn")`` and ``--extend-steps`` more steps at 4L.
+3. ``$OUT/extend/{a,b}/long_context/``: the JSON numbers, the heatmap and the loss-by-position curve of each;
+   ``summary.json``: accuracy by length for (a) and (b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import lightning as L
+import numpy as np
+import torch
+
+from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
+from lightning_seqpar.callbacks import LongContextEval
+from lightning_seqpar.data.passkey import FILLER, NEEDLE, QUESTION, passkey_prompts
+from lightning_seqpar.hf import rope_extension
+
+IGNORE = -100
+
+
+def word_tokenizer(folder: str):
+    """A word-level tokenizer of the prompts' words, digits one token each, saved to ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)])
+    tok.train_from_iterator([FILLER, NEEDLE.format(key="0123456789"), QUESTION],
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]", "[BOS]", "[EOS]", "[PAD]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]",
+                                   pad_token="[PAD]")
+    fast.save_pretrained(folder)
+    return fast
+
+
+class Prompts(torch.utils.data.Dataset):
+    """Passkey prompts of ``length`` tokens at random depths, every next token labelled (training) or, with
+    ``answer_only``, the answer's tokens only (validation: the loss curve reads them)."""
+
+    def __init__(self, tokenizer, length: int, n: int, seed: int, answer_only: bool = False):
+        depths = np.random.default_rng(seed).uniform(0, 1, n).round(3).tolist()
+        self.items = [passkey_prompts(tokenizer, lengths=[length], depths=[d], samples=1, seed=seed + i, intro=False)[0]
+                      for i, d in enumerate(depths)]
+        self.answer_only = answer_only
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        item = dict(self.items[i])
+        item.pop("prompt_id", None)
+        if not self.answer_only:
+            ids = item["input_ids"]
+            item["labels"] = torch.cat([ids[1:], torch.tensor([IGNORE])])
+        return item
+
+
+def run(phase: str, model, *, args, tokenizer, folder: str, length: int, steps: int, overrides=None) -> tuple[dict, str]:
+    """Train ``steps`` at ``length`` (0: none), then validate with LongContextEval; the results and the saved model."""
+    cuda = torch.cuda.is_available()
+    module = CausalLMModule(model=model, config_overrides=overrides, lr=args.lr, warmup_steps=min(20, steps),
+                            max_steps=max(steps, 1), weight_decay=0.0)
+    lengths = sorted({args.seq // 2, args.seq, 2 * args.seq, 4 * args.seq})
+    evaluation = LongContextEval(tokenizer_path=folder + "/tokenizer", lengths=lengths, depths=[0.0, 0.25, 0.5, 0.75, 1.0],
+                                 samples=args.samples, num_buckets=16, max_length=4 * args.seq, intro=False, digits=5,
+                                 output_dir=f"{args.out}/{phase}/long_context")
+    train = torch.utils.data.DataLoader(Prompts(tokenizer, length, max(steps, 1) * args.batch, seed=1 + len(phase)),
+                                        batch_size=args.batch, shuffle=True)
+    val = torch.utils.data.DataLoader(Prompts(tokenizer, 4 * args.seq, 2, seed=99, answer_only=True), batch_size=1)
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed" if cuda else "32-true",
+                        strategy=SequenceParallelStrategy(memory="auto" if cuda else "manual"),
+                        max_steps=max(steps, 1), logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_train_batches=steps if steps else 0,
+                        callbacks=[evaluation], log_every_n_steps=10)
+    if steps:
+        trainer.fit(module, train_dataloaders=train)
+        trainer.validate(module, dataloaders=val, verbose=False)
+    else:
+        trainer.validate(module, dataloaders=val, verbose=False)
+    saved = f"{folder}/{phase}-model"
+    module.save_hf_pretrained(saved)
+    result = evaluation.results[-1]
+    return result, saved
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=2048, help="L: the trained length (evaluated up to 4L)")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--extend-steps", type=int, default=150)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--tiny", action="store_true", help="CPU toy: L=96, 2 layers of 32, a few steps")
+    ap.add_argument("--out", default="outputs/extend")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.seq, args.steps, args.extend_steps, args.batch, args.samples, args.layers, args.hidden = 96, 4, 2, 2, 1, 2, 32
+    L.seed_everything(0)
+    folder = args.out
+    tokenizer = word_tokenizer(folder + "/tokenizer")
+    config = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                  num_hidden_layers=args.layers, num_attention_heads=8 if args.hidden >= 64 else 4, num_key_value_heads=4 if args.hidden >= 64 else 2,
+                  max_position_embeddings=args.seq, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  tie_word_embeddings=True, attention_dropout=0.0)
+    trained, saved = run("pretrain", config, args=args, tokenizer=tokenizer, folder=folder, length=args.seq, steps=args.steps)
+    unchanged, _ = run("a-unchanged", saved, args=args, tokenizer=tokenizer, folder=folder, length=args.seq, steps=0)
+    overrides = rope_extension(saved, 4 * args.seq, rope_type="yarn")
+    extended, _ = run("b-yarn", saved, args=args, tokenizer=tokenizer, folder=folder, length=4 * args.seq,
+                      steps=args.extend_steps, overrides=overrides)
+
+    def by_length(result: dict) -> dict:
+        p = result["passkey"]
+        acc = np.asarray(p["accuracy"], dtype=float)  # depths x lengths
+        return {str(n): round(float(np.nanmean(acc[:, j])), 3) for j, n in enumerate(p["lengths"])}
+
+    summary = dict(seq=args.seq, steps=args.steps, extend_steps=args.extend_steps, layers=args.layers, hidden=args.hidden,
+                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", overrides=overrides,
+                   accuracy_by_length={"a_unchanged": by_length(unchanged), "b_yarn_finetuned": by_length(extended)},
+                   files={"a": unchanged.get("files"), "b": extended.get("files")})
+    with open(f"{folder}/summary.json", "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary["accuracy_by_length"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
