@@ -19,7 +19,10 @@ FSDP2 over the same W ranks, bf16-mixed, selective++ checkpointing. Per GPU and 
   placement; Note [Two link levels]), forward + backward; selective++ keeps its output, so it
   is not recomputed.
 * linear layers: (6 + 2) x N_matmul x S / W FLOPs (forward, backward, and the recompute of
-  selective++) at ``linear_flops``.
+  selective++) at ``linear_flops``, every block counted as recomputed: where memory="auto" leaves
+  blocks without checkpointing (``uncheckpointed_blocks`` in the table), the step is that much
+  shorter than planned (2 of 8 parts of their linear work), an upper bound kept so that the step
+  and the memory columns stay separate questions.
 * FSDP2: all-gather of the bf16 parameters in forward and again in backward, reduce-scatter of
   fp32 gradients: (2 + 2 + 4) x N x (W-1)/W bytes per GPU, a ring at the NIC rate once W
   spans nodes; prefetched, so only what exceeds the compute is exposed.
