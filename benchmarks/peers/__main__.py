@@ -72,7 +72,10 @@ def main() -> None:
     import torch
 
     gpus = args.gpus or torch.cuda.device_count()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([args.site, os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+    # flash-attention 4 carried into the site (Note [Carrying flash-attention 4] in benchmarks/driver.py) needs its DSL path
+    dsl = os.path.join(args.site, "nvidia_cutlass_dsl", "dsl_packages")
+    paths = [args.site, *([dsl] if os.path.isdir(dsl) else []), os.getcwd(), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths),
                SEQPAR_COMMIT=os.environ.get("SEQPAR_COMMIT", "unknown"), TOKENIZERS_PARALLELISM="false")
     logs = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(logs, exist_ok=True)

@@ -91,7 +91,12 @@ def main() -> None:
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
     trainer.fit(module, datamodule=data)
     plan = strategy.memory_plan
-    settings = dict(strategy_kwargs, precision=precision, attention=strategy.attention,
+    from lightning_seqpar.attention.local import resolve_backend
+
+    layer = next(m for m in module.modules() if type(m).__name__ == "Attention")  # the kernel "auto" runs, as it logs it
+    kernel = layer.backend if layer.backend != "auto" or not cuda else resolve_backend(
+        "auto", torch.device("cuda"), torch.bfloat16, SHAPES[args.model].head_dim, cudnn_exact=layer.cudnn_exact)
+    settings = dict(strategy_kwargs, precision=precision, attention=strategy.attention, kernel=kernel,
                     memory_plan=None if plan is None else str(plan), data="copy task, every token labelled")
     changes = [] if not options else [f"options set: {sorted(options)}"]
     settings["loss_chunk_size"] = args.loss_chunk
