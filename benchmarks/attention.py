@@ -48,7 +48,7 @@ from lightning_seqpar.attention import BACKENDS, lasp_attention, linear_attentio
 from lightning_seqpar.attention import local, masked
 from lightning_seqpar.attention import recurrent as ours
 from lightning_seqpar.attention.cost import DeviceProfile, causal_flops, choose_attention, estimate_attention
-from lightning_seqpar.attention.lasp import _resolve_kernel
+from lightning_seqpar.attention.lasp import resolve_kernel
 from lightning_seqpar.attention.variants import Mask, Variant
 from lightning_seqpar.documents import PackedDocuments
 from lightning_seqpar.models.transnormer import tnl_decay_log
@@ -391,7 +391,7 @@ def run_rates(args, device) -> list[dict]:
 
 
 def run_window(args, device) -> list[dict]:
-    masked._flex()  # import + compile wrapper
+    masked.flex_functions()  # import + compile wrapper
     setattr(dynamo, "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit", 256)
     rows, name = [], device_name(device)
 
@@ -407,7 +407,7 @@ def run_window(args, device) -> list[dict]:
                        for h in (args.heads, args.kv_heads, args.kv_heads, args.heads))
         be = local.resolve_backend("auto", device, torch.bfloat16, D)
         mask, cap = whole(S, Variant(True, w)), whole(S, Variant(True, w, 0, 50.0))
-        bm, bm_cap = masked._flex_block_mask(mask), masked._flex_block_mask(cap)
+        bm, bm_cap = masked.flex_block_mask(mask), masked.flex_block_mask(cap)
 
         def flex(m, b):
             def step():
@@ -417,7 +417,7 @@ def run_window(args, device) -> list[dict]:
 
         def flex_raw():
             qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-            torch.autograd.grad(masked._flex_call(qr, kr, vr, mask, D**-0.5, bm)[0], (qr, kr, vr), do)
+            torch.autograd.grad(masked.flex_call(qr, kr, vr, mask, D**-0.5, bm)[0], (qr, kr, vr), do)
 
         t_causal = None
         for kernel, step in {"causal": lambda: _block(q, k, v, do, backend=be), "window": lambda: _block(q, k, v, do, mask=mask, backend=be),
@@ -457,7 +457,7 @@ def run_matmul(args, device) -> list[dict]:
 
 def run_lasp(args) -> None:
     device, mesh, rank, W = setup(args.device, group=True)
-    kernel = _resolve_kernel(args.kernel, device)
+    kernel = resolve_kernel(args.kernel, device)
     H, Dk, Dv = args.heads, args.dk, args.dv
     decay = tnl_decay_log(H, args.layer, 16, device=device)
     rows = []

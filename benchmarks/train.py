@@ -73,7 +73,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.attention.fused import FusedKVAttention
-from lightning_seqpar.attention.lasp import LinearAttention, _resolve_kernel
+from lightning_seqpar.attention.lasp import LinearAttention, resolve_kernel
 from lightning_seqpar.attention.local import resolve_backend
 from lightning_seqpar.data import LongRangeDataModule
 from lightning_seqpar.models import Llama, LlamaConfig
@@ -299,7 +299,7 @@ def run_seqpar(args, variant: str, kv_comm: str | None):
             for m in pl_module.modules():
                 if isinstance(m, LinearAttention):
                     m.kernel = args.lasp_kernel or m.kernel  # read at every call
-                    info.update(lasp_variant=variant, lasp_kernel=_resolve_kernel(m.kernel, pl_module.device))
+                    info.update(lasp_variant=variant, lasp_kernel=resolve_kernel(m.kernel, pl_module.device))
                 if isinstance(m, FusedKVAttention):
                     info.update(kv_comm=m.mode(), kv_comm_requested=kv_comm)
             if cuda:

@@ -150,9 +150,9 @@ def _compare(got: dict, ref: dict, base: dict, label: str, base_name: str) -> li
 
 @needs_fla
 def test_auto_kernel_is_fla_on_cuda():
-    from lightning_seqpar.attention.lasp import _resolve_kernel
+    from lightning_seqpar.attention.lasp import resolve_kernel
 
-    assert _resolve_kernel("auto", _device()) == "fla"
+    assert resolve_kernel("auto", _device()) == "fla"
 
 
 @needs_fla

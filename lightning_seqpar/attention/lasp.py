@@ -245,7 +245,8 @@ def _fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def _resolve_kernel(kernel: str, device: torch.device) -> str:
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """The LASP kernel ``kernel`` names on ``device``: "auto" is fla where fla-core runs, else torch."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not supported; expected one of {KERNELS}")
     if kernel == "auto":
@@ -563,7 +564,7 @@ def linear_attention_chunked(
         if not isinstance(initial_state, Tensor) or tuple(initial_state.shape) != want or not initial_state.is_floating_point():
             raise ValueError(f"initial_state must be a floating-point tensor of shape [B, H, Dk, Dv] = {want}, got "
                              f"{tuple(initial_state.shape) if isinstance(initial_state, Tensor) else type(initial_state).__name__}")
-    if _resolve_kernel(kernel, q.device) == "fla":  # fla path
+    if resolve_kernel(kernel, q.device) == "fla":  # fla path
         out, final = _fla_chunk(q, k, v, decay_log.detach(), initial_state, output_final_state)
         return out, (final.float() if output_final_state else None)
     out, final = _torch_forward(q, k, v, decay_log.detach(), chunk_size, initial_state)
@@ -596,7 +597,7 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, decay_log: Tensor, *, chun
     (explicit backward, one opaque node for torch.compile). Shapes as :func:`linear_attention_chunked`."""
     _check_inputs(q, k, v, decay_log)
     _check_chunk_size(chunk_size)
-    return _local_chunk(q, k, v, decay_log.detach(), chunk_size, _resolve_kernel(kernel, q.device))[0]
+    return _local_chunk(q, k, v, decay_log.detach(), chunk_size, resolve_kernel(kernel, q.device))[0]
 
 
 def lasp_attention(
@@ -636,7 +637,7 @@ def lasp_attention(
     _check_options(variant, layout)
     _check_mesh(mesh)
     g = decay_log.detach()
-    out_local, state_local = _local_chunk(q, k, v, g, chunk_size, _resolve_kernel(kernel, q.device))
+    out_local, state_local = _local_chunk(q, k, v, g, chunk_size, resolve_kernel(kernel, q.device))
     if mesh.size() == 1:
         return out_local
     inter, _ = torch.ops.seqpar.lasp_fwd(q, state_local, g, variant, mesh.get_group().group_name)

@@ -179,7 +179,7 @@ def fa4_variant_backward(dout, q, k, v, out, lse, mask: Mask, scale: float):
 
 
 @functools.cache
-def _flex():
+def flex_functions():
     """(compiled flex_attention, BlockMask, AuxRequest or None)."""
     from torch.nn.attention import flex_attention as fa
 
@@ -247,10 +247,11 @@ def _mask_mod(mask: Mask):
     return mask_mod
 
 
-def _flex_block_mask(mask: Mask):
+def flex_block_mask(mask: Mask):
+    """The FlexAttention ``BlockMask`` of ``mask`` (None where every key is seen)."""
     if mask.full:
         return None
-    _, BlockMask, _ = _flex()
+    _, BlockMask, _ = flex_functions()
     partial, full = tile_kinds(mask)
 
     def compact(m):  # [Bp, Tq, Tk] -> ([Bp, 1, Tq] counts, [Bp, 1, Tq, Tk] indices of the set tiles first)
@@ -290,8 +291,9 @@ def _functorch_usable():
         yield
 
 
-def _flex_call(q, k, v, mask: Mask, scale: float, block_mask):
-    flex, _, AuxRequest = _flex()
+def flex_call(q, k, v, mask: Mask, scale: float, block_mask):
+    """One FlexAttention call of ``mask``'s variant: (output, log-sum-exp)."""
+    flex, _, AuxRequest = flex_functions()
     c = mask.variant.softcap
     score_mod = None
     if c:
@@ -309,7 +311,7 @@ def _flex_call(q, k, v, mask: Mask, scale: float, block_mask):
 
 
 def flex_forward(q, k, v, mask: Mask, scale: float, block_mask=None):
-    out, lse = _flex_call(q, k, v, mask, scale, _flex_block_mask(mask) if block_mask is None else block_mask)
+    out, lse = flex_call(q, k, v, mask, scale, flex_block_mask(mask) if block_mask is None else block_mask)
     # rows that see no key: the merge wants lse = -inf and out = 0
     lse = lse.to(acc_dtype(q.dtype, q.device))
     empty = torch.isinf(lse) | (lse < -1e30)
@@ -334,10 +336,10 @@ def _autograd_below_dispatch():
 
 def flex_backward(dout, q, k, v, out, lse, mask: Mask, scale: float, block_mask=None):
     """Note [FlexAttention backward with the merged lse]."""
-    bm = _flex_block_mask(mask) if block_mask is None else block_mask
+    bm = flex_block_mask(mask) if block_mask is None else block_mask
     with _autograd_below_dispatch():
         qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
-        o_b, l_b = _flex_call(qr, kr, vr, mask, scale, bm)
+        o_b, l_b = flex_call(qr, kr, vr, mask, scale, bm)
         lse_f = lse.to(torch.float32)
         seen = ~torch.isinf(lse_f)
         w = torch.where(seen, torch.exp(l_b.detach().float() - torch.where(seen, lse_f, 0.0)), 0.0)  # (B, H, S)
