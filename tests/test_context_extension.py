@@ -533,3 +533,6 @@ def test_a_config_dict_builds_the_shape_it_names_or_is_refused_by_key():
         load_hf_config({"model_type": "llama", "config": {"hidden_size": 64}, "vocab_size": 32})
     with pytest.raises(ValueError, match=r"model\['hiden_size'\]"):
         CausalLMModule(model={"model_type": "llama", "config": {"hiden_size": 64}})
+    # what transformers converts or keeps from an older config.json passes
+    assert load_hf_config({"model_type": "llama", "rope_theta": 5e5}).rope_parameters["rope_theta"] == 5e5
+    assert load_hf_config({"model_type": "llama", "is_decoder": True, "tokenizer_class": None}).model_type == "llama"

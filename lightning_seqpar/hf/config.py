@@ -154,15 +154,26 @@ def load_hf_config(source: Any, *, config_overrides: Mapping[str, Any] | None = 
 
 
 def _check_fields(config: PretrainedConfig, fields: Mapping[str, Any], model_type: str) -> None:
-    """Refuse a field the config class does not know: transformers keeps any keyword as an attribute, so a misspelt
-    or misplaced field (``hiden_size``, a nested ``config``) would silently build the class's default shape."""
-    default = _transformers().AutoConfig.for_model(model_type)
+    """Refuse a misspelt field: transformers keeps any keyword as an attribute, so ``hiden_size`` would silently build
+    the class's default shape. A field the class does not list is refused only where it is close to one it does
+    (difflib, ratio >= 0.85) and changes nothing else of the config; legacy keywords transformers converts
+    (``rope_theta``, ``rope_scaling`` -> ``rope_parameters``) and the general ones of an older ``config.json``
+    (``is_decoder``, ``tokenizer_class``, ...) pass, as transformers takes them."""
+    transformers = _transformers()
+    default = transformers.AutoConfig.for_model(model_type)
     known = set(default.to_dict()) | set(getattr(type(default), "attribute_map", {}) or {}) | _GENERAL_FIELDS
+    built = config.to_dict()
     for key in fields:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3)
-            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(f"model[{key!r}]: {type(config).__name__} (model_type={model_type!r}) has no field {key!r}{hint}")
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.85)
+        if not close:
+            continue
+        without = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in fields.items() if k != key}).to_dict()
+        if any(built.get(k) != without.get(k) for k in set(built) | set(without) if k != key):
+            continue  # it changed the config: a keyword transformers converts
+        raise ValueError(f"model[{key!r}]: {type(config).__name__} (model_type={model_type!r}) has no field {key!r}; "
+                         f"did you mean {' or '.join(repr(c) for c in close)}?")
 
 
 # keywords every PretrainedConfig takes that its to_dict() may leave out
