@@ -3,6 +3,7 @@ does not? One GPU (or CPU at toy size), random init, a passkey-retrieval task.
 
     PYTHONPATH=$PWD python benchmarks/extend.py --seq 2048 --steps 600 --extend-steps 150 --out $OUT/extend
     PYTHONPATH=$PWD python benchmarks/extend.py --tiny --out /tmp/extend          # CPU, a minute
+    PYTHONPATH=$PWD python benchmarks/extend.py --cost 131072,524288 --out $OUT/eval-cost.json  # what evaluating costs
 
 1. A word-level tokenizer of the passkey prompts' words (digits one token each) and a small Llama-shaped
    transformers model with ``max_position_embeddings`` = L (--seq) train ``--steps`` on passkey prompts of L
@@ -12,6 +13,11 @@ does not? One GPU (or CPU at toy size), random init, a passkey-retrieval task.
    (b) after ``rope_extension(..., 4L, rope_type="yarn")`` and ``--extend-steps`` more steps at 4L.
 3. ``$OUT/extend/{a,b}/long_context/``: the JSON numbers, the heatmap and the loss-by-position curve of each;
    ``summary.json``: accuracy by length for (a) and (b).
+
+``--cost N,...``: what the evaluation costs at N tokens on one GPU, the Llama-3.2-1B shape (random init, "bf16-true",
+logits in pieces of ``--loss-chunk`` tokens): one validation batch of N tokens (loss by position) and ``--samples``
+passkey prompts of N tokens through :class:`~lightning_seqpar.callbacks.LongContextEval`, seconds of each and the peak
+memory, appended to ``--out`` (a JSON list of records).
 """
 
 from __future__ import annotations
@@ -98,6 +104,76 @@ def run(phase: str, model, *, args, tokenizer, folder: str, length: int, steps: 
     return result, saved
 
 
+LLAMA32_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, attention_dropout=0.0, rms_norm_eps=1e-5,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0})  # the vocabulary: the word tokenizer's
+
+
+class _Clock(L.Callback):
+    """Seconds of the validation batches and of what follows them (the passkey prompts), and the peak memory."""
+
+    def __init__(self) -> None:
+        self.batches: list[float] = []
+        self.epoch_end = self.t = 0.0
+
+    def _sync(self) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return __import__("time").perf_counter()
+
+    def on_validation_batch_start(self, *args, **kwargs) -> None:
+        self.t = self._sync()
+
+    def on_validation_batch_end(self, *args, **kwargs) -> None:
+        self.t, start = self._sync(), self.t
+        self.batches.append(self.t - start)
+
+    def on_validation_epoch_end(self, *args, **kwargs) -> None:  # after LongContextEval's (callbacks run in order)
+        self.epoch_end = self._sync() - self.t
+
+
+def cost(args) -> None:
+    """``--cost``: LongContextEval's cost at each length (one GPU), a record per length appended to ``--out``."""
+    import time
+
+    cuda = torch.cuda.is_available()
+    folder = os.path.dirname(os.path.abspath(args.out)) + "/eval-cost-tokenizer"
+    tokenizer = word_tokenizer(folder)
+    records = []
+    for n in [int(x) for x in args.cost.split(",")]:
+        config = dict(LLAMA32_1B, vocab_size=len(tokenizer), max_position_embeddings=n)
+        if args.tiny:
+            config.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        module = CausalLMModule(model=config, loss_chunk_size=args.loss_chunk)
+        evaluation = LongContextEval(tokenizer_path=folder, lengths=[n], depths=[0.5], samples=args.samples, num_buckets=32,
+                                     max_length=n, intro=False, digits=5, output_dir=None, plots=False)
+        clock = _Clock()
+        val = torch.utils.data.DataLoader(Prompts(tokenizer, n, 1, seed=7, answer_only=False), batch_size=1)
+        trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-true" if cuda else "32-true",
+                            strategy=SequenceParallelStrategy(), logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[evaluation, clock], default_root_dir=os.path.dirname(os.path.abspath(args.out)))
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        trainer.validate(module, dataloaders=val, verbose=False)
+        total = time.perf_counter() - t0
+        record = dict(bench="long_context_eval_cost", seq=n, model="llama3.2-1b-shaped" + ("-tiny" if args.tiny else ""),
+                      device=torch.cuda.get_device_name() if cuda else "cpu", precision="bf16-true" if cuda else "32-true",
+                      loss_chunk_size=args.loss_chunk, passkey_prompts=args.samples, validation_batch_s=round(clock.batches[0], 3),
+                      passkey_s_per_prompt=round(clock.epoch_end / args.samples, 3), validate_total_s=round(total, 2),
+                      peak_mem_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None,
+                      passkey_accuracy=evaluation.results[-1]["passkey"]["accuracy"], torch=torch.__version__,
+                      commit=os.environ.get("SEQPAR_COMMIT"))
+        print(json.dumps(record), flush=True)
+        records.append(record)
+        del module, trainer
+        if cuda:
+            torch.cuda.empty_cache()
+    old = json.load(open(args.out)) if os.path.exists(args.out) else []
+    with open(args.out, "w") as f:
+        json.dump(old + records, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=2048, help="L: the trained length (evaluated up to 4L)")
@@ -110,7 +186,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="CPU toy: L=96, 2 layers of 32, a few steps")
     ap.add_argument("--out", default="outputs/extend")
+    ap.add_argument("--cost", default=None, help="lengths N,...: the evaluation's cost at each (records to --out, a JSON file)")
+    ap.add_argument("--loss-chunk", type=int, default=8192, help="--cost: logits of at most this many tokens at a time")
     args = ap.parse_args(argv)
+    if args.cost:
+        if args.samples < 1:
+            ap.error("--samples must be >= 1")
+        return cost(args)
     if args.tiny:
         args.seq, args.steps, args.extend_steps, args.batch, args.samples, args.layers, args.hidden = 96, 4, 2, 2, 1, 2, 32
     L.seed_everything(0)

@@ -172,8 +172,12 @@ class LongContextEval(L.Callback):
             self.loss_by_position.reset()
             return
         self._run_passkeys(trainer, pl_module)
-        losses = self.loss_by_position.compute().cpu()  # collective: every rank
-        passkey = {k: v.cpu() for k, v in self.passkey.compute().items()}
+        # collectives: every rank. torchmetrics squeezes a one-element result to a scalar (one bucket, a 1 x 1 grid):
+        # the shapes are put back
+        losses = self.loss_by_position.compute().cpu().reshape(-1)
+        grid = (len(self.passkey.depths), len(self.passkey.lengths))
+        passkey = {k: v.cpu().reshape(*grid, -1) if k in ("misses", "answer_tokens") else v.cpu().reshape(grid)
+                   for k, v in self.passkey.compute().items()}
         starts = self.loss_by_position.bucket_starts()
         self.loss_by_position.reset()
         self.passkey.reset()

@@ -536,3 +536,23 @@ def test_a_config_dict_builds_the_shape_it_names_or_is_refused_by_key():
     # what transformers converts or keeps from an older config.json passes
     assert load_hf_config({"model_type": "llama", "rope_theta": 5e5}).rope_parameters["rope_theta"] == 5e5
     assert load_hf_config({"model_type": "llama", "is_decoder": True, "tokenizer_class": None}).model_type == "llama"
+
+
+def test_a_one_cell_evaluation_keeps_its_shapes(setup):
+    """One depth, one length, one bucket: torchmetrics squeezes one-element results to scalars; the callback's
+    results keep the (depths x lengths) grid and the list of buckets."""
+    import lightning as L
+
+    from lightning_seqpar.callbacks import LongContextEval
+
+    folder, _, _, eval_data, _, root = setup
+    callback = LongContextEval(tokenizer_path=eval_data["tokenizer_path"], lengths=[EVAL["lengths"][-1]], depths=[0.5], samples=1,
+                               num_buckets=1, max_length=64, digits=3, intro=False, plots=False,
+                               output_dir=str(root / "one-cell"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback])
+    trainer.validate(CausalLMModule(folder, config_overrides=YARN), datamodule=HFTextDataModule(**eval_data), verbose=False)
+    result = callback.results[-1]
+    assert len(result["passkey"]["accuracy"]) == 1 and len(result["passkey"]["accuracy"][0]) == 1
+    assert result["passkey"]["answer_tokens"][0][0][0] > 0  # the prompt was evaluated
+    assert len(result["loss_by_position"]["loss"]) == 1 and result["loss_by_position"]["bucket_starts"] == [0]
