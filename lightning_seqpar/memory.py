@@ -26,7 +26,14 @@ rank; e bytes per activation element (2 under bf16, 4 under fp32), fp32 = 4. Per
     block input copied back (offload)        d e            4,096              transient, with offload
 
 Selective Checkpoint++ keeps 8,320 B per token and layer (133,120 B per token over 16 layers of
-the 1B shape); ``offload_checkpoints`` moves the block input to the host (4,224 B stays). The
+the 1B shape); ``offload_checkpoints`` moves the block input to the host (4,224 B stays). Under
+Ulysses and 2D it also keeps the head all-to-alls' outputs (they are in ``ATTENTION_OPS``, so the
+recompute does not repeat their communication): q, k, v in the head layout, (H_q + 2 H_kv) D e, and
+the output back in the sequence layout, H_q D e, per local token -- 20,480 B more per token and layer
+for Llama-3-8B / Qwen3-8B (4 x H200, Qwen3-8B shape at 128K, sp 4, Ulysses with flash-attention 4:
+the planner, counting ring's 8,320 only, chose 4 uncheckpointed blocks for an estimated 132.6 GB and
+the step ran out of memory asking for 18.6 GiB with 115.4 GiB allocated; Llama-3-8B the same way
+peaked at 133.5 GB under Ulysses against 113.2 GB under ring, estimate 131.4). The
 backward of ONE block recomputes it, and its peak is the larger of two phases:
 
 * MLP phase (the MLP's backward runs first): both norms' outputs, q/k/v, the MLP's four saved
@@ -495,16 +502,19 @@ def estimate_memory(
     ).peak_memory_bytes
 
     kept_on_device = x * (L - u - k) / max(L - u, 1)  # the block inputs not offloaded, averaged over the checkpointed layers
+    # Ulysses / 2D: Selective Checkpoint++ also keeps the head all-to-alls' outputs (q, k, v in, the output back)
+    head_all_to_alls = qkv + Hq * D * e if algorithm in ("ulysses", "2d") else 0
+    head_out = Hq * D * e if algorithm in ("ulysses", "2d") else 0  # unchecked: the attention's output in both layouts
     if mode == "selective++":
-        saved_token = kept_on_device + attn_out
+        saved_token = kept_on_device + attn_out + head_all_to_alls
         recompute_extra = 0
     elif mode == "full":
         saved_token = kept_on_device
         recompute_extra = attn_out  # the recompute runs the attention again and keeps its output
     else:  # no checkpointing: every layer keeps what its backward needs
-        saved_token = x + 2 * norm + qkv + attn_out + (mlp_saved if options.mlp_chunk_size is None else 0)
+        saved_token = x + 2 * norm + qkv + attn_out + head_out + (mlp_saved if options.mlp_chunk_size is None else 0)
         recompute_extra = 0
-    bare_token = x + 2 * norm + qkv + attn_out + (mlp_saved if options.mlp_chunk_size is None else 0) + lora_attn
+    bare_token = x + 2 * norm + qkv + attn_out + head_out + (mlp_saved if options.mlp_chunk_size is None else 0) + lora_attn
     if mode is None:  # the saved tensors are in saved_token; the backward adds gradients
         saved_token += lora_attn
         mlp_phase = n * ((mlp_grads if options.mlp_chunk_size is None else 0) + x) + tile + lora_tile

@@ -528,3 +528,25 @@ def test_auto_attention_and_the_memory_plan_read_one_length():
     result = run_distributed(_auto_attention_reads_the_planned_length, 2, timeout=180)[0]
     assert result["algorithm"] is not None and result["attention"] == result["algorithm"]
     assert result["planned"] == 64 and result["total"] == pytest.approx(result["expected"])
+
+
+def test_ulysses_keeps_its_head_all_to_alls_under_selective_checkpointing():
+    """Selective Checkpoint++ saves the head all-to-alls' outputs (ATTENTION_OPS): under Ulysses / 2D every
+    checkpointed layer keeps q, k, v in the head layout and the output back in the sequence layout as well --
+    20,480 B more per token and layer for the Qwen3-8B shape. Counting ring's only let the planner spend the
+    difference on uncheckpointed blocks, and the 128K step ran out of memory on 4 x H200 (Note [Memory per token])."""
+    from lightning_seqpar.memory import MemoryOptions, TransformerShape, estimate_memory, plan_memory
+
+    qwen = TransformerShape(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
+                            vocab_size=151936)
+    n, per = 131072 // 4, (32 + 2 * 8) * 128 * 2 + 32 * 128 * 2
+    for u in (0, 4):
+        opts = MemoryOptions(uncheckpointed_blocks=u)
+        ring = estimate_memory(model_shape=qwen, seq_len=131072, sp=4, options=opts, attention="ring")
+        for algorithm in ("ulysses", "2d"):
+            other = estimate_memory(model_shape=qwen, seq_len=131072, sp=4, options=opts, attention=algorithm, head_parallel_size=2)
+            # checkpointed layers: the all-to-alls' outputs; uncheckpointed ones: the output in both layouts
+            assert other.saved_activations - ring.saved_activations == (36 - u) * n * per + u * n * 32 * 128 * 2
+    ulysses = plan_memory(model_shape=qwen, seq_len=131072, device_memory=150.1e9, sp=4, attention="ulysses", host_memory=120e9)
+    ring = plan_memory(model_shape=qwen, seq_len=131072, device_memory=150.1e9, sp=4, attention="ring", host_memory=120e9)
+    assert ulysses.options.uncheckpointed_blocks < ring.options.uncheckpointed_blocks
