@@ -599,14 +599,15 @@ def hf_families_gpus_table(rows: list[dict]) -> str:
 
 
 def peers_table(rows: list[dict]) -> str:
-    """The peers from their own code beside ours (``benchmarks/peers/report.py``); profiled steps left out."""
+    """The peers from their own code beside ours (``benchmarks/peers/report.py``, which reads the results files itself:
+    a ratio is taken within one file, one session); profiled steps left out. ``rows`` is not read."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "report.py")
     spec = importlib.util.spec_from_file_location("benchmarks_peers_report", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return "\n".join(module.table([r for r in rows if r.get("bench") == "peers" and not r.get("profiled_step")]))
+    return "\n".join(module.table(module.records()))
 
 
 TABLES: dict[str, Callable[[list[dict]], str]] = {

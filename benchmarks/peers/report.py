@@ -1,8 +1,9 @@
 """The peers table of docs/benchmarks.md from the records (``python -m benchmarks.peers.report``).
 
 One row per run, grouped by model and length, each system's tokens/s/GPU as a ratio to the best peer's (the peers:
-torchtitan, trl_cp, deepspeed_alst) of the same model, length, GPU kind and count. Profiled steps are left out
-(the profiler slows the step it records); failed runs stay in, with their status.
+torchtitan, trl_cp, deepspeed_alst) of the same model, length, GPU kind and count measured in the same session (one
+results file per session: a ratio never mixes machines). Profiled steps are left out (the profiler slows the step it
+records); failed runs stay in, with their status.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def records(paths: list[str] | None = None) -> list[dict]:
     rows = []
     for path in paths or sorted(glob.glob(os.path.join(RESULTS, "*peers*.json"))):
-        rows += [r for r in json.load(open(path)) if r.get("bench") == "peers" and not r.get("profiled_step")]
+        session = os.path.basename(path).split("-nvidia")[0] + ("" if path.endswith("-peers.json") else
+                                                                 "-" + path.rsplit("-", 1)[-1].removesuffix(".json"))
+        rows += [dict(r, session=session) for r in json.load(open(path)) if r.get("bench") == "peers" and not r.get("profiled_step")]
     return rows
 
 
@@ -32,20 +35,24 @@ def _settings(r: dict) -> str:
     by_hand = [f"{k}={s[k]}" for k in ("attention", "uncheckpointed_blocks", "compile") if k in s and k != "attention"]
     set_attention = any("attention" in c for c in r.get("changes", []))
     parts = [f"attention {s['attention']}" + (" (set)" if set_attention else " (auto)")] if s.get("attention") else []
+    parts += [f"kernel {s['kernel']}"] if s.get("kernel") else []
     parts += ([f"memory=auto: {chosen}"] if chosen else []) + by_hand
     parts += [f"loss chunks {s['loss_chunk_size']}"] if s.get("loss_chunk_size") else []
-    return ", ".join(parts) if (chosen or by_hand or s.get("loss_chunk_size") or set_attention) else "defaults"
+    return ", ".join(parts) if (chosen or by_hand or s.get("loss_chunk_size") or set_attention or s.get("kernel")) else "defaults"
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| model | S | GPUs | system | version | tokens/s/GPU | vs best peer | MFU | peak GB | settings | commit |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"])  # noqa: E731
-    for k in sorted({key(r) for r in rows}):
+    out = ["| model | S | GPUs | session | system | version | tokens/s/GPU | vs best peer | MFU | peak GB | settings | commit |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"], r.get("session", "-"))  # noqa: E731
+    anchored = set()
+    keys = sorted(sorted({key(r) for r in rows}, key=lambda k: k[4], reverse=True), key=lambda k: k[:4])  # newest session first
+    for k in keys:
         group = [r for r in rows if key(r) == k]
         peers = [r["tokens_per_s_per_gpu"] for r in group if r["system"] in PEERS and r.get("tokens_per_s_per_gpu")]
         best = max(peers, default=None)
-        anchor = f'<a id="peers-{k[0]}-{k[1] // 1024}k-{k[2]}"></a>'  # README rows link here
+        anchor = "" if k[:4] in anchored else f'<a id="peers-{k[0]}-{k[1] // 1024}k-{k[2]}"></a>'  # README rows link here
+        anchored.add(k[:4])
         for r in sorted(group, key=lambda r: (r["system"] != "seqpar", r["system"], -(r.get("tokens_per_s_per_gpu") or 0))):
             tps = r.get("tokens_per_s_per_gpu")
             if tps:
@@ -53,7 +60,7 @@ def table(rows: list[dict]) -> list[str]:
                          f"{r['peak_mem_gb']:.1f}"]
             else:
                 cells = [r["status"].split(":")[0], "-", "-", "-"]
-            out.append(f"| {anchor}{r['model']} | {r['seq'] // 1024}K | {r['gpus']} x {r['gpu']} | {r['system']} | "
+            out.append(f"| {anchor}{r['model']} | {r['seq'] // 1024}K | {r['gpus']} x {r['gpu']} | {k[4]} | {r['system']} | "
                        f"{r.get('version', '-')} | " + " | ".join(cells) + f" | {_settings(r)} | {r['commit']} |")
             anchor = ""
     return out
