@@ -130,10 +130,13 @@ def test_plan_no_offload_at_64k_offload_where_plain_does_not_fit():
     # no checkpointing at all where every layer's tensors fit (the fastest), Selective Checkpoint++ where they do not
     plan = plan_memory(model_shape=LLAMA_1B, seq_len=64 * K, device_memory=H200, loss_chunk_size=8192)
     assert plan.options == MemoryOptions(activation_checkpointing=None)
-    assert len(plan.tried) == 1
+    # tried: no checkpointing, then the same with the whole model gathered (one rank), which no longer fits
+    assert [t.options for t in plan.tried] == [plan.options, replace(plan.options, gather_whole_model=True)]
+    assert plan.tried[1].total > 0.9 * H200
     plan = plan_memory(model_shape=LLAMA_1B, seq_len=128 * K, device_memory=H200, loss_chunk_size=8192)
-    # Selective Checkpoint++, and what it leaves of the budget spent on blocks without checkpointing
-    assert replace(plan.options, uncheckpointed_blocks=0) == MemoryOptions()
+    # Selective Checkpoint++, and what it leaves of the budget spent on speed: the whole model gathered once per step
+    # (one rank), then blocks without checkpointing
+    assert replace(plan.options, uncheckpointed_blocks=0) == MemoryOptions(gather_whole_model=True)
     assert plan.options.uncheckpointed_blocks > 0
     kept = plan_memory(model_shape=LLAMA_1B, seq_len=64 * K, device_memory=H200, loss_chunk_size=8192,
                        fixed={"activation_checkpointing": "selective++"}).options  # the user's choice kept
@@ -472,7 +475,8 @@ def test_plan_spends_what_is_left_on_uncheckpointed_blocks():
     # the user's count: kept, counted, and what it needs planned around it (here: the MLP in tiles)
     fixed = plan_memory(model_shape=LLAMA_1B, seq_len=192 * K, device_memory=H200, loss_chunk_size=8192,
                         fixed={"uncheckpointed_blocks": 12})
-    assert fixed.options == MemoryOptions(uncheckpointed_blocks=12, mlp_chunk_size=fixed.options.mlp_chunk_size)
+    assert fixed.options == MemoryOptions(uncheckpointed_blocks=12, mlp_chunk_size=fixed.options.mlp_chunk_size,
+                                          gather_whole_model=True)
     assert fixed.options.mlp_chunk_size is not None and fixed.estimate.total <= budget
     alone = estimate_memory(model_shape=LLAMA_1B, seq_len=192 * K, options=MemoryOptions(uncheckpointed_blocks=12),
                             loss_chunk_size=8192)
