@@ -67,10 +67,13 @@ strategy]). Gradients are counted in full although in the first step's backward 
 layer by layer: an upper bound, exact under gradient accumulation. ``offload_params`` moves all
 three to the host. FSDP2's unsharded parameters stay on the GPU: the root module's (embeddings,
 head, final norm; kept gathered through the step) and two blocks' (the one running and the one
-prefetched), in the compute dtype.
+prefetched), in the compute dtype. With ``gather_whole_model`` (one rank) every parameter stays gathered
+through the step, and at the end of the backward every gradient is reduced at once: the unsharded gradients
+in the compute dtype beside FSDP2's reduce buffer in the gradients' dtype, when the activations are gone
+(``gradient_reduction``, a peak of its own beside the activations' one).
 
-Peak = model states + FSDP buffers + L x saved per layer x N + max(block phase, loss phase)
-+ ``OVERHEAD_BYTES``. ``MemoryEstimate.allocated`` (without the overhead) is what
+Peak = model states + FSDP buffers + max(L x saved per layer x N + max(block phase, loss phase),
+gradient reduction) + ``OVERHEAD_BYTES``. ``MemoryEstimate.allocated`` (without the overhead) is what
 ``torch.cuda.max_memory_allocated`` measures. Calibration (one H200, the Llama-3.2-1B shape,
 bf16-true, batch 1, AdamW, selective++, loss chunks of 8192; issue #22), with checkpointed norms:
 35.3 GB at 256K with the options the planner picks for 1M (the loss phase is the peak), 109.8 GB
@@ -81,7 +84,11 @@ layer at the block's peak and the 1M step ran out of memory above 143 GB.
 
 Note [Planning memory]
 ~~~~~~~~~~~~~~~~~~~~~~
-``memory="auto"`` first tries no activation checkpointing at all (unless the user set it or
+The planner runs under ``memory="auto"``, and under the default ``memory=None`` where it can: on a CUDA
+device, for a model whose shape :meth:`TransformerShape.from_config` reads, with a length known (Note [The
+length memory="auto" plans for] in ``lightning_seqpar.planning``); elsewhere None keeps the options as given
+with one log line, and where nothing fits it warns with the message below instead of raising
+(``planning.plan_run_memory``). It first tries no activation checkpointing at all (unless the user set it or
 ``offload_checkpoints``): where every layer's saved tensors fit, that is the fastest, by far at short
 lengths, where Selective Checkpoint++'s recomputation is bound by the CPU (one H200, Llama-3.2-1B
 shape, one GPU: 4K 30,527 tokens/s without checkpointing against 13,099 with selective++, plain
@@ -109,7 +116,11 @@ backward needs first), k the most the host holds. Then what that set does not ne
 (activation_checkpointing, offload_params, mlp_chunk_size, head_chunks down to the fewest that
 fit, offload_checkpoints, bf16_adapters): head chunks save nothing where the MLP phase is the larger one, but
 once the MLP is tiled the attention phase may be. What the chosen set leaves of the budget then goes to
-speed: the most blocks left without checkpointing (``uncheckpointed_blocks``, the last blocks; no recompute
+speed, first on one rank (dp_shard x sp = 1, nothing offloaded: where memory binds enough to offload, the
+step is long and not bound by the CPU) ``gather_whole_model``, FSDP2 over the root only, the whole model
+gathered once per step, where its estimate still fits (also after no checkpointing at all: Note [One rank:
+one gather per step] in ``lightning_seqpar.parallelize``, issue #43: a short step on one GPU is bound by the
+CPU, and every FSDP2 group costs Python); then the most blocks left without checkpointing (``uncheckpointed_blocks``, the last blocks; no recompute
 in their backward) whose estimate still fits, where checkpointing is on and nothing is offloaded (4 x H200,
 Llama-3-8B at 64K, sequence-parallel 4 with the chunked loss: 24 blocks uncheckpointed gave 4,390 tokens/s
 per GPU against 4,100 with none; a user-set count is counted in the estimate, which before left it out and

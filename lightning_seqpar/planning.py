@@ -349,9 +349,12 @@ def device_memory_bytes(device: torch.device) -> int | None:
 # only ``offload_params`` reaches the group (the CPU backend its host-resident gradients need,
 # Note [Offloading parameters to host memory] in ``lightning_seqpar.parallelize``), so on CUDA with
 # ``process_group_backend=None`` the group is then created with "cpu:gloo,cuda:nccl" whatever the
-# plan chooses; every other option is first read by ``parallelize``. A length read from the first
+# plan chooses (under "auto"; the default ``memory=None`` adds no backend for a plan it may not make,
+# and its plan then keeps ``offload_params`` off unless the group's backend serves the CPU); every
+# other option is first read by ``parallelize``. A length read from the first
 # batch is that batch's: data of varying lengths needs ``expected_seq_len`` (the longest). Where
-# none of the three exists, a ``ValueError`` names ``expected_seq_len`` before any collective.
+# none of the three exists, a ``ValueError`` names ``expected_seq_len`` before any collective (the
+# default ``memory=None`` logs it and keeps the options as given).
 
 
 @dataclass(frozen=True)
