@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -504,12 +504,12 @@ class RunMemory:
 
 
 def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
-                    device_memory: int | None, trainer: Any, in_setup: bool, owner: str,
+                    device_memory: Callable[[], int | None], trainer: Any, in_setup: bool, owner: str,
                     group_backend: str | None = None) -> RunMemory:
     """``memory`` at one of its two moments (Note [The length memory="auto" plans for]): the planner's choice for the
     length known then (:func:`memory_plan_length`) and ``config`` with the options it sets (checked again), logged;
     ``later`` when no length is known yet (before the process group exists: it plans again in setup, for the first
-    batch's). ``device_memory``: None off CUDA (no plan, a log line). ``group_backend``: in setup, the process group's
+    batch's). ``device_memory``: read when planning, None off CUDA (no plan, a log line). ``group_backend``: in setup, the process group's
     backend as the strategy asked for it (None: Lightning's default for the device). memory="auto" raises where it cannot plan or
     nothing fits; the default None logs why it does not plan, or warns with the planner's message where nothing
     fits, and keeps the options as given (Note [Planning memory] in ``lightning_seqpar.memory``)."""
@@ -520,12 +520,12 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
     which = "memory=None (the default)" if default else "memory='auto'"
     if in_setup and group_backend is None and site.device.type == "cuda":
         group_backend = "nccl"  # what Lightning starts on CUDA without a backend given
-    if device_memory is None:
-        rank_zero_info(f"{owner}: {which} plans for CUDA devices; on {site.device.type} the options stay as given")
-        return as_given
     try:
         if default:
             model_shape_of(module, owner=owner)  # before waiting for a length: a model it cannot plan for is not planned
+        if (memory := device_memory()) is None:
+            rank_zero_info(f"{owner}: {which} plans for CUDA devices; on {site.device.type} the options stay as given")
+            return as_given
         length = memory_plan_length(config, trainer=trainer, in_setup=in_setup, owner=owner)
     except ValueError as error:
         if not default:
@@ -535,7 +535,7 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
     if length is None:
         return RunMemory(config, later=True)
     try:
-        plan = plan_memory_options(module, config=config, length=length, site=site, dims=dims, device_memory=device_memory,
+        plan = plan_memory_options(module, config=config, length=length, site=site, dims=dims, device_memory=memory,
                                    owner=owner, group_backend=group_backend)
     except ValueError as error:
         if not default:

@@ -192,7 +192,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
             return
         site = self._run_site()
         run = plan_run_memory(self.lightning_module, config=self.config, site=site, dims=dims,
-                              device_memory=self._device_memory_bytes(site.device), in_setup=trainer is not None,
+                              device_memory=lambda: self._device_memory_bytes(site.device), in_setup=trainer is not None,
                               trainer=trainer or getattr(self.lightning_module, "_trainer", None), owner=type(self).__name__,
                               group_backend=self._process_group_backend if trainer is not None else None)
         self._plan_in_setup, self.config, self.memory_plan = run.later, run.config, run.plan or self.memory_plan

@@ -589,7 +589,7 @@ def _plan_run(config_kwargs: dict, *, module=None, device_memory: float | None =
     module = module if module is not None else SimpleNamespace(config=LlamaConfig.from_name("tiny"), loss_chunk_size=16)
     run = planning.plan_run_memory(module, config=StrategyConfig(**config_kwargs), site=planning.RunSite(device=torch.device("cpu")),
                                    dims=ParallelDims.from_sizes(world_size=1, sequence_parallel_size=1, owner="S"),
-                                   device_memory=device_memory, trainer=trainer, in_setup=in_setup, owner="S")
+                                   device_memory=lambda: device_memory, trainer=trainer, in_setup=in_setup, owner="S")
     return run, logged
 
 

@@ -62,7 +62,7 @@ def test_whole_model_gather_trains_and_checkpoints_like_groups_per_block(tmp_pat
     assert whole["groups"] == 1 and blocks["groups"] > 1  # the root's group only, or the root's and one per block
     assert whole["dtensors"] and blocks["dtensors"]  # DTensor parameters either way
     assert len(whole["losses"]) == len(blocks["losses"]) == 4
-    # 32-true on one rank: the same training (DESIGN.md's fp32 tolerances)
+    # 32-true on one rank: the same training (the fp32 tolerances of the parity tests)
     torch.testing.assert_close(torch.tensor(whole["losses"]), torch.tensor(blocks["losses"]), rtol=1e-5, atol=2e-6)
     assert whole["weights"].keys() == blocks["weights"].keys()  # the same names: the same checkpoint format
     for name, value in blocks["weights"].items():
