@@ -5,7 +5,7 @@ Note [One name per option]
 Every option keeps the name the user gives the strategy from the constructor down to the
 ``apply_*`` function that uses it: ``attention``, ``attention_backend``, ``lasp_variant``,
 ``inner_ring_size``, ``head_chunks``, ``activation_checkpointing``, ``uncheckpointed_blocks``,
-``offload_checkpoints``, ``offload_params``, ``bf16_adapters``, ``mlp_chunk_size``, ``memory``. Two values are derived, and
+``offload_checkpoints``, ``offload_params``, ``bf16_adapters``, ``mlp_chunk_size``, ``gather_whole_model``, ``memory``. Two values are derived, and
 named for what they are: ``layout`` (the split that ``load_balance`` asks for: True / "auto" ->
 "zigzag" unless the attention is LASP) and ``compile_kwargs`` (``compile``'s keyword arguments,
 None without compile). The one place where a name changes is the attention module's own public
@@ -45,12 +45,13 @@ __all__ = [
 AttentionChoice = Literal[Algorithm, "lasp", "auto"]
 ActivationCheckpointingChoice = Literal["selective++", "full"]
 
-MEMORY_CHOICES: tuple[str, ...] = ("manual", "auto")
-"""``memory``: "manual" (the options as given) or "auto" (Note [Planning memory] in ``lightning_seqpar.memory``)."""
+MEMORY_CHOICES: tuple[str | None, ...] = (None, "manual", "auto")
+"""``memory``: None (the default: "auto" where the planner can plan, else the options as given), "manual" (the options
+as given) or "auto" (Note [Planning memory] in ``lightning_seqpar.memory``)."""
 
 MEMORY_OPTIONS: tuple[str, ...] = ("offload_checkpoints", "head_chunks", "mlp_chunk_size", "offload_params", "activation_checkpointing",
-                                   "bf16_adapters", "uncheckpointed_blocks")
-"""The options ``memory="auto"`` may set, where they are left at their defaults."""
+                                   "bf16_adapters", "uncheckpointed_blocks", "gather_whole_model")
+"""The options ``memory="auto"`` (and the default ``memory=None``) may set, where they are left at their defaults."""
 
 OWNER = "SequenceParallelStrategy"
 """The class whose options these are: every error of the config starts with it."""
@@ -169,6 +170,12 @@ OPTIONS_DOC = """\
             no longer keeps an fp32 copy of every adapted layer's input for the backward (Note [Adapters in bf16]
             in ``lightning_seqpar.hf.lora``): ~4 bytes x (3d + H D + 2d + I) per token and layer less at the block's
             peak. False (the default): the adapters compute in fp32, as peft's own model does.
+        gather_whole_model: on one rank only (dp_shard x sp x replicas = 1, one GPU), without offload_params: FSDP2
+            shards the root module alone, not every block, so the whole model is gathered once per step (in the
+            compute dtype) and stays gathered through it: the same training, less Python per step, for the memory of
+            every parameter in the compute dtype instead of the root's and two blocks' (Note [One rank: one gather per
+            step] in ``lightning_seqpar.parallelize``). The planner (``memory`` None or "auto") turns it on on one rank
+            where it fits. Checkpoints are the same with and without it.
         mlp_chunk_size: run each block's MLP over slices of this many tokens, each checkpointed:
             the MLP's intermediate activations (3.5x the block width) exist for one slice at a
             time (Note [Sequence-tiled MLP]). None: the MLP runs on the whole local sequence.
@@ -187,14 +194,18 @@ OPTIONS_DOC = """\
         validate_batches: compare every batch across the ranks of each sequence-parallel group
             (one all-gather of 5 integers per rank and batch) and raise, naming the ranks, if they
             differ in shape, dtype or tokens.
-        memory: "manual" (the options as given) or "auto": before the process group exists, the
+        memory: None (the default), "manual" or "auto". "auto": before the process group exists, the
             planner (``lightning_seqpar.memory.plan_memory``) estimates this rank's peak memory for
             ``expected_seq_len``, else the datamodule's ``seq_len``, else (in setup) the first batch's length
-            (Note [The length memory="auto" plans for] in ``lightning_seqpar.planning``) and sets offload_checkpoints, head_chunks,
-            mlp_chunk_size, offload_params and (LoRA) bf16_adapters, those left at their defaults only, to the set with
-            the least slowdown that fits the device's memory; it logs the choice and the estimate
-            (``memory_plan`` keeps them), or raises a ``ValueError`` with the longest length that
-            would fit. On a CPU device it does not plan (a log line says so). Note [Planning memory].
+            (Note [The length memory="auto" plans for] in ``lightning_seqpar.planning``) and sets activation_checkpointing
+            (None where everything fits), offload_checkpoints, head_chunks, mlp_chunk_size, offload_params, (LoRA)
+            bf16_adapters, and for speed gather_whole_model (one rank) and uncheckpointed_blocks, those left at their
+            defaults only ("selective++" counts as unset), to the fastest set that fits the device's memory; it logs the
+            choice and the estimate (``memory_plan`` keeps them), or raises a ``ValueError`` with the longest length that
+            would fit. On a CPU device it does not plan (a log line says so). "manual": the options as given. None: as
+            "auto" where the planner can plan (a CUDA device, the model's sizes readable from the LightningModule's
+            ``config``, a length known), else the options as given with an info line saying why; where nothing fits it
+            warns with the planner's message and runs with the options as given instead of raising. Note [Planning memory].
     """
 """The options' ``Args`` section, written once: the docstring of
 :class:`~lightning_seqpar.strategy.SequenceParallelStrategy` (what ``help()`` and ``seqpar fit --help``
@@ -227,6 +238,7 @@ class StrategyConfig:
     offload_checkpoints: bool | int = False
     offload_params: bool = False
     bf16_adapters: bool = False
+    gather_whole_model: bool = False
     mlp_chunk_size: int | None = None
     compile: bool | dict[str, Any] = False
     save_distributed_checkpoint: bool = True
@@ -234,7 +246,7 @@ class StrategyConfig:
     timeout: timedelta | float | None = default_pg_timeout
     pad_to_multiple: bool = False
     validate_batches: bool = True
-    memory: Literal["manual", "auto"] = "manual"
+    memory: Literal["manual", "auto"] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
@@ -336,6 +348,11 @@ class StrategyConfig:
             raise ValueError(f"{name}: offload_params must be True or False, got {self.offload_params!r}")
         if not isinstance(self.bf16_adapters, bool):
             raise ValueError(f"{name}: bf16_adapters must be True or False, got {self.bf16_adapters!r}")
+        if not isinstance(self.gather_whole_model, bool):
+            raise ValueError(f"{name}: gather_whole_model must be True or False, got {self.gather_whole_model!r}")
+        if self.gather_whole_model and self.offload_params:
+            raise ValueError(f"{name}: gather_whole_model=True keeps the whole model gathered on the device; it cannot be "
+                             "combined with offload_params=True (the model states on the host)")
         backend = self.process_group_backend
         if self.offload_params and backend is not None and not serves_cpu(backend):
             raise ValueError(
@@ -373,6 +390,7 @@ class ConfigOptions:
     offload_checkpoints = property(lambda self: self.config.offload_checkpoints)
     offload_params = property(lambda self: self.config.offload_params)
     bf16_adapters = property(lambda self: self.config.bf16_adapters)
+    gather_whole_model = property(lambda self: self.config.gather_whole_model)
     mlp_chunk_size = property(lambda self: self.config.mlp_chunk_size)
     compile_kwargs = property(lambda self: self.config.compile_kwargs)
     timeout = property(lambda self: self.config.timeout)

@@ -74,10 +74,13 @@ strategy]). Gradients are counted in full although in the first step's backward 
 layer by layer: an upper bound, exact under gradient accumulation. ``offload_params`` moves all
 three to the host. FSDP2's unsharded parameters stay on the GPU: the root module's (embeddings,
 head, final norm; kept gathered through the step) and two blocks' (the one running and the one
-prefetched), in the compute dtype.
+prefetched), in the compute dtype. With ``gather_whole_model`` (one rank) every parameter stays gathered
+through the step, and at the end of the backward every gradient is reduced at once: the unsharded gradients
+in the compute dtype beside FSDP2's reduce buffer in the gradients' dtype, when the activations are gone
+(``gradient_reduction``, a peak of its own beside the activations' one).
 
-Peak = model states + FSDP buffers + L x saved per layer x N + max(block phase, loss phase)
-+ ``OVERHEAD_BYTES``. ``MemoryEstimate.allocated`` (without the overhead) is what
+Peak = model states + FSDP buffers + max(L x saved per layer x N + max(block phase, loss phase),
+gradient reduction) + ``OVERHEAD_BYTES``. ``MemoryEstimate.allocated`` (without the overhead) is what
 ``torch.cuda.max_memory_allocated`` measures. Calibration (one H200, the Llama-3.2-1B shape,
 bf16-true, batch 1, AdamW, selective++, loss chunks of 8192; issue #22), with checkpointed norms:
 35.3 GB at 256K with the options the planner picks for 1M (the loss phase is the peak), 109.8 GB
@@ -88,7 +91,11 @@ layer at the block's peak and the 1M step ran out of memory above 143 GB.
 
 Note [Planning memory]
 ~~~~~~~~~~~~~~~~~~~~~~
-``memory="auto"`` first tries no activation checkpointing at all (unless the user set it or
+The planner runs under ``memory="auto"``, and under the default ``memory=None`` where it can: on a CUDA
+device, for a model whose shape :meth:`TransformerShape.from_config` reads, with a length known (Note [The
+length memory="auto" plans for] in ``lightning_seqpar.planning``); elsewhere None keeps the options as given
+with one log line, and where nothing fits it warns with the message below instead of raising
+(``planning.plan_run_memory``). It first tries no activation checkpointing at all (unless the user set it or
 ``offload_checkpoints``): where every layer's saved tensors fit, that is the fastest, by far at short
 lengths, where Selective Checkpoint++'s recomputation is bound by the CPU (one H200, Llama-3.2-1B
 shape, one GPU: 4K 30,527 tokens/s without checkpointing against 13,099 with selective++, plain
@@ -116,7 +123,11 @@ backward needs first), k the most the host holds. Then what that set does not ne
 (activation_checkpointing, offload_params, mlp_chunk_size, head_chunks down to the fewest that
 fit, offload_checkpoints, bf16_adapters): head chunks save nothing where the MLP phase is the larger one, but
 once the MLP is tiled the attention phase may be. What the chosen set leaves of the budget then goes to
-speed: the most blocks left without checkpointing (``uncheckpointed_blocks``, the last blocks; no recompute
+speed, first on one rank (dp_shard x sp = 1, nothing offloaded: where memory binds enough to offload, the
+step is long and not bound by the CPU) ``gather_whole_model``, FSDP2 over the root only, the whole model
+gathered once per step, where its estimate still fits (also after no checkpointing at all: Note [One rank:
+one gather per step] in ``lightning_seqpar.parallelize``, issue #43: a short step on one GPU is bound by the
+CPU, and every FSDP2 group costs Python); then the most blocks left without checkpointing (``uncheckpointed_blocks``, the last blocks; no recompute
 in their backward) whose estimate still fits, where checkpointing is on and nothing is offloaded (4 x H200,
 Llama-3-8B at 64K, sequence-parallel 4 with the chunked loss: 24 blocks uncheckpointed gave 4,390 tokens/s
 per GPU against 4,100 with none; a user-set count is counted in the estimate, which before left it out and
@@ -308,6 +319,9 @@ class MemoryOptions:
     offload_params: bool = False
     bf16_adapters: bool = False
     uncheckpointed_blocks: int = 0
+    gather_whole_model: bool = False
+    """One rank only (dp_shard x sp = 1, no offload_params): FSDP2 shards the root alone, so the whole model is gathered
+    once per step and stays gathered (Note [One rank: one gather per step] in ``lightning_seqpar.parallelize``)."""
 
     def changes(self) -> str:
         """The options that differ from the defaults, short ("offload_checkpoints, head_chunks=4"); "defaults" when none."""
@@ -324,6 +338,8 @@ class MemoryOptions:
             parts.append("bf16_adapters=True")
         if self.uncheckpointed_blocks:
             parts.append(f"uncheckpointed_blocks={self.uncheckpointed_blocks}")
+        if self.gather_whole_model:
+            parts.append("gather_whole_model=True")
         return ", ".join(parts)
 
 
@@ -339,7 +355,7 @@ class MemoryEstimate:
     gradients: float
     optimizer_states: float
     fsdp_buffers: float
-    """Unsharded parameters: the root module's and two blocks'."""
+    """Unsharded parameters: the root module's and two blocks' (with ``gather_whole_model`` every parameter's)."""
     saved_per_layer: float
     """Bytes each layer keeps on the device until its backward (for all of this rank's tokens; the mean over the
     layers where only some offload their input)."""
@@ -351,6 +367,9 @@ class MemoryEstimate:
     """The attention phase alone (the cost model's estimate, with ``head_chunks``), for reports."""
     loss_working: float
     """The chunked (or full) loss, which runs before the backward."""
+    gradient_reduction: float = 0.0
+    """``gather_whole_model``: the one reduction of every gradient at the end of the backward (the unsharded gradients in
+    the compute dtype beside FSDP2's fp32 reduce buffer); it does not coexist with the saved activations."""
     host: float = 0.0
     """Pinned host bytes of this rank: the offloaded block inputs (``offload_checkpoints``) and the model states
     (``offload_params``); not in :attr:`total`."""
@@ -363,8 +382,8 @@ class MemoryEstimate:
     @property
     def allocated(self) -> float:
         """What ``torch.cuda.max_memory_allocated`` should read: every term but the overhead."""
-        return (self.parameters + self.gradients + self.optimizer_states + self.fsdp_buffers + self.saved_activations
-                + self.activations_peak)
+        return (self.parameters + self.gradients + self.optimizer_states + self.fsdp_buffers
+                + max(self.saved_activations + self.activations_peak, self.gradient_reduction))
 
     @property
     def total(self) -> float:
@@ -373,7 +392,8 @@ class MemoryEstimate:
     def terms(self) -> dict[str, float]:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer_states": self.optimizer_states,
                 "fsdp_buffers": self.fsdp_buffers, "saved_activations": self.saved_activations,
-                "block_recompute": self.block_recompute, "loss_working": self.loss_working, "overhead": self.overhead}
+                "block_recompute": self.block_recompute, "loss_working": self.loss_working, "overhead": self.overhead,
+                **({"gradient_reduction": self.gradient_reduction} if self.gradient_reduction else {})}
 
     def largest_term(self) -> str:
         terms = self.terms()
@@ -445,8 +465,20 @@ def estimate_memory(
     on_host = options.offload_params
     host = (parameters + gradients + optimizer) / shards if on_host else 0.0
     parameters, gradients, optimizer = (0.0, 0.0, 0.0) if on_host else (parameters / shards, gradients / shards, optimizer / shards)
-    # FSDP2 gathers into its own buffers (on one rank too): the root module's, kept through the step, and two blocks'
-    fsdp_buffers = (m.root_params + 2 * m.block_params) * e
+    # FSDP2 gathers into its own buffers (on one rank too): the root module's, kept through the step, and two blocks';
+    # with gather_whole_model every parameter, kept through the step, and all gradients reduced at once at its end
+    # (Note [One rank: one gather per step] in lightning_seqpar.parallelize)
+    reduction = 0.0
+    if options.gather_whole_model:
+        if shards != 1 or options.offload_params:
+            raise ValueError(f"estimate_memory: gather_whole_model is for one rank without offload_params (FSDP2 over "
+                             f"dp_shard x sp = 1), got dp_shard x sp = {shards}, offload_params={options.offload_params}")
+        fsdp_buffers = m.params * e
+        # the unsharded gradients in the compute dtype beside FSDP2's reduce buffer in the gradients' dtype (fp32 adapters:
+        # 4 + 4, an upper bound under bf16_adapters)
+        reduction = m.params * (e + g_bytes) if trainable_params is None else trainable_params * (4 + 4)
+    else:
+        fsdp_buffers = (m.root_params + 2 * m.block_params) * e
 
     # per token (Note [Memory per token])
     x = d * e
@@ -542,7 +574,7 @@ def estimate_memory(
         seq_len=seq_len, tokens=n, options=options, parameters=float(parameters), gradients=float(gradients),
         optimizer_states=float(optimizer), fsdp_buffers=float(fsdp_buffers), saved_per_layer=float(n * saved_token),
         saved_activations=float((L - u) * n * saved_token + u * n * bare_token), block_recompute=float(block), attention_working=float(attention_phase),
-        loss_working=float(loss), host=float(host),
+        loss_working=float(loss), gradient_reduction=float(reduction), host=float(host),
     )
 
 
@@ -601,6 +633,8 @@ def ladder(*, fixed: Mapping[str, Any], num_kv_heads: int, head_chunks_allowed: 
             continue
         if name == "bf16_adapters" and not adapters:
             continue
+        if name == "offload_params" and fixed.get("gather_whole_model"):
+            continue  # the whole model gathered on the device: one rank, its states there
         steps.append((name, value))
     return steps
 
@@ -633,6 +667,17 @@ def _partial_offload(sets: list[MemoryOptions], estimate: Callable[[MemoryOption
                     return trial
                 break
     return None
+
+
+def _gather_whole_model(chosen: MemoryEstimate, estimate: Callable[[MemoryOptions], MemoryEstimate],
+                        fits: Callable[[MemoryEstimate], bool], fixed: Mapping[str, Any], shards: int) -> MemoryEstimate:
+    """The first of the speed levers: on one rank (``shards`` = dp_shard x sp = 1) without offload_params, the whole model
+    gathered once per step where its estimate still fits and nothing is offloaded (Note [Planning memory])."""
+    o = chosen.options
+    if "gather_whole_model" in fixed or shards != 1 or o.offload_params or o.offload_checkpoints or o.gather_whole_model:
+        return chosen
+    trial = estimate(replace(o, gather_whole_model=True))
+    return trial if fits(trial) else chosen
 
 
 def _uncheckpoint(chosen: MemoryEstimate, estimate: Callable[[MemoryOptions], MemoryEstimate],
@@ -711,6 +756,7 @@ def plan_memory(
         # no checkpointing at all, the fastest, where it fits (Note [Planning memory]: short sequences, large GPUs)
         bare = estimate(MemoryOptions(**{**fixed, "activation_checkpointing": None}))
         if fits(bare):
+            bare = _gather_whole_model(bare, estimate, fits, fixed, sp * dp_shard)
             return MemoryPlan(options=bare.options, estimate=bare, device_memory=device_memory, tried=tuple(tried))
     sets = [MemoryOptions(**fixed)]
     for name, value in steps:
@@ -737,7 +783,8 @@ def plan_memory(
                 if fits(trial):
                     chosen = trial
                     break
-        chosen = _uncheckpoint(chosen, estimate, fits, fixed, model_shape.num_layers)
+        chosen = _gather_whole_model(chosen, estimate, fits, fixed, sp * dp_shard)  # speed: first one gather per step,
+        chosen = _uncheckpoint(chosen, estimate, fits, fixed, model_shape.num_layers)  # then blocks without recompute
         return MemoryPlan(options=chosen.options, estimate=chosen, device_memory=device_memory, tried=tuple(tried))
     best = min(tried, key=lambda t: max(t.total / budget, t.host / host_budget))  # the nearest to fitting
     granule = math.lcm(1024, 2 * sp)

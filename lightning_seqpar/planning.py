@@ -44,14 +44,14 @@ from __future__ import annotations
 import os
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -245,6 +245,9 @@ def check_options_against_model(roots: Sequence[nn.Module], *, config: StrategyC
     inner_ring_size against the resolved attention and the context-parallel size, head_chunks against the
     model's key/value heads, and a named attention_backend against this device (for the precision's dtype,
     or bf16 / fp16 under a user's own autocast)."""
+    if config.gather_whole_model and dims.world_size != 1:
+        raise ValueError(f"{owner}: gather_whole_model=True is for one rank (Note [One rank: one gather per step]); this run "
+                         f"shards the model over {dims.world_size} ranks (dp_replicate x dp_shard x sp)")
     if inner_ring_size is not None:
         if attention not in ("ring", "2d"):
             raise ValueError(f"{owner}: inner_ring_size={inner_ring_size} needs attention 'ring' or '2d', "
@@ -346,9 +349,12 @@ def device_memory_bytes(device: torch.device) -> int | None:
 # only ``offload_params`` reaches the group (the CPU backend its host-resident gradients need,
 # Note [Offloading parameters to host memory] in ``lightning_seqpar.parallelize``), so on CUDA with
 # ``process_group_backend=None`` the group is then created with "cpu:gloo,cuda:nccl" whatever the
-# plan chooses; every other option is first read by ``parallelize``. A length read from the first
+# plan chooses (under "auto"; the default ``memory=None`` adds no backend for a plan it may not make,
+# and its plan then keeps ``offload_params`` off unless the group's backend serves the CPU); every
+# other option is first read by ``parallelize``. A length read from the first
 # batch is that batch's: data of varying lengths needs ``expected_seq_len`` (the longest). Where
-# none of the three exists, a ``ValueError`` names ``expected_seq_len`` before any collective.
+# none of the three exists, a ``ValueError`` names ``expected_seq_len`` before any collective (the
+# default ``memory=None`` logs it and keeps the options as given).
 
 
 @dataclass(frozen=True)
@@ -432,27 +438,36 @@ def _first_loader(loaders: Any) -> Any:
     return next((found for found in map(_first_loader, items) if found is not None), None)
 
 
-def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, length: PlannedLength, site: RunSite,
-                        dims: ParallelDims, device_memory: int | None, owner: str) -> MemoryPlan | None:
-    """memory="auto": the options the planner chooses for the LightningModule's model on this device for ``length``
-    (Note [Planning memory] in ``lightning_seqpar.memory``); None when ``device_memory`` is None (not a CUDA device)
-    or memory="manual". The options the user set (any value but the default) are fixed. Raises the planner's
-    ``ValueError`` when nothing fits, and one naming the model when its shape cannot be read."""
-    if config.memory != "auto" or device_memory is None:
-        return None
-    model_config = getattr(module, "config", None)
+def model_shape_of(module: nn.Module | None, *, owner: str) -> TransformerShape:
+    """The sizes the memory planner reads from the LightningModule's ``config``; a ``ValueError`` naming the model when
+    they cannot be read."""
     try:
-        shape = TransformerShape.from_config(model_config)
+        return TransformerShape.from_config(getattr(module, "config", None))
     except ValueError as error:
         raise ValueError(f"{owner}: memory='auto' needs the model's sizes from the LightningModule's `config` "
                          f"(CausalLMModule has one): {error}") from error
+
+
+def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, length: PlannedLength, site: RunSite,
+                        dims: ParallelDims, device_memory: int | None, owner: str,
+                        group_backend: str | None = None) -> MemoryPlan | None:
+    """memory="auto" (or the default None): the options the planner chooses for the LightningModule's model on this
+    device for ``length`` (Note [Planning memory] in ``lightning_seqpar.memory``); None when ``device_memory`` is None
+    (not a CUDA device) or memory="manual". The options the user set (any value but the default) are fixed;
+    ``group_backend``: the process group's backend where it exists already (offload_params needs a CPU one). Raises the
+    planner's ``ValueError`` when nothing fits, and one naming the model when its shape cannot be read."""
+    if config.memory == "manual" or device_memory is None:
+        return None
+    shape = model_shape_of(module, owner=owner)
     defaults = StrategyConfig()
     fixed: dict[str, Any] = {name: getattr(config, name) for name in MEMORY_OPTIONS if getattr(config, name) != getattr(defaults, name)}
     if config.compile or config.activation_checkpointing is None:  # offload needs eager checkpointed blocks
         fixed.setdefault("offload_checkpoints", False)
-    backend = config.process_group_backend
+    backend = group_backend or config.process_group_backend
     if backend is not None and not serves_cpu(backend):  # offload_params needs a CPU backend (config's check)
         fixed.setdefault("offload_params", False)
+    if dims.world_size != 1:  # one rank only (Note [One rank: one gather per step]); with replicas too, though unsharded
+        fixed.setdefault("gather_whole_model", False)
     lora = getattr(module, "_lora_config", None)
     return plan_memory(
         model_shape=shape, seq_len=length.seq_len, length_name=length.name, device_memory=device_memory, sp=dims.sp,
@@ -476,19 +491,62 @@ def _planned_attention(shape: TransformerShape, *, config: StrategyConfig, site:
     return config.initial_attention if plan is None else plan.algorithm
 
 
-def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, dims: ParallelDims, device_memory: int,
-                    trainer: Any, in_setup: bool, owner: str) -> tuple[MemoryPlan, StrategyConfig] | None:
-    """memory="auto" at one of its two moments (Note [The length memory="auto" plans for]): the planner's choice for the
-    length known then (:func:`memory_plan_length`) and ``config`` with the options it sets (checked again), logged; None
-    when no length is known yet (before the process group exists: it plans again in setup, for the first batch's)."""
-    length = memory_plan_length(config, trainer=trainer, in_setup=in_setup, owner=owner)
+@dataclass(frozen=True)
+class RunMemory:
+    """What the strategy runs with after ``memory`` at one of its two moments (:func:`plan_run_memory`)."""
+
+    config: StrategyConfig
+    """The options: with those the planner set, or as given."""
+    plan: MemoryPlan | None = None
+    """The planner's choice and estimate; None where it did not plan."""
+    later: bool = False
+    """No length known yet (before the process group exists): plan again in setup, for the first batch's."""
+
+
+def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
+                    device_memory: Callable[[], int | None], trainer: Any, in_setup: bool, owner: str,
+                    group_backend: str | None = None) -> RunMemory:
+    """``memory`` at one of its two moments (Note [The length memory="auto" plans for]): the planner's choice for the
+    length known then (:func:`memory_plan_length`) and ``config`` with the options it sets (checked again), logged;
+    ``later`` when no length is known yet (before the process group exists: it plans again in setup, for the first
+    batch's). ``device_memory``: read when planning, None off CUDA (no plan, a log line). ``group_backend``: in setup, the process group's
+    backend as the strategy asked for it (None: Lightning's default for the device). memory="auto" raises where it cannot plan or
+    nothing fits; the default None logs why it does not plan, or warns with the planner's message where nothing
+    fits, and keeps the options as given (Note [Planning memory] in ``lightning_seqpar.memory``)."""
+    as_given = RunMemory(config)
+    if config.memory == "manual":
+        return as_given
+    default = config.memory is None
+    which = "memory=None (the default)" if default else "memory='auto'"
+    if in_setup and group_backend is None and site.device.type == "cuda":
+        group_backend = "nccl"  # what Lightning starts on CUDA without a backend given
+    try:
+        if default:
+            model_shape_of(module, owner=owner)  # before waiting for a length: a model it cannot plan for is not planned
+        if (memory := device_memory()) is None:
+            rank_zero_info(f"{owner}: {which} plans for CUDA devices; on {site.device.type} the options stay as given")
+            return as_given
+        length = memory_plan_length(config, trainer=trainer, in_setup=in_setup, owner=owner)
+    except ValueError as error:
+        if not default:
+            raise
+        rank_zero_info(f"{owner}: {which} keeps the options as given, the planner cannot plan this run: {error}")
+        return as_given
     if length is None:
-        return None
-    plan = plan_memory_options(module, config=config, length=length, site=site, dims=dims, device_memory=device_memory, owner=owner)
+        return RunMemory(config, later=True)
+    try:
+        plan = plan_memory_options(module, config=config, length=length, site=site, dims=dims, device_memory=memory,
+                                   owner=owner, group_backend=group_backend)
+    except ValueError as error:
+        if not default:
+            raise
+        rank_zero_warn(f"{owner}: {which} runs with the options as given, which may not fit: {error} (memory='auto' "
+                       "refuses such a run; memory='manual' plans nothing)")
+        return as_given
     assert plan is not None
     planned = replace(config, **{name: getattr(plan.options, name) for name in MEMORY_OPTIONS})
     rank_zero_info(f"{owner}: {plan.describe()} ({length.name})")
-    return plan, planned
+    return RunMemory(planned, plan)
 
 
 @dataclass(frozen=True, kw_only=True)

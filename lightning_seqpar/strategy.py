@@ -87,6 +87,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         offload_checkpoints: bool | int = False,
         offload_params: bool = False,
         bf16_adapters: bool = False,
+        gather_whole_model: bool = False,
         mlp_chunk_size: int | None = None,
         compile: bool | dict[str, Any] = False,
         save_distributed_checkpoint: bool = True,
@@ -94,7 +95,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         timeout: timedelta | float | None = default_pg_timeout,
         pad_to_multiple: bool = False,
         validate_batches: bool = True,
-        memory: Literal["manual", "auto"] = "manual",
+        memory: Literal["manual", "auto"] | None = None,
     ) -> None:
         self.config = StrategyConfig(
             sequence_parallel_size=sequence_parallel_size, head_parallel_size=head_parallel_size, attention=attention,
@@ -102,7 +103,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
             inner_ring_size=inner_ring_size, placement=placement, head_chunks=head_chunks, attention_backend=attention_backend,
             data_parallel_replicate_size=data_parallel_replicate_size, activation_checkpointing=activation_checkpointing,
             uncheckpointed_blocks=uncheckpointed_blocks, offload_checkpoints=offload_checkpoints, offload_params=offload_params,
-            bf16_adapters=bf16_adapters, mlp_chunk_size=mlp_chunk_size, compile=compile, save_distributed_checkpoint=save_distributed_checkpoint,
+            bf16_adapters=bf16_adapters, gather_whole_model=gather_whole_model, mlp_chunk_size=mlp_chunk_size, compile=compile, save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend, timeout=timeout, pad_to_multiple=pad_to_multiple,
             validate_batches=validate_batches, memory=memory,
         )
@@ -115,14 +116,14 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         self.inner_ring_size: int | None = self.config.inner_ring_size
         self.attention_plan: AttentionPlan | None = None
         self.memory_plan: MemoryPlan | None = None
-        """memory="auto": the planner's choice and estimate (Note [Planning memory])."""
+        """memory="auto" (or None, where it planned): the planner's choice and estimate (Note [Planning memory])."""
         self._warned_loss = False
         self._parallel_dims: ParallelDims | None = None
         self._sp_mesh: DeviceMesh | None = None
         self._fsdp_mesh: DeviceMesh | None = None
         self._groups = RunGroups()  # Note [What a run releases]
         self._rng_state_to_restore: dict[str, Any] | None = None
-        self._plan_in_setup = False  # memory="auto" with the length known only from the first batch
+        self._plan_in_setup = False  # memory planned with the length known only from the first batch
         self._fp32_adapters = False  # setup: whether the model has fp32 trainable parameters under low precision (LoRA)
 
     # ----------------------------------------------------------------------------------------- mesh
@@ -161,10 +162,12 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         dims = self.resolve_parallel_dims()  # validated before the process group exists
-        self._plan_memory(dims)  # memory="auto": may set offload_params, which the process group's backend depends on
-        # Note [Offloading parameters to host memory]: CPU-resident gradients need a CPU backend beside NCCL
-        self._process_group_backend = process_group_backend(self._process_group_backend, device_type=self.root_device.type,
-                                                            host_gradients=self.offload_params or self._plan_in_setup)
+        self._plan_memory(dims)  # the planner may set offload_params, which the process group's backend depends on
+        # Note [Offloading parameters to host memory]: CPU-resident gradients need a CPU backend beside NCCL (memory=None
+        # adds none for a plan still to come: its plan in setup takes offload_params only where the backend serves the CPU)
+        self._process_group_backend = process_group_backend(
+            self._process_group_backend, device_type=self.root_device.type,
+            host_gradients=self.offload_params or (self._plan_in_setup and self.config.memory == "auto"))
         # free the modules of earlier runs that nothing references any more, and with them their groups, BEFORE this
         # run builds meshes equal to theirs, and the pinned host blocks of their offloaded tensors (Note [What a run releases])
         free_unreferenced(self.root_device)
@@ -182,21 +185,17 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def _plan_memory(self, dims: ParallelDims, trainer: pl.Trainer | None = None) -> None:
-        """memory="auto": set the options the planner chooses for this device (``planning.plan_run_memory``): in
+        """memory None / "auto": set the options the planner chooses for this device (``planning.plan_run_memory``): in
         setup_environment for a length known then, else in setup (``trainer``) for the first batch's (Note [The length
         memory="auto" plans for] in ``lightning_seqpar.planning``)."""
-        site, owner = self._run_site(), type(self).__name__
-        if self.config.memory != "auto" or (trainer is not None and not self._plan_in_setup):
+        if trainer is not None and not self._plan_in_setup:
             return
-        if (device_memory := self._device_memory_bytes(site.device)) is None:
-            rank_zero_info(f"{owner}: memory='auto' plans for CUDA devices; on {site.device.type} the options stay as given")
-            return
-        planned = plan_run_memory(self.lightning_module, config=self.config, site=site, dims=dims, device_memory=device_memory,
-                                  trainer=trainer or getattr(self.lightning_module, "_trainer", None), in_setup=trainer is not None,
-                                  owner=owner)
-        self._plan_in_setup = planned is None
-        if planned is not None:
-            self.memory_plan, self.config = planned
+        site = self._run_site()
+        run = plan_run_memory(self.lightning_module, config=self.config, site=site, dims=dims,
+                              device_memory=lambda: self._device_memory_bytes(site.device), in_setup=trainer is not None,
+                              trainer=trainer or getattr(self.lightning_module, "_trainer", None), owner=type(self).__name__,
+                              group_backend=self._process_group_backend if trainer is not None else None)
+        self._plan_in_setup, self.config, self.memory_plan = run.later, run.config, run.plan or self.memory_plan
 
     def _device_memory_bytes(self, device: torch.device) -> int | None:
         """The memory memory="auto" plans for: the CUDA device's total (None elsewhere). Tests override it."""
@@ -259,7 +258,8 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
                 inner_ring_size=self.inner_ring_size, head_chunks=self.head_chunks, attention_backend=self.attention_backend,
                 activation_checkpointing=self.activation_checkpointing, uncheckpointed_blocks=self.uncheckpointed_blocks,
                 offload_checkpoints=self.offload_checkpoints, offload_params=self.offload_params, mlp_chunk_size=self.mlp_chunk_size,
-                compile_kwargs=self.compile_kwargs, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                gather_whole_model=self.gather_whole_model, compile_kwargs=self.compile_kwargs, param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype)
 
     def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
         """attention="auto": what the planner resolves it to for these roots (Note [Choosing attention automatically])."""

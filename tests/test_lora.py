@@ -473,3 +473,16 @@ def _refused_bf16_adapters(rank: int, world_size: int, path: str) -> str | None:
     except ValueError as error:
         return str(error) if rank == 0 else None
     raise AssertionError("bf16_adapters=True under 32-true was not refused")
+
+
+def test_one_rank_whole_model_gather_holds_the_bf16_base_and_the_fp32_adapters(base):
+    """Note [One rank: one gather per step]: the root's one FSDP2 group holds the frozen bf16 base beside the fp32 adapters
+    (FSDP2 asks one dtype of the trainable parameters only), and trains as a group per block does."""
+    runs = [((base, LORA, batch()), {"steps": 2, "precision": "bf16-true", "strategy_kwargs": {"gather_whole_model": g}})
+            for g in (False, True)]
+    blocks, whole = run_distributed(_fit_each, 1, runs, timeout=TIMEOUT)[0]
+    assert whole["dtypes"] == blocks["dtypes"] and {torch.bfloat16, torch.float32} <= set(whole["dtypes"].values())
+    assert whole["losses"] == pytest.approx(blocks["losses"], rel=1e-6) and len(whole["losses"]) == 2
+    assert whole["adapters"].keys() == blocks["adapters"].keys()
+    for name, value in blocks["adapters"].items():
+        torch.testing.assert_close(whole["adapters"][name], value, rtol=0, atol=ATOL, msg=name)

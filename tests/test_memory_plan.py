@@ -130,10 +130,13 @@ def test_plan_no_offload_at_64k_offload_where_plain_does_not_fit():
     # no checkpointing at all where every layer's tensors fit (the fastest), Selective Checkpoint++ where they do not
     plan = plan_memory(model_shape=LLAMA_1B, seq_len=64 * K, device_memory=H200, loss_chunk_size=8192)
     assert plan.options == MemoryOptions(activation_checkpointing=None)
-    assert len(plan.tried) == 1
+    # tried: no checkpointing, then the same with the whole model gathered (one rank), which no longer fits
+    assert [t.options for t in plan.tried] == [plan.options, replace(plan.options, gather_whole_model=True)]
+    assert plan.tried[1].total > 0.9 * H200
     plan = plan_memory(model_shape=LLAMA_1B, seq_len=128 * K, device_memory=H200, loss_chunk_size=8192)
-    # Selective Checkpoint++, and what it leaves of the budget spent on blocks without checkpointing
-    assert replace(plan.options, uncheckpointed_blocks=0) == MemoryOptions()
+    # Selective Checkpoint++, and what it leaves of the budget spent on speed: the whole model gathered once per step
+    # (one rank), then blocks without checkpointing
+    assert replace(plan.options, uncheckpointed_blocks=0) == MemoryOptions(gather_whole_model=True)
     assert plan.options.uncheckpointed_blocks > 0
     kept = plan_memory(model_shape=LLAMA_1B, seq_len=64 * K, device_memory=H200, loss_chunk_size=8192,
                        fixed={"activation_checkpointing": "selective++"}).options  # the user's choice kept
@@ -307,6 +310,7 @@ def test_strategy_memory_auto_needs_no_expected_seq_len():
     from lightning_seqpar import SequenceParallelStrategy
 
     assert SequenceParallelStrategy(memory="auto").config.memory == "auto"  # the length comes from the data in the run
+    assert SequenceParallelStrategy().config.memory is None  # the default: plan where the planner can
     with pytest.raises(ValueError, match=r"memory='sometimes' is not supported"):
         SequenceParallelStrategy(memory="sometimes")
     assert SequenceParallelStrategy(memory="auto", expected_seq_len=64).config.memory == "auto"
@@ -325,7 +329,7 @@ def _fit_with_device_memory(device_memory: float | None, seq_len: int, *, expect
             return device_memory
 
     expected = seq_len if expected_seq_len == -1 else expected_seq_len
-    strategy = FakeMemory(memory="auto", expected_seq_len=expected, attention_backend="math", **strategy_kwargs)
+    strategy = FakeMemory(**{"memory": "auto", **strategy_kwargs}, expected_seq_len=expected, attention_backend="math")
     batch = {"input_ids": torch.randint(0, 256, (1, seq_len)), "labels": torch.randint(0, 256, (1, seq_len))}
     loader = torch.utils.data.DataLoader([batch], batch_size=None)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
@@ -472,7 +476,8 @@ def test_plan_spends_what_is_left_on_uncheckpointed_blocks():
     # the user's count: kept, counted, and what it needs planned around it (here: the MLP in tiles)
     fixed = plan_memory(model_shape=LLAMA_1B, seq_len=192 * K, device_memory=H200, loss_chunk_size=8192,
                         fixed={"uncheckpointed_blocks": 12})
-    assert fixed.options == MemoryOptions(uncheckpointed_blocks=12, mlp_chunk_size=fixed.options.mlp_chunk_size)
+    assert fixed.options == MemoryOptions(uncheckpointed_blocks=12, mlp_chunk_size=fixed.options.mlp_chunk_size,
+                                          gather_whole_model=True)
     assert fixed.options.mlp_chunk_size is not None and fixed.estimate.total <= budget
     alone = estimate_memory(model_shape=LLAMA_1B, seq_len=192 * K, options=MemoryOptions(uncheckpointed_blocks=12),
                             loss_chunk_size=8192)
@@ -550,3 +555,119 @@ def test_ulysses_keeps_its_head_all_to_alls_under_selective_checkpointing():
     ulysses = plan_memory(model_shape=qwen, seq_len=131072, device_memory=150.1e9, sp=4, attention="ulysses", host_memory=120e9)
     ring = plan_memory(model_shape=qwen, seq_len=131072, device_memory=150.1e9, sp=4, attention="ring", host_memory=120e9)
     assert ulysses.options.uncheckpointed_blocks < ring.options.uncheckpointed_blocks
+
+# ---------------------------------------------------------------------------------------------- one rank: one gather
+
+
+def test_the_estimate_counts_the_whole_model_gathered():
+    """gather_whole_model: every parameter in the compute dtype gathered through the step (the root's and two blocks'
+    otherwise), and every gradient reduced at once at the end of the backward (Note [One rank: one gather per step])."""
+    common = dict(model_shape=LLAMA_1B, seq_len=32 * K, loss_chunk_size=8192, precision="bf16-mixed")
+    blocks = estimate_memory(options=MemoryOptions(), **common)
+    whole = estimate_memory(options=MemoryOptions(gather_whole_model=True), **common)
+    assert blocks.fsdp_buffers == (LLAMA_1B.root_params + 2 * LLAMA_1B.block_params) * 2
+    assert whole.fsdp_buffers == LLAMA_1B.params * 2 and whole.gradient_reduction == LLAMA_1B.params * (2 + 4)
+    assert blocks.gradient_reduction == 0 and "gradient_reduction" not in blocks.terms()
+    assert whole.total - blocks.total == pytest.approx(whole.fsdp_buffers - blocks.fsdp_buffers)  # the activations peak later
+    # on a short sequence the end-of-backward reduction is the larger: it replaces the activations in the peak
+    short = estimate_memory(options=MemoryOptions(gather_whole_model=True), **{**common, "seq_len": 512})
+    assert short.allocated == pytest.approx(short.parameters + short.gradients + short.optimizer_states + short.fsdp_buffers
+                                            + short.gradient_reduction)
+    assert "gather_whole_model=True" in whole.options.label() and whole.options.changes() == "gather_whole_model"
+    for kwargs in ({"sp": 2}, {"dp_shard": 2}, {"options": MemoryOptions(gather_whole_model=True, offload_params=True)}):
+        with pytest.raises(ValueError, match="gather_whole_model is for one rank without offload_params"):
+            estimate_memory(**{**common, "options": MemoryOptions(gather_whole_model=True), **kwargs})
+
+
+def test_the_planner_gathers_the_whole_model_on_one_rank_where_it_fits():
+    """The first speed lever (before uncheckpointed_blocks): on one rank, nothing offloaded, where the estimate fits."""
+    common = dict(model_shape=LLAMA_1B, seq_len=128 * K, loss_chunk_size=8192)
+    assert plan_memory(device_memory=H200, **common).options.gather_whole_model  # one rank, room to spare
+    for kwargs in ({"sp": 2}, {"dp_shard": 2}, {"fixed": {"offload_params": True}}):  # never beyond one rank, nor offloaded
+        assert not plan_memory(device_memory=H200, **{**common, **kwargs}).options.gather_whole_model
+    # where selective++ fits and the whole model gathered would not: per-block groups, nothing left for more
+    plain = estimate_memory(options=MemoryOptions(), **common)
+    whole = estimate_memory(options=MemoryOptions(gather_whole_model=True), **common)
+    plan = plan_memory(device_memory=(plain.total + whole.total) / 2 / (1 - DEFAULT_MARGIN), **common)
+    assert plan.options == MemoryOptions()
+    # the user's True is kept; offload_params is then never tried
+    kept = plan_memory(device_memory=H200, fixed={"gather_whole_model": True}, **{**common, "seq_len": 1024 * K})
+    assert kept.options.gather_whole_model and not kept.options.offload_params
+
+
+def _plan_run(config_kwargs: dict, *, module=None, device_memory: float | None = 1e12, in_setup: bool = False,
+              trainer=None, monkeypatch=None) -> tuple:
+    """``plan_run_memory`` for the tiny Llama on one CPU rank, with the lines it logs."""
+    from types import SimpleNamespace
+
+    from lightning_seqpar import planning
+    from lightning_seqpar.config import StrategyConfig
+    from lightning_seqpar.mesh import ParallelDims
+    from lightning_seqpar.models.llama import LlamaConfig
+
+    logged: list[str] = []
+    monkeypatch.setattr(planning, "rank_zero_info", logged.append)
+    module = module if module is not None else SimpleNamespace(config=LlamaConfig.from_name("tiny"), loss_chunk_size=16)
+    run = planning.plan_run_memory(module, config=StrategyConfig(**config_kwargs), site=planning.RunSite(device=torch.device("cpu")),
+                                   dims=ParallelDims.from_sizes(world_size=1, sequence_parallel_size=1, owner="S"),
+                                   device_memory=lambda: device_memory, trainer=trainer, in_setup=in_setup, owner="S")
+    return run, logged
+
+
+def test_the_default_plans_where_it_can_and_else_keeps_the_options_with_a_log_line(monkeypatch):
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    run, logged = _plan_run({"expected_seq_len": 64}, monkeypatch=monkeypatch)  # as memory="auto" does
+    auto, _ = _plan_run({"expected_seq_len": 64, "memory": "auto"}, monkeypatch=monkeypatch)
+    assert run.plan is not None and run.plan.options == auto.plan.options and run.config == replace(auto.config, memory=None)
+    assert run.config.activation_checkpointing is None and run.config.gather_whole_model  # "selective++" counted as unset
+    assert len(logged) == 1 and logged[0].startswith("S: memory='auto' for seq_len=64")
+    # the user's options stay
+    run, _ = _plan_run({"expected_seq_len": 64, "activation_checkpointing": "full"}, monkeypatch=monkeypatch)
+    assert run.config.activation_checkpointing == "full"
+    # not CUDA (no device memory): the options as given, one line
+    run, logged = _plan_run({"expected_seq_len": 64}, device_memory=None, monkeypatch=monkeypatch)
+    assert run.plan is None and run.config.activation_checkpointing == "selective++"
+    assert logged == ["S: memory=None (the default) plans for CUDA devices; on cpu the options stay as given"]
+    # the model's sizes unreadable: the default logs and keeps the options (memory="auto" raises, naming them)
+    run, logged = _plan_run({"expected_seq_len": 64}, module=nn.Linear(2, 2), monkeypatch=monkeypatch)
+    assert run.plan is None and not run.later and run.config.activation_checkpointing == "selective++"
+    assert len(logged) == 1 and "memory=None (the default) keeps the options as given" in logged[0] and "`config`" in logged[0]
+    with pytest.raises(ValueError, match="memory='auto' needs the model's sizes"):
+        _plan_run({"expected_seq_len": 64, "memory": "auto"}, module=nn.Linear(2, 2), monkeypatch=monkeypatch)
+    # no length before the process group: plan in setup; no first batch there: the default logs, "auto" raises
+    run, logged = _plan_run({}, monkeypatch=monkeypatch)
+    assert run.later and run.plan is None and not logged
+    no_data = SimpleNamespace(state=SimpleNamespace(fn="fit"), fit_loop=SimpleNamespace(_data_source=None))
+    run, logged = _plan_run({}, in_setup=True, trainer=no_data, monkeypatch=monkeypatch)
+    assert run.plan is None and not run.later and run.config == replace(run.config, activation_checkpointing="selective++")
+    assert len(logged) == 1 and "cannot plan this run" in logged[0] and "expected_seq_len is not set" in logged[0]
+    with pytest.raises(ValueError, match="none was found"):
+        _plan_run({"memory": "auto"}, in_setup=True, trainer=no_data, monkeypatch=monkeypatch)
+    # memory="manual": nothing planned, nothing logged
+    run, logged = _plan_run({"expected_seq_len": 64, "memory": "manual"}, monkeypatch=monkeypatch)
+    assert run.plan is None and run.config.memory == "manual" and not logged
+
+
+def test_the_default_runs_a_plan_with_one_gather_and_warns_where_nothing_fits():
+    """Under the strategy (a mocked CUDA device's memory): the default fits with the planner's options, the whole model
+    gathered once per step on one rank; where nothing fits it warns and runs with the options as given; "manual" plans
+    nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seq = 64
+    strategy = _fit_with_device_memory(1e12, seq, memory=None)
+    assert strategy.memory_plan is not None and strategy.config.gather_whole_model and strategy.config.memory is None
+    assert sum(isinstance(m, FSDPModule) for m in strategy.lightning_module.modules()) == 1  # the root's group only
+    device_memory = (_tiny_budget(seq, MemoryOptions()) + _tiny_budget(seq, MemoryOptions(offload_checkpoints=True))) / 2
+    strategy = _fit_with_device_memory(device_memory, seq, memory=None, expected_seq_len=None)  # the first batch's length
+    assert strategy.memory_plan.estimate.seq_len == seq and strategy.config.offload_checkpoints is True
+    with pytest.warns(UserWarning, match=r"FakeMemory: memory=None \(the default\) runs with the options as given, which may "
+                                         r"not fit: FakeMemory: memory='auto' found no options that fit expected_seq_len=64"):
+        strategy = _fit_with_device_memory(OVERHEAD_BYTES * 1.01, seq, memory=None)
+    assert strategy.memory_plan is None and strategy.config == replace(strategy.config, activation_checkpointing="selective++")
+    assert strategy.lightning_module.trainer.global_step == 1  # it ran
+    strategy = _fit_with_device_memory(OVERHEAD_BYTES * 1.01, seq, memory="manual")
+    assert strategy.memory_plan is None and not strategy.config.gather_whole_model
