@@ -1,4 +1,16 @@
-"""Precision plugins of ``SequenceParallelStrategy``, and the dtypes FSDP2 gathers and reduces in under them.
+"""Precision plugins of ``SequenceParallelStrategy``, the dtypes FSDP2 gathers and reduces in under them, and the
+autograd mode of the evaluation loops.
+
+Note [Evaluation without inference mode]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Lightning runs ``validate`` / ``test`` / ``predict`` under ``torch.inference_mode`` unless the
+backend is gloo or the strategy is its own ``FSDPStrategy`` (pytorch#95957), and this strategy is
+neither. FSDP2's first gather of a run then happens inside inference mode: its unsharded
+parameters are inference tensors, and ``wait_for_unshard`` fails ("Inference tensors do not track
+version counter"). So every ``trainer.validate`` or ``seqpar validate`` of a model that no ``fit``
+had gathered before failed on a GPU (found on one H200 evaluating a saved model with
+``LongContextEval``), while the CPU tests (gloo: ``no_grad``) passed. The strategy sets its
+trainer's evaluation loops to ``torch.no_grad``, as Lightning does for FSDP.
 
 Note [Clipping with fused optimizers under bf16-mixed]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -58,6 +70,13 @@ class ScalerFreeMixedPrecision(MixedPrecision):
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
         return None
+
+
+def evaluate_without_inference_mode(trainer: Any) -> None:
+    """The trainer's validate / test / predict loops under ``torch.no_grad`` (Note [Evaluation without inference mode])."""
+    for loop in (getattr(trainer, name, None) for name in ("validate_loop", "test_loop", "predict_loop")):
+        if loop is not None and hasattr(loop, "inference_mode"):
+            loop.inference_mode = False
 
 
 def scaler_free(plugin: Any) -> Any:

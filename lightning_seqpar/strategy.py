@@ -50,7 +50,7 @@ from lightning_seqpar.parallelize import (is_parallelized, parallel_roots, paral
                                           use_host_optimizer_threads)
 from lightning_seqpar.planning import (RunSite, check_options_against_model, device_memory_bytes, plan_parallel_dims, plan_run_memory,
                                        resolve_auto_attention)
-from lightning_seqpar.precision import convert_module_keeping_rotary, fsdp_dtypes, scaler_free
+from lightning_seqpar.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
 from lightning_seqpar.resources import RunGroups, free_unreferenced
 
 if TYPE_CHECKING:
@@ -220,11 +220,10 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        # precision, then parallelize on every child module that holds transformer blocks (attention -> AC -> compile ->
-        # FSDP2 over dp_shard x hp x cp), then the optimizers over the sharded parameters
-        assert self.model is not None
-        assert self.accelerator is not None
+        # precision, parallelize every child holding blocks (attention -> AC -> compile -> FSDP2), then the optimizers
+        assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        evaluate_without_inference_mode(trainer)  # Note [Evaluation without inference mode] in lightning_seqpar.precision
         if not is_parallelized(self.model):
             self._plan_memory(self.parallel_dims, trainer)  # memory="auto" without a length known earlier: the first batch's
             self.model = convert_module_keeping_rotary(self.precision_plugin, self.model)  # bf16-true: bf16 parameters (Note [Rotary frequencies under bf16-true])
