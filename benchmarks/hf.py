@@ -165,7 +165,7 @@ def _fit(config, data: list[dict], strategy, *, steps: int, precision: str, call
          warmup_steps: int = 1, ckpt_path: str | None = None):
     """``CausalLMModule(config)`` trained ``steps`` steps on ``data`` (batch 1) under ``strategy``; the Trainer."""
     fit = trainer(strategy, steps=steps, precision=precision, callbacks=callbacks, cuda=cuda)
-    module = CausalLMModule(model=config, lora=lora, lr=1e-5, warmup_steps=warmup_steps, weight_decay=0.0, loss_chunk_size=loss_chunk)
+    module = CausalLMModule(model=config, lora=lora, lr=1e-5, warmup_steps=warmup_steps, weight_decay=0.0, loss_chunk_size=loss_chunk or None)  # 0: the full logits (the default)
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=ckpt_path)
     return fit
 
@@ -284,6 +284,7 @@ def _family_row(args, shape: str, system: str, world: int, bench: str) -> dict:
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__, commit=args.commit,
                 algorithm=args.algorithm if ours else "transformers", attention_backend=args.attention_backend if ours else None,
                 strategy_options=options if ours else None, precision=_precision(args, shape) if ours else "autocast-bf16",
+                loss_chunk_size=(args.loss_chunk or None) if ours else None,
                 lora=LORA.get(shape), warmup=args.warmup, steps=args.steps, config=spec,
                 **({"auto": True} if ours and args.algorithm == "auto" else {}), **model_flops(_config(spec), args.seq, LORA.get(shape)))
 
