@@ -30,6 +30,17 @@ def test_auto_takes_cudnn_only_where_the_model_says_it_is_exact(hopper, fa4, cud
     assert local.resolve_backend("flash", torch.device("cpu"), torch.bfloat16, 128, cudnn_exact=True) == "flash"  # named: kept
 
 
+@pytest.mark.parametrize("seq_len,cudnn_exact,expected", [(4096, True, "cudnn"), (local.FA4_MIN_TOKENS - 1, True, "cudnn"),
+                                                           (local.FA4_MIN_TOKENS, True, "fa4"), (32768, True, "fa4"),
+                                                           (4096, False, "fa4"), (None, True, "fa4")])
+def test_short_calls_take_cudnn_over_flash_attention_4_where_it_is_exact(hopper, seq_len, cudnn_exact, expected):
+    """FA4's cost per call is larger than cuDNN's: below FA4_MIN_TOKENS query tokens cuDNN, where exact for the model
+    (one H200, Llama-3.2-1B shape, 4K: 0.12 s per step with cuDNN against 0.16 s with FA4; 32K: FA4 ahead)."""
+    hopper(True)
+    assert local.resolve_backend("auto", torch.device("cpu"), torch.bfloat16, 64, cudnn_exact=cudnn_exact, seq_len=seq_len) == expected
+    assert local.resolve_backend("fa4", torch.device("cpu"), torch.bfloat16, 64, cudnn_exact=True, seq_len=4096) == "fa4"  # named: kept
+
+
 def test_the_choice_is_logged_once_with_what_the_extra_gains(caplog):
     local._LOGGED.clear()
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.seqpar"):

@@ -737,7 +737,7 @@ class Attention(nn.Module):
         """The kernel of this call: ``backend``, or for "auto" the fastest exact one for the model (logged once)."""
         if self.backend != "auto" or q.device.type != "cuda":
             return self.backend
-        backend = resolve_backend("auto", q.device, q.dtype, q.shape[-1], cudnn_exact=self.cudnn_exact)
+        backend = resolve_backend("auto", q.device, q.dtype, q.shape[-1], cudnn_exact=self.cudnn_exact, seq_len=q.shape[1])
         log_auto_backend(backend, cudnn_exact=self.cudnn_exact)
         return backend
 

@@ -51,7 +51,14 @@ recurrent layers), flash-attention-2 for the others (partial rotary, latent atte
 hybrids). Measured on one H100 with the Llama-3.2-1B shape at 32K (transformers model, bf16):
 flash-attention-2 0.88x the unmodified transformers model, cuDNN 1.07x, FA4 1.18x; so without
 FA4 a full-rotary model is no longer slower than plain transformers. ``backend="cudnn"`` forces it
-for any model a user has checked. Every kernel takes
+for any model a user has checked. Short calls: flash-attention 4 costs more per call than cuDNN
+(its CuTe DSL launch; one H200, Llama-3.2-1B shape on one GPU, 16 layers, no checkpointing, the same
+call: 4K tokens 0.16 s per step with FA4 against 0.12 s with cuDNN, about 1.3 ms more per layer's
+forward + backward, where the kernels' own work is ~0.5 ms; 32K: 1.07 s against 1.19 s, FA4 ahead).
+The gain of FA4's faster kernel (~12% of the attention time) passes that cost near 16K query tokens
+per call (the attention work grows with the square of the length), so "auto" takes cuDNN below
+:data:`FA4_MIN_TOKENS` local query tokens where cuDNN is exact for the model (the break-even is the
+model's estimate; 8K-16K are not measured), FA4 from there on and for every model cuDNN is not exact for. Every kernel takes
 the merged (final) lse in backward, as the algorithms need. Varlen blocks (packed documents) also use FA4
 when installed (``cu_seqlens``), else torch's flash-attention-2 varlen kernel.
 
@@ -122,16 +129,23 @@ def available_backends(device: torch.device | str, dtype: torch.dtype, head_dim:
     return tuple(out)
 
 
+FA4_MIN_TOKENS = 16384
+"""``backend="auto"``: below this many local query tokens a call takes cuDNN over flash-attention 4 where cuDNN is exact
+for the model (Note [Choosing the local kernel]: flash-attention 4's cost per call)."""
+
+
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None, *,
-                    cudnn_exact: bool = False) -> str:
+                    cudnn_exact: bool = False, seq_len: int | None = None) -> str:
     """Validate ``backend`` and turn "auto" into a concrete one: the first of :func:`available_backends`, except
-    that cuDNN goes before flash-attention-2 when ``cudnn_exact`` says its backward is exact for the model
+    that cuDNN goes before flash-attention-2 when ``cudnn_exact`` says its backward is exact for the model, and
+    before flash-attention 4 too for calls of fewer than :data:`FA4_MIN_TOKENS` query tokens (``seq_len``)
     (Note [Choosing the local kernel])."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
     avail = available_backends(device, dtype, head_dim)
     if backend == "auto":
-        if cudnn_exact and "cudnn" in avail and avail[0] == "flash":
+        short = seq_len is not None and seq_len < FA4_MIN_TOKENS
+        if cudnn_exact and "cudnn" in avail and (avail[0] == "flash" or (avail[0] == "fa4" and short)):
             return "cudnn"
         return avail[0]
     if backend not in avail:
