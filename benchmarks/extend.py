@@ -88,7 +88,7 @@ def run(phase: str, model, *, args, tokenizer, folder: str, length: int, steps: 
     train = torch.utils.data.DataLoader(Prompts(tokenizer, length, max(steps, 1) * args.batch, seed=1 + len(phase),
                                                 answer_only=args.labels == "answer"),
                                         batch_size=args.batch, shuffle=True)
-    val = torch.utils.data.DataLoader(Prompts(tokenizer, 4 * args.seq, 2, seed=99, answer_only=True), batch_size=1)
+    val = torch.utils.data.DataLoader(Prompts(tokenizer, 4 * args.seq, 2, seed=99, answer_only=args.val_labels == "answer"), batch_size=1)
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed" if cuda else "32-true",
                         strategy=SequenceParallelStrategy(memory="auto" if cuda else "manual"),
                         max_steps=max(steps, 1), logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--labels", choices=["answer", "all"], default="answer",
                     help="training labels: the passkey's answer tokens only (the retrieval signal undiluted) or every next token")
+    ap.add_argument("--val-labels", choices=["answer", "all"], default="answer",
+                    help="the loss-by-position curve's tokens: the answers only, or every next token of the 4L prompts")
     ap.add_argument("--tiny", action="store_true", help="CPU toy: L=96, 2 layers of 32, a few steps")
     ap.add_argument("--out", default="outputs/extend")
     ap.add_argument("--cost", default=None, help="lengths N,...: the evaluation's cost at each (records to --out, a JSON file)")
