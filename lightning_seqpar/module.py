@@ -35,6 +35,21 @@ gradient is then ``sum_i (dS_i + N_i daux_i) / sum_i N_i``, that of the mean ove
 of the window (a MoE router loss weighted by its micro-batch's share of the tokens; 0 when no token
 of the window is trained). Exact for a partial last window too (Lightning divides by k there as
 well). The logged ``train/loss`` stays each micro-batch's own mean.
+
+Note [The loss chunk by default]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The full logits are the largest tensors of a long step: 32K tokens per rank x Qwen3's 151,936
+vocabulary hold 70 GB at the loss (bf16 logits, their fp32 copy, softmax and gradient), against
+~9 GB per 8,192-token chunk of the chunked cross entropy (Note [Chunked cross entropy] in
+``lightning_seqpar.loss``), which costs the same three matmuls per token and gives the same loss and
+gradients. TRL chunks its NLL by default too. So ``loss_chunk_size="auto"`` (the default) is
+:data:`LOSS_CHUNK_AUTO` wherever the chunked loss computes the model's own logits -- the package's
+models, and transformers models whose logits are ``hidden @ lm_head.weight^T`` (soft-capping
+included, which the chunked loss applies itself) -- and the full logits where a model changes
+them after its head (``logit_scale``, ``logits_scaling``) or its head is not a linear layer (peft's
+adapted head is; checked when the model is built, logged). An int or None chosen by the user is
+kept (an int refused, by name, for a model it cannot serve). Before this default, a Llama-3.2-1B
+model at 128K on one GPU needed ``loss_chunk_size`` set or ran out of memory in its loss.
 """
 
 from __future__ import annotations
@@ -43,12 +58,13 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics.aggregation import MeanMetric
@@ -68,7 +84,10 @@ from lightning_seqpar.models.transnormer import TransNormer, TransNormerConfig
 from lightning_seqpar.parallelize import uses_linear_attention
 from lightning_seqpar.strategy import SequenceParallelStrategy
 
-__all__ = ["CausalLMModule", "batch_samples", "batch_tokens"]
+__all__ = ["LOSS_CHUNK_AUTO", "CausalLMModule", "batch_samples", "batch_tokens"]
+
+LOSS_CHUNK_AUTO = 8192
+"""``loss_chunk_size="auto"``: the tokens per chunk of the chunked cross entropy (Note [The loss chunk by default])."""
 
 
 class CausalLMModule(L.LightningModule):
@@ -100,8 +119,12 @@ class CausalLMModule(L.LightningModule):
         warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``.
         max_steps: end of the cosine decay; None: the Trainer's ``estimated_stepping_batches``.
         min_lr_ratio: the cosine decays to ``min_lr_ratio * lr``.
-        loss_chunk_size: None computes the full (B, S, V) logits; an int runs the chunked cross
-            entropy that holds the logits of at most this many tokens at a time.
+        loss_chunk_size: an int runs the chunked cross entropy that holds the logits of at most this
+            many tokens at a time; None computes the full (B, S, V) logits; "auto" (default)
+            :data:`LOSS_CHUNK_AUTO` tokens wherever the chunked loss computes the model's own logits
+            (every model but a transformers model that scales its logits after ``lm_head`` or has
+            an output head other than a linear layer), else the full logits (Note [The loss chunk by
+            default]).
         init_seed: seed of the weight initialisation, so that every rank (and a single-device run)
             builds the same initial model whatever the global random state.
         bits_per_character: also log ``val/bpc`` and ``test/bpc``: the cross entropy over every
@@ -140,7 +163,7 @@ class CausalLMModule(L.LightningModule):
         warmup_steps: int = 100,
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
-        loss_chunk_size: int | None = None,
+        loss_chunk_size: int | Literal["auto"] | None = "auto",
         init_seed: int = 0,
         bits_per_character: bool = False,
         hf_save_dir: str | None = None,
@@ -218,8 +241,14 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"{name}: max_steps must be >= 1 or None, got {max_steps}")
         if not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"{name}: min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-        if loss_chunk_size is not None and loss_chunk_size < 1:
-            raise ValueError(f"{name}: loss_chunk_size must be >= 1 or None, got {loss_chunk_size}")
+        chunk = loss_chunk_size
+        if loss_chunk_size == "auto":  # Note [The loss chunk by default]
+            transform = hf.logit_transform(model) if self._hf_source is not None else None
+            chunk = None if transform is not None else LOSS_CHUNK_AUTO
+            self._auto_loss_chunk = transform is None  # configure_model may still fall back (the head's type)
+        elif loss_chunk_size is not None and (isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int)
+                                              or loss_chunk_size < 1):
+            raise ValueError(f"{name}: loss_chunk_size must be an int >= 1, 'auto' or None, got {loss_chunk_size!r}")
         if fused_optimizer is not None and not isinstance(fused_optimizer, bool):
             raise ValueError(f"{name}: fused_optimizer must be True, False or None (fused on CUDA), got {fused_optimizer!r}")
         # Checkpoints hold the config as plain values (torch.load(weights_only=True) loads them).
@@ -232,10 +261,13 @@ class CausalLMModule(L.LightningModule):
         self.config = model
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, tuple(betas), eps
         self.warmup_steps, self.max_steps, self.min_lr_ratio = warmup_steps, max_steps, min_lr_ratio
-        self.loss_chunk_size, self.init_seed = loss_chunk_size, init_seed
+        self.loss_chunk_size: int | None = chunk  # type: ignore[assignment]  # "auto" resolved
+        self.init_seed = init_seed
         self.hf_save_dir = hf_save_dir
         self.fused_optimizer = fused_optimizer
         self.model: Llama | TransNormer | GPT | hf.HFCausalLM | None = None if given is None else hf.HFCausalLM(given)
+        if self.model is not None and self.loss_chunk_size is not None:  # a built model: its head checked now
+            self._check_chunked_head(self.model)
         self.val_loss = MeanMetric()
         self.val_bpc = BitsPerCharacter() if bits_per_character else None
         self.flops_per_batch = 0
@@ -258,9 +290,20 @@ class CausalLMModule(L.LightningModule):
                     model = lora_module.apply_lora(model, self._lora_config)
                 self.model = hf.HFCausalLM(model)
                 if self.loss_chunk_size is not None:  # refused here, before the strategy's first collective
-                    self.model.check_chunked_head()
+                    self._check_chunked_head(self.model)
             else:
                 self.model = build_model(self.config)  # type: ignore[assignment]
+
+    def _check_chunked_head(self, model: hf.HFCausalLM) -> None:
+        """The chunked loss needs the model's logits to be ``hidden @ W^T``: refused for a loss_chunk_size the user
+        set, the full logits for "auto" (Note [The loss chunk by default])."""
+        try:
+            model.check_chunked_head()
+        except ValueError as error:
+            if not getattr(self, "_auto_loss_chunk", False):
+                raise
+            self.loss_chunk_size = None
+            rank_zero_info(f"{type(self).__name__}: loss_chunk_size='auto' computes the full logits: {error}")
 
     def _require_model(self) -> Llama | TransNormer | GPT | hf.HFCausalLM:
         if self.model is None:

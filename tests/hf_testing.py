@@ -206,6 +206,8 @@ def train_under_strategy(rank: int, world_size: int, model: Any, data: dict[str,
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
 
     strategy = SequenceParallelStrategy(**{"sequence_parallel_size": world_size, **(strategy_kwargs or {})})
+    # the captured logits are the model's output: the full-logit path unless a test asks for the chunked loss
+    module_kwargs = {"loss_chunk_size": None, **module_kwargs}
     module = CausalLMModule(copy.deepcopy(model), lr=1e-3, weight_decay=0.0, warmup_steps=0, max_steps=steps, **module_kwargs)
     capture = _capture_callback()
     loader = torch.utils.data.DataLoader(_List(data), batch_size=BATCH, shuffle=False)
@@ -268,7 +270,7 @@ def fit_on_text(rank: int, world_size: int, model: Any, datamodule_kwargs: dict[
 
     first, capture = FirstBatch(), _capture_callback()
     strategy = SequenceParallelStrategy(sequence_parallel_size=world_size, attention="ring")
-    module = CausalLMModule(model, lr=1e-3, warmup_steps=0, max_steps=1)
+    module = CausalLMModule(model, lr=1e-3, warmup_steps=0, max_steps=1, loss_chunk_size=None)  # the captured logits: the full path
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[first, capture])

@@ -66,3 +66,49 @@ def test_an_adapter_writes_its_wrapper_as_one_product_and_leaves_plain_heads_alo
     plain = nn.Linear(8, 16, bias=False)
     h, w = head_operands(plain, hidden, adapters=(_Adapter(),))
     assert h is hidden and w is plain.weight
+
+
+def test_the_loss_chunk_by_default():
+    """loss_chunk_size="auto" (the default, Note [The loss chunk by default]): LOSS_CHUNK_AUTO wherever the chunked loss
+    computes the model's own logits, the full logits where a model changes them after its head (or the head is not a
+    linear layer: checked when the model is built); a user's int or None is kept; the hyper-parameters keep "auto"."""
+    import logging
+
+    import pytest
+    from transformers import AutoModelForCausalLM, CohereConfig, LlamaConfig
+
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.module import LOSS_CHUNK_AUTO
+
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    assert CausalLMModule("tiny").loss_chunk_size == LOSS_CHUNK_AUTO == 8192
+    assert CausalLMModule("tiny").hparams["loss_chunk_size"] == "auto"
+    assert CausalLMModule(LlamaConfig(**tiny)).loss_chunk_size == LOSS_CHUNK_AUTO
+    assert CausalLMModule(CohereConfig(**tiny, logit_scale=0.5)).loss_chunk_size is None  # scales its logits after lm_head
+    assert CausalLMModule("tiny", loss_chunk_size=None).loss_chunk_size is None
+    assert CausalLMModule("tiny", loss_chunk_size=7).loss_chunk_size == 7
+    with pytest.raises(ValueError, match="transforms its logits"):  # a chunk the user asked for is refused by name
+        CausalLMModule(AutoModelForCausalLM.from_config(CohereConfig(**tiny, logit_scale=0.5)), loss_chunk_size=8)
+    for bad in (0, "yes", 2.5, True):
+        with pytest.raises(ValueError, match="loss_chunk_size must be"):
+            CausalLMModule("tiny", loss_chunk_size=bad)
+    built = AutoModelForCausalLM.from_config(LlamaConfig(**tiny))
+    class Doubled(nn.Linear):  # a head whose logits are not hidden @ W^T: "auto" falls back to the full logits
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    head = Doubled(32, 64, bias=False)
+    head.weight = built.lm_head.weight
+    built.lm_head = head
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        module = CausalLMModule(built)
+    finally:
+        logger.removeHandler(handler)
+    assert module.loss_chunk_size is None
+    assert any("loss_chunk_size='auto' computes the full logits" in m for m in seen), seen

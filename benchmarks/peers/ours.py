@@ -41,7 +41,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--precision", default=None)
     p.add_argument("--option", action="append", default=[], help="a strategy option NAME=VALUE (Python literal)")
-    p.add_argument("--loss-chunk", type=int, default=None, help="CausalLMModule(loss_chunk_size=...)")
+    p.add_argument("--loss-chunk", type=int, default=None, help="CausalLMModule(loss_chunk_size=...); 0: the full logits; "
+                   "default: the module's default ('auto': 8192 where the chunked loss serves the model)")
     p.add_argument("--documents", type=int, default=0, help="pack this many equal documents per row (document_ids)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU (smoke run)")
     p.add_argument("--out", default="peers.json")
@@ -71,7 +72,7 @@ def main() -> None:
                 "rope_parameters")
         model = {"model_type": "qwen3", **{k: cfg[k] for k in keep}}
         precision = args.precision or ("bf16-true" if cuda else "32-true")
-    module = CausalLMModule(model=model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size=args.loss_chunk)
+    module = CausalLMModule(model=model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size="auto" if args.loss_chunk is None else args.loss_chunk or None)
     data = LongRangeDataModule(vocab_size=64 if args.tiny else 32000, seq_len=args.seq, batch_size=1,
                                num_samples=args.steps * 2, val_samples=0, seed=0, supervise="all")
     clock, losses = StepClock(args.warmup), []
@@ -95,11 +96,13 @@ def main() -> None:
 
     layer = next(m for m in module.modules() if type(m).__name__ == "Attention")  # the kernel "auto" runs, as it logs it
     kernel = layer.backend if layer.backend != "auto" or not cuda else resolve_backend(
-        "auto", torch.device("cuda"), torch.bfloat16, SHAPES[args.model].head_dim, cudnn_exact=layer.cudnn_exact)
+        "auto", torch.device("cuda"), torch.bfloat16, SHAPES[args.model].head_dim, cudnn_exact=layer.cudnn_exact,
+        seq_len=args.seq if strategy.attention == "ulysses" else args.seq // strategy.parallel_dims.sp)  # a call's query tokens
     settings = dict(strategy_kwargs, precision=precision, attention=strategy.attention, kernel=kernel,
                     memory_plan=None if plan is None else str(plan), data="copy task, every token labelled")
     changes = [] if not options else [f"options set: {sorted(options)}"]
-    settings["loss_chunk_size"] = args.loss_chunk
+    settings["loss_chunk_size"] = module.loss_chunk_size  # what ran ("auto" resolved)
+    settings["loss_chunk_set"] = args.loss_chunk is not None
     write_record(args.out, system="seqpar", model=args.model, seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
                  settings=settings, changes=changes, version=f"lightning_seqpar {lightning_seqpar.__version__}", losses=losses)
 

@@ -37,7 +37,7 @@ def _settings(r: dict) -> str:
     parts = [f"attention {s['attention']}" + (" (set)" if set_attention else " (auto)")] if s.get("attention") else []
     parts += [f"kernel {s['kernel']}"] if s.get("kernel") else []
     parts += ([f"memory=auto: {chosen}"] if chosen else []) + by_hand
-    parts += [f"loss chunks {s['loss_chunk_size']}"] if s.get("loss_chunk_size") else []
+    parts += [f"loss chunks {s['loss_chunk_size']}" + ("" if s.get("loss_chunk_set", True) else " (auto)")] if s.get("loss_chunk_size") else []
     return ", ".join(parts) if (chosen or by_hand or s.get("loss_chunk_size") or set_attention or s.get("kernel")) else "defaults"
 
 

@@ -87,7 +87,7 @@ from lightning_seqpar.hf.attention import (
     seqpar_attention_mask,
 )
 from lightning_seqpar.hf.config import EXTENSIBLE_ROPE_TYPES, HFConfigSpec, apply_config_overrides, is_hf_source, load_hf_config, rope_extension
-from lightning_seqpar.hf.model import HFCausalLM, build_hf_causal_lm, save_hf_pretrained
+from lightning_seqpar.hf.model import HFCausalLM, build_hf_causal_lm, logit_transform, save_hf_pretrained
 
 __all__ = [
     "HFConfigSpec",
@@ -100,6 +100,7 @@ __all__ = [
     "build_hf_causal_lm",
     "is_hf_source",
     "load_hf_config",
+    "logit_transform",
     "register_attention",
     "rope_extension",
     "save_hf_pretrained",

@@ -35,6 +35,16 @@ _LOGIT_TRANSFORMS: tuple[tuple[str, object], ...] = (
 )
 
 
+def logit_transform(config: Any) -> str | None:
+    """The config field (``"name=value"``) by which the model changes its logits after ``lm_head`` beyond what the
+    chunked cross entropy applies itself, or None (the chunked loss computes exactly the model's logits)."""
+    for field, neutral in _LOGIT_TRANSFORMS:
+        value = getattr(config, field, neutral)
+        if value is not None and value != neutral:
+            return f"{field}={value}"
+    return None
+
+
 # --------------------------------------------------------------------------------------------- building
 
 
@@ -219,14 +229,10 @@ class HFCausalLM(nn.Module):
 
     def check_chunked_head(self) -> None:
         """``output="hidden"`` serves the chunked loss ``hidden @ lm_head.weight^T``: refuse models whose logits are more."""
-        config = self.hf.config
-        for field, neutral in _LOGIT_TRANSFORMS:
-            value = getattr(config, field, neutral)
-            if value is not None and value != neutral:
-                raise ValueError(
-                    f"{type(self.hf).__name__} transforms its logits after lm_head (config.{field}={value}), which the "
-                    "chunked cross entropy does not: use loss_chunk_size=None"
-                )
+        transform = logit_transform(self.hf.config)
+        if transform is not None:
+            raise ValueError(f"{type(self.hf).__name__} transforms its logits after lm_head (config.{transform}), which the "
+                             "chunked cross entropy does not: use loss_chunk_size=None")
         logits_head(self.lm_head, type(self.hf).__name__, adapters=(PEFT_HEAD,))  # a plain head, or one peft wraps (Note [An adapted output head])
 
     def head_operands(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
