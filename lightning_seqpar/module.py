@@ -43,11 +43,15 @@ vocabulary hold 70 GB at the loss (bf16 logits, their fp32 copy, softmax and gra
 ~9 GB per 8,192-token chunk of the chunked cross entropy (Note [Chunked cross entropy] in
 ``lightning_seqpar.loss``), which costs the same three matmuls per token and gives the same loss and
 gradients. TRL chunks its NLL by default too. So ``loss_chunk_size="auto"`` (the default) is
-:data:`LOSS_CHUNK_AUTO` wherever the chunked loss computes the model's own logits -- the package's
-models, and transformers models whose logits are ``hidden @ lm_head.weight^T`` (soft-capping
-included, which the chunked loss applies itself) -- and the full logits where a model changes
-them after its head (``logit_scale``, ``logits_scaling``) or its head is not a linear layer (peft's
-adapted head is; checked when the model is built, logged). An int or None chosen by the user is
+:data:`LOSS_CHUNK_AUTO` wherever the chunked loss is known to compute the model's own logits -- the
+package's models, and the transformers model types of ``hf.CHUNKED_LOSS_MODEL_TYPES``, whose
+``ForCausalLM`` computes ``lm_head(decoder(x))`` (Gemma 2 / 3 soft-capped, which the chunked loss
+applies itself), each checked chunked against the full logits in tests/test_head.py -- and the full
+logits for every other model: a wrong logit is a silent wrong gradient, and transformers' causal LMs
+change their logits after the head in ways a config field does not always name (Cohere's
+``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``, soft-caps under
+other names, vocabulary slicing). A listed model whose head is not a plain linear layer (peft's
+adapted head is) falls back too, when the model is built (logged). An int or None chosen by the user is
 kept (an int refused, by name, for a model it cannot serve). Before this default, a Llama-3.2-1B
 model at 128K on one GPU needed ``loss_chunk_size`` set or ran out of memory in its loss.
 """
@@ -122,9 +126,8 @@ class CausalLMModule(L.LightningModule):
         loss_chunk_size: an int runs the chunked cross entropy that holds the logits of at most this
             many tokens at a time; None computes the full (B, S, V) logits; "auto" (default)
             :data:`LOSS_CHUNK_AUTO` tokens wherever the chunked loss computes the model's own logits
-            (every model but a transformers model that scales its logits after ``lm_head`` or has
-            an output head other than a linear layer), else the full logits (Note [The loss chunk by
-            default]).
+            (the package's models and the transformers model types of
+            ``hf.CHUNKED_LOSS_MODEL_TYPES``), else the full logits (Note [The loss chunk by default]).
         init_seed: seed of the weight initialisation, so that every rank (and a single-device run)
             builds the same initial model whatever the global random state.
         bits_per_character: also log ``val/bpc`` and ``test/bpc``: the cross entropy over every
@@ -243,9 +246,9 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"{name}: min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
         chunk = loss_chunk_size
         if loss_chunk_size == "auto":  # Note [The loss chunk by default]
-            transform = hf.logit_transform(model) if self._hf_source is not None else None
-            chunk = None if transform is not None else LOSS_CHUNK_AUTO
-            self._auto_loss_chunk = transform is None  # configure_model may still fall back (the head's type)
+            serves = self._hf_source is None or hf.chunked_loss_serves(model)
+            chunk = LOSS_CHUNK_AUTO if serves else None
+            self._auto_loss_chunk = serves  # configure_model may still fall back (the head's type)
         elif loss_chunk_size is not None and (isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int)
                                               or loss_chunk_size < 1):
             raise ValueError(f"{name}: loss_chunk_size must be an int >= 1, 'auto' or None, got {loss_chunk_size!r}")

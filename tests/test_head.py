@@ -112,3 +112,60 @@ def test_the_loss_chunk_by_default():
         logger.removeHandler(handler)
     assert module.loss_chunk_size is None
     assert any("loss_chunk_size='auto' computes the full logits" in m for m in seen), seen
+
+
+KINDS_FOR_CHUNKING = ["llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3", "gemma2", "gpt_oss", "mixtral", "qwen2_moe", "olmoe",
+                      "qwen3_moe", "lfm2", "bamba", "qwen3_next", "qwen3_5", "jamba", "phi3-longrope"]
+
+
+def test_every_model_type_auto_chunks_gives_the_full_logits_loss_and_gradients():
+    """hf.CHUNKED_LOSS_MODEL_TYPES, where loss_chunk_size="auto" chunks: for each, one tiny model's loss and every gradient
+    through the chunked cross entropy (chunks of 5 tokens) equal those through the model's own full logits."""
+    import copy
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_testing import tiny_config
+    from lightning_seqpar import CausalLMModule, hf
+
+    warnings.filterwarnings("ignore")
+    seen = set()
+    for kind in KINDS_FOR_CHUNKING:
+        config = tiny_config(kind)
+        seen.add(config.model_type)
+        assert hf.chunked_loss_serves(config), kind
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(config).float()
+        ids = torch.randint(0, config.vocab_size, (2, 24))
+        labels = torch.randint(0, config.vocab_size, (2, 24))
+        labels[:, :3] = -100
+        batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(24)[None].expand(2, 24)}
+        out = {}
+        for chunk in (None, 5):
+            module = CausalLMModule(copy.deepcopy(base), loss_chunk_size=chunk)
+            total, count = module.loss_sum(batch)
+            total.backward()
+            out[chunk] = (total.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None})
+        torch.testing.assert_close(out[5][0], out[None][0], rtol=1e-5, atol=1e-5, msg=lambda m: f"{kind} loss: {m}")
+        assert out[5][1].keys() == out[None][1].keys(), kind
+        for name, grad in out[None][1].items():
+            torch.testing.assert_close(out[5][1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{kind} {name}: {m}")
+    assert seen == set(hf.CHUNKED_LOSS_MODEL_TYPES)
+
+
+def test_a_logit_multiplier_is_refused_for_chunking():
+    """Falcon-H1 multiplies its logits by lm_head_multiplier after lm_head: the chunked loss would silently drop it."""
+    import pytest
+    from transformers import FalconH1Config
+
+    from lightning_seqpar import hf
+
+    config = FalconH1Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            vocab_size=64, lm_head_multiplier=0.5)
+    assert hf.logit_transform(config) == "lm_head_multiplier=0.5" and not hf.chunked_loss_serves(config)
+    with pytest.raises(ValueError, match="lm_head_multiplier"):
+        from lightning_seqpar import CausalLMModule
+        from transformers import AutoModelForCausalLM
+
+        CausalLMModule(AutoModelForCausalLM.from_config(config), loss_chunk_size=8)

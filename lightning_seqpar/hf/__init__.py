@@ -87,17 +87,19 @@ from lightning_seqpar.hf.attention import (
     seqpar_attention_mask,
 )
 from lightning_seqpar.hf.config import EXTENSIBLE_ROPE_TYPES, HFConfigSpec, apply_config_overrides, is_hf_source, load_hf_config, rope_extension
-from lightning_seqpar.hf.model import HFCausalLM, build_hf_causal_lm, logit_transform, save_hf_pretrained
+from lightning_seqpar.hf.model import CHUNKED_LOSS_MODEL_TYPES, HFCausalLM, build_hf_causal_lm, chunked_loss_serves, logit_transform, save_hf_pretrained
 
 __all__ = [
     "HFConfigSpec",
     "ATTN_IMPLEMENTATION",
     "EXTENSIBLE_ROPE_TYPES",
+    "CHUNKED_LOSS_MODEL_TYPES",
     "HFCausalLM",
     "MIN_TRANSFORMERS_VERSION",
     "apply_config_overrides",
     "apply_hf_attention",
     "build_hf_causal_lm",
+    "chunked_loss_serves",
     "is_hf_source",
     "load_hf_config",
     "logit_transform",

@@ -30,9 +30,25 @@ __all__ = ["HFCausalLM", "HFConfigSpec", "build_hf_causal_lm", "is_hf_source", "
 # config fields that change the logits after ``lm_head`` (the chunked loss computes hidden @ W^T only)
 # (final_logit_softcapping is applied by the chunked loss itself: HFCausalLM.logit_softcap)
 _LOGIT_TRANSFORMS: tuple[tuple[str, object], ...] = (
-    ("logit_scale", 1.0),
-    ("logits_scaling", 1.0),
+    ("logit_scale", 1.0),  # Cohere
+    ("logits_scaling", 1.0),  # Granite
+    ("lm_head_multiplier", 1.0),  # Falcon-H1
+    ("output_multiplier", 1.0),  # MuseGlimmer / MuseSpark (before their soft-cap)
 )
+
+CHUNKED_LOSS_MODEL_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text",
+    "gemma", "gemma2", "gemma3_text", "gpt_oss", "olmoe", "phi3", "lfm2", "bamba", "jamba",
+})
+"""The transformers model types whose ``ForCausalLM`` computes its logits as ``lm_head(decoder(x))`` (Gemma 2 / 3 soft-capped
+by ``final_logit_softcapping``, which the chunked loss applies), each checked chunked against the full logits
+(tests/test_head.py): where ``CausalLMModule(loss_chunk_size="auto")`` chunks (Note [The loss chunk by default])."""
+
+
+def chunked_loss_serves(config: Any) -> bool:
+    """Whether ``loss_chunk_size="auto"`` chunks this transformers model's loss: a model type of
+    :data:`CHUNKED_LOSS_MODEL_TYPES` without a logit transform (:func:`logit_transform`)."""
+    return getattr(config, "model_type", None) in CHUNKED_LOSS_MODEL_TYPES and logit_transform(config) is None
 
 
 def logit_transform(config: Any) -> str | None:
@@ -205,10 +221,7 @@ class HFCausalLM(nn.Module):
         self._router_stats = None
         if output == "hidden":
             self.check_chunked_head()
-            decoder = self.hf.get_decoder()  # the model without its head (LlamaModel in LlamaForCausalLM)
-            if decoder is self.hf:
-                raise ValueError(f"{type(self.hf).__name__}: found no decoder without the head (get_decoder()); use loss_chunk_size=None")
-            out = decoder(**kwargs)
+            out = self.hf.get_decoder()(**kwargs)  # the model without its head (LlamaModel in LlamaForCausalLM)
         else:
             out = self.hf(**kwargs)
         if self._router_aux is not None:
@@ -234,6 +247,8 @@ class HFCausalLM(nn.Module):
             raise ValueError(f"{type(self.hf).__name__} transforms its logits after lm_head (config.{transform}), which the "
                              "chunked cross entropy does not: use loss_chunk_size=None")
         logits_head(self.lm_head, type(self.hf).__name__, adapters=(PEFT_HEAD,))  # a plain head, or one peft wraps (Note [An adapted output head])
+        if self.hf.get_decoder() is self.hf:
+            raise ValueError(f"{type(self.hf).__name__}: found no decoder without the head (get_decoder()); use loss_chunk_size=None")
 
     def head_operands(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """``(h, W)`` whose product ``h @ W^T`` is the logits of the final hidden states ``hidden`` ``(B, S, d)``: what
