@@ -239,6 +239,35 @@ def resolve_auto_attention(roots: Sequence[nn.Module], *, config: StrategyConfig
     return ResolvedAttention("lasp", "contiguous", inner_ring_size)
 
 
+def check_plans_agree(config: StrategyConfig, *, attention: str, owner: str) -> None:
+    """Every rank planned the same memory options and attention (Note [The plan every rank runs]): one
+    ``all_gather_object`` over the default group where the planner ran (``memory`` not "manual") on several ranks;
+    a ``ValueError`` naming the ranks and the options that differ, before the model is parallelized.
+
+    Note [The plan every rank runs]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Each rank plans alone, before the process group exists (``offload_params`` decides its backend), from
+    inputs that can differ across ranks: the host memory available to it (``MemAvailable``, read at its own
+    moment, per node) and the device's memory. Options that differ across ranks make the collectives differ
+    (head chunks split the ring's messages, offloaded parameters move the optimizer step to the host): a hang
+    or a wrong step, not an error. Since the planner runs by default (``memory=None``), the strategy compares
+    the plans once the group exists and stops with the differences named instead; setting the option that
+    differs (or ``memory="manual"``) makes every rank run the same."""
+    import torch.distributed as dist
+
+    if config.memory == "manual" or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = {"attention": attention, **{name: getattr(config, name) for name in MEMORY_OPTIONS}}
+    plans: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, mine)
+    differ = sorted({k for p in plans for k in p if p[k] != plans[0][k]})
+    if differ:
+        by_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k}={p[k]!r}" for k in differ) for r, p in enumerate(plans))
+        raise ValueError(f"{owner}: the ranks planned different options ({by_rank}): their collectives would not match. "
+                         f"Set {', '.join(k for k in differ if k != 'attention') or 'attention'} explicitly (the planner keeps an option "
+                         "you set), or memory='manual' (Note [The plan every rank runs])")
+
+
 def check_options_against_model(roots: Sequence[nn.Module], *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
                                 attention: str, inner_ring_size: int | None, owner: str) -> None:
     """The options that need the model, the mesh or the device, checked in setup before any collective:

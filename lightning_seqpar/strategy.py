@@ -48,7 +48,7 @@ from lightning_seqpar.memory import MemoryPlan
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh, warn_if_ranks_not_by_node
 from lightning_seqpar.parallelize import (is_parallelized, parallel_roots, parallelize, process_group_backend,
                                           use_host_optimizer_threads)
-from lightning_seqpar.planning import (RunSite, check_options_against_model, device_memory_bytes, plan_parallel_dims, plan_run_memory,
+from lightning_seqpar.planning import (RunSite, check_options_against_model, check_plans_agree, device_memory_bytes, plan_parallel_dims, plan_run_memory,
                                        resolve_auto_attention)
 from lightning_seqpar.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
 from lightning_seqpar.resources import RunGroups, free_unreferenced
@@ -273,6 +273,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         """The options that need the model, mesh and device, before any collective (``planning.check_options_against_model``)."""
         check_options_against_model(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
                                     attention=self.attention, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
+        check_plans_agree(self.config, attention=self.attention, owner=type(self).__name__)  # before parallelizing
 
     def _run_site(self) -> RunSite:
         """This run's device, precision and devices per node, for the planner."""

@@ -671,3 +671,32 @@ def test_the_default_runs_a_plan_with_one_gather_and_warns_where_nothing_fits():
     assert strategy.lightning_module.trainer.global_step == 1  # it ran
     strategy = _fit_with_device_memory(OVERHEAD_BYTES * 1.01, seq, memory="manual")
     assert strategy.memory_plan is None and not strategy.config.gather_whole_model
+
+
+def _plans(rank: int, world_size: int) -> list:
+    from lightning_seqpar.config import StrategyConfig
+    from lightning_seqpar.planning import check_plans_agree
+
+    out = []
+    same = StrategyConfig(memory="auto", uncheckpointed_blocks=2)
+    check_plans_agree(same, attention="ring", owner="S")  # the same plan on every rank: nothing to say
+    check_plans_agree(StrategyConfig(memory="manual", head_chunks=1 + rank), attention="ring", owner="S")  # "manual": not compared
+    for config in (StrategyConfig(memory=None, head_chunks=2 if rank else 1), StrategyConfig(memory="auto", uncheckpointed_blocks=rank)):
+        try:
+            check_plans_agree(config, attention="ring", owner="S")
+            out.append(None)
+        except ValueError as error:
+            out.append(str(error))
+    return out
+
+
+def test_ranks_that_planned_differently_stop_with_the_difference_named():
+    """Note [The plan every rank runs]: each rank plans alone (its host memory, read at its own moment); plans that
+    differ would make the collectives differ, so the strategy compares them once the group exists."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_plans, 2, timeout=120)
+    for rank_out in results:
+        head, unckpt = rank_out
+        assert head and "rank 0: head_chunks=1; rank 1: head_chunks=2" in head and "Set head_chunks explicitly" in head
+        assert unckpt and "uncheckpointed_blocks=0" in unckpt and "uncheckpointed_blocks=1" in unckpt
