@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import lightning as L
 import numpy as np
@@ -120,7 +121,7 @@ class _Clock(L.Callback):
     def _sync(self) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return __import__("time").perf_counter()
+        return time.perf_counter()
 
     def on_validation_batch_start(self, *args, **kwargs) -> None:
         self.t = self._sync()
@@ -135,8 +136,6 @@ class _Clock(L.Callback):
 
 def cost(args) -> None:
     """``--cost``: LongContextEval's cost at each length (one GPU), a record per length appended to ``--out``."""
-    import time
-
     cuda = torch.cuda.is_available()
     folder = os.path.dirname(os.path.abspath(args.out)) + "/eval-cost-tokenizer"
     tokenizer = word_tokenizer(folder)

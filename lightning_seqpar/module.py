@@ -244,11 +244,11 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"{name}: max_steps must be >= 1 or None, got {max_steps}")
         if not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"{name}: min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-        chunk = loss_chunk_size
+        chunk, self._auto_loss_chunk = loss_chunk_size, False  # "auto" that chunks: may still fall back (the head's type)
         if loss_chunk_size == "auto":  # Note [The loss chunk by default]
             serves = self._hf_source is None or hf.chunked_loss_serves(model)
             chunk = LOSS_CHUNK_AUTO if serves else None
-            self._auto_loss_chunk = serves  # configure_model may still fall back (the head's type)
+            self._auto_loss_chunk = serves
         elif loss_chunk_size is not None and (isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, int)
                                               or loss_chunk_size < 1):
             raise ValueError(f"{name}: loss_chunk_size must be an int >= 1, 'auto' or None, got {loss_chunk_size!r}")
@@ -303,7 +303,7 @@ class CausalLMModule(L.LightningModule):
         try:
             model.check_chunked_head()
         except ValueError as error:
-            if not getattr(self, "_auto_loss_chunk", False):
+            if not self._auto_loss_chunk:
                 raise
             self.loss_chunk_size = None
             rank_zero_info(f"{type(self).__name__}: loss_chunk_size='auto' computes the full logits: {error}")
