@@ -165,9 +165,14 @@ def _fit(config, data: list[dict], strategy, *, steps: int, precision: str, call
          warmup_steps: int = 1, ckpt_path: str | None = None):
     """``CausalLMModule(config)`` trained ``steps`` steps on ``data`` (batch 1) under ``strategy``; the Trainer."""
     fit = trainer(strategy, steps=steps, precision=precision, callbacks=callbacks, cuda=cuda)
-    module = CausalLMModule(model=config, lora=lora, lr=1e-5, warmup_steps=warmup_steps, weight_decay=0.0, loss_chunk_size=loss_chunk or None)  # 0: the full logits (the default)
+    module = CausalLMModule(model=config, lora=lora, lr=1e-5, warmup_steps=warmup_steps, weight_decay=0.0, loss_chunk_size=_loss_chunk(loss_chunk))
     fit.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=1), ckpt_path=ckpt_path)
     return fit
+
+
+def _loss_chunk(n: int):
+    """--loss-chunk: 0 the full logits, a negative number the module's default ("auto"), else tokens per piece."""
+    return "auto" if n < 0 else (n or None)
 
 
 def run_plain(config, seq: int, row: dict, *, lora: dict | None, steps: int, warmup: int = 0, bf16: bool, autocast: bool, fused: bool,
@@ -267,7 +272,10 @@ def run_ours(args, shape: str, world: int, callbacks: list) -> dict:
          callbacks=[step_timer(times, losses, warmup=args.warmup, cuda=args.device == "cuda"), *callbacks], loss_chunk=args.loss_chunk)
     dims = strategy.parallel_dims  # what "auto" chose, named as benchmarks/train.py names it
     algorithm = f"2d:{dims.hp}x{dims.cp}" if strategy.attention == "2d" else strategy.attention
-    return dict(step_time_s=sorted(times)[len(times) // 2], losses=losses, algorithm=algorithm, attn="seqpar")
+    from lightning_seqpar.attention.local import _LOGGED  # the kernels "auto" ran, as it logged them
+
+    kernel = args.attention_backend if args.attention_backend != "auto" else ",".join(sorted({k for k, _ in _LOGGED})) or None
+    return dict(step_time_s=sorted(times)[len(times) // 2], losses=losses, algorithm=algorithm, attn="seqpar", kernel=kernel)
 
 
 def _precision(args, shape: str) -> str:  # LoRA: the frozen base in bf16, fp32 adapters (with bf16_adapters: gathered in bf16)
@@ -284,8 +292,9 @@ def _family_row(args, shape: str, system: str, world: int, bench: str) -> dict:
                 device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__, commit=args.commit,
                 algorithm=args.algorithm if ours else "transformers", attention_backend=args.attention_backend if ours else None,
                 strategy_options=options if ours else None, precision=_precision(args, shape) if ours else "autocast-bf16",
-                loss_chunk_size=(args.loss_chunk or None) if ours else None,
+                loss_chunk_size=_loss_chunk(args.loss_chunk) if ours else None,
                 lora=LORA.get(shape), warmup=args.warmup, steps=args.steps, config=spec,
+                **({"lanes": int(os.environ["SEQPAR_LANES"])} if os.environ.get("SEQPAR_LANES") else {}),  # benchmarks/lanes.sh
                 **({"auto": True} if ours and args.algorithm == "auto" else {}), **model_flops(_config(spec), args.seq, LORA.get(shape)))
 
 
@@ -514,7 +523,8 @@ def memory(args) -> None:
 
 OPTIONS: dict[str, dict] = {  # each mode's options and defaults (True / False: a switch). families: --shapes of SHAPES; --docs:
     # equal packed documents (ours); --algorithm, --attention-backend, --activation-checkpointing ("none": None), --memory: the
-    # strategy's (None: its default); --timeout: seconds a collective may wait; --profile DIR: our first timed step
+    # strategy's (None: its default); --timeout: seconds a collective may wait; --profile DIR: our first timed step; --loss-chunk: 0 the full
+    # logits, -1 CausalLMModule's default ("auto")
     "families": dict(seq=32768, steps=3, warmup=1, algorithm="auto", loss_chunk=4096, shapes=",".join(SHAPES), systems="seqpar,transformers",
                      docs=0, attention_backend="auto", activation_checkpointing=None, memory=None, timeout=600.0, profile=None),
     "finetune": dict(seq=131072, steps=3, warmup=1, algorithm="ring", loss_chunk=8192, model="hf-llama3-8b", documents=False, mean_doc=16384),
