@@ -215,6 +215,8 @@ class TransformerShape:
     tied_embeddings: bool = False
     gated_mlp: bool = True
     """SwiGLU (gate, up, down: Llama) or two matrices (GELU: GPT)."""
+    qk_norm: bool = False
+    """An RMSNorm of q and k inside the attention (Qwen3, OLMo2, Gemma3, ...): Note [Memory per token]."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -281,7 +283,17 @@ class TransformerShape:
         return cls(hidden_size=get("hidden_size"), num_layers=get("num_hidden_layers"), num_heads=heads,
                    num_kv_heads=kv if isinstance(kv, int) and kv >= 1 else heads, head_dim=head_dim,
                    intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
-                   tied_embeddings=bool(get("tie_word_embeddings", False)))
+                   tied_embeddings=bool(get("tie_word_embeddings", False)),
+                   qk_norm=get("model_type") in QK_NORM_MODEL_TYPES or any(get(f) is True for f in QK_NORM_FIELDS))
+
+
+QK_NORM_MODEL_TYPES = frozenset({
+    "afmoe", "apertus", "chameleon", "dots1", "exaone4", "flex_olmo", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text",
+    "gemma4", "gemma4_text", "glm4_moe", "minimax_m2", "olmo2", "olmo3", "olmoe", "qwen3", "qwen3_moe", "qwen3_next",
+    "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_text", "doge", "lfm2"})
+"""transformers model types whose attention normalises q and k (``self.q_norm`` / ``self.k_norm``): Note [Memory per token]."""
+QK_NORM_FIELDS = ("use_qk_norm", "qk_norm", "qk_layernorm")
+"""Config switches that add the same q / k normalisation (Cohere, Llama 4, Persimmon / StableLM)."""
 
 
 _DECODER_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp"})
@@ -485,6 +497,7 @@ def estimate_memory(
     attn_out = Hq * D * e + 4 * Hq
     norm = d * (4 + e)
     qkv = (Hq + 2 * Hkv) * D * e
+    qk_norm = (Hq + Hkv) * D * (4 + e) if m.qk_norm else 0  # the q / k norms' fp32 input copy and normalised output
     mlp_saved = (4 if m.gated_mlp else 2) * I * e
     mlp_grads = 2 * I * e
     mode = options.activation_checkpointing
@@ -544,16 +557,16 @@ def estimate_memory(
         saved_token = kept_on_device
         recompute_extra = attn_out  # the recompute runs the attention again and keeps its output
     else:  # no checkpointing: every layer keeps what its backward needs
-        saved_token = x + 2 * norm + qkv + attn_out + head_out + (mlp_saved if options.mlp_chunk_size is None else 0)
+        saved_token = x + 2 * norm + qkv + qk_norm + attn_out + head_out + (mlp_saved if options.mlp_chunk_size is None else 0)
         recompute_extra = 0
-    bare_token = x + 2 * norm + qkv + attn_out + head_out + (mlp_saved if options.mlp_chunk_size is None else 0) + lora_attn
+    bare_token = x + 2 * norm + qkv + qk_norm + attn_out + head_out + (mlp_saved if options.mlp_chunk_size is None else 0) + lora_attn
     if mode is None:  # the saved tensors are in saved_token; the backward adds gradients
         saved_token += lora_attn
         mlp_phase = n * ((mlp_grads if options.mlp_chunk_size is None else 0) + x) + tile + lora_tile
         attention_phase = attention_bytes + n * x
         norm_phase = 0
     else:  # the norms run under their own checkpoints (Note [Checkpointed norms]): their outputs are what stays
-        mlp_phase = n * (2 * x + qkv + mlp_tokens + x + back + recompute_extra + lora_attn) + tile + lora_tile
+        mlp_phase = n * (2 * x + qkv + qk_norm + mlp_tokens + x + back + recompute_extra + lora_attn) + tile + lora_tile
         attention_phase = n * (x + x + back + recompute_extra + lora_attn) + attention_bytes
         rows = n if options.mlp_chunk_size is None else min(options.mlp_chunk_size, n)  # tiled with the MLP
         norm_phase = n * (3 * x + back) + rows * NORM_BACKWARD * d
