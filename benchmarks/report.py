@@ -469,7 +469,11 @@ def hf_family_table(rows: list[dict]) -> str:
     ratio only against plain transformers of the same commit label (the same machine, warm)."""
     def settings(r: dict) -> str:  # our non-default strategy settings, as the row names them
         options = {"attention_backend": r.get("attention_backend"), **(r.get("strategy_options") or {})}
-        return ", ".join(f"{k}={v}" for k, v in options.items() if v is not None)
+        text = ", ".join(f"{k}={v}" for k, v in options.items() if v is not None)
+        if r.get("kernel") and r.get("attention_backend") == "auto":  # what "auto" ran, and whether the `gpu` extra was there
+            extra = {True: ", FA4 installed", False: ", no FA4"}.get(r.get("fa4_installed"), "")
+            text += f" -> {r['kernel']}{extra}"
+        return text
 
     runs = last_by([r for r in rows if r.get("bench") == "hf_family"],
                    lambda r: (r["model"], r["seq"], r["system"], settings(r), r.get("device", "?"), r.get("commit", "?")))

@@ -33,8 +33,16 @@ the output back in the sequence layout, H_q D e, per local token -- 20,480 B mor
 for Llama-3-8B / Qwen3-8B (4 x H200, Qwen3-8B shape at 128K, sp 4, Ulysses with flash-attention 4:
 the planner, counting ring's 8,320 only, chose 4 uncheckpointed blocks for an estimated 132.6 GB and
 the step ran out of memory asking for 18.6 GiB with 115.4 GiB allocated; Llama-3-8B the same way
-peaked at 133.5 GB under Ulysses against 113.2 GB under ring, estimate 131.4). The
-backward of ONE block recomputes it, and its peak is the larger of two phases:
+peaked at 133.5 GB under Ulysses against 113.2 GB under ring, estimate 131.4). A model that
+normalises q and k inside its attention (Qwen3, OLMo2, Gemma 3: ``TransformerShape.qk_norm``) keeps
+for those norms' backward their fp32 input copy and normalised output, (H_q + H_kv) D (4 + e) per
+token and layer -- 30,720 B for Qwen3-8B -- in every uncheckpointed block and in a block's recompute
+(not wrapped by Note [Checkpointed norms], which takes a block's own norm children only). Counted
+with saved-tensor hooks on the CPU, a Qwen3 layer keeps 3,881 B per token more than the same Llama
+layer (3,840 predicted); uncounted, the planner left 11 blocks uncheckpointed for Qwen3-8B at 128K
+under Ulysses (4 x H200) and the step went 11.9 GB over its 134.2 GB estimate; counted, 9 blocks,
+133.6 GB estimated, 133.9 measured. The backward of ONE block recomputes it, and its peak is the
+larger of two phases:
 
 * MLP phase (the MLP's backward runs first): both norms' outputs, q/k/v, the MLP's four saved
   I-wide tensors and two I-wide gradients, the incoming gradient: 116,736 B per token for the 1B

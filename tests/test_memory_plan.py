@@ -700,3 +700,51 @@ def test_ranks_that_planned_differently_stop_with_the_difference_named():
         head, unckpt = rank_out
         assert head and "rank 0: head_chunks=1; rank 1: head_chunks=2" in head and "Set head_chunks explicitly" in head
         assert unckpt and "uncheckpointed_blocks=0" in unckpt and "uncheckpointed_blocks=1" in unckpt
+
+
+def _saved_bytes_per_token(config, seq: int = 128) -> float:
+    """Bytes autograd keeps per token for the backward of one uncheckpointed transformers decoder layer (bf16, SDPA),
+    counted once per storage with saved-tensor hooks."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.bfloat16)
+    x = torch.randn(1, seq, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(seq)[None]
+    rope = model.model.rotary_emb(x, positions)
+    seen: dict = {}
+
+    def pack(t):
+        seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[0](x, position_embeddings=rope, attention_mask=None, position_ids=positions)
+    return sum(seen.values()) / seq
+
+
+def test_q_k_norms_are_counted_as_the_layer_keeps_them():
+    """Qwen3's q / k RMSNorms keep their fp32 input copy and bf16 output in an uncheckpointed block: the estimate's
+    per-token difference from the same Llama shape matches what autograd keeps (saved-tensor hooks, one layer on the CPU).
+    Without it the planner overspent at 128K on 4 x H200 (Note [Memory per token])."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32)
+    qwen, llama = transformers.Qwen3Config(**sizes), transformers.LlamaConfig(**sizes)
+    assert TransformerShape.from_config(qwen).qk_norm and not TransformerShape.from_config(llama).qk_norm
+    kept = _saved_bytes_per_token(qwen) - _saved_bytes_per_token(llama)
+
+    def per_token(config) -> float:
+        e = estimate_memory(model_shape=TransformerShape.from_config(config), seq_len=1024, options=MemoryOptions(activation_checkpointing=None))
+        return e.saved_per_layer / e.tokens
+
+    estimated = per_token(qwen) - per_token(llama)
+    assert estimated == (8 + 2) * 32 * (4 + 2)
+    assert estimated == pytest.approx(kept, rel=0.05)  # the hooks also see the norms' fp32 rsqrt, 4 B per head and token
+    # in the planner: fewer blocks left uncheckpointed for the same card (Qwen3-8B's shape at 128K, sp 4, Ulysses)
+    qwen3_8b = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    intermediate_size=12288, vocab_size=151936)
+    shape = TransformerShape.from_config(transformers.Qwen3Config(**qwen3_8b))
+    plans = [plan_memory(model_shape=s, seq_len=128 * K, device_memory=150.1e9, sp=4, loss_chunk_size=8192, attention="ulysses",
+                         fixed={"gather_whole_model": False}, host_memory=120e9) for s in (replace(shape, qk_norm=False), shape)]
+    assert [p.options.uncheckpointed_blocks for p in plans] == [11, 9]
