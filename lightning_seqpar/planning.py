@@ -593,20 +593,23 @@ class ModelShape:
     tied_embeddings: bool = False
     gated_mlp: bool = True
     """SwiGLU (gate, up, down) or two MLP matrices."""
+    qk_norm: bool = False
+    """q and k normalised inside the attention (Qwen3, OLMo2, Gemma 3): memory only (Note [Memory per token])."""
 
     @classmethod
     def from_transformer_shape(cls, name: str, shape: TransformerShape) -> ModelShape:
         """The same decoder as the memory estimate's :class:`~lightning_seqpar.memory.TransformerShape`."""
         return cls(name=name, n_layer=shape.num_layers, d_model=shape.hidden_size, n_head=shape.num_heads,
                    n_kv_head=shape.num_kv_heads, head_dim=shape.head_dim, ffn=shape.intermediate_size, vocab=shape.vocab_size,
-                   tied_embeddings=shape.tied_embeddings, gated_mlp=shape.gated_mlp)
+                   tied_embeddings=shape.tied_embeddings, gated_mlp=shape.gated_mlp, qk_norm=shape.qk_norm)
 
     @property
     def transformer_shape(self) -> TransformerShape:
         """This decoder as the memory estimate's :class:`~lightning_seqpar.memory.TransformerShape`."""
         return TransformerShape(hidden_size=self.d_model, num_layers=self.n_layer, num_heads=self.n_head,
                                 num_kv_heads=self.n_kv_head, head_dim=self.head_dim, intermediate_size=self.ffn,
-                                vocab_size=self.vocab, tied_embeddings=self.tied_embeddings, gated_mlp=self.gated_mlp)
+                                vocab_size=self.vocab, tied_embeddings=self.tied_embeddings, gated_mlp=self.gated_mlp,
+                                qk_norm=self.qk_norm)
 
     @property
     def matmul_params(self) -> int:

@@ -748,3 +748,6 @@ def test_q_k_norms_are_counted_as_the_layer_keeps_them():
     plans = [plan_memory(model_shape=s, seq_len=128 * K, device_memory=150.1e9, sp=4, loss_chunk_size=8192, attention="ulysses",
                          fixed={"gather_whole_model": False}, host_memory=120e9) for s in (replace(shape, qk_norm=False), shape)]
     assert [p.options.uncheckpointed_blocks for p in plans] == [11, 9]
+    from lightning_seqpar.planning import ModelShape  # `seqpar plan`'s shape keeps it (it planned 11 blocks when it did not)
+
+    assert ModelShape.from_transformer_shape("qwen3-8b", shape).transformer_shape == shape

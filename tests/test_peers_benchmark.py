@@ -41,3 +41,22 @@ def test_a_run_leaves_a_record_and_a_run_past_its_limit_says_so(tmp_path):
     assert ok["status"] == "ok" and ok["system"] == "seqpar" and ok["steps"] == 1 and ok["tokens_per_s_per_gpu"] > 0
     assert len(ok["step_times_s"]) == 2 and ok["settings"]["memory"] == "auto"
     assert late["status"] == "timeout" and late["model"] == "qwen3-8b"
+
+
+def test_packed_documents_of_ours_cut_rows_and_their_labels():
+    """ours.py --documents N: N equal documents per row (the last takes the remainder), no label across a boundary."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    from ours import packed_copy_task
+
+    from lightning_seqpar.data import LongRangeDataModule
+
+    plain = LongRangeDataModule(vocab_size=64, seq_len=10, batch_size=1, num_samples=2, val_samples=0, supervise="all")
+    packed = packed_copy_task(LongRangeDataModule, 3)(vocab_size=64, seq_len=10, batch_size=1, num_samples=2, val_samples=0,
+                                                      supervise="all")
+    row, base = packed._dataset(2, 0)[1], plain._dataset(2, 0)[1]
+    assert row["document_ids"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+    assert (row["input_ids"] == base["input_ids"]).all()
+    ends = [2, 5]
+    assert all(row["labels"][i] == -100 for i in ends)
+    keep = [i for i in range(10) if i not in ends]
+    assert (row["labels"][keep] == base["labels"][keep]).all()

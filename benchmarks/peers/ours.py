@@ -9,8 +9,8 @@ Every strategy option is its default (attention="auto", attention_backend="auto"
 datamodule's seq_len) unless --option NAME=VALUE says otherwise (recorded). Precision: "bf16-mixed" for the
 Llama (fp32 master weights with bf16 compute, as torchtitan's FSDP2 mixed precision) and "bf16-true" for the
 Qwen3 model (bf16 weights, as the peers' bf16 transformers model), both changeable with --precision. Data:
-the copy task with every token labelled (``LongRangeDataModule(supervise="all")``); ``--documents N`` packs N
-documents per row (``PackedDocumentsDataModule``-style ``document_ids``). Note [One measurement for every peer].
+the copy task with every token labelled (``LongRangeDataModule(supervise="all")``); ``--documents N`` cuts each
+row into N equal packed documents (``document_ids``, no label across a boundary: :func:`packed_copy_task`). Note [One measurement for every peer].
 """
 
 from __future__ import annotations
@@ -31,6 +31,39 @@ def _value(text: str):
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def document_ids(seq: int, documents: int) -> torch.Tensor:
+    """``documents`` equal documents over ``seq`` tokens (the last takes the remainder): each token's document index."""
+    return (torch.arange(seq) // (seq // documents)).clamp(max=documents - 1)
+
+
+def packed_copy_task(base, documents: int):
+    """``base`` (LongRangeDataModule) whose rows are cut into ``documents`` packed documents: ``document_ids`` per row,
+    no label across a document boundary (the strategy restarts positions per document and splits each document with
+    the per-document zigzag)."""
+    if documents < 1:
+        raise ValueError(f"--documents must be >= 1, got {documents}")
+
+    class Packed(torch.utils.data.Dataset):
+        def __init__(self, rows) -> None:
+            self.rows = rows
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, index: int) -> dict:
+            row = dict(self.rows[index])
+            ids = document_ids(row["input_ids"].shape[0], documents)
+            labels = row["labels"].clone()
+            labels[:-1][ids[1:] != ids[:-1]] = -100  # a document's last token does not predict the next one's first
+            return dict(row, labels=labels, document_ids=ids)
+
+    class PackedDataModule(base):
+        def _dataset(self, num_samples: int, stream: int):
+            return Packed(super()._dataset(num_samples, stream))
+
+    return PackedDataModule
 
 
 def main() -> None:
@@ -73,8 +106,9 @@ def main() -> None:
         model = {"model_type": "qwen3", **{k: cfg[k] for k in keep}}
         precision = args.precision or ("bf16-true" if cuda else "32-true")
     module = CausalLMModule(model=model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size="auto" if args.loss_chunk is None else args.loss_chunk or None)
-    data = LongRangeDataModule(vocab_size=64 if args.tiny else 32000, seq_len=args.seq, batch_size=1,
-                               num_samples=args.steps * 2, val_samples=0, seed=0, supervise="all")
+    data = (packed_copy_task(LongRangeDataModule, args.documents) if args.documents else LongRangeDataModule)(
+        vocab_size=64 if args.tiny else 32000, seq_len=args.seq, batch_size=1, num_samples=args.steps * 2, val_samples=0, seed=0,
+        supervise="all")
     clock, losses = StepClock(args.warmup), []
 
     class Clock(L.Callback):
@@ -99,7 +133,8 @@ def main() -> None:
         "auto", torch.device("cuda"), torch.bfloat16, SHAPES[args.model].head_dim, cudnn_exact=layer.cudnn_exact,
         seq_len=args.seq if strategy.attention == "ulysses" else args.seq // strategy.parallel_dims.sp)  # a call's query tokens
     settings = dict(strategy_kwargs, precision=precision, attention=strategy.attention, kernel=kernel,
-                    memory_plan=None if plan is None else str(plan), data="copy task, every token labelled")
+                    memory_plan=None if plan is None else str(plan), data="copy task, every token labelled" + (
+                        f", {args.documents} packed documents per row" if args.documents else ""))
     changes = [] if not options else [f"options set: {sorted(options)}"]
     settings["loss_chunk_size"] = module.loss_chunk_size  # what ran ("auto" resolved)
     settings["loss_chunk_set"] = args.loss_chunk is not None
