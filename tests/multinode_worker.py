@@ -35,6 +35,12 @@ def main() -> None:
         case_dir = os.path.join(out_dir, f"case{i}")
         os.makedirs(case_dir, exist_ok=True)
         run(case_dir, kwargs)
+    # every rank done, then the groups torn down before the interpreter exits: left to static destruction, gloo's
+    # threads were seen to abort a rank at exit ("terminate called without an active exception", SIGABRT), and the
+    # other node's launcher then waited for it until the test's timeout
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run(out_dir: str, kwargs: dict) -> None:
