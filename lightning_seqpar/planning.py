@@ -56,11 +56,23 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_seqpar.attention.algorithms import ALGORITHMS
-from lightning_seqpar.attention.cost import AttentionPlan, DeviceProfile, choose_attention
+from lightning_seqpar.attention.cost import (
+    AttentionPlan,
+    DeviceProfile,
+    choose_attention,
+)
 from lightning_seqpar.attention.local import available_backends, resolve_backend
 from lightning_seqpar.config import MEMORY_OPTIONS, StrategyConfig, serves_cpu
-from lightning_seqpar.memory import DEFAULT_MARGIN, MemoryEstimate, MemoryPlan, MemoryPlanError, TransformerShape, plan_memory
+from lightning_seqpar.memory import (
+    DEFAULT_MARGIN,
+    MemoryEstimate,
+    MemoryPlan,
+    MemoryPlanError,
+    TransformerShape,
+    plan_memory,
+)
 from lightning_seqpar.mesh import ParallelDims
+from lightning_seqpar.model_shape import MODELS, ModelShape
 from lightning_seqpar.models.registry import attention_heads, family_of
 from lightning_seqpar.parallelize import uses_linear_attention
 
@@ -577,61 +589,6 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
     rank_zero_info(f"{owner}: {plan.describe()} ({length.name})")
     return RunMemory(planned, plan)
 
-
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """The sizes of a Llama-style decoder that the plan needs."""
-
-    name: str
-    n_layer: int
-    d_model: int
-    n_head: int
-    n_kv_head: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tied_embeddings: bool = False
-    gated_mlp: bool = True
-    """SwiGLU (gate, up, down) or two MLP matrices."""
-    qk_norm: bool = False
-    """q and k normalised inside the attention (Qwen3, OLMo2, Gemma 3): memory only (Note [Memory per token])."""
-
-    @classmethod
-    def from_transformer_shape(cls, name: str, shape: TransformerShape) -> ModelShape:
-        """The same decoder as the memory estimate's :class:`~lightning_seqpar.memory.TransformerShape`."""
-        return cls(name=name, n_layer=shape.num_layers, d_model=shape.hidden_size, n_head=shape.num_heads,
-                   n_kv_head=shape.num_kv_heads, head_dim=shape.head_dim, ffn=shape.intermediate_size, vocab=shape.vocab_size,
-                   tied_embeddings=shape.tied_embeddings, gated_mlp=shape.gated_mlp, qk_norm=shape.qk_norm)
-
-    @property
-    def transformer_shape(self) -> TransformerShape:
-        """This decoder as the memory estimate's :class:`~lightning_seqpar.memory.TransformerShape`."""
-        return TransformerShape(hidden_size=self.d_model, num_layers=self.n_layer, num_heads=self.n_head,
-                                num_kv_heads=self.n_kv_head, head_dim=self.head_dim, intermediate_size=self.ffn,
-                                vocab_size=self.vocab, tied_embeddings=self.tied_embeddings, gated_mlp=self.gated_mlp,
-                                qk_norm=self.qk_norm)
-
-    @property
-    def matmul_params(self) -> int:
-        """Weights used in matmuls per token (attention, MLP, output head)."""
-        attn = self.d_model * self.head_dim * (2 * self.n_head + 2 * self.n_kv_head)
-        return self.n_layer * (attn + (3 if self.gated_mlp else 2) * self.d_model * self.ffn) + self.vocab * self.d_model
-
-    @property
-    def params(self) -> int:
-        return self.matmul_params + (0 if self.tied_embeddings else self.vocab * self.d_model)  # + the input embedding
-
-    def flops_per_token(self, seq_len: int) -> float:
-        return 6 * self.matmul_params + 6 * self.n_layer * seq_len * self.n_head * self.head_dim
-
-
-MODELS: dict[str, ModelShape] = {
-    "llama3-8b": ModelShape(name="llama3-8b", n_layer=32, d_model=4096, n_head=32, n_kv_head=8, head_dim=128, ffn=14336, vocab=128256),
-    "llama-70b": ModelShape(name="llama-70b", n_layer=80, d_model=8192, n_head=64, n_kv_head=8, head_dim=128, ffn=28672, vocab=128256),
-    "llama-33h": ModelShape(name="llama-33h", n_layer=32, d_model=4224, n_head=33, n_kv_head=33, head_dim=128, ffn=11008, vocab=32000),
-    "llama-7b": ModelShape(name="llama-7b", n_layer=32, d_model=4096, n_head=32, n_kv_head=32, head_dim=128, ffn=11008, vocab=32000),
-}
-"""Llama-70B-shaped: 80 layers, d 8192, 64 query / 8 K/V heads, FFN 28672 (Llama 3 70B's sizes)."""
 
 GPU_MEMORY: dict[str, float] = {"H100": 85.017493504e9, "H200": 150.10988032e9}
 """``torch.cuda.get_device_properties(...).total_memory`` of an H100 80GB HBM3 and an H200 (141 GB marketed), as the
