@@ -602,20 +602,31 @@ def hf_families_gpus_table(rows: list[dict]) -> str:
     return table(["model", "GPUs", "S", "documents", "algorithm (auto)", "tokens/s/GPU", "MFU", "peak GB", "device, commit, date"], out)
 
 
-def peers_table(rows: list[dict]) -> str:
-    """The peers from their own code beside ours (``benchmarks/peers/report.py``, which reads the results files itself:
-    a ratio is taken within one file, one session); profiled steps left out. ``rows`` is not read."""
+def _peers_report():
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "report.py")
     spec = importlib.util.spec_from_file_location("benchmarks_peers_report", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def peers_table(rows: list[dict]) -> str:
+    """The peers from their own code beside ours (``benchmarks/peers/report.py``, which reads the results files itself:
+    a ratio is taken within one file, one session); profiled steps left out. ``rows`` is not read."""
+    module = _peers_report()
     return "\n".join(module.table(module.records()))
 
 
+def peers_longest_table(rows: list[dict]) -> str:
+    """The longest length each system trained per session, and what stopped the next (``benchmarks/peers/report.py``)."""
+    module = _peers_report()
+    return "\n".join(module.longest(module.records()))
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
-    "peers": peers_table,
+    "peers": peers_table, "peers-longest": peers_longest_table,
     "hf-families-gpus": hf_families_gpus_table,
     "delta-rule": delta_rule_table,
     "hf-family": hf_family_table, "window": window_table, "finetune-one-gpu": finetune_table,

@@ -60,3 +60,25 @@ def test_packed_documents_of_ours_cut_rows_and_their_labels():
     assert all(row["labels"][i] == -100 for i in ends)
     keep = [i for i in range(10) if i not in ends]
     assert (row["labels"][keep] == base["labels"][keep]).all()
+
+
+def test_the_longest_lengths_table_walks_each_system_to_its_first_limit():
+    from benchmarks.peers.report import longest
+
+    def run(system, seq, status="ok", **extra):
+        return dict(system=system, model="qwen3-8b", seq=seq, gpus=4, gpu="H200", session="s", status=status, **extra)
+
+    rows = [run("trl_cp", 262144), run("trl_cp", 524288), run("trl_cp", 655360, "oom: CUDA out of memory"),
+            run("deepspeed_alst", 262144), run("deepspeed_alst", 393216, "timeout"),
+            run("seqpar", 524288), run("seqpar", 786432), run("seqpar", 1048576, "oom", defect="the estimate (fixed)"),
+            run("seqpar", 1048576, "timeout")]
+    lines = longest(rows)
+    assert lines[2:] == [
+        "| qwen3-8b | 4 x H200 | s | seqpar | 786,432 | 1,048,576: timeout | 1.50x (> 1.20x) |",
+        "| qwen3-8b | 4 x H200 | s | deepspeed_alst | 262,144 | 393,216: timeout | - |",
+        "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | 655,360: oom | - |",
+    ]
+    assert longest([run("trl_cp", 131072), run("seqpar", 131072)])[2:] == []  # nobody met a limit: no rows
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    start = text.index("<!-- generated: peers-longest -->\n") + len("<!-- generated: peers-longest -->\n")
+    assert text[start:text.index("<!-- end: peers-longest -->")].strip().splitlines() == longest(records())

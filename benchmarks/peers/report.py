@@ -66,5 +66,40 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
+def longest(rows: list[dict]) -> list[str]:
+    """The longest length each system trained, per model, GPUs and session (issue #39: 2 optimizer steps within one
+    10-minute run): its largest "ok" length and what stopped the next length it tried ("oom", "timeout", an error),
+    or "none tried" (then the length is a lower bound). A session appears once some system in it met a limit; ours
+    as a ratio to the best peer's longest of that session, and in brackets the ratio that is sure (ours over the length
+    at which that peer failed: its longest lies below it). A failed run whose
+    record names a ``defect`` of ours fixed since (a wrong estimate, not a limit of the method) is not a limit."""
+    out = ["| model | GPUs | session | system | longest S that trained | the next length tried | ours / best peer |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["gpus"], r["gpu"], r.get("session", "-")), {}).setdefault(r["system"], []).append(r)
+    for (model, gpus, gpu, session), systems in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])):
+        bounds = {}
+        for system, runs in systems.items():
+            ok = max((r["seq"] for r in runs if r.get("status") == "ok"), default=None)
+            above = sorted((r for r in runs if r.get("status") != "ok" and not r.get("defect") and (ok is None or r["seq"] > ok)),
+                           key=lambda r: (r["seq"], r["status"].startswith("error")))  # a limit (oom, timeout) before an error
+            bounds[system] = (ok, above[0] if above else None)
+        if not any(stop is not None for _, stop in bounds.values()):
+            continue
+        peer = max(((ok, stop) for system, (ok, stop) in bounds.items() if system in PEERS and ok), default=None)
+        for system in sorted(bounds, key=lambda s: (s != "seqpar", s)):
+            ok, stop = bounds[system]
+            next_cell = f"{stop['seq']:,}: {stop['status'].split(':')[0]}" if stop else "none tried"
+            ratio = "-"
+            if system == "seqpar" and ok and peer:  # the lengths that trained; in brackets what is sure: the peer's
+                sure = f" (> {ok / peer[1]['seq']:.2f}x)" if peer[1] else ""  # longest is below the length that failed
+                ratio = f"{ok / peer[0]:.2f}x{sure}"
+            out.append(f"| {model} | {gpus} x {gpu} | {session} | {system} | {f'{ok:,}' if ok else '-'} | {next_cell} | {ratio} |")
+    return out
+
+
 if __name__ == "__main__":
     print("\n".join(table(records(sys.argv[1:] or None))))
+    print()
+    print("\n".join(longest(records(sys.argv[1:] or None))))
