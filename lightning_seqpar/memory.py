@@ -36,8 +36,9 @@ the step ran out of memory asking for 18.6 GiB with 115.4 GiB allocated; Llama-3
 peaked at 133.5 GB under Ulysses against 113.2 GB under ring, estimate 131.4). A model that
 normalises q and k inside its attention (Qwen3, OLMo2, Gemma 3: ``TransformerShape.qk_norm``) keeps
 for those norms' backward their fp32 input copy and normalised output, (H_q + H_kv) D (4 + e) per
-token and layer -- 30,720 B for Qwen3-8B -- in every uncheckpointed block and in a block's recompute
-(not wrapped by Note [Checkpointed norms], which takes a block's own norm children only). Counted
+token and layer -- 30,720 B for Qwen3-8B -- in every uncheckpointed block and in a block's recompute,
+through its attention's backward (not wrapped by Note [Checkpointed norms], which takes a block's own
+norm children only; 7.9 GB per rank for Qwen3-8B at 1M on 4 GPUs). Counted
 with saved-tensor hooks on the CPU, a Qwen3 layer keeps 3,881 B per token more than the same Llama
 layer (3,840 predicted); uncounted, the planner left 11 blocks uncheckpointed for Qwen3-8B at 128K
 under Ulysses (4 x H200) and the step went 11.9 GB over its 134.2 GB estimate; counted, 9 blocks,
@@ -455,7 +456,7 @@ def estimate_memory(
         norm_phase = 0
     else:  # the norms run under their own checkpoints (Note [Checkpointed norms]): their outputs are what stays
         mlp_phase = n * (2 * x + qkv + qk_norm + mlp_tokens + x + back + recompute_extra + lora_attn) + tile + lora_tile
-        attention_phase = n * (x + x + back + recompute_extra + lora_attn) + attention_bytes
+        attention_phase = n * (x + x + back + recompute_extra + lora_attn + qk_norm) + attention_bytes  # the q / k norms back after it
         rows = n if options.mlp_chunk_size is None else min(options.mlp_chunk_size, n)  # tiled with the MLP
         norm_phase = n * (3 * x + back) + rows * NORM_BACKWARD * d
     block = max(mlp_phase, attention_phase, norm_phase)

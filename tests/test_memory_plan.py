@@ -740,6 +740,9 @@ def test_q_k_norms_are_counted_as_the_layer_keeps_them():
 
     estimated = per_token(qwen) - per_token(llama)
     assert estimated == (8 + 2) * 32 * (4 + 2)
+    # a checkpointed block's recompute holds them too, from its forward to the end of its attention's backward
+    recompute = [estimate_memory(model_shape=TransformerShape.from_config(c), seq_len=1024).block_recompute for c in (qwen, llama)]
+    assert recompute[0] - recompute[1] == 1024 * estimated
     assert estimated == pytest.approx(kept, rel=0.05)  # the hooks also see the norms' fp32 rsqrt, 4 B per head and token
     # in the planner: fewer blocks left uncheckpointed for the same card (Qwen3-8B's shape at 128K, sp 4, Ulysses)
     qwen3_8b = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
