@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
-from lightning_seqpar.attention.local import _fa4_installed
+from lightning_seqpar.attention.local import auto_backends_run, fa4_interface
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from driver import (PEAK_BF16, append_records, error_text, held_gb, is_oom, max_over_ranks, mode_of, record_and_release,  # noqa: E402
@@ -273,9 +273,7 @@ def run_ours(args, shape: str, world: int, callbacks: list) -> dict:
          callbacks=[step_timer(times, losses, warmup=args.warmup, cuda=args.device == "cuda"), *callbacks], loss_chunk=args.loss_chunk)
     dims = strategy.parallel_dims  # what "auto" chose, named as benchmarks/train.py names it
     algorithm = f"2d:{dims.hp}x{dims.cp}" if strategy.attention == "2d" else strategy.attention
-    from lightning_seqpar.attention.local import _LOGGED  # the kernels "auto" ran, as it logged them
-
-    kernel = args.attention_backend if args.attention_backend != "auto" else ",".join(sorted({k for k, _ in _LOGGED})) or None
+    kernel = args.attention_backend if args.attention_backend != "auto" else ",".join(auto_backends_run()) or None
     return dict(step_time_s=sorted(times)[len(times) // 2], losses=losses, algorithm=algorithm, attn="seqpar", kernel=kernel)
 
 
@@ -296,7 +294,7 @@ def _family_row(args, shape: str, system: str, world: int, bench: str) -> dict:
                 loss_chunk_size=_loss_chunk(args.loss_chunk) if ours else None,
                 lora=LORA.get(shape), warmup=args.warmup, steps=args.steps, config=spec,
                 **({"lanes": int(os.environ["SEQPAR_LANES"])} if os.environ.get("SEQPAR_LANES") else {}),  # benchmarks/lanes.sh
-                **({"fa4_installed": _fa4_installed()} if ours and args.device == "cuda" else {}),
+                **({"fa4_installed": fa4_interface() is not None} if ours and args.device == "cuda" else {}),
                 **({"auto": True} if ours and args.algorithm == "auto" else {}), **model_flops(_config(spec), args.seq, LORA.get(shape)))
 
 

@@ -164,6 +164,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
 _LOGGED: set[tuple[str, bool]] = set()  # (kernel, cudnn_exact) pairs already logged by this process
 
 
+def auto_backends_run() -> list[str]:
+    """The kernels ``backend="auto"`` has resolved to in this process so far (as :func:`log_auto_backend` logged them)."""
+    return sorted({kernel for kernel, _ in _LOGGED})
+
+
 def log_auto_backend(backend: str, *, cudnn_exact: bool) -> None:
     """Say once per process (rank zero) which kernel ``backend="auto"`` runs and what flash-attention 4 would
     gain (Note [Choosing the local kernel]). Logged through Lightning's logger ("lightning.pytorch.seqpar"),
