@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -78,7 +80,31 @@ def test_the_longest_lengths_table_walks_each_system_to_its_first_limit():
         "| qwen3-8b | 4 x H200 | s | deepspeed_alst | 262,144 | 393,216: timeout | - |",
         "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | 655,360: oom | - |",
     ]
-    assert longest([run("trl_cp", 131072), run("seqpar", 131072)])[2:] == []  # nobody met a limit: no rows
+    assert longest([run("trl_cp", 131072), run("seqpar", 131072)])[2:] == []  # nobody met a limit at 128K: no rows
+    # a run for the longest (above 128K) shows its session; a row of packed documents is its own system, not a dense length
+    lines = longest([run("trl_cp", 524288), run("seqpar", 655360), run("seqpar", 1048576, documents=16)])
+    assert lines[2:] == [
+        "| qwen3-8b | 4 x H200 | s | seqpar | 655,360 | none tried | 1.25x |",
+        "| qwen3-8b | 4 x H200 | s | seqpar (16 packed documents) | 1,048,576 | none tried | 2.00x |",
+        "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | none tried | - |",
+    ]
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     start = text.index("<!-- generated: peers-longest -->\n") + len("<!-- generated: peers-longest -->\n")
     assert text[start:text.index("<!-- end: peers-longest -->")].strip().splitlines() == longest(records())
+
+
+def test_packed_documents_count_attention_within_each_document():
+    """MFU of a row cut into N packed documents counts causal attention over each document (S / N), not the row: the
+    Qwen3-8B 1M run with 16 documents read 3.40 before (session 20261127-5; its record is recounted and says so)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    from common import SHAPES
+
+    q = SHAPES["qwen3-8b"]
+    dense, packed = q.flops_per_token(1048576), q.flops_per_token(1048576, 16)
+    assert dense - 6 * q.params() == 16 * (packed - 6 * q.params())
+    assert q.flops_per_token(65536) == packed and q.flops_per_token(4096, 0) == q.flops_per_token(4096, 1)
+
+    rows = json.load(open(ROOT / "benchmarks" / "results" / "20261127-nvidia-h200-x4-peers-5.json"))
+    one_m = next(r for r in rows if r["seq"] == 1048576)
+    assert one_m["documents"] == 16 and 0.3 < one_m["mfu"] < 0.5
+    assert one_m["mfu"] == pytest.approx(one_m["tokens_per_s_per_gpu"] * packed / 989e12)

@@ -10,7 +10,8 @@ Lightning's ``on_train_batch_start/end``); ``warmup`` steps are dropped (compila
 median of the rest is the step time. tokens/s/GPU = seq / step / GPUs. MFU = tokens/s/GPU x flops_per_token /
 989e12 (H100 / H200 SXM dense bf16, datasheet) with flops_per_token = 6 x N (every parameter but the input
 embedding) + 6 x L x S x (heads x head_dim) (causal attention, forward + backward) -- the formula of
-``benchmarks/train.py``, for every row. Peak memory: ``torch.cuda.max_memory_allocated`` since the first timed
+``benchmarks/train.py``, for every row; with N packed documents per row (ours' ``--documents N``) a token attends
+only within its document, so S there is the document's length, S / N (the record's ``documents``). Peak memory: ``torch.cuda.max_memory_allocated`` since the first timed
 step, the max over ranks.
 """
 
@@ -47,8 +48,10 @@ class Shape:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         return self.layers * (attn + 3 * self.hidden * self.ffn + 2 * self.hidden) + self.vocab * self.hidden + self.hidden
 
-    def flops_per_token(self, seq: int) -> float:
-        return 6 * self.params() + 6 * self.layers * seq * self.heads * self.head_dim
+    def flops_per_token(self, seq: int, documents: int = 1) -> float:
+        """Model FLOPs per token of a row of ``seq`` tokens in ``documents`` equal packed documents (causal attention
+        within each document)."""
+        return 6 * self.params() + 6 * self.layers * (seq / max(documents, 1)) * self.heads * self.head_dim
 
 
 SHAPES = {
@@ -129,8 +132,10 @@ def commit() -> str:
 
 
 def write_record(out: str, *, system: str, model: str, seq: int, clock: StepClock, peak_gb: float, settings: dict,
-                 changes: list[str], version: str, losses: list[float] | None = None, status: str = "ok") -> dict:
-    """Rank 0 appends the run's record to ``out`` (a JSON list); every rank returns it."""
+                 changes: list[str], version: str, losses: list[float] | None = None, status: str = "ok",
+                 documents: int = 0) -> dict:
+    """Rank 0 appends the run's record to ``out`` (a JSON list); every rank returns it. ``documents``: packed documents
+    per row (0: one dense sequence), which the FLOPs count."""
     gpus = int(os.environ.get("WORLD_SIZE", "1"))
     timed = clock.times[clock.warmup:]
     step = statistics.median(timed) if timed else None
@@ -139,8 +144,8 @@ def write_record(out: str, *, system: str, model: str, seq: int, clock: StepCloc
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", commit=commit(),
                version=version, status=status, warmup=clock.warmup, steps=len(timed), step_times_s=clock.times,
                step_time_s=step, tokens_per_s_per_gpu=tps,
-               mfu=tps * SHAPES[model].flops_per_token(seq) / PEAK_BF16 if tps else None,
-               flops_per_token=SHAPES[model].flops_per_token(seq), peak_mem_gb=peak_gb, losses=losses or [],
+               mfu=tps * SHAPES[model].flops_per_token(seq, documents) / PEAK_BF16 if tps else None,
+               flops_per_token=SHAPES[model].flops_per_token(seq, documents), documents=documents, peak_mem_gb=peak_gb, losses=losses or [],
                settings=settings, changes=changes, torch=torch.__version__,
                profiled_step=int(os.environ.get("PEERS_PROFILE_STEP", "0")) or None,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), shape=asdict(SHAPES[model]))

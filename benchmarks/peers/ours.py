@@ -139,7 +139,8 @@ def main() -> None:
     settings["loss_chunk_size"] = module.loss_chunk_size  # what ran ("auto" resolved)
     settings["loss_chunk_set"] = args.loss_chunk is not None
     write_record(args.out, system="seqpar", model=args.model, seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
-                 settings=settings, changes=changes, version=f"lightning_seqpar {lightning_seqpar.__version__}", losses=losses)
+                 settings=settings, changes=changes, version=f"lightning_seqpar {lightning_seqpar.__version__}", losses=losses,
+                 documents=args.documents)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,23 @@ def records(paths: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def _k(seq: int) -> str:
+    return f"{seq // 1048576}M" if seq % 1048576 == 0 else f"{seq // 1024}K"
+
+
+def _system(r: dict) -> str:
+    """The system, and for a row cut into packed documents how many (another workload: attention within documents)."""
+    return r["system"] + (f" ({r['documents']} packed documents)" if r.get("documents") else "")
+
+
 def _settings(r: dict) -> str:
     """What ran: the peer's changes from its published settings, or ours: the options set by hand (else defaults)."""
     if r["system"] != "seqpar":
         return "; ".join(r.get("changes", [])[:2]) or "-"
     s = r.get("settings", {})
-    chosen = "selective++" if "selective++" in (s.get("memory_plan") or "") else None
+    plan = s.get("memory_plan") or ""
+    chosen = next((m for m in ("selective++", "full") if f"activation_checkpointing='{m}'" in plan.split("estimate=")[0]), None)
+    chosen = (chosen + ", offloaded checkpoints") if chosen and "offload_checkpoints=True" in plan.split("estimate=")[0] else chosen
     by_hand = [f"{k}={s[k]}" for k in ("attention", "uncheckpointed_blocks", "compile") if k in s and k != "attention"]
     set_attention = any("attention" in c for c in r.get("changes", []))
     parts = [f"attention {s['attention']}" + (" (set)" if set_attention else " (auto)")] if s.get("attention") else []
@@ -60,7 +71,7 @@ def table(rows: list[dict]) -> list[str]:
                          f"{r['peak_mem_gb']:.1f}"]
             else:
                 cells = [r["status"].split(":")[0], "-", "-", "-"]
-            out.append(f"| {anchor}{r['model']} | {r['seq'] // 1024}K | {r['gpus']} x {r['gpu']} | {k[4]} | {r['system']} | "
+            out.append(f"| {anchor}{r['model']} | {_k(r['seq'])} | {r['gpus']} x {r['gpu']} | {k[4]} | {_system(r)} | "
                        f"{r.get('version', '-')} | " + " | ".join(cells) + f" | {_settings(r)} | {r['commit']} |")
             anchor = ""
     return out
@@ -69,7 +80,9 @@ def table(rows: list[dict]) -> list[str]:
 def longest(rows: list[dict]) -> list[str]:
     """The longest length each system trained, per model, GPUs and session (issue #39: 2 optimizer steps within one
     10-minute run): its largest "ok" length and what stopped the next length it tried ("oom", "timeout", an error),
-    or "none tried" (then the length is a lower bound). A session appears once some system in it met a limit; ours
+    or "none tried" (then the length is a lower bound). A session appears once some system in it met a limit or
+    trained a length above 128K (the speed rows' length: a run for the longest); a row cut into packed documents is
+    its own system (``documents``: attention within each document, a shorter step than a dense row of that length); ours
     as a ratio to the best peer's longest of that session, and in brackets the ratio that is sure (ours over the length
     at which that peer failed: its longest lies below it). A failed run whose
     record names a ``defect`` of ours fixed since (a wrong estimate, not a limit of the method) is not a limit."""
@@ -77,7 +90,7 @@ def longest(rows: list[dict]) -> list[str]:
            "| --- | --- | --- | --- | --- | --- | --- |"]
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["gpus"], r["gpu"], r.get("session", "-")), {}).setdefault(r["system"], []).append(r)
+        groups.setdefault((r["model"], r["gpus"], r["gpu"], r.get("session", "-")), {}).setdefault(_system(r), []).append(r)
     for (model, gpus, gpu, session), systems in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])):
         bounds = {}
         for system, runs in systems.items():
@@ -85,14 +98,14 @@ def longest(rows: list[dict]) -> list[str]:
             above = sorted((r for r in runs if r.get("status") != "ok" and not r.get("defect") and (ok is None or r["seq"] > ok)),
                            key=lambda r: (r["seq"], r["status"].startswith("error")))  # a limit (oom, timeout) before an error
             bounds[system] = (ok, above[0] if above else None)
-        if not any(stop is not None for _, stop in bounds.values()):
+        if not any(stop is not None or (ok or 0) > 131072 for ok, stop in bounds.values()):
             continue
         peer = max(((ok, stop) for system, (ok, stop) in bounds.items() if system in PEERS and ok), default=None)
-        for system in sorted(bounds, key=lambda s: (s != "seqpar", s)):
+        for system in sorted(bounds, key=lambda s: (not s.startswith("seqpar"), s)):
             ok, stop = bounds[system]
             next_cell = f"{stop['seq']:,}: {stop['status'].split(':')[0]}" if stop else "none tried"
             ratio = "-"
-            if system == "seqpar" and ok and peer:  # the lengths that trained; in brackets what is sure: the peer's
+            if system.startswith("seqpar") and ok and peer:  # the lengths that trained; in brackets what is sure: the peer's
                 sure = f" (> {ok / peer[1]['seq']:.2f}x)" if peer[1] else ""  # longest is below the length that failed
                 ratio = f"{ok / peer[0]:.2f}x{sure}"
             out.append(f"| {model} | {gpus} x {gpu} | {session} | {system} | {f'{ok:,}' if ok else '-'} | {next_cell} | {ratio} |")
