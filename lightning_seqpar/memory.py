@@ -153,6 +153,28 @@ block backward, the MLP's per tile), plus the fp32 sum of base and adapter outpu
 adapted attention projection. Measured on one H200 (Llama-3-8B shape, r = 16 on every linear
 layer): 49.4 GB at 32K (estimate 51.1), 112.8 GB at 192K (125.2); without these terms the estimate
 at 256K was 125.0 GB where the step ran out of memory above 143 GB.
+
+Note [Attention and memory chosen together]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Where memory binds, attention="auto" and the memory plan are one decision: Selective Checkpoint++ keeps more per
+token and layer under Ulysses / 2D (the head all-to-alls' outputs too: 28,800 B for the Qwen3-8B shape) than under
+the ring or all-gather (the attention output and LSE: 8,320 B), so at long lengths the cost model's fastest
+attention can be the one the planner must recompute (activation_checkpointing="full", the walk's last step), and
+recomputing attention adds its forward again, 1 of the 3.5 parts of its FLOPs. Measured (4 x H200, issue #39,
+session 20261127-5): the Qwen3-8B shape at 640K with flash-attention 4 ran Ulysses with full recomputation,
+250 s per step, where the cost model had Ulysses 1% ahead of the ring on attention alone (185 against 187 s per
+step) and the ring fits with Selective Checkpoint++ and offloaded block inputs (107 GB); on the kernels alone
+(the attention suite, 32/8 heads, 4 x H200, FA4) the ring is 3.6% slower than Ulysses at 512K and 1.6% at 1M,
+where recomputation costs 28.6%. So under attention="auto", :func:`plan_attention_and_memory` plans the memory of
+every candidate of the cost model that the mesh allows and scores each L x its attention time x (1 + 1/3.5 where
+its plan recomputes attention); the fastest wins (a later candidate must be more than 1% faster, the cost
+model's tie tolerance), and setup resolves "auto" to the candidate the memory was planned for
+(``MemoryPlan.attention``). The other options' costs are not weighed: offloaded checkpoints overlap the
+forward, head chunks cost the cost model nothing, MLP tiles and offloaded parameters cost the same for every
+candidate that needs them, and uncheckpointed blocks save a few percent at the lengths where memory binds. At
+128K nothing changes (every candidate keeps Selective Checkpoint++; Ulysses runs); from ~512K the ring runs
+with its memory options instead of Ulysses with recomputation (estimate at 640K: 187 s of attention instead of
+238 s; not yet measured on the GPU).
 """
 
 from __future__ import annotations
@@ -162,7 +184,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
-from lightning_seqpar.attention.cost import estimate_attention
+from lightning_seqpar.attention.cost import AttentionPlan, Candidate, estimate_attention
 from lightning_seqpar.model_shape import TransformerShape
 
 __all__ = [
@@ -491,10 +513,14 @@ class MemoryPlan:
     estimate: MemoryEstimate
     device_memory: float
     tried: tuple[MemoryEstimate, ...]
+    attention: str | None = None
+    """The attention candidate (its cost-model label: "ring", "ulysses", ...) this plan was chosen with, where
+    attention="auto" and the memory were planned together (Note [Attention and memory chosen together]); else None."""
 
     def describe(self) -> str:
-        return (f"memory='auto' for seq_len={self.estimate.seq_len}: {self.options.label()}; estimated peak "
-                f"{self.estimate.describe()} of {self.device_memory / 1e9:.1f} GB")
+        with_attention = "" if self.attention is None else f" with attention {self.attention!r}"
+        return (f"memory='auto' for seq_len={self.estimate.seq_len}{with_attention}: {self.options.label()}; estimated "
+                f"peak {self.estimate.describe()} of {self.device_memory / 1e9:.1f} GB")
 
 
 class MemoryPlanError(ValueError):
@@ -539,6 +565,40 @@ def ladder(*, fixed: Mapping[str, Any], num_kv_heads: int, head_chunks_allowed: 
             continue  # the whole model gathered on the device: one rank, its states there
         steps.append((name, value))
     return steps
+
+
+RECOMPUTED_ATTENTION = 1 / 3.5
+"""What recomputing attention's forward (activation_checkpointing="full") adds to a layer's attention time: the
+forward's share of the causal FLOPs, 1 of 3.5 parts (Note [Attention and memory chosen together])."""
+
+
+def plan_attention_and_memory(plan: AttentionPlan, plan_for: Callable[[Candidate], MemoryPlan], *, layers: int,
+                              tie_tolerance: float = 0.01) -> tuple[AttentionPlan, MemoryPlan]:
+    """attention="auto" and memory="auto" as one decision (Note [Attention and memory chosen together]): ``plan_for``
+    (a :func:`plan_memory` for one candidate's algorithm) for every candidate of ``plan``, the fastest by
+    ``layers`` x its attention time x (1 + :data:`RECOMPUTED_ATTENTION` where its memory plan recomputes attention);
+    a candidate must beat the one before it by more than ``tie_tolerance``. Returns the plan with that candidate
+    picked and its memory plan (``MemoryPlan.attention`` names it). Raises the first candidate's ``MemoryPlanError``
+    when no candidate's memory fits."""
+    best: tuple[float, Candidate, MemoryPlan] | None = None
+    refusal: MemoryPlanError | None = None
+    for candidate in plan.candidates:
+        if best is not None and layers * candidate.est_time_s >= best[0] / (1 + tie_tolerance):
+            continue  # slower than the best even without recomputing anything
+        try:
+            memory = plan_for(candidate)
+        except MemoryPlanError as error:
+            refusal = refusal or error
+            continue
+        recompute = RECOMPUTED_ATTENTION if memory.options.activation_checkpointing == "full" else 0.0
+        time = layers * candidate.est_time_s * (1 + recompute)
+        if best is None or time < best[0] / (1 + tie_tolerance):
+            best = (time, candidate, memory)
+    if best is None:
+        assert refusal is not None
+        raise refusal
+    _, candidate, memory = best
+    return plan.picking(candidate.label), replace(memory, attention=candidate.label)
 
 
 def largest_fitting_seq_len(budget: float, *, granule: int, upper: int, host_budget: float = float("inf"), **kwargs: Any) -> int:

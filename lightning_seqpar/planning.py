@@ -17,7 +17,9 @@ FSDP2 over the same W ranks, bf16-mixed, selective++ checkpointing. Per GPU and 
 
 * attention: L x the cost model's plan (``choose_attention``: algorithm, hp x cp, inner ring,
   placement; Note [Two link levels]), forward + backward; selective++ keeps its output, so it
-  is not recomputed.
+  is not recomputed, unless memory="auto" has to recompute it ("full": its forward once more). The
+  algorithm is chosen together with the memory plan, as under the strategy (Note [Attention and
+  memory chosen together] in ``lightning_seqpar.memory``).
 * linear layers: (6 + 2) x N_matmul x S / W FLOPs (forward, backward, and the recompute of
   selective++) at ``linear_flops``, every block counted as recomputed: where memory="auto" leaves
   blocks without checkpointing (``uncheckpointed_blocks`` in the table), the step is that much
@@ -65,10 +67,12 @@ from lightning_seqpar.attention.local import available_backends, resolve_backend
 from lightning_seqpar.config import MEMORY_OPTIONS, StrategyConfig, serves_cpu
 from lightning_seqpar.memory import (
     DEFAULT_MARGIN,
+    RECOMPUTED_ATTENTION,
     MemoryEstimate,
     MemoryPlan,
     MemoryPlanError,
     TransformerShape,
+    plan_attention_and_memory,
     plan_memory,
 )
 from lightning_seqpar.mesh import ParallelDims
@@ -92,7 +96,8 @@ PEAK_BF16 = 989e12
 # The batches come later still, hence expected_seq_len; without it, the length memory="auto"
 # planned for (the datamodule's seq_len or the first batch's: both plans read one length, and
 # the memory plan estimates the algorithm this choice will take, since Ulysses holds whole-
-# sequence heads where ring holds blocks); with neither "auto" stays "2d" if hp > 1 else
+# sequence heads where ring holds blocks; where memory binds the two are chosen together, Note
+# [Attention and memory chosen together] in lightning_seqpar.memory); with neither "auto" stays "2d" if hp > 1 else
 # "ring" (4 x H200, Llama-3-8B at 64K without expected_seq_len: ring 4,390 tokens/s/GPU
 # where the cost model's Ulysses ran 4,536). Across nodes (sp > devices per node) it also picks the rank order of the
 # mesh (placement="auto": head-first or context-first, decided with hp when the mesh is built)
@@ -230,9 +235,12 @@ def plan_parallel_dims(module: nn.Module | None, *, config: StrategyConfig, site
 
 
 def resolve_auto_attention(roots: Sequence[nn.Module], *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
-                           layout: str, inner_ring_size: int | None, owner: str, seq_len: int | None = None) -> ResolvedAttention | None:
+                           layout: str, inner_ring_size: int | None, owner: str, seq_len: int | None = None,
+                           planned: str | None = None) -> ResolvedAttention | None:
     """attention="auto": LASP on a linear-attention model, else the cost model's plan (Note [Choosing attention
-    automatically]); None when nothing changes (not "auto", no plan)."""
+    automatically]) with the candidate ``planned`` picked, the one memory="auto" chose together with its options
+    (``MemoryPlan.attention``, Note [Attention and memory chosen together]); None when nothing changes (not "auto",
+    no plan)."""
     if not (config.attention == "auto" and roots):
         return None
     if not all(uses_linear_attention(root) for root in roots):
@@ -241,6 +249,8 @@ def resolve_auto_attention(roots: Sequence[nn.Module], *, config: StrategyConfig
                               seq_len=seq_len)
         if plan is None:
             return None
+        if planned is not None:
+            plan = plan.picking(planned)
         if inner_ring_size is None and plan.inner_ring_size is not None:  # chosen across nodes
             inner_ring_size = plan.inner_ring_size
         return ResolvedAttention(plan.algorithm, layout, inner_ring_size, plan)
@@ -510,26 +520,26 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
     if dims.world_size != 1:  # one rank only (Note [One rank: one gather per step]); with replicas too, though unsharded
         fixed.setdefault("gather_whole_model", False)
     lora = getattr(module, "_lora_config", None)
-    return plan_memory(
-        model_shape=shape, seq_len=length.seq_len, length_name=length.name, device_memory=device_memory, sp=dims.sp,
-        dp_shard=dims.dp_shard, precision=site.precision, fixed=fixed, batch_size=1,
-        loss_chunk_size=getattr(module, "loss_chunk_size", None),
-        trainable_params=None if lora is None else lora_trainable_params(shape, lora),
-        lora_targets=() if lora is None else lora_targets(lora),
-        host_memory=host_memory_bytes() / max(site.gpus_per_node, 1),
-        attention=_planned_attention(shape, config=config, site=site, dims=dims, seq_len=length.seq_len, owner=owner),
-        head_parallel_size=dims.hp, owner=owner,
-    )
 
+    def plan_for(algorithm: str) -> MemoryPlan:
+        return plan_memory(
+            model_shape=shape, seq_len=length.seq_len, length_name=length.name, device_memory=device_memory, sp=dims.sp,
+            dp_shard=dims.dp_shard, precision=site.precision, fixed=fixed, batch_size=1,
+            loss_chunk_size=getattr(module, "loss_chunk_size", None),
+            trainable_params=None if lora is None else lora_trainable_params(shape, lora),
+            lora_targets=() if lora is None else lora_targets(lora),
+            host_memory=host_memory_bytes() / max(site.gpus_per_node, 1),
+            attention=algorithm, head_parallel_size=dims.hp, owner=owner,
+        )
 
-def _planned_attention(shape: TransformerShape, *, config: StrategyConfig, site: RunSite, dims: ParallelDims, seq_len: int,
-                       owner: str) -> str:
-    """The algorithm memory="auto" estimates for: with attention="auto" the cost model's choice for the planned length,
-    the one setup then resolves (its memory differs: Ulysses holds whole-sequence heads), else the option's."""
+    # attention="auto": the algorithm setup then resolves is planned with the memory (its memory differs: Ulysses holds
+    # whole-sequence heads), Note [Attention and memory chosen together] in lightning_seqpar.memory
     plan = plan_attention((shape.num_heads, shape.num_kv_heads, shape.head_dim), config=config, site=site, sp=dims.sp,
                           head_parallel_size=dims.hp, placement=dims.placement, layout=config.layout,
-                          inner_ring_size=config.inner_ring_size, owner=owner, seq_len=seq_len)
-    return config.initial_attention if plan is None else plan.algorithm
+                          inner_ring_size=config.inner_ring_size, owner=owner, seq_len=length.seq_len)
+    if plan is None:
+        return plan_for(config.initial_attention)
+    return plan_attention_and_memory(plan, lambda candidate: plan_for(candidate.algorithm), layers=shape.num_layers)[1]
 
 
 @dataclass(frozen=True)
@@ -664,8 +674,18 @@ def plan_step(model: ModelShape, *, seq_len: int, gpus: int, profile: DeviceProf
     plan = choose_attention(seq_len=seq_len, num_heads=model.n_head, num_kv_heads=model.n_kv_head, head_dim=model.head_dim,
                             world_size=gpus, profile=profile, algorithms=algorithms, double_ring=double_ring,
                             head_parallel_size=None)
+    # the attention and its memory planned together, as under the strategy (Note [Attention and memory chosen together])
+    planned: MemoryPlan | MemoryEstimate
+    try:
+        plan, planned = plan_attention_and_memory(
+            plan, lambda c: _step_memory_plan(model, seq_len=seq_len, gpus=gpus, algorithm=c.algorithm, head_parallel_size=c.hp,
+                                              memory=memory), layers=model.n_layer)
+        longest = None
+    except MemoryPlanError as refusal:  # none fits: the cost model's pick, with the estimate nearest to fitting
+        planned, longest = refusal.best, refusal.longest_seq_len
     pick = plan.candidates[0]
-    attention = model.n_layer * pick.est_time_s
+    recompute = isinstance(planned, MemoryPlan) and planned.options.activation_checkpointing == "full"
+    attention = model.n_layer * pick.est_time_s * (1 + (RECOMPUTED_ATTENTION if recompute else 0.0))
     attention_comm = model.n_layer * pick.communication_s
     tokens = seq_len / gpus
     linear = 8 * model.matmul_params * tokens / linear_flops
@@ -674,8 +694,6 @@ def plan_step(model: ModelShape, *, seq_len: int, gpus: int, profile: DeviceProf
     fsdp_exposed = max(0.0, fsdp_bytes / fsdp_rate - (attention + linear))
     step = attention + linear + fsdp_exposed
     mfu = model.flops_per_token(seq_len) * tokens / step / PEAK_BF16
-    planned, longest = _plan_step_memory(model, seq_len=seq_len, gpus=gpus, algorithm=plan.algorithm, head_parallel_size=plan.hp,
-                                         memory=memory)
     estimate = planned.estimate if isinstance(planned, MemoryPlan) else planned
     return StepPlan(model=model.name, seq_len=seq_len, gpus=gpus, plan=plan, step_s=step, attention_s=attention,
                     attention_comm_s=attention_comm, linear_s=linear, fsdp_exposed_s=fsdp_exposed, memory_gb=estimate.total / 1e9,
@@ -683,18 +701,25 @@ def plan_step(model: ModelShape, *, seq_len: int, gpus: int, profile: DeviceProf
                     memory=planned if isinstance(planned, MemoryPlan) else None, longest_seq_len=longest)
 
 
-def _plan_step_memory(model: ModelShape, *, seq_len: int, gpus: int, algorithm: str, head_parallel_size: int,
-                      memory: MemorySetting) -> tuple[MemoryPlan | MemoryEstimate, int | None]:
+def _step_memory_plan(model: ModelShape, *, seq_len: int, gpus: int, algorithm: str, head_parallel_size: int,
+                      memory: MemorySetting) -> MemoryPlan:
     """``memory="auto"``'s plan for the step (one sequence over all ``gpus``, FSDP2 over them, the attention ``algorithm``
-    on ``head_parallel_size``): the plan, or the estimate nearest to fitting and the longest length that fits."""
+    on ``head_parallel_size``); the planner's ``MemoryPlanError`` when none fits."""
     shape = model.transformer_shape
     trainable, targets = all_linear_lora(shape, memory.lora_r)
+    return plan_memory(
+        model_shape=shape, seq_len=seq_len, device_memory=memory.gpu_memory, sp=gpus, dp_shard=1,
+        precision=memory.precision, loss_chunk_size=memory.loss_chunk_size, host_memory=memory.host_memory,
+        trainable_params=trainable, lora_targets=targets, attention=algorithm, head_parallel_size=head_parallel_size,
+        owner="seqpar plan")
+
+
+def _plan_step_memory(model: ModelShape, *, seq_len: int, gpus: int, algorithm: str, head_parallel_size: int,
+                      memory: MemorySetting) -> tuple[MemoryPlan | MemoryEstimate, int | None]:
+    """:func:`_step_memory_plan`, or where none fits the estimate nearest to fitting and the longest length that fits."""
     try:
-        return plan_memory(
-            model_shape=shape, seq_len=seq_len, device_memory=memory.gpu_memory, sp=gpus, dp_shard=1,
-            precision=memory.precision, loss_chunk_size=memory.loss_chunk_size, host_memory=memory.host_memory,
-            trainable_params=trainable, lora_targets=targets, attention=algorithm, head_parallel_size=head_parallel_size,
-            owner="seqpar plan"), None
+        return _step_memory_plan(model, seq_len=seq_len, gpus=gpus, algorithm=algorithm, head_parallel_size=head_parallel_size,
+                                 memory=memory), None
     except MemoryPlanError as refusal:
         return refusal.best, refusal.longest_seq_len
 

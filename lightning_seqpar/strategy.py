@@ -264,7 +264,8 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         """attention="auto": what the planner resolves it to for these roots (Note [Choosing attention automatically])."""
         resolved = resolve_auto_attention(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
                                           layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__,
-                                          seq_len=self.memory_plan.estimate.seq_len if self.memory_plan else None)
+                                          seq_len=self.memory_plan.estimate.seq_len if self.memory_plan else None,
+                                          planned=self.memory_plan.attention if self.memory_plan else None)
         if resolved is not None:
             self.attention, self.layout, self.inner_ring_size = resolved.attention, resolved.layout, resolved.inner_ring_size
             self.attention_plan = resolved.plan if resolved.plan is not None else self.attention_plan

@@ -488,3 +488,24 @@ def test_strategy_auto_across_nodes_sets_placement_and_inner_ring():
     strategy._check_options_against_model([_llama(32, 32)])
     with pytest.raises(ValueError, match="placement='sideways' is not supported"):
         SequenceParallelStrategy(placement="sideways")  # type: ignore[arg-type]
+
+
+def test_strategy_auto_runs_the_attention_its_memory_was_planned_with():
+    """memory="auto" chose the attention together with its options (MemoryPlan.attention, Note [Attention and memory
+    chosen together]): setup resolves "auto" to that candidate, not to the cost model's first pick."""
+    from dataclasses import replace
+
+    from lightning_seqpar.memory import TransformerShape, plan_memory
+
+    strategy = _strategy(4, ParallelDims(cp=4, world_size=4), expected_seq_len=131072)
+    strategy._resolve_auto_attention([_llama(32, 8)])
+    first, second = strategy.attention_plan.candidates[:2]
+    assert first.algorithm != second.algorithm
+    shape = TransformerShape(hidden_size=512, num_layers=1, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=1024,
+                             vocab_size=64)
+    planned = replace(plan_memory(model_shape=shape, seq_len=131072, device_memory=1e12, sp=4), attention=second.label)
+    strategy = _strategy(4, ParallelDims(cp=4, world_size=4), expected_seq_len=131072)
+    strategy.memory_plan = planned
+    strategy._resolve_auto_attention([_llama(32, 8)])
+    assert strategy.attention == second.algorithm and strategy.attention_plan.label == second.label
+    assert strategy.attention_plan.candidates[1] == first  # the others keep their order after the pick

@@ -521,7 +521,8 @@ def _auto_attention_reads_the_planned_length(rank: int, world_size: int) -> dict
     expected = estimate_memory(model_shape=shape, seq_len=64, sp=world_size, precision="32-true",
                                options=strategy.memory_plan.options, loss_chunk_size=16,
                                attention=plan.algorithm if plan else "none")
-    return dict(attention=strategy.attention, algorithm=plan.algorithm if plan else None,
+    return dict(attention=strategy.attention, algorithm=plan.algorithm if plan else None, label=plan.label if plan else None,
+                memory_attention=strategy.memory_plan.attention,
                 planned=strategy.memory_plan.estimate.seq_len, total=strategy.memory_plan.estimate.total, expected=expected.total)
 
 
@@ -532,6 +533,7 @@ def test_auto_attention_and_the_memory_plan_read_one_length():
 
     result = run_distributed(_auto_attention_reads_the_planned_length, 2, timeout=180)[0]
     assert result["algorithm"] is not None and result["attention"] == result["algorithm"]
+    assert result["memory_attention"] == result["label"]  # planned together (Note [Attention and memory chosen together])
     assert result["planned"] == 64 and result["total"] == pytest.approx(result["expected"])
 
 
@@ -754,3 +756,98 @@ def test_q_k_norms_are_counted_as_the_layer_keeps_them():
     from lightning_seqpar.planning import ModelShape  # `seqpar plan`'s shape keeps it (it planned 11 blocks when it did not)
 
     assert ModelShape.from_transformer_shape("qwen3-8b", shape).transformer_shape == shape
+
+
+# ---------------------------------------------------------------------------------------------- attention and memory together
+
+QWEN3_8B = TransformerShape(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
+                            vocab_size=151936, qk_norm=True)
+
+
+def _qwen3_joint(seq_len: int):
+    """The strategy's inputs of the measured Qwen3-8B runs (4 x H200, flash-attention 4, bf16-true, loss chunks of 8192)."""
+    from lightning_seqpar.attention.cost import DeviceProfile, choose_attention
+    from lightning_seqpar.memory import plan_attention_and_memory
+
+    plan = choose_attention(seq_len=seq_len, num_heads=32, num_kv_heads=8, head_dim=128, world_size=4, head_parallel_size=1,
+                            double_ring=False, profile=DeviceProfile.for_device("NVIDIA H200", backend="fa4", gpus_per_node=4))
+
+    def plan_for(candidate):
+        return plan_memory(model_shape=QWEN3_8B, seq_len=seq_len, device_memory=150.10988032e9, sp=4, precision="bf16-true",
+                           fixed={"gather_whole_model": False}, loss_chunk_size=8192, attention=candidate.algorithm,
+                           host_memory=512 * 2**30 / 4)
+
+    return plan, plan_for, plan_attention_and_memory(plan, plan_for, layers=36)
+
+
+def test_attention_and_memory_are_chosen_together_where_memory_binds():
+    """Note [Attention and memory chosen together]: at 640K the cost model's Ulysses (1% ahead on attention alone) needs
+    attention recomputed, the ring fits with Selective Checkpoint++ and offloaded checkpoints: the ring is chosen (the
+    run of session 20261127-5 ran Ulysses with recomputation, 250 s per step); at 128K, where both keep Selective
+    Checkpoint++, Ulysses stays (the measured 2,795 tokens/s/GPU run)."""
+    plan, plan_for, (joint, memory) = _qwen3_joint(655360)
+    assert plan.algorithm == "ulysses" and plan_for(plan.candidates[0]).options.activation_checkpointing == "full"
+    assert joint.algorithm == "ring" and joint.label == "ring" and memory.attention == "ring"
+    assert memory.options.activation_checkpointing == "selective++" and memory.options.offload_checkpoints is True
+    assert joint.est_time_s < plan.est_time_s * (1 + 1 / 3.5)  # the ring's attention time beats Ulysses' with its recompute
+    assert {c.label for c in joint.candidates} == {c.label for c in plan.candidates}  # the same candidates, re-ordered
+    assert "with attention 'ring'" in memory.describe()
+    plan, _, (joint, memory) = _qwen3_joint(131072)
+    assert joint is plan and joint.algorithm == "ulysses" and memory.attention == "ulysses"
+    assert memory.options.activation_checkpointing == "selective++" and memory.options.uncheckpointed_blocks == 9
+
+
+def test_the_joint_choice_scores_recomputation_and_skips_what_does_not_fit():
+    """Each candidate scores L x its attention time x (1 + 1/3.5 where its plan recomputes attention); a later one must
+    be more than 1% faster; candidates whose memory does not fit are skipped; none fitting raises the first's refusal."""
+    from lightning_seqpar.attention.cost import AttentionPlan, Candidate
+    from lightning_seqpar.memory import MemoryPlanError, plan_attention_and_memory
+
+    def candidate(algorithm, t):
+        return Candidate(algorithm=algorithm, hp=4 if algorithm == "ulysses" else 1, cp=1 if algorithm == "ulysses" else 4,
+                         inner_ring_size=None, est_time_s=t, compute_s=t, communication_s=0.0, elementwise_s=0.0,
+                         peak_memory_bytes=0.0)
+
+    plan = AttentionPlan(algorithm="ulysses", hp=4, cp=1, inner_ring_size=None, est_time_s=1.0,
+                         candidates=(candidate("ulysses", 1.0), candidate("ring", 1.2), candidate("allgather", 1.25)))
+    base = plan_memory(model_shape=QWEN3_8B, seq_len=4096, device_memory=150e9, sp=4)
+    selective, full = (replace(base, options=replace(base.options, activation_checkpointing=m)) for m in ("selective++", "full"))
+
+    def run(modes):
+        def plan_for(c):
+            mode = modes[c.algorithm]
+            if mode is None:
+                raise MemoryPlanError(f"{c.algorithm} does not fit", best=base.estimate, longest_seq_len=0)
+            return selective if mode == "selective++" else full
+        joint, memory = plan_attention_and_memory(plan, plan_for, layers=2)
+        return joint.algorithm, memory.attention
+
+    assert run({"ulysses": "selective++", "ring": "selective++", "allgather": "selective++"}) == ("ulysses", "ulysses")
+    assert run({"ulysses": "full", "ring": "selective++", "allgather": "selective++"}) == ("ring", "ring")  # 1.2 < 1.286
+    assert run({"ulysses": "full", "ring": "full", "allgather": "selective++"}) == ("allgather", "allgather")  # 1.25 < 1.286 / 1.01
+    assert run({"ulysses": "full", "ring": None, "allgather": "full"}) == ("ulysses", "ulysses")
+    assert run({"ulysses": None, "ring": "full", "allgather": "selective++"}) == ("allgather", "allgather")
+    with pytest.raises(MemoryPlanError, match="ulysses does not fit"):
+        run({"ulysses": None, "ring": None, "allgather": None})
+    # within the 1% tie tolerance the earlier candidate stays
+    tied = replace(plan, candidates=(candidate("ulysses", 1.0), candidate("ring", 1.0 * (1 + 1 / 3.5) / 1.005)))
+    joint, _ = plan_attention_and_memory(tied, lambda c: full if c.algorithm == "ulysses" else selective, layers=2)
+    assert joint.algorithm == "ulysses"
+
+
+def test_seqpar_plan_chooses_and_times_attention_with_its_memory():
+    """``seqpar plan`` (plan_step) makes the same joint choice, and a plan that recomputes attention counts its forward."""
+    from lightning_seqpar.attention.cost import DeviceProfile
+    from lightning_seqpar.memory import RECOMPUTED_ATTENTION
+    from lightning_seqpar.planning import GPU_MEMORY, MemorySetting, ModelShape, plan_step
+
+    model = ModelShape.from_transformer_shape("qwen3-8b", QWEN3_8B)
+    fa4 = DeviceProfile.for_device("NVIDIA H200", backend="fa4", gpus_per_node=4)
+    setting = MemorySetting(gpu_memory=GPU_MEMORY["H200"], precision="bf16-true")
+    step = plan_step(model, seq_len=655360, gpus=4, profile=fa4, memory=setting)
+    assert step.plan.algorithm == "ring" and step.memory.attention == "ring"
+    assert step.attention_s == pytest.approx(36 * step.plan.est_time_s)
+    ulysses = plan_step(model, seq_len=655360, gpus=4, profile=fa4, memory=setting, algorithms=("ulysses",))
+    assert ulysses.memory.options.activation_checkpointing == "full"
+    assert ulysses.attention_s == pytest.approx(36 * ulysses.plan.est_time_s * (1 + RECOMPUTED_ATTENTION))
+    assert step.step_s < ulysses.step_s

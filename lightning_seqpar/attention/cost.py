@@ -257,6 +257,16 @@ class AttentionPlan:
         """The strategy's ``head_parallel_size`` for this plan."""
         return self.hp if self.algorithm == "2d" else 1
 
+    def picking(self, label: str) -> AttentionPlan:
+        """This plan with the candidate ``label`` picked (first; the others keep their order); itself where that
+        candidate is the pick already or is not among the candidates."""
+        pick = next((c for c in self.candidates if c.label == label), None)
+        if pick is None or pick is self.candidates[0]:
+            return self
+        return replace(self, algorithm=pick.algorithm, hp=pick.hp, cp=pick.cp, inner_ring_size=pick.inner_ring_size,
+                       est_time_s=pick.est_time_s, candidates=(pick, *[c for c in self.candidates if c is not pick]),
+                       placement=pick.placement)
+
 
 # --------------------------------------------------------------------------------------------- model
 
