@@ -72,21 +72,23 @@ def test_the_longest_lengths_table_walks_each_system_to_its_first_limit():
 
     rows = [run("trl_cp", 262144), run("trl_cp", 524288), run("trl_cp", 655360, "oom: CUDA out of memory"),
             run("deepspeed_alst", 262144), run("deepspeed_alst", 393216, "timeout"),
-            run("seqpar", 524288), run("seqpar", 786432), run("seqpar", 1048576, "oom", defect="the estimate (fixed)"),
+            run("seqpar", 524288), run("seqpar", 786432, step_time_s=300.0), run("seqpar", 1048576, "oom", defect="the estimate (fixed)"),
             run("seqpar", 1048576, "timeout")]
     lines = longest(rows)
     assert lines[2:] == [
-        "| qwen3-8b | 4 x H200 | s | seqpar | 786,432 | 1,048,576: timeout | 1.50x (> 1.20x) |",
-        "| qwen3-8b | 4 x H200 | s | deepspeed_alst | 262,144 | 393,216: timeout | - |",
-        "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | 655,360: oom | - |",
+        '| <a id="peers-longest-qwen3-8b-4"></a>qwen3-8b | 4 x H200 | s | seqpar | 786,432 | 300.0 | - | 1,048,576: timeout | 1.50x (> 1.20x) |',
+        "| qwen3-8b | 4 x H200 | s | deepspeed_alst | 262,144 | - | - | 393,216: timeout | - |",
+        "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | - | - | 655,360: oom | - |",
     ]
     assert longest([run("trl_cp", 131072), run("seqpar", 131072)])[2:] == []  # nobody met a limit at 128K: no rows
     # a run for the longest (above 128K) shows its session; a row of packed documents is its own system, not a dense length
-    lines = longest([run("trl_cp", 524288), run("seqpar", 655360), run("seqpar", 1048576, documents=16)])
+    lines = longest([run("trl_cp", 524288), run("seqpar", 655360), run("seqpar", 1048576, documents=16),
+                     dict(run("seqpar", 262144), session="r")])  # an older session: the anchor stays on the newest
     assert lines[2:] == [
-        "| qwen3-8b | 4 x H200 | s | seqpar | 655,360 | none tried | 1.25x |",
-        "| qwen3-8b | 4 x H200 | s | seqpar (16 packed documents) | 1,048,576 | none tried | 2.00x |",
-        "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | none tried | - |",
+        "| qwen3-8b | 4 x H200 | r | seqpar | 262,144 | - | - | none tried | - |",
+        '| <a id="peers-longest-qwen3-8b-4"></a>qwen3-8b | 4 x H200 | s | seqpar | 655,360 | - | - | none tried | 1.25x |',
+        "| qwen3-8b | 4 x H200 | s | seqpar (16 packed documents) | 1,048,576 | - | - | none tried | 2.00x |",
+        "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | - | - | none tried | - |",
     ]
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     start = text.index("<!-- generated: peers-longest -->\n") + len("<!-- generated: peers-longest -->\n")

@@ -86,20 +86,23 @@ def longest(rows: list[dict]) -> list[str]:
     as a ratio to the best peer's longest of that session, and in brackets the ratio that is sure (ours over the length
     at which that peer failed: its longest lies below it). A failed run whose
     record names a ``defect`` of ours fixed since (a wrong estimate, not a limit of the method) is not a limit."""
-    out = ["| model | GPUs | session | system | longest S that trained | the next length tried | ours / best peer |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| model | GPUs | session | system | longest S that trained | s per step there | peak GB there | the next length tried | ours / best peer |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    anchored = set()
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in rows:
         groups.setdefault((r["model"], r["gpus"], r["gpu"], r.get("session", "-")), {}).setdefault(_system(r), []).append(r)
     for (model, gpus, gpu, session), systems in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])):
-        bounds = {}
-        for system, runs in systems.items():
-            ok = max((r["seq"] for r in runs if r.get("status") == "ok"), default=None)
-            above = sorted((r for r in runs if r.get("status") != "ok" and not r.get("defect") and (ok is None or r["seq"] > ok)),
-                           key=lambda r: (r["seq"], r["status"].startswith("error")))  # a limit (oom, timeout) before an error
-            bounds[system] = (ok, above[0] if above else None)
-        if not any(stop is not None or (ok or 0) > 131072 for ok, stop in bounds.values()):
+        bounds = _bounds(systems)
+        there = {system: next((r for r in runs if r.get("status") == "ok" and r["seq"] == bounds[system][0]), {})
+                 for system, runs in systems.items()}  # the run at each system's longest length
+        if not _shown(bounds):
             continue
+        # one anchor per model and GPU count (the README links there): on its newest session's first row
+        newest = max(k[3] for k in groups if k[:2] == (model, gpus) and _shown(_bounds(groups[k])))
+        anchor = f'<a id="peers-longest-{model}-{gpus}"></a>' if session == newest and (model, gpus) not in anchored else ""
+        if anchor:
+            anchored.add((model, gpus))
         peer = max(((ok, stop) for system, (ok, stop) in bounds.items() if system in PEERS and ok), default=None)
         for system in sorted(bounds, key=lambda s: (not s.startswith("seqpar"), s)):
             ok, stop = bounds[system]
@@ -108,8 +111,27 @@ def longest(rows: list[dict]) -> list[str]:
             if system.startswith("seqpar") and ok and peer:  # the lengths that trained; in brackets what is sure: the peer's
                 sure = f" (> {ok / peer[1]['seq']:.2f}x)" if peer[1] else ""  # longest is below the length that failed
                 ratio = f"{ok / peer[0]:.2f}x{sure}"
-            out.append(f"| {model} | {gpus} x {gpu} | {session} | {system} | {f'{ok:,}' if ok else '-'} | {next_cell} | {ratio} |")
+            step, peak = there[system].get("step_time_s"), there[system].get("peak_mem_gb")
+            out.append(f"| {anchor}{model} | {gpus} x {gpu} | {session} | {system} | {f'{ok:,}' if ok else '-'} | "
+                       f"{f'{step:.1f}' if step else '-'} | {f'{peak:.1f}' if peak else '-'} | {next_cell} | {ratio} |")
+            anchor = ""
     return out
+
+
+def _bounds(systems: dict[str, list[dict]]) -> dict[str, tuple[int | None, dict | None]]:
+    """Each system's largest "ok" length and the first failed run above it: a limit (oom, timeout) before an error."""
+    bounds = {}
+    for system, runs in systems.items():
+        ok = max((r["seq"] for r in runs if r.get("status") == "ok"), default=None)
+        above = sorted((r for r in runs if r.get("status") != "ok" and not r.get("defect") and (ok is None or r["seq"] > ok)),
+                       key=lambda r: (r["seq"], r["status"].startswith("error")))
+        bounds[system] = (ok, above[0] if above else None)
+    return bounds
+
+
+def _shown(bounds: dict[str, tuple[int | None, dict | None]]) -> bool:
+    """A session's group is a longest-length table row set once a system met a limit or trained above 128K."""
+    return any(stop is not None or (ok or 0) > 131072 for ok, stop in bounds.values())
 
 
 if __name__ == "__main__":
