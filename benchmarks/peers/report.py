@@ -3,7 +3,8 @@
 One row per run, grouped by model and length, each system's tokens/s/GPU as a ratio to the best peer's (the peers:
 torchtitan, trl_cp, deepspeed_alst) of the same model, length, GPU kind and count measured in the same session (one
 results file per session: a ratio never mixes machines). Profiled steps are left out (the profiler slows the step it
-records); failed runs stay in, with their status.
+records), and so are A/B runs of ours with options forced against the defaults (``ab`` in the record: docs/benchmarks.md
+cites them in its text); failed runs stay in, with their status.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def records(paths: list[str] | None = None) -> list[dict]:
     for path in paths or sorted(glob.glob(os.path.join(RESULTS, "*peers*.json"))):
         session = os.path.basename(path).split("-nvidia")[0] + ("" if path.endswith("-peers.json") else
                                                                  "-" + path.rsplit("-", 1)[-1].removesuffix(".json"))
-        rows += [dict(r, session=session) for r in json.load(open(path)) if r.get("bench") == "peers" and not r.get("profiled_step")]
+        rows += [dict(r, session=session) for r in json.load(open(path))
+                 if r.get("bench") == "peers" and not r.get("profiled_step") and not r.get("ab")]
     return rows
 
 
