@@ -60,6 +60,7 @@ from torch.utils.data import DataLoader
 from lightning_seqpar.attention.algorithms import ALGORITHMS
 from lightning_seqpar.attention.cost import (
     AttentionPlan,
+    Candidate,
     DeviceProfile,
     choose_attention,
 )
@@ -674,7 +675,9 @@ def plan_step(model: ModelShape, *, seq_len: int, gpus: int, profile: DeviceProf
     plan = choose_attention(seq_len=seq_len, num_heads=model.n_head, num_kv_heads=model.n_kv_head, head_dim=model.head_dim,
                             world_size=gpus, profile=profile, algorithms=algorithms, double_ring=double_ring,
                             head_parallel_size=None)
-    # the attention and its memory planned together, as under the strategy (Note [Attention and memory chosen together])
+    # the attention and its memory planned together, as under the strategy (Note [Attention and memory chosen together]):
+    # among the candidates of the mesh the strategy builds first, with the cost model's head-parallel size and placement
+    plan = replace(plan, candidates=tuple(c for c in plan.candidates if _mesh_of(c) == _mesh_of(plan.candidates[0])))
     planned: MemoryPlan | MemoryEstimate
     try:
         plan, planned = plan_attention_and_memory(
@@ -699,6 +702,11 @@ def plan_step(model: ModelShape, *, seq_len: int, gpus: int, profile: DeviceProf
                     attention_comm_s=attention_comm, linear_s=linear, fsdp_exposed_s=fsdp_exposed, memory_gb=estimate.total / 1e9,
                     mfu=mfu, attention_overhead_s=model.n_layer * pick.elementwise_s, fits=isinstance(planned, MemoryPlan),
                     memory=planned if isinstance(planned, MemoryPlan) else None, longest_seq_len=longest)
+
+
+def _mesh_of(candidate: Candidate) -> tuple[int, str]:
+    """The mesh a candidate runs on: (head_parallel_size, placement); the placement matters for 2D only."""
+    return (candidate.hp, candidate.placement) if candidate.algorithm == "2d" else (1, "context-first")
 
 
 def _step_memory_plan(model: ModelShape, *, seq_len: int, gpus: int, algorithm: str, head_parallel_size: int,

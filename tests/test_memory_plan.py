@@ -851,3 +851,33 @@ def test_seqpar_plan_chooses_and_times_attention_with_its_memory():
     assert ulysses.memory.options.activation_checkpointing == "full"
     assert ulysses.attention_s == pytest.approx(36 * ulysses.plan.est_time_s * (1 + RECOMPUTED_ATTENTION))
     assert step.step_s < ulysses.step_s
+
+
+def test_the_strategy_plans_memory_and_resolves_attention_as_one_choice(monkeypatch):
+    """Under the strategy's own functions (plan_memory_options before the process group, resolve_auto_attention in setup)
+    on a 4 x H200 site with flash-attention 4 (faked on this CPU): the Qwen3-8B shape at 640K plans the ring's memory
+    and setup runs the ring; the cost model alone would run Ulysses, whose memory needs attention recomputed."""
+    import lightning_seqpar.planning as planning
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.config import StrategyConfig
+    from lightning_seqpar.mesh import ParallelDims
+    from lightning_seqpar.models import Llama, LlamaConfig
+
+    monkeypatch.setattr(planning, "available_backends", lambda device, dtype, head_dim: ["fa4"])
+    monkeypatch.setattr(planning.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(planning, "host_memory_bytes", lambda: 512 * 2**30)
+    cfg = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 655360}
+    module = CausalLMModule(cfg, loss_chunk_size=8192)
+    config = StrategyConfig(sequence_parallel_size=4, memory="auto", expected_seq_len=655360)
+    site = planning.RunSite(device=torch.device("cuda", 0), precision="bf16-true", gpus_per_node=4)
+    dims = ParallelDims(cp=4, world_size=4)
+    plan = planning.plan_memory_options(module, config=config, length=planning.PlannedLength(655360, "expected_seq_len"),
+                                        site=site, dims=dims, device_memory=150.10988032e9, owner="t")
+    assert plan.attention == "ring" and plan.options.activation_checkpointing == "selective++"
+    with torch.device("meta"):  # the same heads (32 / 8, D 128): what resolve_auto_attention reads from the roots
+        roots = [Llama(LlamaConfig(vocab_size=64, n_embd=512, n_layer=1, n_head=32, n_kv_head=8, head_dim=128))]
+    kw = dict(config=config, site=site, dims=dims, layout="zigzag", inner_ring_size=None, owner="t", seq_len=655360)
+    assert planning.resolve_auto_attention(roots, **kw).attention == "ulysses"  # the cost model's pick alone
+    resolved = planning.resolve_auto_attention(roots, **kw, planned=plan.attention)
+    assert resolved.attention == "ring" and resolved.plan.label == "ring"
