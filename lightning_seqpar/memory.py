@@ -169,11 +169,12 @@ where recomputation costs 28.6%. So under attention="auto", :func:`plan_attentio
 every candidate of the cost model that the mesh allows and scores each L x its attention time x (1 + 1/3.5 where
 its plan recomputes attention); the fastest wins (a later candidate must be more than 1% faster, the cost
 model's tie tolerance), and setup resolves "auto" to the candidate the memory was planned for
-(``MemoryPlan.attention``). The candidates are those of the mesh, which is built first: with
-head_parallel_size="auto" its hp (and, across nodes, its placement) is the cost model's pick made before any memory
-plan (Note [Choosing attention automatically] in ``lightning_seqpar.planning``), so 2D with hp > 1 is weighed only
-against 2D of that hp, and ring / all-gather / Ulysses only against each other (``seqpar plan`` does the same).
-The other options' costs are not weighed: offloaded checkpoints overlap the
+(``MemoryPlan.attention``). The mesh comes first: with head_parallel_size="auto" (or placement="auto")
+and a length known before the process group exists (``expected_seq_len``, a datamodule's ``seq_len``), its hp and
+placement are chosen the same way over every candidate (``planning.plan_parallel_dims``; Llama-70B shape at 4M on
+64 GPUs: the cost model's 2D 8 x 8 must recompute attention, ~2,950 s per step planned, a ring over all 64 fits
+without, ~2,350 s: the mesh becomes hp = 1); then the memory plan weighs the candidates of that mesh. ``seqpar
+plan`` makes the same choice. The other options' costs are not weighed: offloaded checkpoints overlap the
 forward, head chunks cost the cost model nothing, MLP tiles and offloaded parameters cost the same for every
 candidate that needs them, and uncheckpointed blocks save a few percent at the lengths where memory binds. At
 128K nothing changes (every candidate keeps Selective Checkpoint++; Ulysses runs); from ~512K the ring runs

@@ -195,10 +195,13 @@ def plan_attention(shape: tuple[int, int, int] | None, *, config: StrategyConfig
 
 
 def plan_mesh_sizes(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, world_size: int, sp: int,
-                    layout: str, inner_ring_size: int | None, owner: str) -> tuple[int | str, str]:
+                    layout: str, inner_ring_size: int | None, owner: str,
+                    memory: tuple[Callable[[Candidate], MemoryPlan], int] | None = None) -> tuple[int | str, str]:
     """(head_parallel_size, placement) for the mesh: the config's, or with "auto" the cost model's choice for the
-    model's heads (Note [Choosing attention automatically]: from the LightningModule's config, if it has one).
-    No communication; sizes that do not divide are left for ``ParallelDims.from_sizes`` to name."""
+    model's heads (Note [Choosing attention automatically]: from the LightningModule's config, if it has one), made
+    with each candidate's memory plan where ``memory`` = (a candidate's memory plan, the model's layers) is given
+    (Note [Attention and memory chosen together]). No communication; sizes that do not divide are left for
+    ``ParallelDims.from_sizes`` to name."""
     hp: int | str = config.head_parallel_size
     placement: str = config.placement
     if hp == "auto" or placement == "auto":
@@ -209,6 +212,11 @@ def plan_mesh_sizes(module: nn.Module | None, *, config: StrategyConfig, site: R
             plan = plan_attention(model_attention_shape(module), config=config, site=site, sp=sp,
                                   head_parallel_size=fixed_hp, placement=None if placement == "auto" else placement,  # type: ignore[arg-type]
                                   layout=layout, inner_ring_size=inner_ring_size, owner=owner)
+        if plan is not None and memory is not None:
+            try:
+                plan = plan_attention_and_memory(plan, memory[0], layers=memory[1])[0]
+            except ValueError:  # nothing fits any mesh: the cost model's, and the memory plan after it names why
+                pass
         if hp == "auto":
             hp = plan.head_parallel_size if plan is not None else 1
         if placement == "auto":
@@ -217,13 +225,20 @@ def plan_mesh_sizes(module: nn.Module | None, *, config: StrategyConfig, site: R
 
 
 def plan_parallel_dims(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, world_size: int, node_size: int,
-                       layout: str, inner_ring_size: int | None, owner: str) -> ParallelDims:
+                       layout: str, inner_ring_size: int | None, owner: str,
+                       device_memory: Callable[[], int | None] | None = None, trainer: Any = None) -> ParallelDims:
     """The mesh sizes for this world, before the process group exists (no communication): sequence_parallel_size
     ("auto": the ``node_size`` devices of a node), head_parallel_size and placement as :func:`plan_mesh_sizes` gives
-    them; ``ParallelDims.from_sizes`` checks them (a ``ValueError`` naming the argument)."""
+    them, with each candidate's memory plan where it can be made now (``device_memory``, read when planning, and the
+    length known before the process group: :func:`_mesh_memory`); ``ParallelDims.from_sizes`` checks them (a
+    ``ValueError`` naming the argument)."""
     sp = node_size if config.sequence_parallel_size == "auto" else config.sequence_parallel_size
+    memory = None
+    if "auto" in (config.head_parallel_size, config.placement) and device_memory is not None:
+        memory = _mesh_memory(module, config=config, site=site, world_size=world_size, node_size=node_size, sp=sp,
+                              device_memory=device_memory, trainer=trainer, owner=owner)
     hp, placement = plan_mesh_sizes(module, config=config, site=site, world_size=world_size, sp=sp, layout=layout,
-                                    inner_ring_size=inner_ring_size, owner=owner)
+                                    inner_ring_size=inner_ring_size, owner=owner, memory=memory)
     return ParallelDims.from_sizes(
         world_size=world_size,
         sequence_parallel_size=sp,
@@ -233,6 +248,29 @@ def plan_parallel_dims(module: nn.Module | None, *, config: StrategyConfig, site
         node_size=node_size,
         owner=owner,
     )
+
+
+def _mesh_memory(module: nn.Module | None, *, config: StrategyConfig, site: RunSite, world_size: int, node_size: int, sp: int,
+                 device_memory: Callable[[], int | None], trainer: Any, owner: str) -> tuple[Callable[[Candidate], MemoryPlan], int] | None:
+    """(a candidate's memory plan, the model's layers) for choosing the mesh, where memory="auto" (or the default) can
+    plan before the mesh exists: a CUDA device, a length known then (Note [The length memory="auto" plans for]) and a
+    model whose shape the planner reads; None otherwise, and where any of them is wrong (the plan after the mesh names
+    it). The data-parallel sizes, and so the plan's inputs but the attention, are the same for every mesh of ``sp``."""
+    if config.memory == "manual":
+        return None
+    try:
+        memory = device_memory()
+        length = None if memory is None else memory_plan_length(config, trainer=trainer, in_setup=False, owner=owner)
+        if length is None:
+            return None
+        layers = model_shape_of(module, owner=owner).num_layers
+        dims = ParallelDims.from_sizes(world_size=world_size, sequence_parallel_size=sp, head_parallel_size=1,
+                                       data_parallel_replicate_size=config.data_parallel_replicate_size,
+                                       placement="context-first", node_size=node_size, owner=owner)
+    except ValueError:
+        return None
+    plan_for = _memory_planner(module, config=config, length=length, site=site, dims=dims, device_memory=memory, owner=owner)
+    return (lambda c: plan_for(c.algorithm, c.hp if c.algorithm == "2d" else 1)), layers
 
 
 def resolve_auto_attention(roots: Sequence[nn.Module], *, config: StrategyConfig, site: RunSite, dims: ParallelDims,
@@ -510,6 +548,26 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
     planner's ``ValueError`` when nothing fits, and one naming the model when its shape cannot be read."""
     if config.memory == "manual" or device_memory is None:
         return None
+    plan_for = _memory_planner(module, config=config, length=length, site=site, dims=dims, device_memory=device_memory,
+                               owner=owner, group_backend=group_backend)
+    # attention="auto": the algorithm setup then resolves is planned with the memory (its memory differs: Ulysses holds
+    # whole-sequence heads), Note [Attention and memory chosen together] in lightning_seqpar.memory
+    shape = model_shape_of(module, owner=owner)
+    plan = plan_attention((shape.num_heads, shape.num_kv_heads, shape.head_dim), config=config, site=site, sp=dims.sp,
+                          head_parallel_size=dims.hp, placement=dims.placement, layout=config.layout,
+                          inner_ring_size=config.inner_ring_size, owner=owner, seq_len=length.seq_len)
+    if plan is None:
+        return plan_for(config.initial_attention, dims.hp)
+    return plan_attention_and_memory(plan, lambda candidate: plan_for(candidate.algorithm, dims.hp), layers=shape.num_layers)[1]
+
+
+def _memory_planner(module: nn.Module | None, *, config: StrategyConfig, length: PlannedLength, site: RunSite,
+                    dims: ParallelDims, device_memory: float, owner: str,
+                    group_backend: str | None = None) -> Callable[[str, int], MemoryPlan]:
+    """``plan_memory`` for the LightningModule's model on this device and ``length`` (``dims``: its sp and data-parallel
+    sizes), as a function of the attention algorithm and the head-parallel size: the options the user set (any value
+    but the default) fixed, and those the run's other settings exclude. Raises a ``ValueError`` naming the model when
+    its shape cannot be read."""
     shape = model_shape_of(module, owner=owner)
     defaults = StrategyConfig()
     fixed: dict[str, Any] = {name: getattr(config, name) for name in MEMORY_OPTIONS if getattr(config, name) != getattr(defaults, name)}
@@ -522,7 +580,7 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
         fixed.setdefault("gather_whole_model", False)
     lora = getattr(module, "_lora_config", None)
 
-    def plan_for(algorithm: str) -> MemoryPlan:
+    def plan_for(algorithm: str, head_parallel_size: int) -> MemoryPlan:
         return plan_memory(
             model_shape=shape, seq_len=length.seq_len, length_name=length.name, device_memory=device_memory, sp=dims.sp,
             dp_shard=dims.dp_shard, precision=site.precision, fixed=fixed, batch_size=1,
@@ -530,17 +588,10 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
             trainable_params=None if lora is None else lora_trainable_params(shape, lora),
             lora_targets=() if lora is None else lora_targets(lora),
             host_memory=host_memory_bytes() / max(site.gpus_per_node, 1),
-            attention=algorithm, head_parallel_size=dims.hp, owner=owner,
+            attention=algorithm, head_parallel_size=head_parallel_size, owner=owner,
         )
 
-    # attention="auto": the algorithm setup then resolves is planned with the memory (its memory differs: Ulysses holds
-    # whole-sequence heads), Note [Attention and memory chosen together] in lightning_seqpar.memory
-    plan = plan_attention((shape.num_heads, shape.num_kv_heads, shape.head_dim), config=config, site=site, sp=dims.sp,
-                          head_parallel_size=dims.hp, placement=dims.placement, layout=config.layout,
-                          inner_ring_size=config.inner_ring_size, owner=owner, seq_len=length.seq_len)
-    if plan is None:
-        return plan_for(config.initial_attention)
-    return plan_attention_and_memory(plan, lambda candidate: plan_for(candidate.algorithm), layers=shape.num_layers)[1]
+    return plan_for
 
 
 @dataclass(frozen=True)
@@ -675,14 +726,20 @@ def plan_step(model: ModelShape, *, seq_len: int, gpus: int, profile: DeviceProf
     plan = choose_attention(seq_len=seq_len, num_heads=model.n_head, num_kv_heads=model.n_kv_head, head_dim=model.head_dim,
                             world_size=gpus, profile=profile, algorithms=algorithms, double_ring=double_ring,
                             head_parallel_size=None)
-    # the attention and its memory planned together, as under the strategy (Note [Attention and memory chosen together]):
-    # among the candidates of the mesh the strategy builds first, with the cost model's head-parallel size and placement
-    plan = replace(plan, candidates=tuple(c for c in plan.candidates if _mesh_of(c) == _mesh_of(plan.candidates[0])))
+    # the attention and its memory planned together, as under the strategy with head_parallel_size="auto" (Note [Attention
+    # and memory chosen together]): the mesh (hp, placement) over every candidate, then the attention within that mesh
     planned: MemoryPlan | MemoryEstimate
+
+    def plan_for(c: Candidate) -> MemoryPlan:
+        return _step_memory_plan(model, seq_len=seq_len, gpus=gpus, algorithm=c.algorithm, head_parallel_size=c.hp, memory=memory)
+
     try:
-        plan, planned = plan_attention_and_memory(
-            plan, lambda c: _step_memory_plan(model, seq_len=seq_len, gpus=gpus, algorithm=c.algorithm, head_parallel_size=c.hp,
-                                              memory=memory), layers=model.n_layer)
+        mesh = plan_attention_and_memory(plan, plan_for, layers=model.n_layer)[0]
+        plan = choose_attention(seq_len=seq_len, num_heads=model.n_head, num_kv_heads=model.n_kv_head, head_dim=model.head_dim,
+                                world_size=gpus, profile=profile, algorithms=algorithms, double_ring=double_ring,
+                                head_parallel_size=mesh.head_parallel_size,
+                                placement=mesh.placement if mesh.head_parallel_size > 1 else None)
+        plan, planned = plan_attention_and_memory(plan, plan_for, layers=model.n_layer)
         longest = None
     except MemoryPlanError as refusal:  # none fits: the cost model's pick, with the estimate nearest to fitting
         planned, longest = refusal.best, refusal.longest_seq_len
@@ -702,11 +759,6 @@ def plan_step(model: ModelShape, *, seq_len: int, gpus: int, profile: DeviceProf
                     attention_comm_s=attention_comm, linear_s=linear, fsdp_exposed_s=fsdp_exposed, memory_gb=estimate.total / 1e9,
                     mfu=mfu, attention_overhead_s=model.n_layer * pick.elementwise_s, fits=isinstance(planned, MemoryPlan),
                     memory=planned if isinstance(planned, MemoryPlan) else None, longest_seq_len=longest)
-
-
-def _mesh_of(candidate: Candidate) -> tuple[int, str]:
-    """The mesh a candidate runs on: (head_parallel_size, placement); the placement matters for 2D only."""
-    return (candidate.hp, candidate.placement) if candidate.algorithm == "2d" else (1, "context-first")
 
 
 def _step_memory_plan(model: ModelShape, *, seq_len: int, gpus: int, algorithm: str, head_parallel_size: int,

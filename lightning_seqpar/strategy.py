@@ -154,10 +154,14 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
 
     def resolve_parallel_dims(self) -> ParallelDims:
         """The mesh sizes for this world (no communication). Raises ValueError naming the argument."""
-        # "auto": the cost model's choice for the LightningModule's config (Note [Choosing attention automatically])
-        return plan_parallel_dims(self.lightning_module, config=self.config, site=self._run_site(),
+        # "auto": the cost model's choice for the LightningModule's config (Note [Choosing attention automatically]), with
+        # each candidate's memory plan where it can be made now (Note [Attention and memory chosen together])
+        site = self._run_site()
+        return plan_parallel_dims(self.lightning_module, config=self.config, site=site,
                                   world_size=self.num_nodes * self.num_processes, node_size=self.num_processes,
-                                  layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
+                                  layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__,
+                                  device_memory=lambda: self._device_memory_bytes(site.device),
+                                  trainer=getattr(self.lightning_module, "_trainer", None))
 
     @override
     def setup_environment(self) -> None:

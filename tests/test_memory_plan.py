@@ -881,3 +881,41 @@ def test_the_strategy_plans_memory_and_resolves_attention_as_one_choice(monkeypa
     assert planning.resolve_auto_attention(roots, **kw).attention == "ulysses"  # the cost model's pick alone
     resolved = planning.resolve_auto_attention(roots, **kw, planned=plan.attention)
     assert resolved.attention == "ring" and resolved.plan.label == "ring"
+
+
+def test_head_parallel_size_auto_chooses_the_mesh_with_its_memory(monkeypatch):
+    """head_parallel_size="auto" with a length known before the process group: the mesh (hp, placement) is chosen with
+    each candidate's memory plan (Note [Attention and memory chosen together]). Llama-70B shape at 4M on 64 GPUs (8 per
+    node, 4 x H200-sized memory): the cost model alone takes 2D 8 x 8, whose memory needs attention recomputed; with
+    the memory the mesh is hp = 1 and the ring runs with Selective Checkpoint++. Without a device memory (the CPU) or
+    with memory="manual" the cost model's mesh stays; `seqpar plan` agrees."""
+    import lightning_seqpar.planning as planning
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.config import StrategyConfig
+    from lightning_seqpar.model_shape import ModelShape
+
+    monkeypatch.setattr(planning, "host_memory_bytes", lambda: 2e12)
+    cfg = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+           "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4194304}
+    module = CausalLMModule(cfg, loss_chunk_size=8192)
+    site = planning.RunSite(device=torch.device("cpu"), precision="bf16-mixed", gpus_per_node=8)
+    h200 = lambda: 150.10988032e9  # noqa: E731
+
+    def dims(device_memory, **options):
+        config = StrategyConfig(sequence_parallel_size=64, expected_seq_len=4194304, head_parallel_size="auto", **options)
+        return config, planning.plan_parallel_dims(module, config=config, site=site, world_size=64, node_size=8, layout="zigzag",
+                                                   inner_ring_size=None, owner="t", device_memory=device_memory)
+
+    config, alone = dims(None)
+    assert (alone.hp, alone.placement) == (8, "head-first")
+    assert dims(h200, memory="manual")[1] == alone
+    config, chosen = dims(h200)
+    assert (chosen.hp, chosen.cp) == (1, 64)
+    length = planning.PlannedLength(4194304, "expected_seq_len")
+    before = planning.plan_memory_options(module, config=config, length=length, site=site, dims=alone, device_memory=h200(), owner="t")
+    after = planning.plan_memory_options(module, config=config, length=length, site=site, dims=chosen, device_memory=h200(), owner="t")
+    assert before.attention.startswith("2d:8x8") and before.options.activation_checkpointing == "full"
+    assert after.attention.startswith("ring") and after.options.activation_checkpointing == "selective++"
+    step = planning.plan_step(ModelShape.from_transformer_shape("70b", planning.model_shape_of(module, owner="t")),
+                              seq_len=4194304, gpus=64, profile=planning.DeviceProfile.h200(gpus_per_node=8))
+    assert step.plan.head_parallel_size == 1 and step.memory.options.activation_checkpointing == "selective++"
