@@ -258,17 +258,18 @@ def _mesh_memory(module: nn.Module | None, *, config: StrategyConfig, site: RunS
     it). The data-parallel sizes, and so the plan's inputs but the attention, are the same for every mesh of ``sp``."""
     if config.memory == "manual":
         return None
-    try:
-        memory = device_memory()
-        length = None if memory is None else memory_plan_length(config, trainer=trainer, in_setup=False, owner=owner)
-        if length is None:
-            return None
+    try:  # the model and the length first: the device is asked only for a run the planner can plan
         layers = model_shape_of(module, owner=owner).num_layers
+        length = memory_plan_length(config, trainer=trainer, in_setup=False, owner=owner)
+        memory = None if length is None else device_memory()
+        if memory is None:
+            return None
         dims = ParallelDims.from_sizes(world_size=world_size, sequence_parallel_size=sp, head_parallel_size=1,
                                        data_parallel_replicate_size=config.data_parallel_replicate_size,
                                        placement="context-first", node_size=node_size, owner=owner)
     except ValueError:
         return None
+    assert length is not None
     plan_for = _memory_planner(module, config=config, length=length, site=site, dims=dims, device_memory=memory, owner=owner)
     return (lambda c: plan_for(c.algorithm, c.hp if c.algorithm == "2d" else 1)), layers
 
