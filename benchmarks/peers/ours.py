@@ -33,6 +33,16 @@ def _value(text: str):
         return text
 
 
+def _host_alloc_seconds() -> float | None:
+    """Seconds this rank spent growing the pinned host pool (``torch.cuda.host_memory_stats``, where torch has it):
+    the offloaded checkpoints' host copies are allocated in the first step and cached after it."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if not torch.cuda.is_available() or stats is None:
+        return None
+    total_us = stats().get("host_alloc_time.total")
+    return None if total_us is None else total_us / 1e6
+
+
 def document_ids(seq: int, documents: int) -> torch.Tensor:
     """``documents`` equal documents over ``seq`` tokens (the last takes the remainder): each token's document index."""
     return (torch.arange(seq) // (seq // documents)).clamp(max=documents - 1)
@@ -138,6 +148,7 @@ def main() -> None:
     changes = [] if not options else [f"options set: {sorted(options)}"]
     settings["loss_chunk_size"] = module.loss_chunk_size  # what ran ("auto" resolved)
     settings["loss_chunk_set"] = args.loss_chunk is not None
+    settings["host_alloc_s"] = _host_alloc_seconds()  # pinned host memory grown (offloaded checkpoints): part of the first step
     write_record(args.out, system="seqpar", model=args.model, seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
                  settings=settings, changes=changes, version=f"lightning_seqpar {lightning_seqpar.__version__}", losses=losses,
                  documents=args.documents)
