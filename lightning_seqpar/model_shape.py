@@ -1,5 +1,5 @@
 """The sizes of a decoder that the memory estimate and the step planner read (Note [Memory per token] in
-``lightning_seqpar.memory``, Note [Planning a step across nodes] in ``lightning_seqpar.planning``).
+``lightning_seqpar.memory``, Note [Planning a step across nodes] in ``lightning_seqpar.step_plan``).
 
 :class:`TransformerShape` is what :func:`~lightning_seqpar.memory.estimate_memory` takes, read from a Hugging Face
 config or one of the package's (:meth:`TransformerShape.from_config`, which refuses by name the layers the estimate

@@ -753,7 +753,7 @@ def test_q_k_norms_are_counted_as_the_layer_keeps_them():
     plans = [plan_memory(model_shape=s, seq_len=128 * K, device_memory=150.1e9, sp=4, loss_chunk_size=8192, attention="ulysses",
                          fixed={"gather_whole_model": False}, host_memory=120e9) for s in (replace(shape, qk_norm=False), shape)]
     assert [p.options.uncheckpointed_blocks for p in plans] == [11, 9]
-    from lightning_seqpar.planning import ModelShape  # `seqpar plan`'s shape keeps it (it planned 11 blocks when it did not)
+    from lightning_seqpar.step_plan import ModelShape  # `seqpar plan`'s shape keeps it (it planned 11 blocks when it did not)
 
     assert ModelShape.from_transformer_shape("qwen3-8b", shape).transformer_shape == shape
 
@@ -839,7 +839,7 @@ def test_seqpar_plan_chooses_and_times_attention_with_its_memory():
     """``seqpar plan`` (plan_step) makes the same joint choice, and a plan that recomputes attention counts its forward."""
     from lightning_seqpar.attention.cost import DeviceProfile
     from lightning_seqpar.memory import RECOMPUTED_ATTENTION
-    from lightning_seqpar.planning import GPU_MEMORY, MemorySetting, ModelShape, plan_step
+    from lightning_seqpar.step_plan import GPU_MEMORY, MemorySetting, ModelShape, plan_step
 
     model = ModelShape.from_transformer_shape("qwen3-8b", QWEN3_8B)
     fa4 = DeviceProfile.for_device("NVIDIA H200", backend="fa4", gpus_per_node=4)
@@ -891,8 +891,10 @@ def test_head_parallel_size_auto_chooses_the_mesh_with_its_memory(monkeypatch):
     with memory="manual" the cost model's mesh stays; `seqpar plan` agrees."""
     import lightning_seqpar.planning as planning
     from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.attention.cost import DeviceProfile
     from lightning_seqpar.config import StrategyConfig
     from lightning_seqpar.model_shape import ModelShape
+    from lightning_seqpar.step_plan import plan_step
 
     monkeypatch.setattr(planning, "host_memory_bytes", lambda: 2e12)
     cfg = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
@@ -916,6 +918,6 @@ def test_head_parallel_size_auto_chooses_the_mesh_with_its_memory(monkeypatch):
     after = planning.plan_memory_options(module, config=config, length=length, site=site, dims=chosen, device_memory=h200(), owner="t")
     assert before.attention.startswith("2d:8x8") and before.options.activation_checkpointing == "full"
     assert after.attention.startswith("ring") and after.options.activation_checkpointing == "selective++"
-    step = planning.plan_step(ModelShape.from_transformer_shape("70b", planning.model_shape_of(module, owner="t")),
-                              seq_len=4194304, gpus=64, profile=planning.DeviceProfile.h200(gpus_per_node=8))
+    step = plan_step(ModelShape.from_transformer_shape("70b", planning.model_shape_of(module, owner="t")),
+                     seq_len=4194304, gpus=64, profile=DeviceProfile.h200(gpus_per_node=8))
     assert step.plan.head_parallel_size == 1 and step.memory.options.activation_checkpointing == "selective++"

@@ -1,4 +1,4 @@
-"""``seqpar plan`` and ``lightning_seqpar.planning`` (Note [Planning a step across nodes]): the model
+"""``seqpar plan`` and ``lightning_seqpar.step_plan`` (Note [Planning a step across nodes]): the model
 shapes, the terms of a planned step, auto against Megatron-style CP, the CLI, and the table in
 docs/scaling.md reproduced from the code (no hand-edited numbers)."""
 
@@ -15,7 +15,7 @@ import pytest
 from lightning_seqpar import cli
 from lightning_seqpar.attention.cost import DeviceProfile
 from lightning_seqpar.plan_command import parse_gpu_memory, parse_lengths
-from lightning_seqpar.planning import GPU_MEMORY, MODELS, PEAK_BF16, MemorySetting, ModelShape, megatron_cp, plan_step, table
+from lightning_seqpar.step_plan import GPU_MEMORY, MODELS, PEAK_BF16, MemorySetting, ModelShape, megatron_cp, plan_step, table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
 
