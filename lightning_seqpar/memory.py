@@ -197,6 +197,7 @@ from lightning_seqpar.model_shape import TransformerShape
 __all__ = [
     "LADDER",
     "OVERHEAD_BYTES",
+    "RECOMPUTED_ATTENTION",
     "MemoryEstimate",
     "MemoryOptions",
     "MemoryPlan",
@@ -205,6 +206,7 @@ __all__ = [
     "estimate_memory",
     "ladder",
     "largest_fitting_seq_len",
+    "plan_attention_and_memory",
     "plan_memory",
 ]
 
