@@ -145,7 +145,12 @@ def main() -> None:
     settings = dict(strategy_kwargs, precision=precision, attention=strategy.attention, kernel=kernel,
                     memory_plan=None if plan is None else str(plan), data="copy task, every token labelled" + (
                         f", {args.documents} packed documents per row" if args.documents else ""))
-    changes = [] if not options else [f"options set: {sorted(options)}"]
+    from lightning_seqpar.config import StrategyConfig
+
+    defaults = StrategyConfig()  # an option given at its default value is not fixed: memory="auto" may still set it
+    as_default = sorted(k for k, v in options.items() if getattr(defaults, k, object()) == v)
+    changes = [] if not options else [f"options set: {sorted(options)}"] + (
+        [f"given at their defaults, so memory='auto' may still set them: {as_default}"] if as_default else [])
     settings["loss_chunk_size"] = module.loss_chunk_size  # what ran ("auto" resolved)
     settings["loss_chunk_set"] = args.loss_chunk is not None
     settings["host_alloc_s"] = _host_alloc_seconds()  # pinned host memory grown (offloaded checkpoints): part of the first step
