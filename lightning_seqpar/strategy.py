@@ -51,7 +51,7 @@ from lightning_seqpar.parallelize import (is_parallelized, parallel_roots, paral
 from lightning_seqpar.planning import (RunSite, check_options_against_model, check_plans_agree, device_memory_bytes, plan_parallel_dims, plan_run_memory,
                                        resolve_auto_attention)
 from lightning_seqpar.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
-from lightning_seqpar.resources import RunGroups, free_unreferenced
+from lightning_seqpar.resources import RunGroups, free_unreferenced, prefer_parallel_pinning
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -233,6 +233,8 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
             self.model = convert_module_keeping_rotary(self.precision_plugin, self.model)  # bf16-true: bf16 parameters (Note [Rotary frequencies under bf16-true])
             self._fp32_adapters = upcast_trainable(self.model) > 0  # LoRA: the adapters back in fp32 (Note [LoRA under the strategy])
             self.model_to_device()  # before FSDP2: with offload_params it then moves the shards to the host
+            if self.offload_checkpoints or self.offload_params:  # Note [Pinning host memory in parallel]
+                prefer_parallel_pinning(self.root_device)
             self._parallelize(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -43,6 +43,8 @@ def test_a_run_leaves_a_record_and_a_run_past_its_limit_says_so(tmp_path):
     assert ok["status"] == "ok" and ok["system"] == "seqpar" and ok["steps"] == 1 and ok["tokens_per_s_per_gpu"] > 0
     assert len(ok["step_times_s"]) == 2 and ok["settings"]["memory"] == "auto"
     assert late["status"] == "timeout" and late["model"] == "qwen3-8b"
+    # every record says how long its whole run took (launch to exit: what the 10-minute budget counts)
+    assert sum(ok["step_times_s"]) < ok["run_s"] < 120 and 0 < odd["run_s"] < 120 and 1 <= late["run_s"] < 60
 
 
 def test_packed_documents_of_ours_cut_rows_and_their_labels():

@@ -254,3 +254,71 @@ def test_gpu_memory_and_pinned_host_memory_return_to_baseline(offload):
     if host_stats is None:
         pytest.skip(f"torch {torch.__version__} has no torch.cuda.host_memory_stats: pinned memory not measured "
                     "(device memory was)")
+
+
+class _Setter:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.calls: list[str] = []
+        self.error = error
+
+    def __call__(self, conf: str) -> None:
+        self.calls.append(conf)
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("env", [None, "expandable_segments:True"])
+def test_offloading_on_cuda_pins_host_memory_on_eight_threads(monkeypatch, env):
+    # Note [Pinning host memory in parallel]: torch's documented keys, set only for CUDA and only these keys
+    from lightning_seqpar.resources import PARALLEL_PINNING, prefer_parallel_pinning
+
+    setter = _Setter()
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    if env is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
+    assert prefer_parallel_pinning(torch.device("cpu")) is False and setter.calls == []
+    assert prefer_parallel_pinning(torch.device("cuda", 0)) is True
+    assert setter.calls == [PARALLEL_PINNING]
+    assert PARALLEL_PINNING == "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+
+
+@pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_the_users_pinned_settings_win(monkeypatch, var):
+    from lightning_seqpar.resources import prefer_parallel_pinning
+
+    setter = _Setter()
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv(var, "pinned_use_cuda_host_register:False")
+    assert prefer_parallel_pinning(torch.device("cuda", 0)) is False
+    assert setter.calls == []
+
+
+def test_an_allocator_refusing_the_keys_warns_and_leaves_pinning_alone(monkeypatch):
+    from lightning_seqpar.resources import prefer_parallel_pinning
+
+    setter = _Setter(RuntimeError("Unrecognized key 'pinned_use_cuda_host_register' in CUDA allocator config."))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with pytest.warns(UserWarning, match="pinned host memory stays on one thread"):
+        assert prefer_parallel_pinning(torch.device("cuda", 0)) is False
+    assert len(setter.calls) == 1
+
+
+def test_the_strategy_turns_parallel_pinning_on_only_when_it_offloads(monkeypatch):
+    # the strategy's set-up calls it with the root device exactly when checkpoints go to the host
+    import lightning_seqpar.strategy as strategy_module
+    from lightning_seqpar import SequenceParallelStrategy
+
+    seen: list[torch.device] = []
+    monkeypatch.setattr(strategy_module, "prefer_parallel_pinning", lambda device: seen.append(device) or False)
+    for offload, expected in ((False, 0), (True, 1)):
+        seen.clear()
+        _one_fit(1, strategy=SequenceParallelStrategy(sequence_parallel_size=1, memory="manual", timeout=60,
+                                                      activation_checkpointing="full", offload_checkpoints=offload))
+        assert len(seen) == expected and all(d.type == "cpu" for d in seen), (offload, seen)

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = {"torchtitan": "llama3-8b", "trl_cp": "qwen3-8b", "deepspeed_alst": "qwen3-8b"}
@@ -95,6 +96,7 @@ def _run_one(name: str, flags: list[str], seq: int, *, args, gpus: int, env: dic
     log = os.path.join(logs, f"{name.replace(':', '-')}-{seq}.log")
     print(f"[peers] {name} S={seq}: {' '.join(cmd)}", flush=True)
     before = len(json.load(open(args.out))) if os.path.exists(args.out) else 0
+    start = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -103,9 +105,14 @@ def _run_one(name: str, flags: list[str], seq: int, *, args, gpus: int, env: dic
             rc = "timeout"
             _kill_tree(proc.pid)  # the launcher and every rank it started (torchrun puts ranks in their own sessions)
             proc.wait()
+    run_s = round(time.monotonic() - start, 1)  # the whole run: launch, load, every step, exit (the 10-minute budget)
     text = open(log, errors="replace").read()
     rows = json.load(open(args.out)) if os.path.exists(args.out) else []
     if len(rows) > before:
+        rows[-1]["run_s"] = run_s
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"[peers] {name} S={seq}: {rows[-1].get('status', 'ok')} in {run_s} s", flush=True)
         return rows[-1].get("status", "ok")
     tail = [line for line in text.splitlines() if line.strip()][-40:]
     status = ("timeout" if rc == "timeout" else "oom" if "OutOfMemoryError" in text or "CUDA out of memory" in text
@@ -113,7 +120,7 @@ def _run_one(name: str, flags: list[str], seq: int, *, args, gpus: int, env: dic
     system, _, model = name.partition(":")
     rows.append(dict(bench="peers", system=system, model=model or MODEL.get(system, "llama3-8b"), seq=seq, gpus=gpus,
                      gpu=("H200" if "H200" in torch.cuda.get_device_name() else "H100") if torch.cuda.is_available() else "cpu",
-                     commit=env["SEQPAR_COMMIT"], status=status, flags=flags, time_limit_s=args.time_limit,
+                     commit=env["SEQPAR_COMMIT"], status=status, flags=flags, time_limit_s=args.time_limit, run_s=run_s,
                      log_tail=tail[-15:]))
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
