@@ -67,8 +67,8 @@ from lightning_seqpar.mesh import release_mesh_groups
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["RunGroups", "empty_device_caches", "free_unreferenced", "launched_by_torchelastic", "prefer_parallel_pinning",
-           "release_groups"]
+__all__ = ["RunGroups", "empty_device_caches", "free_unreferenced", "launched_by_torchelastic", "pinning_in_effect",
+           "prefer_parallel_pinning", "release_groups"]
 
 PARALLEL_PINNING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
@@ -146,7 +146,21 @@ def prefer_parallel_pinning(device: torch.device) -> bool:
     except (RuntimeError, ValueError) as err:  # an allocator build without these keys: pinning stays as it was
         rank_zero_warn(f"pinned host memory stays on one thread: torch refused {PARALLEL_PINNING!r} ({err})")
         return False
+    _PINNING["set"] = PARALLEL_PINNING
     return True
+
+
+_PINNING: dict[str, str] = {}
+
+
+def pinning_in_effect() -> str:
+    """How this process pins host memory: what :func:`prefer_parallel_pinning` set, else the user's ``pinned_`` keys,
+    else torch's default (torch 2.11 has no getter for the allocator's settings; benchmark records name it)."""
+    if "set" in _PINNING:
+        return _PINNING["set"]
+    user = [kv for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+            for kv in os.environ.get(var, "").split(",") if kv.strip().startswith("pinned_")]
+    return ",".join(user) if user else "default (cudaHostAlloc)"
 
 
 def release_groups(meshes: list[DeviceMesh | None], *, owns_default_group: bool) -> None:

@@ -45,6 +45,17 @@ def test_a_run_leaves_a_record_and_a_run_past_its_limit_says_so(tmp_path):
     assert late["status"] == "timeout" and late["model"] == "qwen3-8b"
     # every record says how long its whole run took (launch to exit: what the 10-minute budget counts)
     assert sum(ok["step_times_s"]) < ok["run_s"] < 120 and 0 < odd["run_s"] < 120 and 1 <= late["run_s"] < 60
+    assert late["steps_done_s"] == []  # killed before its first step ended
+
+
+def test_a_run_out_of_time_keeps_the_steps_it_finished():
+    # the step clock's lines, also behind a progress bar's carriage return (TRL / ALST print one)
+    from benchmarks.peers.__main__ import steps_done
+
+    log = ("loading\n[peers] step 1: 257.853 s\n\r 50%|#####     | 1/2 [03:22<03:22, 202.91s/it][peers] step 2: 196.123 s\n"
+           "[peers] seqpar qwen3-8b S=720896: 196.1 s/step\n")
+    assert steps_done(log) == [257.853, 196.123]
+    assert steps_done("Traceback ...\nOutOfMemoryError") == []
 
 
 def test_packed_documents_of_ours_cut_rows_and_their_labels():

@@ -270,7 +270,7 @@ class _Setter:
 @pytest.mark.parametrize("env", [None, "expandable_segments:True"])
 def test_offloading_on_cuda_pins_host_memory_on_eight_threads(monkeypatch, env):
     # Note [Pinning host memory in parallel]: torch's documented keys, set only for CUDA and only these keys
-    from lightning_seqpar.resources import PARALLEL_PINNING, prefer_parallel_pinning
+    from lightning_seqpar.resources import PARALLEL_PINNING, pinning_in_effect, prefer_parallel_pinning
 
     setter = _Setter()
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
@@ -280,22 +280,25 @@ def test_offloading_on_cuda_pins_host_memory_on_eight_threads(monkeypatch, env):
     else:
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
     assert prefer_parallel_pinning(torch.device("cpu")) is False and setter.calls == []
+    monkeypatch.setattr("lightning_seqpar.resources._PINNING", {})
+    assert pinning_in_effect() == "default (cudaHostAlloc)"
     assert prefer_parallel_pinning(torch.device("cuda", 0)) is True
-    assert setter.calls == [PARALLEL_PINNING]
+    assert setter.calls == [PARALLEL_PINNING] and pinning_in_effect() == PARALLEL_PINNING
     assert PARALLEL_PINNING == "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 
 @pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 def test_the_users_pinned_settings_win(monkeypatch, var):
-    from lightning_seqpar.resources import prefer_parallel_pinning
+    from lightning_seqpar.resources import pinning_in_effect, prefer_parallel_pinning
 
     setter = _Setter()
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
+    monkeypatch.setattr("lightning_seqpar.resources._PINNING", {})
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.setenv(var, "pinned_use_cuda_host_register:False")
+    monkeypatch.setenv(var, "expandable_segments:True,pinned_use_cuda_host_register:False")
     assert prefer_parallel_pinning(torch.device("cuda", 0)) is False
-    assert setter.calls == []
+    assert setter.calls == [] and pinning_in_effect() == "pinned_use_cuda_host_register:False"
 
 
 def test_an_allocator_refusing_the_keys_warns_and_leaves_pinning_alone(monkeypatch):

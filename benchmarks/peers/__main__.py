@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,11 @@ def _cause(lines: list[str], tail: list[str]) -> str:
         if "Error" in line and ":" in line and "ChildFailedError" not in line and "error_file" not in line:
             return line.strip()
     return tail[-1] if tail else "?"
+
+
+def steps_done(text: str) -> list[float]:
+    """The seconds of each step a run finished before it failed or ran out of time (StepClock prints them)."""
+    return [float(m) for m in re.findall(r"\[peers\] step \d+: ([0-9.]+) s", text)]
 
 
 def _kill_tree(pid: int) -> None:
@@ -121,6 +127,7 @@ def _run_one(name: str, flags: list[str], seq: int, *, args, gpus: int, env: dic
     rows.append(dict(bench="peers", system=system, model=model or MODEL.get(system, "llama3-8b"), seq=seq, gpus=gpus,
                      gpu=("H200" if "H200" in torch.cuda.get_device_name() else "H100") if torch.cuda.is_available() else "cpu",
                      commit=env["SEQPAR_COMMIT"], status=status, flags=flags, time_limit_s=args.time_limit, run_s=run_s,
+                     steps_done_s=steps_done(text),  # a run out of time: how far it got
                      log_tail=tail[-15:]))
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

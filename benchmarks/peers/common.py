@@ -104,8 +104,13 @@ class StepClock:
             with open(os.path.join(os.environ.get("OUT", "."), f"profile-{name}.txt"), "w") as f:
                 f.write(f"step {len(self.times)}: {self.times[-1]:.3f} s\n{table}")
             self._prof = None
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"[peers] step {len(self.times)}: {self.times[-1]:.3f} s", flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # a run that runs out of time is read back from these lines
+            extra = ""
+            if torch.cuda.is_available():  # the allocator's state: a step slowed by cudaMalloc retries says so
+                stats = torch.cuda.memory_stats()
+                extra = (f" (reserved {stats.get('reserved_bytes.all.peak', 0) / 1e9:.1f} GB, "
+                         f"alloc retries {stats.get('num_alloc_retries', 0)})")
+            print(f"[peers] step {len(self.times)}: {self.times[-1]:.3f} s{extra}", flush=True)
 
     def peak_gb(self) -> float:
         """max_memory_allocated over every rank (collective: every rank calls it)."""

@@ -154,8 +154,9 @@ def main() -> None:
     settings["loss_chunk_size"] = module.loss_chunk_size  # what ran ("auto" resolved)
     settings["loss_chunk_set"] = args.loss_chunk is not None
     settings["host_alloc_s"] = _host_alloc_seconds()  # pinned host memory grown (offloaded checkpoints): part of the first step
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # Note [Pinning host memory in parallel]
-    settings["allocator_settings"] = getter() if getter is not None else None
+    from lightning_seqpar.resources import pinning_in_effect
+
+    settings["pinned_allocation"] = pinning_in_effect()  # Note [Pinning host memory in parallel]
     write_record(args.out, system="seqpar", model=args.model, seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
                  settings=settings, changes=changes, version=f"lightning_seqpar {lightning_seqpar.__version__}", losses=losses,
                  documents=args.documents)
