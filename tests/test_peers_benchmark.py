@@ -96,12 +96,12 @@ def test_the_longest_lengths_table_walks_each_system_to_its_first_limit():
     assert longest([run("trl_cp", 131072), run("seqpar", 131072)])[2:] == []  # nobody met a limit at 128K: no rows
     # a run for the longest (above 128K) shows its session; a row of packed documents is its own system, not a dense length
     lines = longest([run("trl_cp", 524288), run("seqpar", 655360), run("seqpar", 1048576, documents=16),
-                     dict(run("seqpar", 262144), session="r")])  # an older session: the anchor stays on the newest
+                     dict(run("seqpar", 262144), session="r")])  # an older session: below the newest, under its anchor
     assert lines[2:] == [
-        "| qwen3-8b | 4 x H200 | r | seqpar | 262,144 | - | - | none tried | - |",
         '| <a id="peers-longest-qwen3-8b-4"></a>qwen3-8b | 4 x H200 | s | seqpar | 655,360 | - | - | none tried | 1.25x |',
         "| qwen3-8b | 4 x H200 | s | seqpar (16 packed documents) | 1,048,576 | - | - | none tried | 2.00x |",
         "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | - | - | none tried | - |",
+        "| qwen3-8b | 4 x H200 | r | seqpar | 262,144 | - | - | none tried | - |",
     ]
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     start = text.index("<!-- generated: peers-longest -->\n") + len("<!-- generated: peers-longest -->\n")

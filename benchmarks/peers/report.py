@@ -94,15 +94,16 @@ def longest(rows: list[dict]) -> list[str]:
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in rows:
         groups.setdefault((r["model"], r["gpus"], r["gpu"], r.get("session", "-")), {}).setdefault(_system(r), []).append(r)
-    for (model, gpus, gpu, session), systems in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])):
+    newest_first = sorted(groups.items(), key=lambda kv: kv[0][3], reverse=True)
+    for (model, gpus, gpu, session), systems in sorted(newest_first, key=lambda kv: kv[0][:3]):  # sessions newest first
         bounds = _bounds(systems)
         there = {system: next((r for r in runs if r.get("status") == "ok" and r["seq"] == bounds[system][0]), {})
                  for system, runs in systems.items()}  # the run at each system's longest length
         if not _shown(bounds):
             continue
-        # one anchor per model and GPU count (the README links there): on its newest session's first row
-        newest = max(k[3] for k in groups if k[:2] == (model, gpus) and _shown(_bounds(groups[k])))
-        anchor = f'<a id="peers-longest-{model}-{gpus}"></a>' if session == newest and (model, gpus) not in anchored else ""
+        # one anchor per model and GPU count (the README links there, and its figures may come from any session of
+        # that model): on the newest session's first row, the model's rows of every session below it
+        anchor = f'<a id="peers-longest-{model}-{gpus}"></a>' if (model, gpus) not in anchored else ""
         if anchor:
             anchored.add((model, gpus))
         peer = max(((ok, stop) for system, (ok, stop) in bounds.items() if system in PEERS and ok), default=None)
