@@ -109,7 +109,13 @@ class StepClock:
             if torch.cuda.is_available():  # the allocator's state: a step slowed by cudaMalloc retries says so
                 stats = torch.cuda.memory_stats()
                 extra = (f" (reserved {stats.get('reserved_bytes.all.peak', 0) / 1e9:.1f} GB, "
-                         f"alloc retries {stats.get('num_alloc_retries', 0)})")
+                         f"alloc retries {stats.get('num_alloc_retries', 0)}")
+                host = getattr(torch.cuda, "host_memory_stats", None)  # the pinned pool: reused from step 2 on, or grown?
+                if host is not None:
+                    h = host()
+                    extra += (f", pinned {h.get('allocated_bytes.current', 0) / 1e9:.1f} GB, peak "
+                              f"{h.get('allocated_bytes.peak', 0) / 1e9:.1f}, pinning {h.get('host_alloc_time.total', 0) / 1e6:.1f} s")
+                extra += ")"
             print(f"[peers] step {len(self.times)}: {self.times[-1]:.3f} s{extra}", flush=True)
 
     def peak_gb(self) -> float:
