@@ -201,8 +201,9 @@ def megatron_cp(model: ModelShape, **kwargs) -> StepPlan:
     return plan_step(model, algorithms=("ring",), double_ring=False, **kwargs)
 
 
-TABLE_HEADER = ("| model | S | GPUs | auto picks | step s | MFU | memory='auto' | GB/GPU | largest overhead | Megatron-CP step s | MFU |",
-                "|---|---|---|---|---|---|---|---|---|---|---|")
+TABLE_HEADER = ("| model | S | GPUs | auto picks | step s | MFU | memory='auto' | GB/GPU | host GB/GPU | largest overhead | "
+                "Megatron-CP step s | MFU |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def table(models: Sequence[str | ModelShape], seq_lens: Sequence[int], gpus: Sequence[int], *, gpus_per_node: int = 8,
@@ -224,10 +225,11 @@ def table(models: Sequence[str | ModelShape], seq_lens: Sequence[int], gpus: Seq
                 except ValueError:  # no attention algorithm fits (the cost model's own memory check): what would, for a ring
                     planned, longest = _plan_step_memory(model, seq_len=s, gpus=w, algorithm="ring", head_parallel_size=1,
                                                          memory=memory)
-                    gb = planned.total / 1e9 if isinstance(planned, MemoryEstimate) else planned.estimate.total / 1e9
+                    estimate = planned if isinstance(planned, MemoryEstimate) else planned.estimate
                     rows.append(f"| {model.name} | {_k(s)} | {w} | no attention fits |  |  | "
                                 f"{_memory_options(planned if isinstance(planned, MemoryPlan) else None, longest)} | "
-                                f"{gb:.0f}{'' if longest is None else f' (> {budget:.0f})'} |  |  |  |")
+                                f"{estimate.total / 1e9:.0f}{'' if longest is None else f' (> {budget:.0f})'} | "
+                                f"{_host(estimate)} |  |  |  |")
                     continue
                 try:
                     ring = megatron_cp(model, seq_len=s, gpus=w, profile=profile, memory=memory)
@@ -235,9 +237,16 @@ def table(models: Sequence[str | ModelShape], seq_lens: Sequence[int], gpus: Seq
                 except ValueError:
                     ring_cells = "does not fit | "
                 gb = f"{auto.memory_gb:.0f}" + ("" if auto.fits else f" (> {budget:.0f})")
+                host = _host(auto.memory.estimate) if auto.memory is not None else "-"
                 rows.append(f"| {model.name} | {_k(s)} | {w} | {auto.plan.label} | {auto.step_s:.2f} | {auto.mfu:.2f} | "
-                            f"{auto.memory_options} | {gb} | {auto.dominant} | {ring_cells} |")
+                            f"{auto.memory_options} | {gb} | {host} | {auto.dominant} | {ring_cells} |")
     return rows
+
+
+def _host(estimate: MemoryEstimate) -> str:
+    """Pinned host memory per GPU (offloaded checkpoints and parameters): what the run's host must hold for each GPU's
+    process, and what its first step pins (Note [Pinning host memory in parallel] in ``lightning_seqpar.resources``)."""
+    return f"{estimate.host / 1e9:.0f}" if estimate.host else "-"
 
 
 def _k(s: int) -> str:
