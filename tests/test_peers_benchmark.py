@@ -123,3 +123,16 @@ def test_packed_documents_count_attention_within_each_document():
     one_m = next(r for r in rows if r["seq"] == 1048576)
     assert one_m["documents"] == 16 and 0.3 < one_m["mfu"] < 0.5
     assert one_m["mfu"] == pytest.approx(one_m["tokens_per_s_per_gpu"] * packed / 989e12)
+
+
+def test_the_physical_bound_of_a_step():
+    # Note [The step's physical bound]: docs/benchmarks.md's 3,460 tokens/s/GPU for the Qwen3-8B shape at 128K on H200
+    from benchmarks.peers.common import SHAPES, bound_tokens_per_s
+
+    qwen = SHAPES["qwen3-8b"]
+    assert bound_tokens_per_s(qwen, 131072, "H200") == pytest.approx(3460, rel=0.005)
+    # attention grows with the length: at 640K the bound is 835 (ours measured 800.6 there, 0.96 of it)
+    assert bound_tokens_per_s(qwen, 655360, "H200") == pytest.approx(835, rel=0.005)
+    # 16 packed documents of 64K: attention within each document, as a dense 64K row
+    assert bound_tokens_per_s(qwen, 1 << 20, "H200", documents=16) == bound_tokens_per_s(qwen, 1 << 16, "H200")
+    assert bound_tokens_per_s(qwen, 131072, "H100") is None  # no rates measured on H100

@@ -13,6 +13,17 @@ embedding) + 6 x L x S x (heads x head_dim) (causal attention, forward + backwar
 ``benchmarks/train.py``, for every row; with N packed documents per row (ours' ``--documents N``) a token attends
 only within its document, so S there is the document's length, S / N (the record's ``documents``). Peak memory: ``torch.cuda.max_memory_allocated`` since the first timed
 step, the max over ranks.
+
+Note [The step's physical bound]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Issue #39's yardstick for a row: tokens/s/GPU if every FLOP ran at the fastest rate measured for it on that GPU,
+and nothing else took time. Per token: causal attention's forward, 2 x L x S x (heads x head_dim) FLOPs (S the
+document's length), at flash-attention 4's measured forward rate, its backward (2.5x the forward's FLOPs, the
+kernel's own recomputation included) at its measured backward rate, and 6 x N matmul FLOPs at the measured bf16
+matmul peak. H200 rates, head_dim 128 (docs/benchmarks.md, the profiled 128K Qwen3-8B step: 645 and 579 TFLOP/s,
+matmuls 736 TFLOP/s); no H100 rates are measured, so H100 rows have no bound. Recomputation (checkpointing),
+communication, norms, the loss and the optimizer all count as time above the bound: a system with none of them
+at the fastest kernels reaches 1.0.
 """
 
 from __future__ import annotations
@@ -52,6 +63,21 @@ class Shape:
         """Model FLOPs per token of a row of ``seq`` tokens in ``documents`` equal packed documents (causal attention
         within each document)."""
         return 6 * self.params() + 6 * self.layers * (seq / max(documents, 1)) * self.heads * self.head_dim
+
+
+BOUND_RATES = {"H200": {"attention_forward": 645e12, "attention_backward": 579e12, "matmul": 736e12}}
+"""FLOP/s of Note [The step's physical bound], per GPU kind."""
+
+
+def bound_tokens_per_s(shape: Shape, seq: int, gpu: str, documents: int = 1) -> float | None:
+    """Tokens/s/GPU at the step's physical bound (Note [The step's physical bound]); None without measured rates."""
+    rates = BOUND_RATES.get(gpu)
+    if rates is None:
+        return None
+    forward = 2 * shape.layers * (seq / max(documents, 1)) * shape.heads * shape.head_dim
+    seconds = (6 * shape.params() / rates["matmul"] + forward / rates["attention_forward"]
+               + 2.5 * forward / rates["attention_backward"])
+    return 1 / seconds
 
 
 SHAPES = {

@@ -14,6 +14,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # loaded by path too (benchmarks/report.py)
+from common import SHAPES, bound_tokens_per_s  # noqa: E402
+
 PEERS = ("torchtitan", "trl_cp", "deepspeed_alst")
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
@@ -55,8 +58,8 @@ def _settings(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| model | S | GPUs | session | system | version | tokens/s/GPU | vs best peer | MFU | peak GB | settings | commit |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| model | S | GPUs | session | system | version | tokens/s/GPU | vs best peer | MFU | of bound | peak GB | settings | commit |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"], r.get("session", "-"))  # noqa: E731
     anchored = set()
     keys = sorted(sorted({key(r) for r in rows}, key=lambda k: k[4], reverse=True), key=lambda k: k[:4])  # newest session first
@@ -69,10 +72,11 @@ def table(rows: list[dict]) -> list[str]:
         for r in sorted(group, key=lambda r: (r["system"] != "seqpar", r["system"], -(r.get("tokens_per_s_per_gpu") or 0))):
             tps = r.get("tokens_per_s_per_gpu")
             if tps:
+                bound = bound_tokens_per_s(SHAPES[r["model"]], r["seq"], r["gpu"], r.get("documents") or 1)
                 cells = [f"{tps:,.0f}", f"{tps / best:.2f}x" if best and r["system"] == "seqpar" else "-", f"{r['mfu']:.3f}",
-                         f"{r['peak_mem_gb']:.1f}"]
+                         f"{tps / bound:.2f}" if bound else "-", f"{r['peak_mem_gb']:.1f}"]
             else:
-                cells = [r["status"].split(":")[0], "-", "-", "-"]
+                cells = [r["status"].split(":")[0], "-", "-", "-", "-"]
             out.append(f"| {anchor}{r['model']} | {_k(r['seq'])} | {r['gpus']} x {r['gpu']} | {k[4]} | {_system(r)} | "
                        f"{r.get('version', '-')} | " + " | ".join(cells) + f" | {_settings(r)} | {r['commit']} |")
             anchor = ""
