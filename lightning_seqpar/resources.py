@@ -133,10 +133,7 @@ def empty_device_caches(device: torch.device) -> None:
 def prefer_parallel_pinning(device: torch.device) -> bool:
     """Pinned host memory allocated on 8 threads (Note [Pinning host memory in parallel]) unless the user's allocator
     configuration names a ``pinned_`` key; True where this call turned it on."""
-    if device.type != "cuda":
-        return False
-    user = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    if "pinned_" in user:
+    if device.type != "cuda" or _user_pinned_keys():
         return False
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9 (no public API)
     if setter is None:
@@ -158,9 +155,13 @@ def pinning_in_effect() -> str:
     else torch's default (torch 2.11 has no getter for the allocator's settings; benchmark records name it)."""
     if "set" in _PINNING:
         return _PINNING["set"]
-    user = [kv for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    return ",".join(_user_pinned_keys()) or "default (cudaHostAlloc)"
+
+
+def _user_pinned_keys() -> list[str]:
+    """The ``pinned_...:value`` entries of the user's allocator configuration (both variables torch reads)."""
+    return [kv.strip() for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
             for kv in os.environ.get(var, "").split(",") if kv.strip().startswith("pinned_")]
-    return ",".join(user) if user else "default (cudaHostAlloc)"
 
 
 def release_groups(meshes: list[DeviceMesh | None], *, owns_default_group: bool) -> None:
