@@ -42,8 +42,10 @@ def _system(r: dict) -> str:
 
 def _settings(r: dict) -> str:
     """What ran: the peer's changes from its published settings, or ours: the options set by hand (else defaults)."""
-    if r["system"] != "seqpar":
-        return "; ".join(r.get("changes", [])[:2]) or "-"
+    if r["system"] != "seqpar":  # the parallel degree and the length, and any change to how the peer trains
+        changes = r.get("changes", [])
+        trains = [c for c in changes[2:] if any(k in c for k in ("activation_checkpoint", "compile", "offload"))]
+        return "; ".join(changes[:2] + trains) or "-"
     s = r.get("settings", {})
     plan = s.get("memory_plan") or ""
     chosen = next((m for m in ("selective++", "full") if f"activation_checkpointing='{m}'" in plan.split("estimate=")[0]), None)

@@ -11,7 +11,9 @@ FSDP over the same GPUs, the preset's dp_shard = -1), ``training.seq_len`` = --s
 ``update_from_config``), ``training.steps``, ``lr_scheduler.warmup_steps`` = 1, ``metrics.log_freq`` = 1, profiling
 and TensorBoard off; random tokens from an in-memory dataloader instead of c4 and a stub tokenizer instead of
 Llama-3.1-8B's files (nothing can be downloaded; the vocabulary is unchanged); random init. ``--compile`` sets the
-preset's ``compile.enable``. Note [One measurement for every peer] in common.py.
+preset's ``compile.enable``; ``--ac full`` sets ``activation_checkpoint.mode = "full"``, what torchtitan's docs offer
+when the preset's op-level selective checkpointing runs out of memory (it does at 128K on 4 x H200: the fp32 logits
+of 32K tokens on top of 117.5 GiB); each is listed among the record's changes. Note [One measurement for every peer] in common.py.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="optimizer steps, warm-up included")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--ac", choices=("preset", "full", "none"), default="preset",
+                   help="activation_checkpoint.mode: the preset's (selective, op level) unless set")
     p.add_argument("--flavor", default="8B", help="debugmodel for a smoke run")
     p.add_argument("--out", default="peers.json")
     args = p.parse_args()
@@ -68,6 +72,8 @@ def main() -> None:
         changes[("model", "flavor")] = args.flavor
     if args.compile:
         changes[("compile", "enable")] = True
+    if args.ac != "preset":
+        changes[("activation_checkpoint", "mode")] = args.ac
     for (table, key), value in changes.items():
         preset[table][key] = value
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
