@@ -46,6 +46,23 @@ when a run offloads to the host on CUDA, unless the user's ``PYTORCH_CUDA_ALLOC_
 keys at each allocation and frees each block the way it was allocated, so turning them on at
 set-up, after earlier pinned allocations, is safe; torch's parser only changes the keys it is
 given.
+
+Note [Expandable segments by default]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The memory planner (Note [Planning memory] in ``lightning_seqpar.memory``) plans the bytes a step
+allocates; the CUDA caching allocator reserves fixed-size segments and can only reuse a freed block
+for a request that fits inside it, so at long lengths, where a step allocates tensors of several GB
+that change size between phases (a layer's saved activations, the ring's buffers, the loss
+chunk), the reserved memory runs ahead of the allocated and a request fails, or is met only after
+freeing every cached block and synchronizing (a cudaMalloc retry), with GBs nominally free. With
+``expandable_segments:True`` the allocator maps physical pages into one growing virtual range per
+stream instead, and the reserved memory follows the allocated. All three peers launch with it:
+torchtitan's ``run_train.sh`` sets ``PYTORCH_ALLOC_CONF=expandable_segments:True``, TRL's
+long-context guide tells users to set it ("still fails without it" at 1M tokens) and ALST's paper
+recommends it. ``prefer_expandable_segments`` turns it on at ``setup_environment`` on CUDA, before
+the model is built, unless the user's ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` already
+names ``expandable_segments`` (theirs wins). Blocks allocated before stay in their segments; only
+new segments are expandable, so turning it on mid-process is safe (torch's own tests do).
 """
 
 from __future__ import annotations
@@ -68,9 +85,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["RunGroups", "empty_device_caches", "free_unreferenced", "launched_by_torchelastic", "pinning_in_effect",
-           "prefer_parallel_pinning", "release_groups"]
+           "prefer_expandable_segments", "prefer_parallel_pinning", "release_groups", "segments_in_effect"]
 
 PARALLEL_PINNING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
 class RunGroups:
@@ -133,35 +151,57 @@ def empty_device_caches(device: torch.device) -> None:
 def prefer_parallel_pinning(device: torch.device) -> bool:
     """Pinned host memory allocated on 8 threads (Note [Pinning host memory in parallel]) unless the user's allocator
     configuration names a ``pinned_`` key; True where this call turned it on."""
-    if device.type != "cuda" or _user_pinned_keys():
+    if device.type != "cuda" or _user_keys("pinned_"):
         return False
+    return _set_allocator("pinning", PARALLEL_PINNING, refused="pinned host memory stays on one thread")
+
+
+def prefer_expandable_segments(device: torch.device) -> bool:
+    """The CUDA caching allocator grows segments in place (Note [Expandable segments by default]) unless the user's
+    allocator configuration names ``expandable_segments``; True where this call turned it on."""
+    if device.type != "cuda" or _user_keys("expandable_segments"):
+        return False
+    return _set_allocator("segments", EXPANDABLE_SEGMENTS, refused="device memory keeps torch's fixed segments")
+
+
+def _set_allocator(what: str, settings: str, *, refused: str) -> bool:
+    """Hand ``settings`` to torch's allocator parser (it changes only the keys it is given); a refusal warns."""
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9 (no public API)
     if setter is None:
         setter = torch.cuda.memory._set_allocator_settings
     try:
-        setter(PARALLEL_PINNING)
-    except (RuntimeError, ValueError) as err:  # an allocator build without these keys: pinning stays as it was
-        rank_zero_warn(f"pinned host memory stays on one thread: torch refused {PARALLEL_PINNING!r} ({err})")
+        setter(settings)
+    except (RuntimeError, ValueError) as err:  # an allocator build without these keys: it stays as it was
+        rank_zero_warn(f"{refused}: torch refused {settings!r} ({err})")
         return False
-    _PINNING["set"] = PARALLEL_PINNING
+    _SET[what] = settings
     return True
 
 
-_PINNING: dict[str, str] = {}
+_SET: dict[str, str] = {}
 
 
 def pinning_in_effect() -> str:
     """How this process pins host memory: what :func:`prefer_parallel_pinning` set, else the user's ``pinned_`` keys,
     else torch's default (torch 2.11 has no getter for the allocator's settings; benchmark records name it)."""
-    if "set" in _PINNING:
-        return _PINNING["set"]
-    return ",".join(_user_pinned_keys()) or "default (cudaHostAlloc)"
+    if "pinning" in _SET:
+        return _SET["pinning"]
+    return ",".join(_user_keys("pinned_")) or "default (cudaHostAlloc)"
 
 
-def _user_pinned_keys() -> list[str]:
-    """The ``pinned_...:value`` entries of the user's allocator configuration (both variables torch reads)."""
+def segments_in_effect() -> str:
+    """How the CUDA caching allocator grows: what :func:`prefer_expandable_segments` set, else the user's key, else
+    torch's default (fixed segments)."""
+    if "segments" in _SET:
+        return _SET["segments"]
+    return ",".join(_user_keys("expandable_segments")) or "default (fixed segments)"
+
+
+def _user_keys(prefix: str) -> list[str]:
+    """The ``key:value`` entries of the user's allocator configuration (both variables torch reads) whose key starts
+    with ``prefix``."""
     return [kv.strip() for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-            for kv in os.environ.get(var, "").split(",") if kv.strip().startswith("pinned_")]
+            for kv in os.environ.get(var, "").split(",") if kv.strip().startswith(prefix)]
 
 
 def release_groups(meshes: list[DeviceMesh | None], *, owns_default_group: bool) -> None:

@@ -51,7 +51,7 @@ from lightning_seqpar.parallelize import (is_parallelized, parallel_roots, paral
 from lightning_seqpar.planning import (RunSite, check_options_against_model, check_plans_agree, device_memory_bytes, plan_parallel_dims, plan_run_memory,
                                        resolve_auto_attention)
 from lightning_seqpar.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
-from lightning_seqpar.resources import RunGroups, free_unreferenced, prefer_parallel_pinning
+from lightning_seqpar.resources import RunGroups, free_unreferenced, prefer_expandable_segments, prefer_parallel_pinning
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -175,6 +175,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         # free the modules of earlier runs that nothing references any more, and with them their groups, BEFORE this
         # run builds meshes equal to theirs, and the pinned host blocks of their offloaded tensors (Note [What a run releases])
         free_unreferenced(self.root_device)
+        prefer_expandable_segments(self.root_device)  # before the model is built (Note [Expandable segments by default])
         with self._groups.starting():
             self._setup_distributed()  # ModelParallelStrategy: ranks, seed, init_process_group
         warn_if_ranks_not_by_node(self.global_rank, self.node_rank, self.local_rank, self.num_processes)

@@ -48,6 +48,23 @@ def test_a_run_leaves_a_record_and_a_run_past_its_limit_says_so(tmp_path):
     assert late["steps_done_s"] == []  # killed before its first step ended
 
 
+def test_each_peer_launches_as_its_own_launcher_does():
+    # torchtitan's run_train.sh, TRL's long-context guide and ALST set expandable segments; ours sets it in the strategy
+    from benchmarks.peers.__main__ import command, launch_env
+
+    for system in ("torchtitan", "trl_cp", "deepspeed_alst"):
+        assert list(launch_env(system, {}).values()) == ["expandable_segments:True"]
+    assert launch_env("seqpar", {}) == {}
+    assert launch_env("trl_cp", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) == {}  # the caller's wins
+    # TRL's long-context example (checkpoints offloaded) is its own accelerate config, and the script records it
+    long = command("trl_cp", 1024, 4, 2, "o.json", ["--ckpt-offload"])
+    assert long[long.index("--config_file") + 1].endswith("accelerate_cp_long.yaml") and "--ckpt-offload" in long
+    short = command("trl_cp", 1024, 4, 2, "o.json", [])
+    assert short[short.index("--config_file") + 1].endswith("accelerate_cp.yaml")
+    config = open(long[long.index("--config_file") + 1]).read()
+    assert "fsdp_activation_checkpointing_offload: true" in config and "parallelism_config_cp_size: 4" in config
+
+
 def test_a_run_out_of_time_keeps_the_steps_it_finished():
     # the step clock's lines, also behind a progress bar's carriage return (TRL / ALST print one)
     from benchmarks.peers.__main__ import steps_done

@@ -280,7 +280,7 @@ def test_offloading_on_cuda_pins_host_memory_on_eight_threads(monkeypatch, env):
     else:
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
     assert prefer_parallel_pinning(torch.device("cpu")) is False and setter.calls == []
-    monkeypatch.setattr("lightning_seqpar.resources._PINNING", {})
+    monkeypatch.setattr("lightning_seqpar.resources._SET", {})
     assert pinning_in_effect() == "default (cudaHostAlloc)"
     assert prefer_parallel_pinning(torch.device("cuda", 0)) is True
     assert setter.calls == [PARALLEL_PINNING] and pinning_in_effect() == PARALLEL_PINNING
@@ -293,7 +293,7 @@ def test_the_users_pinned_settings_win(monkeypatch, var):
 
     setter = _Setter()
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
-    monkeypatch.setattr("lightning_seqpar.resources._PINNING", {})
+    monkeypatch.setattr("lightning_seqpar.resources._SET", {})
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv(var, "expandable_segments:True,pinned_use_cuda_host_register:False")
@@ -325,3 +325,45 @@ def test_the_strategy_turns_parallel_pinning_on_only_when_it_offloads(monkeypatc
         _one_fit(1, strategy=SequenceParallelStrategy(sequence_parallel_size=1, memory="manual", timeout=60,
                                                       activation_checkpointing="full", offload_checkpoints=offload))
         assert len(seen) == expected and all(d.type == "cpu" for d in seen), (offload, seen)
+
+
+@pytest.mark.parametrize("env", [None, "pinned_use_cuda_host_register:True", "expandable_segments:False"])
+def test_cuda_runs_grow_expandable_segments_unless_the_user_says(monkeypatch, env):
+    # Note [Expandable segments by default]: set for CUDA only, and never over the user's own key
+    from lightning_seqpar.resources import EXPANDABLE_SEGMENTS, prefer_expandable_segments, segments_in_effect
+
+    setter = _Setter()
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
+    monkeypatch.setattr("lightning_seqpar.resources._SET", {})
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    if env is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
+    assert prefer_expandable_segments(torch.device("cpu")) is False and setter.calls == []
+    users = env is not None and env.startswith("expandable_segments")
+    assert segments_in_effect() == (env if users else "default (fixed segments)")
+    assert prefer_expandable_segments(torch.device("cuda", 0)) is (not users)
+    assert setter.calls == ([] if users else [EXPANDABLE_SEGMENTS])
+    assert segments_in_effect() == (env if users else "expandable_segments:True")
+
+
+def test_an_allocator_refusing_expandable_segments_warns(monkeypatch):
+    from lightning_seqpar.resources import prefer_expandable_segments
+
+    setter = _Setter(RuntimeError("Unrecognized key 'expandable_segments'"))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with pytest.warns(UserWarning, match="device memory keeps torch's fixed segments"):
+        assert prefer_expandable_segments(torch.device("cuda", 0)) is False
+
+
+def test_every_run_of_the_strategy_asks_for_expandable_segments_on_its_device(monkeypatch):
+    import lightning_seqpar.strategy as strategy_module
+    from lightning_seqpar import SequenceParallelStrategy
+
+    seen: list[torch.device] = []
+    monkeypatch.setattr(strategy_module, "prefer_expandable_segments", lambda device: seen.append(device) or False)
+    _one_fit(1, strategy=SequenceParallelStrategy(sequence_parallel_size=1, memory="manual", timeout=60))
+    assert [d.type for d in seen] == ["cpu"]

@@ -23,6 +23,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = {"torchtitan": "llama3-8b", "trl_cp": "qwen3-8b", "deepspeed_alst": "qwen3-8b"}
+LAUNCH_ENV = {  # what each peer's own published launch puts in the environment (Note [One measurement for every peer])
+    "torchtitan": {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},  # torchtitan's run_train.sh
+    "trl_cp": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},  # TRL's long-context guide ("still fails without it")
+    "deepspeed_alst": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},  # the ALST paper's fragmentation advice
+}
 
 
 def _cause(lines: list[str], tail: list[str]) -> str:
@@ -49,6 +54,14 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
+def launch_env(system: str, environ) -> dict[str, str]:
+    """What the peer's own launch adds to the environment (``LAUNCH_ENV``), unless the caller set an allocator
+    configuration (theirs wins); ours sets its allocator in the strategy (Note [Expandable segments by default])."""
+    if any(environ.get(var) for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        return {}
+    return dict(LAUNCH_ENV.get(system, {}))
+
+
 def command(run: str, seq: int, gpus: int, steps: int, out: str, extra: list[str]) -> list[str]:
     system, _, model = run.partition(":")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus)]
@@ -57,6 +70,8 @@ def command(run: str, seq: int, gpus: int, steps: int, out: str, extra: list[str
         return [*torchrun, f"{HERE}/torchtitan_llama.py", *common]
     if system in ("trl_cp", "deepspeed_alst"):
         cfg = "accelerate_cp.yaml" if system == "trl_cp" else "accelerate_alst.yaml"
+        if system == "trl_cp" and "--ckpt-offload" in extra:  # TRL's long-context example: checkpoints offloaded to the host
+            cfg = "accelerate_cp_long.yaml"
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"{HERE}/{cfg}", "--num_processes",
                 str(gpus), f"{HERE}/trl_sft.py", "--system", system, *common]
     if system == "seqpar":
@@ -103,8 +118,10 @@ def _run_one(name: str, flags: list[str], seq: int, *, args, gpus: int, env: dic
     print(f"[peers] {name} S={seq}: {' '.join(cmd)}", flush=True)
     before = len(json.load(open(args.out))) if os.path.exists(args.out) else 0
     start = time.monotonic()
+    system = name.partition(":")[0]
+    launch = launch_env(system, os.environ)
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **launch}, start_new_session=True)
         try:
             rc = proc.wait(timeout=args.time_limit)
         except subprocess.TimeoutExpired:
@@ -123,10 +140,10 @@ def _run_one(name: str, flags: list[str], seq: int, *, args, gpus: int, env: dic
     tail = [line for line in text.splitlines() if line.strip()][-40:]
     status = ("timeout" if rc == "timeout" else "oom" if "OutOfMemoryError" in text or "CUDA out of memory" in text
               else "error: " + _cause(text.splitlines(), tail)[:300])
-    system, _, model = name.partition(":")
+    model = name.partition(":")[2]
     rows.append(dict(bench="peers", system=system, model=model or MODEL.get(system, "llama3-8b"), seq=seq, gpus=gpus,
                      gpu=("H200" if "H200" in torch.cuda.get_device_name() else "H100") if torch.cuda.is_available() else "cpu",
-                     commit=env["SEQPAR_COMMIT"], status=status, flags=flags, time_limit_s=args.time_limit, run_s=run_s,
+                     commit=env["SEQPAR_COMMIT"], status=status, flags=flags, alloc_conf=launch, time_limit_s=args.time_limit, run_s=run_s,
                      steps_done_s=steps_done(text),  # a run out of time: how far it got
                      log_tail=tail[-15:]))
     with open(args.out, "w") as f:

@@ -168,6 +168,12 @@ def commit() -> str:
         return os.environ.get("SEQPAR_COMMIT", "unknown")
 
 
+def alloc_conf() -> dict[str, str]:
+    """The allocator configuration the run's environment gave torch (both variables it reads; Note [One measurement
+    for every peer]: each peer's own launch sets it, ours sets it in the strategy and records what it set)."""
+    return {v: os.environ[v] for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if v in os.environ}
+
+
 def write_record(out: str, *, system: str, model: str, seq: int, clock: StepClock, peak_gb: float, settings: dict,
                  changes: list[str], version: str, losses: list[float] | None = None, status: str = "ok",
                  documents: int = 0) -> dict:
@@ -183,7 +189,7 @@ def write_record(out: str, *, system: str, model: str, seq: int, clock: StepCloc
                step_time_s=step, tokens_per_s_per_gpu=tps,
                mfu=tps * SHAPES[model].flops_per_token(seq, documents) / PEAK_BF16 if tps else None,
                flops_per_token=SHAPES[model].flops_per_token(seq, documents), documents=documents, peak_mem_gb=peak_gb, losses=losses or [],
-               settings=settings, changes=changes, torch=torch.__version__,
+               settings=settings, changes=changes, torch=torch.__version__, alloc_conf=alloc_conf(),
                profiled_step=int(os.environ.get("PEERS_PROFILE_STEP", "0")) or None,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), shape=asdict(SHAPES[model]))
     if int(os.environ.get("RANK", "0")) == 0:

@@ -154,9 +154,10 @@ def main() -> None:
     settings["loss_chunk_size"] = module.loss_chunk_size  # what ran ("auto" resolved)
     settings["loss_chunk_set"] = args.loss_chunk is not None
     settings["host_alloc_s"] = _host_alloc_seconds()  # pinned host memory grown (offloaded checkpoints): part of the first step
-    from lightning_seqpar.resources import pinning_in_effect
+    from lightning_seqpar.resources import pinning_in_effect, segments_in_effect
 
     settings["pinned_allocation"] = pinning_in_effect()  # Note [Pinning host memory in parallel]
+    settings["device_segments"] = segments_in_effect()  # Note [Expandable segments by default]
     write_record(args.out, system="seqpar", model=args.model, seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
                  settings=settings, changes=changes, version=f"lightning_seqpar {lightning_seqpar.__version__}", losses=losses,
                  documents=args.documents)

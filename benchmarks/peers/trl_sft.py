@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--offload", action="store_true", help="activation_offloading=True")
+    p.add_argument("--ckpt-offload", action="store_true", help="run under accelerate_cp_long.yaml (TRL's long-context "
+                   "example: fsdp_activation_checkpointing_offload); the launcher picks the config, this records it")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
     p.add_argument("--out", default="peers.json")
     args = p.parse_args()
@@ -96,16 +98,19 @@ def main() -> None:
                          callbacks=[Clock()])
     trainer.train()
     pc = trainer.accelerator.parallelism_config
-    example = "cp 2 on 2 GPUs" if args.system == "trl_cp" else "sp 2 x dp 2 on 4 GPUs"
+    example = ("cp 8 on 8 GPUs" if args.ckpt_offload else "cp 2 on 2 GPUs") if args.system == "trl_cp" else "sp 2 x dp 2 on 4 GPUs"
     changes = [f"{'cp' if args.system == 'trl_cp' else 'sp'}_size={world}, dp_shard_size=1 (TRL's example: {example})",
                f"max_length={args.seq}", f"max_steps={args.steps}", "Qwen3-8B shape from its config, random init, bf16",
                "random token rows (pre-tokenized), stub tokenizer", "saving / reporting off"]
     if args.system == "deepspeed_alst":
         changes.append("sp_attn_implementation=sdpa (flash-attn 2 not on the GPU image)")
+    if args.ckpt_offload:
+        changes.append("no YaRN rope_parameters (random init: nothing to extend); checkpoints offloaded as the example's config")
     settings = dict(parallelism=str(pc), distributed_type=str(trainer.accelerator.distributed_type),
                     gradient_checkpointing=sft.gradient_checkpointing, activation_offloading=args.offload,
                     loss_type=sft.loss_type, attn_implementation="sdpa", packing=False,
-                    fsdp_activation_checkpointing=os.environ.get("FSDP_ACTIVATION_CHECKPOINTING"))
+                    fsdp_activation_checkpointing=os.environ.get("FSDP_ACTIVATION_CHECKPOINTING"),
+                    fsdp_activation_checkpointing_offload=os.environ.get("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"))
     version = f"trl {trl.__version__}, accelerate {__import__('accelerate').__version__}, transformers {transformers.__version__}"
     if args.system == "deepspeed_alst":
         version += f", deepspeed {__import__('deepspeed').__version__}"
