@@ -3,7 +3,9 @@
 Note [One measurement for every peer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Each system runs in its own processes (its own launcher: torchrun, accelerate launch, Lightning), one after the
-other on the same machine, batch 1 sequence of ``seq`` tokens split over all GPUs, random init, random tokens.
+other on the same machine, batch 1 sequence of ``seq`` tokens split over all GPUs, random init, random tokens,
+and the environment its own launch sets (``LAUNCH_ENV`` in ``__main__.py``: expandable segments for all three
+peers, as torchtitan's ``run_train.sh``, TRL's long-context guide and ALST set them; ours sets them itself).
 The clock is the same for all: a CUDA-synchronised wall clock around each optimizer step, read through the peer's
 own per-step hook (torchtitan's ``Trainer.train_step``, transformers' ``TrainerCallback.on_step_begin/end``,
 Lightning's ``on_train_batch_start/end``); ``warmup`` steps are dropped (compilation, allocator growth) and the
