@@ -301,15 +301,18 @@ def test_the_users_pinned_settings_win(monkeypatch, var):
     assert setter.calls == [] and pinning_in_effect() == "pinned_use_cuda_host_register:False"
 
 
-def test_an_allocator_refusing_the_keys_warns_and_leaves_pinning_alone(monkeypatch):
-    from lightning_seqpar.resources import prefer_parallel_pinning
+@pytest.mark.parametrize("prefer, key, warning", [
+    ("prefer_parallel_pinning", "pinned_use_cuda_host_register", "pinned host memory stays on one thread"),
+    ("prefer_expandable_segments", "expandable_segments", "device memory keeps torch's fixed segments")])
+def test_an_allocator_refusing_the_keys_warns_and_leaves_it_alone(monkeypatch, prefer, key, warning):
+    import lightning_seqpar.resources as resources
 
-    setter = _Setter(RuntimeError("Unrecognized key 'pinned_use_cuda_host_register' in CUDA allocator config."))
+    setter = _Setter(RuntimeError(f"Unrecognized key '{key}' in CUDA allocator config."))
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    with pytest.warns(UserWarning, match="pinned host memory stays on one thread"):
-        assert prefer_parallel_pinning(torch.device("cuda", 0)) is False
+    with pytest.warns(UserWarning, match=warning):
+        assert getattr(resources, prefer)(torch.device("cuda", 0)) is False
     assert len(setter.calls) == 1
 
 
@@ -346,17 +349,6 @@ def test_cuda_runs_grow_expandable_segments_unless_the_user_says(monkeypatch, en
     assert prefer_expandable_segments(torch.device("cuda", 0)) is (not users)
     assert setter.calls == ([] if users else [EXPANDABLE_SEGMENTS])
     assert segments_in_effect() == (env if users else "expandable_segments:True")
-
-
-def test_an_allocator_refusing_expandable_segments_warns(monkeypatch):
-    from lightning_seqpar.resources import prefer_expandable_segments
-
-    setter = _Setter(RuntimeError("Unrecognized key 'expandable_segments'"))
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    with pytest.warns(UserWarning, match="device memory keeps torch's fixed segments"):
-        assert prefer_expandable_segments(torch.device("cuda", 0)) is False
 
 
 def test_every_run_of_the_strategy_asks_for_expandable_segments_on_its_device(monkeypatch):
