@@ -42,8 +42,12 @@ norm children only; 7.9 GB per rank for Qwen3-8B at 1M on 4 GPUs). Counted
 with saved-tensor hooks on the CPU, a Qwen3 layer keeps 3,881 B per token more than the same Llama
 layer (3,840 predicted); uncounted, the planner left 11 blocks uncheckpointed for Qwen3-8B at 128K
 under Ulysses (4 x H200) and the step went 11.9 GB over its 134.2 GB estimate; counted, 9 blocks,
-133.6 GB estimated, 133.9 measured. The backward of ONE block recomputes it, and its peak is the
-larger of two phases:
+133.6 GB estimated, 133.9 measured. With the fused element-wise kernels (the package's Llama on a GPU with liger-kernel,
+``TransformerShape.fused_elementwise``; Note [Fused element-wise kernels] in ``lightning_seqpar.models.fused``) a norm
+keeps its bf16 input and output (2 d e, no fp32 copy), the MLP its gate, up and their product (3 I e, no silu(gate)),
+and a norm's backward holds its bf16 gradient only: for Llama-3-8B at 128K on 4 GPUs an uncheckpointed block then
+costs 3.9 GB over a checkpointed one instead of 5.4 (RoPE's fp32 copies, which neither path counts, go too). The
+backward of ONE block recomputes it, and its peak is the larger of two phases:
 
 * MLP phase (the MLP's backward runs first): both norms' outputs, q/k/v, the MLP's four saved
   I-wide tensors and two I-wide gradients, the incoming gradient: 116,736 B per token for the 1B
@@ -419,6 +423,10 @@ def estimate_memory(
     qkv = (Hq + 2 * Hkv) * D * e
     qk_norm = (Hq + Hkv) * D * (4 + e) if m.qk_norm else 0  # the q / k norms' fp32 input copy and normalised output
     mlp_saved = (4 if m.gated_mlp else 2) * I * e
+    norm_backward = NORM_BACKWARD
+    if m.fused_elementwise:  # Note [Memory per token]: the fused kernels keep bf16 inputs, no fp32 copy, no silu(gate)
+        norm, norm_backward = 2 * d * e, e
+        mlp_saved = (3 if m.gated_mlp else 2) * I * e
     mlp_grads = 2 * I * e
     mode = options.activation_checkpointing
     # offload_checkpoints: every checkpointed block (True) or the first k; the others keep their input on the device
@@ -489,7 +497,7 @@ def estimate_memory(
         mlp_phase = n * (2 * x + qkv + qk_norm + mlp_tokens + x + back + recompute_extra + lora_attn) + tile + lora_tile
         attention_phase = n * (x + x + back + recompute_extra + lora_attn + qk_norm) + attention_bytes  # the q / k norms back after it
         rows = n if options.mlp_chunk_size is None else min(options.mlp_chunk_size, n)  # tiled with the MLP
-        norm_phase = n * (3 * x + back) + rows * NORM_BACKWARD * d
+        norm_phase = n * (3 * x + back) + rows * norm_backward * d
     block = max(mlp_phase, attention_phase, norm_phase)
     host += k * n * x  # every offloaded block's input, pinned until its backward
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lightning_seqpar.models.fused import fused_kernels_on
 from lightning_seqpar.models.registry import family_of
 
 __all__ = ["MODELS", "QK_NORM_FIELDS", "QK_NORM_MODEL_TYPES", "ModelShape", "TransformerShape"]
@@ -35,6 +36,9 @@ class TransformerShape:
     """SwiGLU (gate, up, down: Llama) or two matrices (GELU: GPT)."""
     qk_norm: bool = False
     """An RMSNorm of q and k inside the attention (Qwen3, OLMo2, Gemma3, ...): Note [Memory per token]."""
+    fused_elementwise: bool = False
+    """RMSNorm, RoPE and SwiGLU run as fused kernels that keep no fp32 copies (the package's Llama on a GPU with
+    liger-kernel: Note [Fused element-wise kernels] in lightning_seqpar.models.fused; Note [Memory per token])."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -73,7 +77,7 @@ class TransformerShape:
             return cls(hidden_size=config.n_embd, num_layers=config.n_layer, num_heads=config.n_head,
                        num_kv_heads=config.n_kv_head, head_dim=config.head_dim, intermediate_size=config.intermediate_size,
                        vocab_size=config.vocab_size, tied_embeddings=bool(config.tie_embeddings),
-                       gated_mlp=family.name == "llama")
+                       gated_mlp=family.name == "llama", fused_elementwise=family.name == "llama" and fused_kernels_on())
         transformers = sys.modules.get("transformers")
         if isinstance(config, Mapping):
             get = config.get

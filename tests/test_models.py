@@ -148,6 +148,26 @@ def test_rope_uses_global_position_ids(llama):
     assert llama.apply_rope(x.bfloat16(), freqs_cis).dtype == torch.bfloat16
 
 
+def test_fused_entry_points_take_the_torch_path_on_the_cpu(llama, monkeypatch):
+    """Note [Fused element-wise kernels]: on the CPU (and with SEQPAR_FUSED_KERNELS=0) the model's rope / rms_norm /
+    silu_mul are the torch ops, bitwise."""
+    import torch.nn.functional as F
+
+    from lightning_seqpar.models import fused
+
+    x, q, k = torch.randn(2, 8, 32), torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16)
+    freqs = llama.rope_freqs_cis(torch.arange(8).expand(2, 8), head_dim=16, theta=10000.0)
+    assert not fused.use_fused(x)
+    monkeypatch.setenv("SEQPAR_FUSED_KERNELS", "0")
+    assert not fused.use_fused(x)
+    rq, rk = fused.rope(q, k, freqs)
+    assert torch.equal(rq, llama.apply_rope(q, freqs)) and torch.equal(rk, llama.apply_rope(k, freqs))
+    norm = llama.RMSNorm(32)
+    xf = x.float()
+    assert torch.equal(norm(x), norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)))
+    assert torch.equal(fused.silu_mul(x, x + 1), F.silu(x) * (x + 1))
+
+
 def test_bf16_forward(llama):
     model = _model(llama, "tiny").to(torch.bfloat16)
     logits = model(_ids(model.config))

@@ -158,6 +158,11 @@ def main() -> None:
 
     settings["pinned_allocation"] = pinning_in_effect()  # Note [Pinning host memory in parallel]
     settings["device_segments"] = segments_in_effect()  # Note [Expandable segments by default]
+    from lightning_seqpar.models.fused import fused_kernels_on
+    from lightning_seqpar.models.llama import RMSNorm
+
+    # Note [Fused element-wise kernels]: the package's Llama on a GPU with liger-kernel (not the transformers models)
+    settings["fused_kernels"] = bool(cuda and fused_kernels_on() and any(isinstance(m, RMSNorm) for m in module.modules()))
     write_record(args.out, system="seqpar", model=args.model, seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
                  settings=settings, changes=changes, version=f"lightning_seqpar {lightning_seqpar.__version__}", losses=losses,
                  documents=args.documents)

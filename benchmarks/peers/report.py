@@ -9,6 +9,8 @@ cites them in its text); failed runs stay in, with their status.
 
 from __future__ import annotations
 
+import re
+
 import glob
 import json
 import os
@@ -54,7 +56,10 @@ def _settings(r: dict) -> str:
     set_attention = any("attention" in c for c in r.get("changes", []))
     parts = [f"attention {s['attention']}" + (" (set)" if set_attention else " (auto)")] if s.get("attention") else []
     parts += [f"kernel {s['kernel']}"] if s.get("kernel") else []
+    kept = re.search(r"uncheckpointed_blocks=(\d+)", plan.split("estimate=")[0])
+    chosen = f"{chosen}, {kept.group(1)} blocks uncheckpointed" if chosen and kept and kept.group(1) != "0" else chosen
     parts += ([f"memory=auto: {chosen}"] if chosen else []) + by_hand
+    parts += ["fused element-wise kernels"] if s.get("fused_kernels") else []
     parts += [f"loss chunks {s['loss_chunk_size']}" + ("" if s.get("loss_chunk_set", True) else " (auto)")] if s.get("loss_chunk_size") else []
     return ", ".join(parts) if (chosen or by_hand or s.get("loss_chunk_size") or set_attention or s.get("kernel")) else "defaults"
 

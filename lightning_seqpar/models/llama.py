@@ -25,9 +25,9 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from lightning_seqpar.models import fused
 from lightning_seqpar.models.common import CausalLM, global_positions
 
 from lightning_seqpar.attention import Attention
@@ -214,10 +214,10 @@ def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (B, S, H, D) by :func:`rope_freqs_cis`, in fp32, in HF Llama's rotate-half convention:
 
         x * cat(cos, cos) + rotate_half(x) * cat(sin, sin),   rotate_half(x) = cat(-x2, x1)
+
+    The torch ops; the model rotates q and k together through ``fused.rope`` (Note [Fused element-wise kernels]).
     """
-    cos, sin = freqs_cis.real, freqs_cis.imag  # (B, S, 1, D/2)
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, S, H, D/2)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)  # (B, S, H, D)
+    return fused.rope_torch(x, freqs_cis)
 
 
 class RMSNorm(nn.Module):
@@ -229,9 +229,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)  # Note [Fused element-wise kernels]
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -261,7 +259,7 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(B, S, self.n_head, self.head_dim)  # (B, S, H, D)
         k = self.k_proj(x).view(B, S, self.n_kv_head, self.head_dim)  # (B, S, H_kv, D)
         v = self.v_proj(x).view(B, S, self.n_kv_head, self.head_dim)  # (B, S, H_kv, D)
-        q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        q, k = fused.rope(q, k, freqs_cis)  # Note [Fused element-wise kernels]
         y = self.attn_core(q, k, v)  # (B, S, H, D)
         return self.o_proj(y.reshape(B, S, self.n_head * self.head_dim))  # (B, S, d)
 
@@ -276,7 +274,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, S, I) -> (B, S, d)
+        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))  # (B, S, I) -> (B, S, d)
 
 
 class LlamaBlock(nn.Module):
