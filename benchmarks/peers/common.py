@@ -129,8 +129,9 @@ class StepClock:
             self._prof.__exit__(None, None, None)
             name = os.environ.get("PEERS_PROFILE_NAME", "run")
             table = self._prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+            gaps = self._idle_gaps(self.times[-1])  # where the compute stream waited (benchmarks/profile_summary.py)
             with open(os.path.join(os.environ.get("OUT", "."), f"profile-{name}.txt"), "w") as f:
-                f.write(f"step {len(self.times)}: {self.times[-1]:.3f} s\n{table}")
+                f.write(f"step {len(self.times)}: {self.times[-1]:.3f} s\n{table}\n{gaps}")
             self._prof = None
         if int(os.environ.get("RANK", "0")) == 0:  # a run that runs out of time is read back from these lines
             extra = ""
@@ -145,6 +146,24 @@ class StepClock:
                               f"{h.get('allocated_bytes.peak', 0) / 1e9:.1f}, pinning {h.get('host_alloc_time.total', 0) / 1e6:.1f} s")
                 extra += ")"
             print(f"[peers] step {len(self.times)}: {self.times[-1]:.3f} s{extra}", flush=True)
+
+    def _idle_gaps(self, step_s: float) -> str:
+        """The profiled step's idle gaps on the compute stream by cause (host / wait / edge), or why not."""
+        import json
+        import tempfile
+
+        try:
+            from benchmarks.profile_summary import format_gaps, idle_gaps
+
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+                path = tmp.name
+            self._prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+            os.remove(path)
+            return format_gaps(idle_gaps(trace, step_s=step_s))
+        except Exception as e:  # noqa: BLE001 - the kernel table above is still written
+            return f"idle gaps: not computed ({type(e).__name__}: {e})"
 
     def peak_gb(self) -> float:
         """max_memory_allocated over every rank (collective: every rank calls it)."""
