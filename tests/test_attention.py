@@ -231,3 +231,26 @@ def test_fa4_check_is_a_compile_time_constant():
     f = torch.compile(lambda x: x + (1.0 if local._fa4_installed() else 2.0), fullgraph=True, backend="eager")
     expected = 1.0 if local.fa4_interface() is not None else 2.0
     torch.testing.assert_close(f(torch.zeros(2)), torch.full((2,), expected))
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_ulysses_layout_copies_put_zigzag_shards_in_global_order(P):
+    """Note [Overlapped Ulysses]: _to_gathered puts the ranks' zigzag shards (chunks p, 2P-1-p) in global order, and
+    _to_ranks is its inverse; "contiguous" shards are in rank order already."""
+    from lightning_seqpar.attention.ulysses import _to_gathered, _to_ranks
+
+    B, S, h, D = 2, 6, 3, 4  # S: one rank's tokens (two chunks of 3 under zigzag)
+    chunk = S // 2
+    for zigzag in (True, False):
+        order = [c for p in range(P) for c in ((p, 2 * P - 1 - p) if zigzag else (2 * p, 2 * p + 1))]
+        src = torch.empty(P, B, S, h, D)
+        for p in range(P):
+            for half in range(2):
+                src[p, :, half * chunk:(half + 1) * chunk] = order[2 * p + half]  # each token holds its chunk id
+        gathered = torch.empty(B, P * S, h, D)
+        _to_gathered(gathered, src, zigzag)
+        chunks = gathered.view(B, 2 * P, chunk, h, D)
+        assert all(torch.all(chunks[:, c] == c) for c in range(2 * P))
+        back = torch.empty_like(src)
+        _to_ranks(back, gathered, zigzag)
+        assert torch.equal(back, src)
