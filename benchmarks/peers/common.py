@@ -117,7 +117,8 @@ class StepClock:
             if len(self.times) == self.warmup:
                 torch.cuda.reset_peak_memory_stats()
         if len(self.times) + 1 == self._profile_step and int(os.environ.get("RANK", "0")) == 0:
-            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                                record_shapes=True)  # the copies by shape: which layer makes them
             self._prof.__enter__()
         self._t0 = time.perf_counter()
 
@@ -129,9 +130,14 @@ class StepClock:
             self._prof.__exit__(None, None, None)
             name = os.environ.get("PEERS_PROFILE_NAME", "run")
             table = self._prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+            copies = [e for e in self._prof.key_averages(group_by_input_shape=True)
+                      if e.key in ("aten::copy_", "aten::clone", "aten::flip", "aten::contiguous", "aten::_to_copy")]
+            copies.sort(key=lambda e: -getattr(e, "self_device_time_total", 0))
+            by_shape = "\n".join(f"{getattr(e, 'self_device_time_total', 0) / 1e3:9.1f} ms {e.count:6d} x {e.key} {e.input_shapes}"
+                                  for e in copies[:25])
             gaps = self._idle_gaps(self.times[-1])  # where the compute stream waited (benchmarks/profile_summary.py)
             with open(os.path.join(os.environ.get("OUT", "."), f"profile-{name}.txt"), "w") as f:
-                f.write(f"step {len(self.times)}: {self.times[-1]:.3f} s\n{table}\n{gaps}")
+                f.write(f"step {len(self.times)}: {self.times[-1]:.3f} s\n{table}\ncopies by input shape:\n{by_shape}\n\n{gaps}")
             self._prof = None
         if int(os.environ.get("RANK", "0")) == 0:  # a run that runs out of time is read back from these lines
             extra = ""
