@@ -427,6 +427,7 @@ def estimate_memory(
     if m.fused_elementwise:  # Note [Memory per token]: the fused kernels keep bf16 inputs, no fp32 copy, no silu(gate)
         norm, norm_backward = 2 * d * e, e
         mlp_saved = (3 if m.gated_mlp else 2) * I * e
+        qk_norm = (Hq + Hkv) * D * 2 * e if m.qk_norm else 0
     mlp_grads = 2 * I * e
     mode = options.activation_checkpointing
     # offload_checkpoints: every checkpointed block (True) or the first k; the others keep their input on the device

@@ -106,7 +106,8 @@ class TransformerShape:
                    num_kv_heads=kv if isinstance(kv, int) and kv >= 1 else heads, head_dim=head_dim,
                    intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
                    tied_embeddings=bool(get("tie_word_embeddings", False)),
-                   qk_norm=get("model_type") in QK_NORM_MODEL_TYPES or any(get(f) is True for f in QK_NORM_FIELDS))
+                   qk_norm=get("model_type") in QK_NORM_MODEL_TYPES or any(get(f) is True for f in QK_NORM_FIELDS),
+                   fused_elementwise=fused_kernels_on() and get("model_type") in FUSED_MODEL_TYPES and get("hidden_act", "silu") == "silu")
 
 
 QK_NORM_MODEL_TYPES = frozenset({
@@ -114,6 +115,9 @@ QK_NORM_MODEL_TYPES = frozenset({
     "gemma4", "gemma4_text", "glm4_moe", "minimax_m2", "olmo2", "olmo3", "olmoe", "qwen3", "qwen3_moe", "qwen3_next",
     "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_text", "doge", "lfm2"})
 """transformers model types whose attention normalises q and k (``self.q_norm`` / ``self.k_norm``): Note [Memory per token]."""
+FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""transformers model types whose RMSNorms and SwiGLU MLPs run the fused kernels where they are on
+(``lightning_seqpar.hf.fused``, Note [Fused kernels in transformers models]): ``TransformerShape.fused_elementwise``."""
 QK_NORM_FIELDS = ("use_qk_norm", "qk_norm", "qk_layernorm")
 """Config switches that add the same q / k normalisation (Cohere, Llama 4, Persimmon / StableLM)."""
 

@@ -122,3 +122,30 @@ def _fresh(block):
     clone = copy.deepcopy(block)
     clone.zero_grad(set_to_none=True)
     return clone
+
+
+def test_transformers_model_with_fused_kernels_matches_the_unmodified_model():
+    """Note [Fused kernels in transformers models]: a Qwen3-shaped transformers model (q / k norms) in bf16 with the
+    fused kernels against the unmodified bf16 model, both against the fp32 model: logits and every gradient within
+    2x (+ 1e-3) of the unmodified model's own error."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_seqpar.hf.fused import apply_hf_fused_kernels
+
+    config = transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).cuda()
+    plain = copy.deepcopy(reference).bfloat16()
+    fast = copy.deepcopy(plain)
+    assert apply_hf_fused_kernels(fast) == 2 * 5 + 1
+    ids = torch.randint(0, 512, (1, 2048), device="cuda")
+
+    def run(model):
+        model.zero_grad()
+        logits = model(ids).logits
+        logits.float().square().mean().backward()
+        return [logits.detach(), *(p.grad for p in model.parameters())]
+
+    ref, slow, quick = run(reference), run(plain), run(fast)
+    for r, s, q in zip(ref, slow, quick):
+        assert _rel(q, r) <= 2 * _rel(s, r) + 1e-3, (_rel(q, r), _rel(s, r))

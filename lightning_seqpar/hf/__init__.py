@@ -26,7 +26,8 @@ order is drawn in docs/architecture.md):
   ranks), ``hybrid`` (the recurrent mixers of hybrid models replaced by sequence-parallel twins);
 * ``support`` (what is exact and what is refused: ``refuse_token_mixers``, ``check_sharded_layer``,
   ``check_model_supported``; the support sweep's tiny models and the support table);
-* ``attention`` (the ``AttentionInterface`` entry, :func:`apply_hf_attention`);
+* ``attention`` (the ``AttentionInterface`` entry, :func:`apply_hf_attention`), ``fused`` (the fused RMSNorm / SwiGLU
+  forward of Llama, Mistral, Qwen2 and Qwen3 layers: ``apply_hf_fused_kernels``);
 * ``model`` (:class:`HFCausalLM`, building, saving);
 * ``export`` (a package Llama as a transformers folder, a LoRA checkpoint's adapters and merged model, the
   run's tokenizer: what ``seqpar export --format hf | lora`` writes).

@@ -15,6 +15,7 @@ from lightning_seqpar.documents import current_documents, documents_error
 from lightning_seqpar.head import head_operands, logits_head
 from lightning_seqpar.hf.attention import apply_hf_attention, require_transformers
 from lightning_seqpar.hf.config import HFConfigSpec, is_hf_source, load_hf_config
+from lightning_seqpar.hf.fused import apply_hf_fused_kernels
 from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_aux_loss_share, router_stats
 from lightning_seqpar.hf.hybrid import is_hybrid_twin
 from lightning_seqpar.hf.lora import PEFT_HEAD, is_peft_model
@@ -132,6 +133,7 @@ class HFCausalLM(nn.Module):
         # a peft.PeftModel (LoRA): the attention layers are its base model's (Note [LoRA under the strategy])
         base = model.get_base_model() if is_peft_model(model) else model
         apply_hf_attention(base, max_seq_len=max_seq_len)
+        apply_hf_fused_kernels(base)  # Note [Fused kernels in transformers models]
         self._router_aux = router_aux(base)  # refuses an auxiliary loss it cannot compute exactly
         self._router_stats: RouterStats | None = None
         self.hf = model
