@@ -42,9 +42,10 @@ norm children only; 7.9 GB per rank for Qwen3-8B at 1M on 4 GPUs). Counted
 with saved-tensor hooks on the CPU, a Qwen3 layer keeps 3,881 B per token more than the same Llama
 layer (3,840 predicted); uncounted, the planner left 11 blocks uncheckpointed for Qwen3-8B at 128K
 under Ulysses (4 x H200) and the step went 11.9 GB over its 134.2 GB estimate; counted, 9 blocks,
-133.6 GB estimated, 133.9 measured. With the fused element-wise kernels (the package's Llama on a GPU with liger-kernel,
-``TransformerShape.fused_elementwise``; Note [Fused element-wise kernels] in ``lightning_seqpar.models.fused``) a norm
-keeps its bf16 input and output (2 d e, no fp32 copy), the MLP its gate, up and their product (3 I e, no silu(gate)),
+133.6 GB estimated, 133.9 measured. With the fused element-wise kernels (the package's Llama, and transformers' Llama / Mistral / Qwen2 / Qwen3 norms and
+MLPs, on a GPU with liger-kernel: ``TransformerShape.fused_elementwise``; Note [Fused element-wise kernels] in
+``lightning_seqpar.models.fused``) a norm keeps its bf16 input and output (2 d e, no fp32 copy; the q / k norms 2 e per
+element of q and k), the MLP its gate, up and their product (3 I e, no silu(gate)),
 and a norm's backward holds its bf16 gradient only: for Llama-3-8B at 128K on 4 GPUs an uncheckpointed block then
 costs 3.9 GB over a checkpointed one instead of 5.4 (RoPE's fp32 copies, which neither path counts, go too). The
 backward of ONE block recomputes it, and its peak is the larger of two phases:
