@@ -163,6 +163,7 @@ def main() -> None:
 
     # Note [Fused element-wise kernels]: the package's Llama on a GPU with liger-kernel (not the transformers models)
     settings["fused_kernels"] = bool(cuda and fused_kernels_on() and any(isinstance(m, RMSNorm) for m in module.modules()))
+    settings["fused_kernels_env"] = os.environ.get("SEQPAR_FUSED_KERNELS")  # "0": turned off for a comparison
     write_record(args.out, system="seqpar", model=args.model, seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
                  settings=settings, changes=changes, version=f"lightning_seqpar {lightning_seqpar.__version__}", losses=losses,
                  documents=args.documents)

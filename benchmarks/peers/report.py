@@ -60,6 +60,7 @@ def _settings(r: dict) -> str:
     chosen = f"{chosen}, {kept.group(1)} blocks uncheckpointed" if chosen and kept and kept.group(1) != "0" else chosen
     parts += ([f"memory=auto: {chosen}"] if chosen else []) + by_hand
     parts += ["fused element-wise kernels"] if s.get("fused_kernels") else []
+    parts += ["torch element-wise ops (SEQPAR_FUSED_KERNELS=0)"] if s.get("fused_kernels_env") == "0" else []
     parts += [f"loss chunks {s['loss_chunk_size']}" + ("" if s.get("loss_chunk_set", True) else " (auto)")] if s.get("loss_chunk_size") else []
     return ", ".join(parts) if (chosen or by_hand or s.get("loss_chunk_size") or set_attention or s.get("kernel")) else "defaults"
 
