@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
 from lightning_seqpar.attention.local import auto_backends_run, fa4_interface
+from lightning_seqpar.models.fused import fused_kernels_on
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from driver import (PEAK_BF16, append_records, error_text, held_gb, is_oom, max_over_ranks, mode_of, record_and_release,  # noqa: E402
@@ -294,7 +295,7 @@ def _family_row(args, shape: str, system: str, world: int, bench: str) -> dict:
                 loss_chunk_size=_loss_chunk(args.loss_chunk) if ours else None,
                 lora=LORA.get(shape), warmup=args.warmup, steps=args.steps, config=spec,
                 **({"lanes": int(os.environ["SEQPAR_LANES"])} if os.environ.get("SEQPAR_LANES") else {}),  # benchmarks/lanes.sh
-                **({"fa4_installed": fa4_interface() is not None} if ours and args.device == "cuda" else {}),
+                **({"fa4_installed": fa4_interface() is not None, "fused_kernels": fused_kernels_on()} if ours and args.device == "cuda" else {}),
                 **({"auto": True} if ours and args.algorithm == "auto" else {}), **model_flops(_config(spec), args.seq, LORA.get(shape)))
 
 

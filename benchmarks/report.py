@@ -473,6 +473,8 @@ def hf_family_table(rows: list[dict]) -> str:
         if r.get("kernel") and r.get("attention_backend") == "auto":  # what "auto" ran, and whether the `gpu` extra was there
             extra = {True: ", FA4 installed", False: ", no FA4"}.get(r.get("fa4_installed"), "")
             text += f" -> {r['kernel']}{extra}"
+        # Note [Fused kernels in transformers models]; recorded from session 20261127-9 on
+        text += {True: ", fused norms / MLP", False: ", torch norms / MLP"}.get(r.get("fused_kernels"), "")
         return text
 
     runs = last_by([r for r in rows if r.get("bench") == "hf_family"],
