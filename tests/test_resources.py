@@ -267,11 +267,8 @@ class _Setter:
             raise self.error
 
 
-@pytest.mark.parametrize("env", [None, "expandable_segments:True"])
-def test_offloading_on_cuda_pins_host_memory_on_eight_threads(monkeypatch, env):
-    # Note [Pinning host memory in parallel]: torch's documented keys, set only for CUDA and only these keys
-    from lightning_seqpar.resources import PARALLEL_PINNING, pinning_in_effect, prefer_parallel_pinning
-
+def _fake_allocator(monkeypatch, env: str | None) -> _Setter:
+    """A recording stand-in for torch's allocator-settings call; PYTORCH_CUDA_ALLOC_CONF = ``env`` (None: unset)."""
     setter = _Setter()
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
@@ -279,6 +276,15 @@ def test_offloading_on_cuda_pins_host_memory_on_eight_threads(monkeypatch, env):
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     else:
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
+    return setter
+
+
+@pytest.mark.parametrize("env", [None, "expandable_segments:True"])
+def test_offloading_on_cuda_pins_host_memory_on_eight_threads(monkeypatch, env):
+    # Note [Pinning host memory in parallel]: torch's documented keys, set only for CUDA and only these keys
+    from lightning_seqpar.resources import PARALLEL_PINNING, pinning_in_effect, prefer_parallel_pinning
+
+    setter = _fake_allocator(monkeypatch, env)
     assert prefer_parallel_pinning(torch.device("cpu")) is False and setter.calls == []
     monkeypatch.setattr("lightning_seqpar.resources._SET", {})
     assert pinning_in_effect() == "default (cudaHostAlloc)"
@@ -335,14 +341,8 @@ def test_cuda_runs_grow_expandable_segments_unless_the_user_says(monkeypatch, en
     # Note [Expandable segments by default]: set for CUDA only, and never over the user's own key
     from lightning_seqpar.resources import EXPANDABLE_SEGMENTS, prefer_expandable_segments, segments_in_effect
 
-    setter = _Setter()
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
+    setter = _fake_allocator(monkeypatch, env)
     monkeypatch.setattr("lightning_seqpar.resources._SET", {})
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    if env is None:
-        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    else:
-        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
     assert prefer_expandable_segments(torch.device("cpu")) is False and setter.calls == []
     users = env is not None and env.startswith("expandable_segments")
     assert segments_in_effect() == (env if users else "default (fixed segments)")
