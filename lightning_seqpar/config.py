@@ -194,6 +194,13 @@ OPTIONS_DOC = """\
         validate_batches: compare every batch across the ranks of each sequence-parallel group
             (one all-gather of 5 integers per rank and batch) and raise, naming the ranks, if they
             differ in shape, dtype or tokens.
+        check_model: a model of the user's own whose blocks call ``F.scaled_dot_product_attention`` (routed to the
+            sequence-parallel attention, Note [Routing a model's own SDPA calls]) is run once at setup on a short random
+            sequence, split and whole, and refused with the cause if they differ (Note [Split against whole at setup]).
+            False skips the check. Models of the package and transformers models are not checked (exact by design).
+        blocks: the dotted path (from the LightningModule) of the ``nn.ModuleList`` / ``nn.Sequential`` holding the
+            transformer blocks, where finding them by name ("layers", "h", "blocks") or by structure (the longest
+            list of same-class modules) is ambiguous (Note [Finding the blocks of a user's model]). None: found.
         memory: None (the default), "manual" or "auto". "auto": before the process group exists, the
             planner (``lightning_seqpar.memory.plan_memory``) estimates this rank's peak memory for
             ``expected_seq_len``, else the datamodule's ``seq_len``, else (in setup) the first batch's length
@@ -247,6 +254,8 @@ class StrategyConfig:
     pad_to_multiple: bool = False
     validate_batches: bool = True
     memory: Literal["manual", "auto"] | None = None
+    check_model: bool = True
+    blocks: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
@@ -367,7 +376,11 @@ class StrategyConfig:
             raise ValueError(f"{name}: timeout must be a timedelta, a number of seconds or None, got {timeout!r}")
         if timeout is not None and timeout.total_seconds() <= 0:
             raise ValueError(f"{name}: timeout must be positive, got {timeout!r}")
-        for arg, value in (("pad_to_multiple", self.pad_to_multiple), ("validate_batches", self.validate_batches)):
+        if self.blocks is not None and (not isinstance(self.blocks, str) or not self.blocks):
+            raise ValueError(f"{name}: blocks must be the dotted path of the module list holding the blocks "
+                             f"(e.g. 'model.layers') or None, got {self.blocks!r}")
+        for arg, value in (("pad_to_multiple", self.pad_to_multiple), ("validate_batches", self.validate_batches),
+                           ("check_model", self.check_model)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}: {arg} must be True or False, got {value!r}")
         if self.memory not in MEMORY_CHOICES:
@@ -396,3 +409,4 @@ class ConfigOptions:
     timeout = property(lambda self: self.config.timeout)
     pad_to_multiple = property(lambda self: self.config.pad_to_multiple)
     validate_batches = property(lambda self: self.config.validate_batches)
+    check_model = property(lambda self: self.config.check_model)

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -260,3 +261,49 @@ def global_token_count(
             if dist.get_world_size(g) > 1:
                 dist.all_reduce(count, op=dist.ReduceOp.SUM, group=g)
     return count
+
+
+# Note [A loss of the user's own]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A LightningModule of the user's own returns ``F.cross_entropy(logits, labels)``: the mean over its
+# rank's tokens. FSDP2 under the strategy SUMS gradients over the dp x sp ranks (Note [Gradient
+# reduction]), so such a loss would train with dp x sp times the gradient. The strategy counts the
+# step's ``global_mean_loss`` calls; where there were none, its ``backward`` divides the loss by the
+# number of ranks: the mean of the per-rank means, as DDP trains. That is the global mean exactly
+# when every sequence-parallel rank holds the same number of trained tokens (labels != -100): true
+# for dense batches, not with padding, masked prompts or packed documents whose labels are ignored
+# unevenly. So the strategy also keeps each batch's trained-token counts (this shard's and the whole
+# sequence's: every sp rank holds the full batch before it is split, so no collective) and warns once
+# where they differ, naming the counts and the fix: return ``global_mean_loss(loss_sum, n_valid, mesh)``,
+# exact for any split. Data-parallel ranks hold different sequences; their mean of means is DDP's.
+
+
+def token_shares(full: Any, local: Any, *, sp: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(trained tokens of this shard, of the whole batch, sp) of a batch with labels split over ``sp`` ranks, as
+    tensors (no device sync); None without labels or sequence parallelism (Note [A loss of the user's own])."""
+    if sp == 1 or not isinstance(full, dict) or not isinstance(local, dict):
+        return None
+    labels, shard = full.get("labels"), local.get("labels")
+    if not isinstance(labels, torch.Tensor) or not isinstance(shard, torch.Tensor):
+        return None
+    return (shard != IGNORE_INDEX).sum(), (labels != IGNORE_INDEX).sum(), sp
+
+
+def uneven_token_shares(shares: tuple[torch.Tensor, torch.Tensor, int] | None) -> str | None:
+    """Why a per-rank mean loss is not the global mean for this batch, or None where the shards are even."""
+    if shares is None:
+        return None
+    local, total, sp = int(shares[0]), int(shares[1]), shares[2]
+    if local * sp == total:
+        return None
+    return (f"This step the batch had {total} trained tokens (labels != {IGNORE_INDEX}) and this rank's shard {local}, "
+            f"not {total / sp:g} of {sp} sequence-parallel ranks, so the mean of per-rank means weighs tokens unevenly: "
+            "return lightning_seqpar.loss.global_mean_loss(*token_cross_entropy_sum(logits, labels), self.device_mesh), "
+            "exact for any split.")
+
+
+def own_loss_message(ranks: int) -> str:
+    """What the strategy does with a loss that did not come from :func:`global_mean_loss`."""
+    return (f"the loss of training_step did not come from lightning_seqpar.loss.global_mean_loss: it is taken as a mean over "
+            f"this rank's tokens, and backward averages it over the {ranks} data- and sequence-parallel ranks, as DDP does "
+            "(Note [A loss of the user's own]); that is the global mean when every rank trains the same number of tokens.")

@@ -45,11 +45,10 @@ from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.agreement import RankAgreement
 from lightning_seqpar.config import check_lasp_variant, check_offload_checkpoints, check_uncheckpointed_blocks
 from lightning_seqpar.models.registry import attention_heads
+from lightning_seqpar.routing.blocks import BLOCK_CONTAINERS, is_marked
 from lightning_seqpar.activation_checkpointing import (MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, is_norm,
                                                        tile_mlp)
 
-BLOCK_CONTAINERS: tuple[str, ...] = ("layers", "h", "blocks")
-"""Names of the ``nn.ModuleList`` attributes whose elements are transformer blocks."""
 
 GradientReduction = Literal["sum", "mean"]
 
@@ -74,8 +73,8 @@ def find_blocks(model: nn.Module, block_classes: Sequence[type[nn.Module]] | Non
 
     def visit(parent: nn.Module) -> None:
         for name, child in parent.named_children():
-            if block_classes is None:
-                if name in BLOCK_CONTAINERS and isinstance(child, nn.ModuleList):
+            if block_classes is None:  # Note [Finding the blocks of a user's model]: by name, or a marked container
+                if is_marked(child) or (name in BLOCK_CONTAINERS and isinstance(child, nn.ModuleList)):
                     found.extend((child, n) for n, _ in child.named_children())
                     continue
             elif is_block(child):
@@ -508,11 +507,13 @@ def parallel_roots(module: nn.Module, *, owner: str) -> list[nn.Module]:
     """The children of a LightningModule that hold transformer blocks (each is parallelized on its own), checked
     before any collective: there is one, every parameter of ``module`` is inside them, none is on the meta device."""
     roots = [child for child in module.children() if find_blocks(child)]
+    if not roots and find_blocks(module):  # the blocks are the LightningModule's own children (a user's own model)
+        roots = [module]
     if not roots:
         raise ValueError(
             f"{owner}: found no transformer blocks in {type(module).__name__} "
-            "(a child module with an nn.ModuleList named 'layers', 'h' or 'blocks'); build the "
-            "model in __init__ or configure_model() as an attribute of the LightningModule"
+            "(an nn.ModuleList named 'layers', 'h' or 'blocks', or the longest list of same-class modules; name it with "
+            "SequenceParallelStrategy(blocks='path.to.list')); build the model in __init__ or configure_model()"
         )
     in_roots = {id(p) for root in roots for p in root.parameters()}
     outside = [n for n, p in module.named_parameters() if id(p) not in in_roots]

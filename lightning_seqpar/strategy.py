@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -42,15 +43,19 @@ from lightning_seqpar.config import OPTIONS_DOC, ActivationCheckpointingChoice, 
 from lightning_seqpar.cuda_warmup import warm_up_backward_handles
 from lightning_seqpar.data.resumable import ResumableLoader
 from lightning_seqpar.documents import set_current_documents
-from lightning_seqpar.loss import counting_global_mean_calls
+from lightning_seqpar.loss import counting_global_mean_calls, own_loss_message, token_shares, uneven_token_shares
 from lightning_seqpar.hf.lora import upcast_trainable
 from lightning_seqpar.memory import MemoryPlan
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh, warn_if_ranks_not_by_node
-from lightning_seqpar.parallelize import (is_parallelized, parallel_roots, parallelize, process_group_backend,
+from lightning_seqpar.parallelize import (apply_attention, find_blocks, is_parallelized, parallel_roots, parallelize, process_group_backend,
                                           use_host_optimizer_threads)
 from lightning_seqpar.planning import (RunSite, check_options_against_model, check_plans_agree, device_memory_bytes, plan_parallel_dims, plan_run_memory,
                                        resolve_auto_attention)
 from lightning_seqpar.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
+from lightning_seqpar.routing import own_model_routing, routed_step
+from lightning_seqpar.routing.blocks import find_block_container
+from lightning_seqpar.routing.check import check_split_matches_whole
+from lightning_seqpar.routing.sdpa import routing_of
 from lightning_seqpar.resources import RunGroups, free_unreferenced, prefer_expandable_segments, prefer_parallel_pinning
 
 if TYPE_CHECKING:
@@ -96,6 +101,8 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         pad_to_multiple: bool = False,
         validate_batches: bool = True,
         memory: Literal["manual", "auto"] | None = None,
+        check_model: bool = True,
+        blocks: str | None = None,
     ) -> None:
         self.config = StrategyConfig(
             sequence_parallel_size=sequence_parallel_size, head_parallel_size=head_parallel_size, attention=attention,
@@ -105,7 +112,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
             uncheckpointed_blocks=uncheckpointed_blocks, offload_checkpoints=offload_checkpoints, offload_params=offload_params,
             bf16_adapters=bf16_adapters, gather_whole_model=gather_whole_model, mlp_chunk_size=mlp_chunk_size, compile=compile, save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend, timeout=timeout, pad_to_multiple=pad_to_multiple,
-            validate_batches=validate_batches, memory=memory,
+            validate_batches=validate_batches, memory=memory, check_model=check_model, blocks=blocks,
         )
         """The options as given ("auto" included), checked (Note [One name per option] in ``lightning_seqpar.config``)."""
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
@@ -117,7 +124,9 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         self.attention_plan: AttentionPlan | None = None
         self.memory_plan: MemoryPlan | None = None
         """memory="auto" (or None, where it planned): the planner's choice and estimate (Note [Planning memory])."""
-        self._warned_loss = False
+        self._warned_loss = self._warned_uneven = False
+        self._token_shares: Any = None
+        self._routings: list[Any] = []
         self._parallel_dims: ParallelDims | None = None
         self._sp_mesh: DeviceMesh | None = None
         self._fsdp_mesh: DeviceMesh | None = None
@@ -248,7 +257,10 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         self.setup_precision_plugin()
 
     def _parallelize(self, module: nn.Module) -> None:
-        roots = parallel_roots(module, owner=type(self).__name__)  # checked before any collective
+        owner = type(self).__name__
+        find_block_container(module, blocks=self.config.blocks, owner=owner)  # Note [Finding the blocks of a user's model]
+        roots = parallel_roots(module, owner=owner)  # checked before any collective
+        self._routings = [r for r in (own_model_routing(root, owner=owner) for root in roots) if r is not None]
         dims = self.parallel_dims
         param_dtype, reduce_dtype = fsdp_dtypes(self.precision_plugin, bf16_adapters=self.bf16_adapters,
                                                 fp32_adapters=getattr(self, "_fp32_adapters", False), owner=type(self).__name__)
@@ -258,6 +270,11 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         self._resolve_auto_attention(roots)
         self._check_options_against_model(roots)
         for root in roots:
+            routing = routing_of(root)
+            if routing is not None and self.check_model and dims.sp > 1:  # Note [Split against whole at setup]
+                apply_attention(root, self.sp_mesh, attention=self.attention, layout=self.layout, inner_ring_size=self.inner_ring_size,  # type: ignore[arg-type]
+                                head_chunks=self.head_chunks, attention_backend=self.attention_backend)
+                check_split_matches_whole(routing, blocks=[getattr(p, n) for p, n in find_blocks(root)], owner=owner)
             parallelize(  # every option under its own name (Note [One name per option] in lightning_seqpar.config)
                 root, sp_mesh=self.sp_mesh if dims.sp > 1 else None, fsdp_mesh=mesh_for_fsdp,
                 attention=self.attention, layout=self.layout, lasp_variant=self.lasp_variant,  # type: ignore[arg-type]
@@ -295,33 +312,51 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._explain_timeouts("training_step"), counting_global_mean_calls() as calls:
+        with self._explain_timeouts("training_step"), counting_global_mean_calls() as calls, self._routed(args):
+            self._step_calls = calls  # read by backward, also by a manual_backward inside the step
             out = super().training_step(*args, **kwargs)
         self._check_loss_normalisation(calls.count)
         return out
 
     def _check_loss_normalisation(self, calls: int) -> None:
-        """Warn (once) when a step's loss did not go through ``global_mean_loss`` while gradients are summed
-        over several ranks (Note [Loss normalisation under sequence parallelism]): a per-rank mean loss would
-        train with ``dp x sp`` times the gradient, silently."""
+        """A step's loss that did not go through ``global_mean_loss`` is a per-rank mean: backward averages it over the
+        ranks (Note [A loss of the user's own] in lightning_seqpar.loss); say so once, and once more where the
+        sequence-parallel ranks trained different numbers of tokens (then it is not the global mean)."""
         ranks = self.parallel_dims.world_size  # dp_replicate x dp_shard x sp
-        if ranks == 1 or self._warned_loss or calls:
+        if ranks == 1 or calls or (self._warned_loss and self._warned_uneven):
             return
-        self._warned_loss = True
-        rank_zero_warn(
-            f"{type(self).__name__}: the loss of training_step did not come from lightning_seqpar.loss.global_mean_loss. "
-            f"Gradients are SUMMED over the {ranks} data- and sequence-parallel ranks, so a per-rank mean loss trains with "
-            f"{ranks}x the single-device gradient; return global_mean_loss(loss_sum, n_valid, self.device_mesh) "
-            "(CausalLMModule does), or ignore this if your loss is already a share of the global mean."
-        )
+        uneven = uneven_token_shares(self._token_shares)
+        if uneven is not None and not self._warned_uneven:
+            self._warned_uneven = self._warned_loss = True
+            warnings.warn(f"{type(self).__name__}: {own_loss_message(ranks)} {uneven}", stacklevel=2)
+        elif not self._warned_loss:
+            self._warned_loss = True
+            rank_zero_info(f"{type(self).__name__}: {own_loss_message(ranks)}")
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._explain_timeouts("validation_step"):
+        with self._explain_timeouts("validation_step"), self._routed(args):
             return super().validation_step(*args, **kwargs)
 
     @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._routed(args):
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._routed(args):
+            return super().predict_step(*args, **kwargs)
+
+    def _routed(self, args: tuple) -> contextlib.AbstractContextManager[None]:
+        """A step of a model with its own SDPA calls (Note [Routing a model's own SDPA calls] in lightning_seqpar.routing.sdpa)."""
+        return routed_step(self._routings, args[0] if args else None)
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls, ranks = getattr(self, "_step_calls", None), self.parallel_dims.world_size
+        if calls is not None and not calls.count and ranks > 1:  # Note [A loss of the user's own] in lightning_seqpar.loss
+            closure_loss = closure_loss / ranks
         with self._explain_timeouts("backward"):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
@@ -408,9 +443,11 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         See :func:`lightning_seqpar.batches.shard_batch`."""
         check_batch(batch, owner=type(self).__name__)  # local: before anything else, even before the mesh exists
         dims = self.parallel_dims
-        return shard_batch(batch, sp=dims.sp, sp_mesh=self.sp_mesh if dims.sp > 1 else None, device_mesh=self.device_mesh,
-                           layout=self.layout, attention=self.attention, pad_to_multiple=self.pad_to_multiple,
-                           validate_batches=self.validate_batches, owner=type(self).__name__, checked=True)
+        local = shard_batch(batch, sp=dims.sp, sp_mesh=self.sp_mesh if dims.sp > 1 else None, device_mesh=self.device_mesh,
+                            layout=self.layout, attention=self.attention, pad_to_multiple=self.pad_to_multiple,
+                            validate_batches=self.validate_batches, owner=type(self).__name__, checked=True)
+        self._token_shares = token_shares(batch, local, sp=dims.sp)  # for a loss of the user's own (no sync here)
+        return local
 
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The full sequences, on every rank, from this rank's piece of a per-token tensor of the current

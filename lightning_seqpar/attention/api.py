@@ -742,17 +742,21 @@ class Attention(nn.Module):
         return backend
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None, *, window: int | None = None,
-                softcap: float | None = None, sinks: Tensor | None = None, chunk_size: int | None = None) -> Tensor:
+                softcap: float | None = None, sinks: Tensor | None = None, chunk_size: int | None = None,
+                causal: bool | None = None, scale: float | None = None) -> Tensor:
         """``documents``: packed documents to mask by; default the batch's (``lightning_seqpar.documents.current_documents``).
         ``window``, ``softcap``, ``sinks``, ``chunk_size``: per call (a model alternates them by layer), as
-        :func:`sequence_parallel_attention`."""
+        :func:`sequence_parallel_attention`. ``causal``: this call's mask, default the module's (a routed
+        ``F.scaled_dot_product_attention`` call passes its ``is_causal`` and ``scale``); ``scale``: likewise."""
+        causal = self.causal if causal is None else causal
+        scale = self.scale if scale is None else scale
         documents = documents if documents is not None else current_documents()
         variant = dict(window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size)
         backend = self._backend(q)
         if self.mesh is None:
-            return local_attention(q, k, v, causal=self.causal, scale=self.scale, backend=backend, documents=documents, **variant)
-        return sequence_parallel_attention(q, k, v, mesh=self.mesh, algorithm=self.algorithm, causal=self.causal,  # type: ignore[arg-type]
-                                           layout=self.layout, scale=self.scale, backend=backend,  # type: ignore[arg-type]
+            return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, documents=documents, **variant)
+        return sequence_parallel_attention(q, k, v, mesh=self.mesh, algorithm=self.algorithm, causal=causal,  # type: ignore[arg-type]
+                                           layout=self.layout, scale=scale, backend=backend,  # type: ignore[arg-type]
                                            inner_ring_size=self.inner_ring_size, documents=documents,
                                            head_chunks=self.head_chunks, agreement=self.agreement, **variant)
 

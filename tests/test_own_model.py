@@ -1,0 +1,143 @@
+"""A user's own model under the strategy (docs/own_model.md): SDPA calls routed, position tables read at global
+positions, the split-against-whole check, the user's own loss. Every case against one process running the model whole."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+TIMEOUT = 240
+SEQ = 32
+STEPS = 3
+
+
+def _batches(steps: int = STEPS, seq: int = SEQ, batch: int = 2, documents: bool = False, ignore: bool = False) -> list[dict]:
+    from own_models import VOCAB
+
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+        b = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+        if documents:
+            b["document_ids"] = (torch.arange(seq) >= seq // 4 + 3).long().expand(batch, seq).contiguous()
+        if ignore:
+            b["labels"][:, : seq // 2] = -100
+        out.append(b)
+    return out
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, batches: list[dict]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.batches[i]
+
+
+def _loader(batches: list[dict], *, reference: bool = False):
+    """Under the strategy Lightning gives the loader ``DistributedSampler(shuffle=True, seed=0)`` over the data-parallel
+    ranks (one here): the reference reads the same order."""
+    from torch.utils.data import DistributedSampler
+
+    data = _Data(batches)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0) if reference else None
+    return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False, sampler=sampler)
+
+
+class _Losses:
+    def __new__(cls):
+        import lightning as L
+
+        class Losses(L.Callback):
+            def __init__(self) -> None:
+                self.losses: list[float] = []
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+        return Losses()
+
+
+def _fit(module: Any, strategy: Any, devices: int, batches: list[dict]) -> list[float]:
+    reference = strategy == "auto"
+    import lightning as L
+
+    losses = _Losses()
+    L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=len(batches), logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+              limit_val_batches=0, callbacks=[losses]).fit(module, train_dataloaders=_loader(batches, reference=reference))
+    return losses.losses
+
+
+def _state(module: Any) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def reference(kind: str, batches: list[dict], **kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    warnings.filterwarnings("ignore")
+    from own_models import make_module
+
+    module = make_module(kind, **kwargs)
+    losses = _fit(module, "auto", 1, batches)
+    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _train(rank: int, world: int, kind: str, strategy_kwargs: dict, batches: list[dict], module_kwargs: dict) -> Any:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    from own_models import make_module
+
+    from lightning_seqpar import SequenceParallelStrategy
+
+    module = make_module(kind, **module_kwargs)
+    try:
+        losses = _fit(module, SequenceParallelStrategy(**strategy_kwargs), world, batches)
+    except ValueError as e:
+        return ("error", str(e))
+    state = _state(module)  # collective: every rank
+    return losses, state if rank == 0 else None
+
+
+def _check_parity(results: list, ref: tuple, *, atol: float = 2e-5) -> None:
+    ref_losses, ref_state = ref
+    assert not isinstance(results[0][0], str), results[0][1]
+    losses, state = results[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=atol, rtol=1e-5,
+                               msg=lambda m: f"losses {losses} against one process's {ref_losses}: {m}")
+    for name, value in ref_state.items():
+        torch.testing.assert_close(state[name], value, atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+CASES = [
+    # (model, module kwargs, strategy kwargs, world)
+    ("nanogpt", {}, {"attention": "ring"}, 2),
+    ("nanogpt", {"on_module": True}, {"attention": "allgather"}, 2),
+    ("llama", {}, {"attention": "ring"}, 2),
+    ("llama", {"gqa": "repeat"}, {"attention": "ulysses"}, 2),
+    ("encoder", {}, {"attention": "ring", "load_balance": "contiguous"}, 2),
+    ("llama", {}, {"attention": "2d", "head_parallel_size": 2}, 4),
+    ("nanogpt", {}, {"attention": "ring", "inner_ring_size": 2}, 4),
+]
+
+
+@pytest.mark.parametrize("kind,module_kwargs,strategy_kwargs,world", CASES,
+                         ids=[f"{c[0]}-{c[2]['attention']}-{c[3]}{'-' + '-'.join(c[1]) if c[1] else ''}" for c in CASES])
+def test_own_model_trains_as_one_process(kind, module_kwargs, strategy_kwargs, world):
+    """Losses and final weights of 3 SGD steps equal one process training the same model whole (the user's own
+    per-rank mean cross entropy: every rank holds the same number of tokens)."""
+    batches = _batches()
+    ref = reference(kind, batches, **module_kwargs)
+    kwargs = {"sequence_parallel_size": world, "activation_checkpointing": "selective++", **strategy_kwargs}
+    _check_parity(run_distributed(_train, world, kind, kwargs, batches, module_kwargs, timeout=TIMEOUT), ref)
