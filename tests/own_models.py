@@ -16,10 +16,11 @@ VOCAB = 64
 class CausalSelfAttention(nn.Module):
     """nanoGPT's attention: one qkv projection, SDPA with is_causal (or a bidirectional encoder's, causal=False)."""
 
-    def __init__(self, dim: int, heads: int, *, causal: bool = True, mask: str | None = None) -> None:
+    def __init__(self, dim: int, heads: int, *, causal: bool = True, mask: str | None = None, dropout: float = 0.0) -> None:
         super().__init__()
         self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.heads, self.causal, self.mask = heads, causal, mask
+        self.heads, self.causal, self.mask, self.dropout = heads, causal, mask, dropout
+        self.latents = nn.Parameter(torch.randn(1, heads, 4, dim // heads)) if mask == "latents" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -31,8 +32,11 @@ class CausalSelfAttention(nn.Module):
             att = (q @ k.transpose(-2, -1)) / math.sqrt(k.shape[-1])
             att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
             y = att.softmax(-1) @ v
+        elif self.mask == "latents":  # cross attention to a tensor that is not the sequence
+            lat = self.latents.expand(B, -1, -1, -1)
+            y = F.scaled_dot_product_attention(q, lat, lat)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -155,9 +159,22 @@ class Encoder(nn.Module):
         return self.head(x)
 
 
+def litgpt_gpt(*, window: int | None = None) -> nn.Module:
+    """LitGPT's ``GPT`` as LitGPT builds it (a tiny Llama-3-style config: RoPE caches ``cos`` / ``sin`` sliced by the
+    input's length, GQA by repeated K/V; ``window``: a sliding window on the first layer, as Gemma / Mistral configs)."""
+    from litgpt import Config
+    from litgpt.model import GPT
+
+    config = Config(name="tiny-llama", n_layer=2, n_head=4, n_embd=32, block_size=128, vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                    n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
+                    mlp_class_name="LLaMAMLP", intermediate_size=64,
+                    **({"sliding_window_size": window, "sliding_window_indices": [1, 0]} if window else {}))
+    return GPT(config)
+
+
 def build(kind: str, **kwargs: Any) -> nn.Module:
     torch.manual_seed(0)
-    return {"nanogpt": NanoGPT, "llama": Llama, "encoder": Encoder}[kind](**kwargs)
+    return {"nanogpt": NanoGPT, "llama": Llama, "encoder": Encoder, "litgpt": litgpt_gpt}[kind](**kwargs)
 
 
 def make_module(kind: str, *, lr: float = 1e-2, own_loss: bool = True, on_module: bool = False, **kwargs: Any):
@@ -179,7 +196,7 @@ def make_module(kind: str, *, lr: float = 1e-2, own_loss: bool = True, on_module
         def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
             if on_module:
                 return NanoGPT.forward(self, input_ids, position_ids)  # type: ignore[arg-type]
-            if kind == "llama":
+            if kind in ("llama", "litgpt"):
                 return self.model(input_ids)
             return self.model(input_ids, position_ids)
 
@@ -191,7 +208,8 @@ def make_module(kind: str, *, lr: float = 1e-2, own_loss: bool = True, on_module
                 from lightning_seqpar.loss import global_mean_loss, token_cross_entropy_sum
 
                 loss = global_mean_loss(*token_cross_entropy_sum(logits, batch["labels"]), self.device_mesh)
-            self.log("train/loss", loss.detach(), sync_dist=True)
+            # a per-rank mean: the mean over ranks; global_mean_loss: this rank's share, summed
+            self.log("train/loss", loss.detach(), sync_dist=True, reduce_fx="mean" if own_loss else "sum")
             return loss
 
         def configure_optimizers(self):

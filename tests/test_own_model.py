@@ -94,8 +94,10 @@ def reference(kind: str, batches: list[dict], **kwargs: Any) -> tuple[list[float
     return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _train(rank: int, world: int, kind: str, strategy_kwargs: dict, batches: list[dict], module_kwargs: dict) -> Any:
-    warnings.filterwarnings("ignore")
+def _train(rank: int, world: int, kind: str, strategy_kwargs: dict, batches: list[dict], module_kwargs: dict,
+           quiet: bool = True) -> Any:
+    if quiet:
+        warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))
     from own_models import make_module
 
@@ -129,15 +131,88 @@ CASES = [
     ("encoder", {}, {"attention": "ring", "load_balance": "contiguous"}, 2),
     ("llama", {}, {"attention": "2d", "head_parallel_size": 2}, 4),
     ("nanogpt", {}, {"attention": "ring", "inner_ring_size": 2}, 4),
+    ("litgpt", {}, {"attention": "ring"}, 2),
+    ("litgpt", {"window": 8}, {"attention": "allgather"}, 2),
 ]
 
 
 @pytest.mark.parametrize("kind,module_kwargs,strategy_kwargs,world", CASES,
                          ids=[f"{c[0]}-{c[2]['attention']}-{c[3]}{'-' + '-'.join(c[1]) if c[1] else ''}" for c in CASES])
 def test_own_model_trains_as_one_process(kind, module_kwargs, strategy_kwargs, world):
-    """Losses and final weights of 3 SGD steps equal one process training the same model whole (the user's own
+    """LitGPT unchanged (its RoPE caches read at global positions, its windowed layers' masks).
+    Losses and final weights of 3 SGD steps equal one process training the same model whole (the user's own
     per-rank mean cross entropy: every rank holds the same number of tokens)."""
+    if kind == "litgpt":
+        pytest.importorskip("litgpt")
     batches = _batches()
     ref = reference(kind, batches, **module_kwargs)
     kwargs = {"sequence_parallel_size": world, "activation_checkpointing": "selective++", **strategy_kwargs}
     _check_parity(run_distributed(_train, world, kind, kwargs, batches, module_kwargs, timeout=TIMEOUT), ref)
+
+
+REFUSALS = [
+    # (module kwargs, what the error names)
+    ({"positions": "arange"}, "torch.arange of the shard's length"),
+    ({"mask": "causal"}, "explicit attn_mask"),
+    ({"mask": "manual"}, "call no F.scaled_dot_product_attention"),
+    ({"mask": "latents"}, "attention to a tensor that is not the sequence"),
+    ({"dropout": 0.1}, "dropout_p=0.1"),
+]
+
+
+@pytest.mark.parametrize("module_kwargs,named", REFUSALS, ids=[next(iter(r[0].values())) for r in REFUSALS])
+def test_a_model_that_would_train_wrong_is_refused_with_its_cause(module_kwargs, named):
+    """Each model trains wrong under the split with the check off (its losses differ from one process's), and is refused
+    with the cause with it on (the default) — before its first step. Dropout and cross attention are refused at the
+    call, check or not."""
+    batches = _batches(steps=2)
+    kwargs = {"sequence_parallel_size": 2, "attention": "ring"}
+    results = run_distributed(_train, 2, "nanogpt", kwargs, batches, module_kwargs, timeout=TIMEOUT)
+    assert all(r[0] == "error" and named in r[1] for r in results), results[0]
+    if "dropout" in module_kwargs or module_kwargs.get("mask") in ("latents", "causal"):
+        return
+    ref_losses, _ = reference("nanogpt", batches, **module_kwargs)
+    unchecked = run_distributed(_train, 2, "nanogpt", {**kwargs, "check_model": False}, batches, module_kwargs, timeout=TIMEOUT)
+    losses = unchecked[0][0]
+    assert abs(losses[0] - ref_losses[0]) > 1e-3, (losses, ref_losses)  # what the check prevents: a silently wrong loss
+
+
+def _train_warned(rank: int, world: int, strategy_kwargs: dict, batches: list[dict], module_kwargs: dict) -> Any:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _train(rank, world, "nanogpt", strategy_kwargs, batches, module_kwargs, quiet=False)
+    return out, [str(w.message) for w in caught if "global_mean_loss" in str(w.message)]
+
+
+@pytest.mark.parametrize("own_loss", [True, False], ids=["per-rank-mean", "global_mean_loss"])
+def test_a_loss_over_uneven_shards(own_loss):
+    """Labels ignored over the first quarter: the zigzag shards of a row hold 8 and 16 trained tokens. A per-rank mean then
+    weighs tokens unevenly: warned once with the counts and the fix; global_mean_loss stays exact."""
+    batches = _batches(ignore=True)
+    for b in batches:
+        b["labels"][:, : SEQ // 2] = b["input_ids"][:, 1 : SEQ // 2 + 1]
+        b["labels"][:, : SEQ // 4] = -100
+    module_kwargs = {"own_loss": own_loss}
+    results = run_distributed(_train_warned, 2, {"sequence_parallel_size": 2, "attention": "ring"}, batches, module_kwargs,
+                              timeout=TIMEOUT)
+    (out, warned) = results[0]
+    if own_loss:
+        assert len(warned) == 1 and "48 trained tokens" in warned[0] and "this rank's shard 16, not 24" in warned[0] and "weighs tokens unevenly" in warned[0], warned
+    else:
+        assert warned == []
+        _check_parity([out], reference("nanogpt", batches, **module_kwargs))
+
+
+def test_packed_documents_and_compile():
+    """document_ids in the batch: the routed attention masks documents and positions restart per document, as the
+    strategy on one process does; with compile=True (aot_eager: the routed block compiles)."""
+    batches = _batches(documents=True)
+    module_kwargs: dict = {}
+
+    def one(world: int, **extra: Any) -> Any:
+        return run_distributed(_train, world, "nanogpt", {"sequence_parallel_size": world, "attention": "ring", **extra},
+                               batches, module_kwargs, timeout=TIMEOUT)
+
+    ref = one(1)[0]
+    _check_parity(one(2), ref)
+    _check_parity(one(2, compile={"backend": "aot_eager"}), ref, atol=5e-5)
