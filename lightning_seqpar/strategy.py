@@ -29,7 +29,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -52,10 +52,9 @@ from lightning_seqpar.parallelize import (apply_attention, find_blocks, is_paral
 from lightning_seqpar.planning import (RunSite, check_options_against_model, check_plans_agree, device_memory_bytes, plan_parallel_dims, plan_run_memory,
                                        resolve_auto_attention)
 from lightning_seqpar.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
-from lightning_seqpar.routing import own_model_routing, routed_step
 from lightning_seqpar.routing.blocks import find_block_container
 from lightning_seqpar.routing.check import check_split_matches_whole
-from lightning_seqpar.routing.sdpa import routing_of
+from lightning_seqpar.routing.sdpa import own_model_routing, routed_step, routing_of
 from lightning_seqpar.resources import RunGroups, free_unreferenced, prefer_expandable_segments, prefer_parallel_pinning
 
 if TYPE_CHECKING:
@@ -260,7 +259,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         owner = type(self).__name__
         find_block_container(module, blocks=self.config.blocks, owner=owner)  # Note [Finding the blocks of a user's model]
         roots = parallel_roots(module, owner=owner)  # checked before any collective
-        self._routings = [r for r in (own_model_routing(root, owner=owner) for root in roots) if r is not None]
+        self._routings = [r for r in (own_model_routing(root, find_blocks(root), owner=owner) for root in roots) if r is not None]
         dims = self.parallel_dims
         param_dtype, reduce_dtype = fsdp_dtypes(self.precision_plugin, bf16_adapters=self.bf16_adapters,
                                                 fp32_adapters=getattr(self, "_fp32_adapters", False), owner=type(self).__name__)
@@ -331,7 +330,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
             warnings.warn(f"{type(self).__name__}: {own_loss_message(ranks)} {uneven}", stacklevel=2)
         elif not self._warned_loss:
             self._warned_loss = True
-            rank_zero_info(f"{type(self).__name__}: {own_loss_message(ranks)}")
+            rank_zero_warn(f"{type(self).__name__}: {own_loss_message(ranks)}")
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -163,7 +163,7 @@ def _fit_warnings(rank: int, world: int, plain_mean: bool) -> list[str]:
     class PlainMean(CausalLMModule):
         def training_step(self, batch, batch_idx):
             loss_sum, n = token_cross_entropy_sum(self.model(batch["input_ids"], batch.get("position_ids")), batch["labels"])
-            return loss_sum / n  # a per-rank mean: the strategy must say that gradients are summed
+            return loss_sum / n  # a per-rank mean: the strategy says that it averages it over the ranks
 
     module = (PlainMean if plain_mean else CausalLMModule)("tiny", init_seed=0, warmup_steps=0, max_steps=2)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=SequenceParallelStrategy(sequence_parallel_size=world),
@@ -179,7 +179,7 @@ def test_a_loss_not_from_global_mean_loss_is_warned_about(plain_mean):
     rank0, rank1 = run_distributed(_fit_warnings, 2, plain_mean, timeout=TIMEOUT)
     assert rank1 == []  # rank zero warns
     if plain_mean:
-        assert len(rank0) == 1 and "SUMMED over the 2 data- and sequence-parallel ranks" in rank0[0]
+        assert len(rank0) == 1 and "averages it over the 2 data- and sequence-parallel ranks, as DDP does" in rank0[0]
     else:
         assert rank0 == []
 

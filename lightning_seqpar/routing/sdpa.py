@@ -45,7 +45,7 @@ model, naming the cause (read ``position_ids`` from the batch instead).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,11 +54,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_seqpar.attention import Attention
+from lightning_seqpar.attention import Attention, LinearAttention
+from lightning_seqpar.attention.recurrent import Recurrence
 from lightning_seqpar.documents import current_documents
 from lightning_seqpar.sharding import mesh_sizes, sequence_index
 
-__all__ = ["ROUTED_NAME", "Routing", "install_sdpa_routing", "routing_of"]
+__all__ = ["ROUTED_NAME", "Routing", "install_sdpa_routing", "own_model_routing", "routed_step", "routing_of"]
 
 ROUTED_NAME = "seqpar_sdpa"
 """The ``Attention`` child each routed block gets."""
@@ -329,3 +330,28 @@ def install_sdpa_routing(root: nn.Module, blocks: Sequence[nn.Module], *, owner:
     if existing is not None:
         return existing
     return Routing(root, blocks, owner=owner, blocks_name=blocks_name)
+
+
+def own_model_routing(root: nn.Module, blocks: Sequence[tuple[nn.Module, str]], *, owner: str) -> Routing | None:
+    """Install the routed SDPA in ``root`` (whose blocks are ``getattr(parent, name)`` of ``blocks``) where it computes
+    no attention through the package's modules; the routing already installed, or None for the package's models."""
+    existing = routing_of(root)
+    if existing is not None or any(isinstance(m, (Attention, LinearAttention, Recurrence)) for m in root.modules()):
+        return existing
+    names = {id(m): n for n, m in root.named_modules()}
+    blocks_name = (names.get(id(blocks[0][0])) if blocks else None) or type(root).__name__
+    return install_sdpa_routing(root, [getattr(p, n) for p, n in blocks], owner=owner, blocks_name=blocks_name)
+
+
+@contextmanager
+def routed_step(routings: Sequence[Routing], batch: Any) -> Iterator[None]:
+    """One training / validation / predict step of models with routed SDPA (``Routing.step``), for ``batch``."""
+    if not routings:
+        yield
+        return
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    local_len = int(ids.shape[1]) if isinstance(ids, Tensor) and ids.dim() >= 2 else None
+    with ExitStack() as stack:
+        for routing in routings:
+            stack.enter_context(routing.step(local_len))
+        yield
