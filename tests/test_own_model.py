@@ -216,3 +216,38 @@ def test_packed_documents_and_compile():
     ref = one(1)[0]
     _check_parity(one(2), ref)
     _check_parity(one(2, compile={"backend": "aot_eager"}), ref, atol=5e-5)
+
+
+LITGPT_OVERRIDES = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_query_groups": 2, "intermediate_size": 128, "block_size": 256,
+                    "vocab_size": 64, "padded_vocab_size": 64, "head_size": 16}
+
+
+def _train_litgpt(rank: int, world: int, batches: list[dict], model: str, out: str | None) -> Any:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    from lightning_seqpar import SequenceParallelStrategy
+    from lightning_seqpar.litgpt import LitGPTModule, save_litgpt
+
+    module = LitGPTModule(model, config_overrides=None if out is None else LITGPT_OVERRIDES, lr=1e-2, max_steps=len(batches))
+    losses = _fit(module, SequenceParallelStrategy(sequence_parallel_size=world, attention="ring"), world, batches)
+    state = _state(module)
+    if rank == 0 and out is not None:
+        save_litgpt(state, module.litgpt_config, out)
+    return losses, state if rank == 0 else None
+
+
+def test_litgpt_module_trains_exact_and_round_trips_its_checkpoint(tmp_path):
+    """LitGPTModule (a LitGPT config by name, Llama-3.2-1B's with its RoPE adjustments, shrunk): 2 ranks train as the
+    strategy on one process; the weights written as a LitGPT folder load back into LitGPTModule (lit_model.pth +
+    model_config.yaml) and train on from there the same way."""
+    pytest.importorskip("litgpt")
+    from dist_utils import tmpdir_shared
+
+    batches = _batches()
+    shared = tmpdir_shared()
+    ref = run_distributed(_train_litgpt, 1, batches, "Llama-3.2-1B", os.path.join(shared, "ref"), timeout=TIMEOUT)[0]
+    two = run_distributed(_train_litgpt, 2, batches, "Llama-3.2-1B", os.path.join(shared, "sp2"), timeout=TIMEOUT)
+    _check_parity(two, ref)
+    assert sorted(os.listdir(os.path.join(shared, "sp2"))) == ["lit_model.pth", "model_config.yaml"]
+    again = run_distributed(_train_litgpt, 2, batches, os.path.join(shared, "sp2"), None, timeout=TIMEOUT)
+    assert again[0][0][0] < two[0][0][0]  # starts from the trained weights: a lower first loss

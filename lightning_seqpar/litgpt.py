@@ -1,0 +1,138 @@
+"""LitGPT's ``GPT`` under the strategy, unchanged: ``LitGPTModule`` and the LitGPT checkpoint in and out.
+
+Note [LitGPT under the strategy]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+LitGPT (Lightning's own LLM library) has no sequence parallelism. Its ``GPT`` computes attention
+with ``F.scaled_dot_product_attention`` in every ``Block`` (``self.transformer.h``) and slices its
+RoPE caches by the input's length (``self.cos[:T]``): the routed SDPA and the position tables of
+``lightning_seqpar.routing.sdpa`` make it exact under the split with no change to LitGPT's code
+(Note [Routing a model's own SDPA calls], Note [Position tables under the split]). GQA (K/V
+repeated by LitGPT) and sliding windows (read from the layer's config) included. This module only
+adds what a recipe needs around it: the model by LitGPT config name with overrides (random init) or
+from a LitGPT checkpoint (``lit_model.pth``), the package's exact loss (``global_mean_loss``:
+exact for any split), AdamW with warm-up and cosine, and ``save_litgpt`` writing the weights back
+as a folder ``litgpt generate`` reads (``lit_model.pth``, ``model_config.yaml``, and the tokenizer
+files of the checkpoint it started from).
+
+litgpt is optional: ``pip install --no-deps litgpt==0.5.13`` (its pins of ``huggingface_hub<1.4``
+and ``jsonargparse<=4.41`` conflict with transformers 5 and the package's CLI; its imports work
+with the newer versions).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_seqpar.loss import global_mean_loss, token_cross_entropy_sum
+from lightning_seqpar.module import warmup_cosine
+
+__all__ = ["LitGPTModule", "save_litgpt"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json", "config.json")
+
+
+def _litgpt() -> Any:
+    try:
+        import litgpt  # noqa: F401
+        from litgpt import Config
+        from litgpt.model import GPT
+    except ImportError as e:
+        raise ImportError("LitGPTModule needs litgpt: pip install --no-deps litgpt==0.5.13 (Note [LitGPT under the "
+                          "strategy] says why --no-deps)") from e
+    return Config, GPT
+
+
+class LitGPTModule(L.LightningModule):
+    """A causal LM of LitGPT's, trained with the package's loss.
+
+    Args:
+        model: a LitGPT config name (``litgpt.Config.from_name``: "Llama-3.2-1B", "Qwen2.5-7B", ...), or the
+            folder of a LitGPT checkpoint (``lit_model.pth`` and ``model_config.yaml``).
+        config_overrides: fields of the LitGPT config to change (``{"n_layer": 2, "block_size": 131072}``).
+        lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio: AdamW with linear warm-up and cosine decay.
+        init_seed: the seed of the random initialization (a config name).
+    """
+
+    def __init__(self, model: str = "Llama-3.2-1B", *, config_overrides: dict[str, Any] | None = None, lr: float = 3e-4,
+                 weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0,
+                 max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        Config, _ = _litgpt()
+        folder = Path(model)
+        self.source = folder if (folder / "model_config.yaml").is_file() else None
+        if self.source is not None:
+            self.litgpt_config = Config.from_file(folder / "model_config.yaml", **(config_overrides or {}))
+        else:
+            try:
+                self.litgpt_config = Config.from_name(model, **(config_overrides or {}))
+            except ValueError as e:
+                raise ValueError(f"LitGPTModule: model={model!r} is neither a LitGPT config name nor a folder with "
+                                 f"model_config.yaml ({e})") from None
+        self.gpt: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.gpt is not None:
+            return
+        _, GPT = _litgpt()
+        torch.manual_seed(self.hparams.init_seed)
+        gpt = GPT(self.litgpt_config)
+        if self.source is not None:
+            weights = self.source / "lit_model.pth"
+            if not weights.is_file():
+                raise ValueError(f"LitGPTModule: {self.source} has model_config.yaml but no lit_model.pth")
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+            gpt.load_state_dict(state.get("model", state), strict=True)
+        self.gpt = gpt
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.gpt is not None
+        return self.gpt(input_ids)  # (B, S_local, V): LitGPT's own forward
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss_sum, n_valid = token_cross_entropy_sum(self(batch["input_ids"]), batch["labels"])
+        return global_mean_loss(loss_sum, n_valid, self.device_mesh)  # this rank's share of the global mean
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss.detach(), sync_dist=True, reduce_fx="sum", prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val/loss", self._loss(batch), sync_dist=True, reduce_fx="sum")
+
+    def configure_optimizers(self) -> Any:
+        assert self.gpt is not None
+        trained = [p for p in self.gpt.parameters() if p.requires_grad]
+        decay, no_decay = [p for p in trained if p.ndim >= 2], [p for p in trained if p.ndim < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr, betas=self.hparams.betas)
+        max_steps = self.hparams.max_steps or int(self.trainer.estimated_stepping_batches)
+        schedule = warmup_cosine(warmup_steps=self.hparams.warmup_steps, max_steps=max_steps, min_lr_ratio=self.hparams.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+                                                         "interval": "step"}}
+
+
+def save_litgpt(state_dict: dict[str, torch.Tensor], config: Any, out: str | Path, *, source: str | Path | None = None) -> Path:
+    """Write a LitGPT checkpoint folder: ``lit_model.pth`` (the GPT's weights), ``model_config.yaml``, and the tokenizer
+    files of ``source`` (the checkpoint training started from), so that ``litgpt generate OUT`` reads it. Refuses a
+    folder that already holds weights."""
+    from litgpt.utils import save_config
+
+    out = Path(out)
+    if (out / "lit_model.pth").exists():
+        raise ValueError(f"save_litgpt: {out} already holds lit_model.pth; choose an empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k.removeprefix("gpt."): v.detach().cpu() for k, v in state_dict.items() if not k.endswith(("cos", "sin"))}
+    torch.save(state, out / "lit_model.pth")
+    save_config(config, out)
+    for name in TOKENIZER_FILES if source is not None else ():
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, out / name)
+    return out
