@@ -76,6 +76,9 @@ class LitGPTModule(L.LightningModule):
                 raise ValueError(f"LitGPTModule: model={model!r} is neither a LitGPT config name nor a folder with "
                                  f"model_config.yaml ({e})") from None
         self.gpt: nn.Module | None = None
+        self.config = planner_fields(self.litgpt_config)
+        """The sizes the strategy's memory planner reads (``memory="auto"``), in transformers' names; None where the
+        planner does not model the layers (a mixture of experts, a non-Llama MLP)."""
 
     def configure_model(self) -> None:
         if self.gpt is not None:
@@ -117,6 +120,16 @@ class LitGPTModule(L.LightningModule):
         schedule = warmup_cosine(warmup_steps=self.hparams.warmup_steps, max_steps=max_steps, min_lr_ratio=self.hparams.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                                          "interval": "step"}}
+
+
+def planner_fields(config: Any) -> dict[str, Any] | None:
+    """A LitGPT config as the fields of a transformers config that ``model_shape.TransformerShape`` reads; None for
+    layers it does not model."""
+    if config.mlp_class_name != "LLaMAMLP" or getattr(config, "n_expert", 0):
+        return None
+    return {"model_type": "litgpt", "hidden_size": config.n_embd, "num_hidden_layers": config.n_layer,
+            "num_attention_heads": config.n_head, "num_key_value_heads": config.n_query_groups, "head_dim": config.head_size,
+            "intermediate_size": config.intermediate_size, "vocab_size": config.padded_vocab_size, "tie_word_embeddings": False}
 
 
 def save_litgpt(state_dict: dict[str, torch.Tensor], config: Any, out: str | Path, *, source: str | Path | None = None) -> Path:
