@@ -53,7 +53,7 @@ from lightning_seqpar.planning import (RunSite, check_options_against_model, che
                                        resolve_auto_attention)
 from lightning_seqpar.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
 from lightning_seqpar.routing.blocks import find_block_container
-from lightning_seqpar.routing.check import check_split_matches_whole
+from lightning_seqpar.routing.check import broadcast_initial_weights, check_split_matches_whole
 from lightning_seqpar.routing.sdpa import own_model_routing, routed_step, routing_of
 from lightning_seqpar.resources import RunGroups, free_unreferenced, prefer_expandable_segments, prefer_parallel_pinning
 
@@ -270,6 +270,8 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         self._check_options_against_model(roots)
         for root in roots:
             routing = routing_of(root)
+            if routing is not None:  # a model of the user's own: one set of initial weights (as DDP), then the check
+                broadcast_initial_weights(root, owner=owner)
             if routing is not None and self.check_model and dims.sp > 1:  # Note [Split against whole at setup]
                 apply_attention(root, self.sp_mesh, attention=self.attention, layout=self.layout, inner_ring_size=self.inner_ring_size,  # type: ignore[arg-type]
                                 head_chunks=self.head_chunks, attention_backend=self.attention_backend)

@@ -172,8 +172,8 @@ def litgpt_gpt(*, window: int | None = None) -> nn.Module:
     return GPT(config)
 
 
-def build(kind: str, **kwargs: Any) -> nn.Module:
-    torch.manual_seed(0)
+def build(kind: str, seed: int = 0, **kwargs: Any) -> nn.Module:
+    torch.manual_seed(seed)
     return {"nanogpt": NanoGPT, "llama": Llama, "encoder": Encoder, "litgpt": litgpt_gpt}[kind](**kwargs)
 
 

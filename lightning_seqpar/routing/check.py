@@ -174,3 +174,29 @@ def _refusal(routing: Routing, record: CheckRecord, worst: tuple[int, float], *,
             f"over {sp} ranks gives outputs of {where} that differ from the whole sequence's (max relative difference "
             f"{err:.2e}; Note [Split against whole at setup]). Likely cause: " + "; ".join(causes) +
             ". SequenceParallelStrategy(check_model=False) skips this check and trains the model as it is.")
+
+
+def broadcast_initial_weights(root: nn.Module, *, owner: str) -> bool:
+    """Give every rank rank 0's parameters and buffers where the ranks built different ones (a model of the user's own
+    initialised without a common seed), as DDP does at wrap time; FSDP2 would otherwise shard each rank's own copy.
+    One all-gather of a fingerprint; the broadcast only where they differ. Returns whether it broadcast."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    tensors = [t for t in (*root.parameters(), *root.buffers()) if t.is_floating_point() or t.is_complex()]
+    if not tensors:
+        return False
+    device = tensors[0].device
+    with torch.no_grad():
+        fingerprint = torch.stack([t.detach().double().abs().sum() if not t.is_complex() else t.detach().abs().double().sum()
+                                   for t in tensors]).sum().reshape(1).to(device)
+        gathered = [torch.empty_like(fingerprint) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, fingerprint)
+        if all(torch.equal(g, gathered[0]) for g in gathered):
+            return False
+        for t in tensors:
+            dist.broadcast(t.data, src=0)
+    rank_zero_info(f"{owner}: the ranks built {type(root).__name__} with different initial weights (no common seed): every rank "
+                   "now starts from rank 0's, as DDP does (seed_everything(...) before building the model avoids the broadcast)")
+    return True
