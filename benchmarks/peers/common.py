@@ -85,6 +85,10 @@ def bound_tokens_per_s(shape: Shape, seq: int, gpu: str, documents: int = 1) -> 
 SHAPES = {
     # Llama-3-8B (torchtitan's llama3 "8B" flavor; the package's "llama3-8b")
     "llama3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256, rope_theta=500000.0),
+    # LitGPT's "Llama-3-8B" config: the same shape, LitGPT's own GPT (routed SDPA, Note [LitGPT under the strategy])
+    "litgpt-llama3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256, rope_theta=500000.0),
+    # LitGPT's "Llama-3.2-1B" config
+    "litgpt-llama3.2-1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, ffn=8192, vocab=128256, rope_theta=500000.0),
     # Qwen3-8B (its config.json)
     "qwen3-8b": Shape(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=12288, vocab=151936, rope_theta=1000000.0),
 }

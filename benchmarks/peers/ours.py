@@ -76,6 +76,34 @@ def packed_copy_task(base, documents: int):
     return PackedDataModule
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def litgpt_module(model: str, *, seq: int, tiny: bool, plain: bool):
+    """LitGPT's config for ``model`` (litgpt-llama3-8b, litgpt-llama3.2-1b) with block_size = seq: LitGPTModule, or with
+    ``plain`` a LightningModule as a LitGPT user writes it (``gpt(input_ids)``, LitGPT's chunked cross entropy)."""
+    import lightning as L
+
+    from lightning_seqpar.litgpt import LitGPTModule
+
+    name = {"litgpt-llama3-8b": "Llama-3-8B", "litgpt-llama3.2-1b": "Llama-3.2-1B"}[model]
+    overrides = {"block_size": seq} | ({"n_layer": 2, "n_embd": 64, "n_head": 4, "n_query_groups": 2, "head_size": 16,
+                                        "intermediate_size": 128, "vocab_size": 64, "padded_vocab_size": 64} if tiny else {})
+    if not plain:
+        return LitGPTModule(name, config_overrides=overrides, lr=3e-4, warmup_steps=2, weight_decay=0.0)
+
+    class PlainLitGPT(LitGPTModule):
+        def training_step(self, batch, batch_idx):
+            from litgpt.utils import chunked_cross_entropy
+
+            return chunked_cross_entropy(self.gpt(batch["input_ids"]), batch["labels"])
+
+    return PlainLitGPT(name, config_overrides=overrides, lr=3e-4, warmup_steps=2, weight_decay=0.0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(SHAPES), required=True)
@@ -88,6 +116,8 @@ def main() -> None:
                    "default: the module's default ('auto': 8192 where the chunked loss serves the model)")
     p.add_argument("--documents", type=int, default=0, help="pack this many equal documents per row (document_ids)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU (smoke run)")
+    p.add_argument("--plain", action="store_true", help="litgpt-* models: plain LitGPT on one device (its SDPA, LitGPT's "
+                   "chunked cross entropy, no strategy) instead of LitGPTModule under the strategy")
     p.add_argument("--out", default="peers.json")
     args = p.parse_args()
 
@@ -102,8 +132,11 @@ def main() -> None:
     options = dict(o.split("=", 1) for o in args.option)
     options = {k: _value(v) for k, v in options.items()}
     strategy_kwargs = dict(sequence_parallel_size=world, memory="auto") | options
+    litgpt = args.model.startswith("litgpt-")
     if args.model == "llama3-8b":
         model = "tiny" if args.tiny else "llama3-8b"
+        precision = args.precision or ("bf16-mixed" if cuda else "32-true")
+    elif litgpt:  # LitGPT's GPT, unchanged (Note [LitGPT under the strategy])
         precision = args.precision or ("bf16-mixed" if cuda else "32-true")
     else:
         cfg = qwen3_config(args.seq).to_dict()
@@ -115,7 +148,10 @@ def main() -> None:
                 "rope_parameters")
         model = {"model_type": "qwen3", **{k: cfg[k] for k in keep}}
         precision = args.precision or ("bf16-true" if cuda else "32-true")
-    module = CausalLMModule(model=model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size="auto" if args.loss_chunk is None else args.loss_chunk or None)
+    if litgpt:
+        module = litgpt_module(args.model, seq=args.seq, tiny=args.tiny, plain=args.plain)
+    else:
+        module = CausalLMModule(model=model, lr=3e-4, warmup_steps=2, weight_decay=0.0, loss_chunk_size="auto" if args.loss_chunk is None else args.loss_chunk or None)
     data = (packed_copy_task(LongRangeDataModule, args.documents) if args.documents else LongRangeDataModule)(
         vocab_size=64 if args.tiny else 32000, seq_len=args.seq, batch_size=1, num_samples=args.steps * 2, val_samples=0, seed=0,
         supervise="all")
@@ -129,12 +165,18 @@ def main() -> None:
             clock.end()
             losses.append(float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs))
 
-    strategy = SequenceParallelStrategy(**strategy_kwargs)
+    strategy = "auto" if args.plain else SequenceParallelStrategy(**strategy_kwargs)
     trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         strategy=strategy, precision=precision, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])
     trainer.fit(module, datamodule=data)
+    if args.plain:  # plain LitGPT: no strategy, its SDPA
+        write_record(args.out, system="litgpt", model=args.model, seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
+                     settings=dict(precision=precision, kernel="torch SDPA (LitGPT's own)", loss="litgpt chunked_cross_entropy",
+                                   data="copy task, every token labelled"),
+                     changes=[], version=f"litgpt {_version('litgpt')}", losses=losses, documents=0)
+        return
     plan = strategy.memory_plan
     from lightning_seqpar.attention.local import resolve_backend
 
@@ -151,7 +193,7 @@ def main() -> None:
     as_default = sorted(k for k, v in options.items() if getattr(defaults, k, object()) == v)
     changes = [] if not options else [f"options set: {sorted(options)}"] + (
         [f"given at their defaults, so memory='auto' may still set them: {as_default}"] if as_default else [])
-    settings["loss_chunk_size"] = module.loss_chunk_size  # what ran ("auto" resolved)
+    settings["loss_chunk_size"] = getattr(module, "loss_chunk_size", None)  # what ran ("auto" resolved)
     settings["loss_chunk_set"] = args.loss_chunk is not None
     settings["host_alloc_s"] = _host_alloc_seconds()  # pinned host memory grown (offloaded checkpoints): part of the first step
     from lightning_seqpar.resources import pinning_in_effect, segments_in_effect
