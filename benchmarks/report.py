@@ -473,7 +473,7 @@ def hf_family_table(rows: list[dict]) -> str:
         if r.get("kernel") and r.get("attention_backend") == "auto":  # what "auto" ran, and whether the `gpu` extra was there
             extra = {True: ", FA4 installed", False: ", no FA4"}.get(r.get("fa4_installed"), "")
             text += f" -> {r['kernel']}{extra}"
-        # Note [Fused kernels in transformers models]; recorded from session 20261127-9 on
+        # Note [Fused kernels in transformers models]; recorded from 2026-11-27 (4 x H200, 6fc01fb) on
         text += {True: ", fused norms / MLP", False: ", torch norms / MLP"}.get(r.get("fused_kernels"), "")
         return text
 
@@ -616,13 +616,13 @@ def _peers_report():
 
 def peers_table(rows: list[dict]) -> str:
     """The peers from their own code beside ours (``benchmarks/peers/report.py``, which reads the results files itself:
-    a ratio is taken within one file, one session); profiled steps left out. ``rows`` is not read."""
+    a ratio is taken within one file, one run group); profiled steps left out. ``rows`` is not read."""
     module = _peers_report()
     return "\n".join(module.table(module.records()))
 
 
 def peers_longest_table(rows: list[dict]) -> str:
-    """The longest length each system trained per session, and what stopped the next (``benchmarks/peers/report.py``)."""
+    """The longest length each system trained per run group, and what stopped the next (``benchmarks/peers/report.py``)."""
     module = _peers_report()
     return "\n".join(module.longest(module.records()))
 
