@@ -67,12 +67,23 @@ def _settings(r: dict) -> str:
     return ", ".join(parts) if (chosen or by_hand or s.get("loss_chunk_size") or set_attention or s.get("kernel")) else "defaults"
 
 
-def table(rows: list[dict]) -> list[str]:
+def group_order(group: str) -> tuple[str, int]:
+    """A run group's place in time: its date, then its number that day (``20261127`` before ``20261127-2``, ``-9`` before
+    ``-10``)."""
+    date, _, n = group.partition("-")
+    return date, int(n) if n.isdigit() else (0 if not n else -1)
+
+
+def table(rows: list[dict], newest_only: bool = False) -> list[str]:
+    """One row per run, grouped by model, length and GPUs, the newest group first; ``newest_only``: only the newest group
+    of each (the table of docs/benchmarks.md)."""
     out = ["| model | S | GPUs | run group | system | version | tokens/s/GPU | vs best peer | MFU | of bound | peak GB | settings | commit |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"], r.get("group", "-"))  # noqa: E731
     anchored = set()
-    keys = sorted(sorted({key(r) for r in rows}, key=lambda k: k[4], reverse=True), key=lambda k: k[:4])  # newest group first
+    keys = sorted(sorted({key(r) for r in rows}, key=lambda k: group_order(k[4]), reverse=True), key=lambda k: k[:4])  # newest first
+    if newest_only:  # the newest group of each model, length and GPUs; the older ones: the records, benchmarks-history.md
+        keys = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1][:4] != k[:4]]
     for k in keys:
         group = [r for r in rows if key(r) == k]
         peers = [r["tokens_per_s_per_gpu"] for r in group if r["system"] in PEERS and r.get("tokens_per_s_per_gpu")]
@@ -108,7 +119,7 @@ def longest(rows: list[dict]) -> list[str]:
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in rows:
         groups.setdefault((r["model"], r["gpus"], r["gpu"], r.get("group", "-")), {}).setdefault(_system(r), []).append(r)
-    newest_first = sorted(groups.items(), key=lambda kv: kv[0][3], reverse=True)
+    newest_first = sorted(groups.items(), key=lambda kv: group_order(kv[0][3]), reverse=True)
     for (model, gpus, gpu, group), systems in sorted(newest_first, key=lambda kv: kv[0][:3]):  # groups newest first
         bounds = _bounds(systems)
         there = {system: next((r for r in runs if r.get("status") == "ok" and r["seq"] == bounds[system][0]), {})
