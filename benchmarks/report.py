@@ -493,7 +493,9 @@ def hf_family_table(rows: list[dict]) -> str:
         speed = ratio(_num(r, "tokens_per_s"), _num(peer, "tokens_per_s")) if peer and "error" not in peer else "·"
         name = ("**ours**" + (f" ({kernel})" if kernel else "") if system == "seqpar"
                 else f"transformers ({r.get('attn', '?')})")
-        out.append([model, seq_k(seq), name, f(_num(r, "tokens_per_s"), ",.0f") if "error" not in r else "out of memory"
+        first = not out or model != out[-1][0].rsplit("</a>", 1)[-1]  # one anchor per model (README rows link there)
+        cell = f'<a id="{anchor("hf-family", model)}"></a>{model}' if first else model
+        out.append([cell, seq_k(seq), name, f(_num(r, "tokens_per_s"), ",.0f") if "error" not in r else "out of memory"
                     if "out of memory" in r["error"] else r["error"][:40], f(_num(r, "peak_mem_gb"), ".1f"), speed,
                     f"{r.get('device', '?')}, {when(r)}"])
     return table(["model", "S", "system", "tokens/s", "peak GB", "ours / transformers", "device, commit, date"], out)
