@@ -1,6 +1,6 @@
 """One transformer block's training step on one GPU, by how its element-wise work and its checkpoint are done.
 
-Where a long step's time goes outside attention and the matmuls (docs/benchmarks.md, session -8's profile: ~1 s of
+Where a long step's time goes outside attention and the matmuls (docs/benchmarks.md, the profile of 2026-11-27, 4 x H200, aa2a2bb: ~1 s of
 element-wise kernels and 0.47 s of recomputed matmuls in a 10.3 s Llama-3-8B step at 128K on 4 GPUs): one
 Llama-3-8B block (the package's ``LlamaBlock``, bf16) over ``--tokens`` tokens, the tokens one rank holds under
 sequence parallelism (128K / 4 = 32K), forward and backward, timed with CUDA events; its kernels' time by kind

@@ -1,7 +1,7 @@
 """The records of benchmarks/results/*.json: merged in (collect), and the tables of docs/benchmarks.md made from them.
 
     python -m benchmarks collect --kind nvidia-h200-x4 [--date 20261122] /path/to/out/*.json   # merge into results/
-    python -m benchmarks tables [--check]  # rewrite (check) the generated blocks of docs/benchmarks.md
+    python -m benchmarks tables [--check]  # rewrite (check) the generated blocks of docs/benchmarks.md (and -history.md)
 
 ``collect`` names what a GPU machine wrote ``results/<yyyymmdd>-<machine kind>.json``, records checked (``REQUIRED``)
 before anything is written and kept once. Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME
@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "*.json")
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
+HISTORY_DOC = os.path.join(ROOT, "docs", "benchmarks-history.md")  # the detail tables a reader of the method rarely needs
 PEERS = {"torch_cp": "FSDP2 + torch CP", "tp_sp": "Megatron TP+SP"}
 NAMES = {"seqpar": "ours", **PEERS, "single": "one GPU"}
 
@@ -464,6 +465,12 @@ def attention_grid(rows: list[dict], seqs: list[int] | None = None) -> str:
     return "\n".join(out).rstrip("\n")
 
 
+# Runs of hf.py families whose defaults or kernels have changed since (a newer run of the same model measures what a
+# user gets now): kept in the records and told in docs/benchmarks-history.md, left out of the table.
+HF_FAMILY_SUPERSEDED = {("llama3.2-1b-shaped", label) for label in ("ec47d6c+ac", "ddbfbf9", "d612a18+fa4", "2fad92d+fa4")} | {
+    ("qwen3-next-shaped", label) for label in ("8396b70", "36e593f")}
+
+
 def hf_family_table(rows: list[dict]) -> str:
     """hf.py families on one GPU: the latest run of each (model, S, system, our settings, device, commit label); the
     ratio only against plain transformers of the same commit label (the same machine, warm)."""
@@ -473,11 +480,11 @@ def hf_family_table(rows: list[dict]) -> str:
         if r.get("kernel") and r.get("attention_backend") == "auto":  # what "auto" ran, and whether the `gpu` extra was there
             extra = {True: ", FA4 installed", False: ", no FA4"}.get(r.get("fa4_installed"), "")
             text += f" -> {r['kernel']}{extra}"
-        # Note [Fused kernels in transformers models]; recorded from session 20261127-9 on
+        # Note [Fused kernels in transformers models]; recorded from 2026-11-27 (4 x H200, 6fc01fb) on
         text += {True: ", fused norms / MLP", False: ", torch norms / MLP"}.get(r.get("fused_kernels"), "")
         return text
 
-    runs = last_by([r for r in rows if r.get("bench") == "hf_family"],
+    runs = last_by([r for r in rows if r.get("bench") == "hf_family" and (r["model"], r.get("commit")) not in HF_FAMILY_SUPERSEDED],
                    lambda r: (r["model"], r["seq"], r["system"], settings(r), r.get("device", "?"), r.get("commit", "?")))
     out = []
     for (model, seq, system, kernel, device, commit), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][4], kv[0][5],
@@ -486,7 +493,9 @@ def hf_family_table(rows: list[dict]) -> str:
         speed = ratio(_num(r, "tokens_per_s"), _num(peer, "tokens_per_s")) if peer and "error" not in peer else "·"
         name = ("**ours**" + (f" ({kernel})" if kernel else "") if system == "seqpar"
                 else f"transformers ({r.get('attn', '?')})")
-        out.append([model, seq_k(seq), name, f(_num(r, "tokens_per_s"), ",.0f") if "error" not in r else "out of memory"
+        first = not out or model != out[-1][0].rsplit("</a>", 1)[-1]  # one anchor per model (README rows link there)
+        cell = f'<a id="{anchor("hf-family", model)}"></a>{model}' if first else model
+        out.append([cell, seq_k(seq), name, f(_num(r, "tokens_per_s"), ",.0f") if "error" not in r else "out of memory"
                     if "out of memory" in r["error"] else r["error"][:40], f(_num(r, "peak_mem_gb"), ".1f"), speed,
                     f"{r.get('device', '?')}, {when(r)}"])
     return table(["model", "S", "system", "tokens/s", "peak GB", "ours / transformers", "device, commit, date"], out)
@@ -616,19 +625,26 @@ def _peers_report():
 
 def peers_table(rows: list[dict]) -> str:
     """The peers from their own code beside ours (``benchmarks/peers/report.py``, which reads the results files itself:
-    a ratio is taken within one file, one session); profiled steps left out. ``rows`` is not read."""
+    a ratio is taken within one file, one run group), the newest group of each model, length and GPUs; profiled steps
+    left out. ``rows`` is not read."""
+    module = _peers_report()
+    return "\n".join(module.table(module.records(), newest_only=True))
+
+
+def peers_all_table(rows: list[dict]) -> str:
+    """The peers table with every run group (docs/benchmarks-history.md); ``rows`` is not read."""
     module = _peers_report()
     return "\n".join(module.table(module.records()))
 
 
 def peers_longest_table(rows: list[dict]) -> str:
-    """The longest length each system trained per session, and what stopped the next (``benchmarks/peers/report.py``)."""
+    """The longest length each system trained per run group, and what stopped the next (``benchmarks/peers/report.py``)."""
     module = _peers_report()
     return "\n".join(module.longest(module.records()))
 
 
 TABLES: dict[str, Callable[[list[dict]], str]] = {
-    "peers": peers_table, "peers-longest": peers_longest_table,
+    "peers": peers_table, "peers-all": peers_all_table, "peers-longest": peers_longest_table,
     "hf-families-gpus": hf_families_gpus_table,
     "delta-rule": delta_rule_table,
     "hf-family": hf_family_table, "window": window_table, "finetune-one-gpu": finetune_table,
@@ -648,29 +664,33 @@ def render(doc: str, rows: list[dict]) -> str:
     def sub(m: re.Match) -> str:
         name = m[1]
         if name not in TABLES:
-            raise ValueError(f"docs/benchmarks.md names a generated table {name!r}; known: {', '.join(TABLES)}")
+            raise ValueError(f"a document names a generated table {name!r}; known: {', '.join(TABLES)}")
         return f"<!-- generated: {name} -->\n{TABLES[name](rows)}\n<!-- end: {name} -->"
     return re.sub(r"<!-- generated: ([\w-]+) -->.*?<!-- end: \1 -->", sub, doc, flags=re.S)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks tables", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is not what the records give")
-    ap.add_argument("--doc", default=DOC)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the docs' tables are not what the records give")
+    ap.add_argument("--doc", action="append", default=None,
+                    help=f"a document with generated tables (repeatable; default {DOC} and {HISTORY_DOC})")
     ap.add_argument("--results", default=RESULTS, help="glob of the record files")
     args = ap.parse_args(argv)
-    doc = open(args.doc).read()
-    new = render(doc, records(args.results))
-    if args.check:
+    rows, failed = records(args.results), 0
+    for path in args.doc or [DOC, HISTORY_DOC]:
+        doc = open(path).read()
+        new = render(doc, rows)
+        if args.check:
+            if new != doc:
+                print(f"{path}: generated tables differ from benchmarks/results; run `python -m benchmarks tables`")
+                failed = 1
+            else:
+                print(f"{path}: generated tables match the records")
+            continue
         if new != doc:
-            print(f"{args.doc}: generated tables differ from benchmarks/results; run `python -m benchmarks tables`")
-            return 1
-        print(f"{args.doc}: generated tables match the records")
-        return 0
-    if new != doc:
-        open(args.doc, "w").write(new)
-    print(f"{args.doc}: {len(re.findall('<!-- generated: ', new))} tables written")
-    return 0
+            open(path, "w").write(new)
+        print(f"{path}: {len(re.findall('<!-- generated: ', new))} tables written")
+    return failed
 
 
 # ---- attention="auto" replayed over every measured point (issue #7 item 4; no GPU) ------------------------

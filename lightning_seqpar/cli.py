@@ -1,7 +1,9 @@
 """The ``seqpar`` command: LightningCLI over :class:`~lightning_seqpar.CausalLMModule`.
 
-    seqpar fit --config recipes/quickstart.yaml
+    seqpar fit --config quickstart                        (a recipe shipped in the package, by name; a path works too)
     seqpar fit --config recipes/llama_gqa.yaml --trainer.max_steps 100
+    seqpar recipes                                        (the shipped recipes, one line each)
+    seqpar recipes cp llama_gqa [DEST]                    (a copy to edit: ./llama_gqa.yaml by default)
     seqpar validate --config recipes/quickstart.yaml --ckpt_path ...
     seqpar export CHECKPOINT OUTPUT --format hf           (lightning_seqpar.export; not a Trainer command)
     seqpar plan --model llama3-8b --seq 128K,1M --gpus 4,64 --gpu-memory H200   (what fits: lightning_seqpar.plan_command)
@@ -18,8 +20,10 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
+import shutil
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -147,6 +151,101 @@ def make_cli(args: Sequence[str] | None = None, **kwargs: Any) -> SeqparCLI:
     )
 
 
+# Note [Shipped recipes]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# The recipes are package data (lightning_seqpar/recipes/, the repository's recipes/ links to it), so
+# an installed wheel has them: `--config NAME` (or `--config recipes/NAME.yaml`, as the docs write it)
+# that names no file is read from the shipped recipe NAME, before LightningCLI parses the arguments; a
+# file that exists always wins. `seqpar recipes` lists them, each with the first line of its comment
+# (a one-line summary), and `seqpar recipes cp NAME [DEST]` copies one out for editing, as torchtune's
+# `tune ls` / `tune cp`.
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def recipe_names() -> list[str]:
+    """The shipped recipes by name: their path under :data:`RECIPES_DIR` without ``.yaml`` (``slurm/...`` included)."""
+    return sorted(p.relative_to(RECIPES_DIR).with_suffix("").as_posix() for p in RECIPES_DIR.rglob("*.yaml"))
+
+
+def recipe_summary(path: Path) -> str:
+    """A recipe's one-line summary: the first line of its leading comment."""
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip()
+            if text:
+                return text
+        elif line.strip():
+            break
+    return ""
+
+
+def recipe_path(value: str) -> Path | None:
+    """The shipped recipe ``value`` names (``NAME``, ``NAME.yaml`` or ``recipes/NAME.yaml``), or None."""
+    name = value.replace("\\", "/").removesuffix(".yaml").removesuffix(".yml")
+    name = name.removeprefix("./").removeprefix("recipes/")
+    return RECIPES_DIR / f"{name}.yaml" if name in recipe_names() else None
+
+
+def _looks_like_a_name(value: str) -> bool:
+    return re.fullmatch(r"[\w./\\-]+", value) is not None  # not inline YAML ("trainer: {...}")
+
+
+def resolve_recipe_args(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each ``--config`` / ``-c`` value that names no file but a shipped recipe replaced by its path
+    (Note [Shipped recipes]); a value that is neither raises a ValueError listing the closest recipe names."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg in ("--config", "-c") and i + 1 < len(out):
+            j, value, prefix = i + 1, out[i + 1], ""
+        elif arg.startswith("--config="):
+            j, value, prefix = i, arg.split("=", 1)[1], "--config="
+        else:
+            continue
+        if not value or Path(value).exists() or not _looks_like_a_name(value):
+            continue
+        shipped = recipe_path(value)
+        if shipped is None:
+            close = difflib.get_close_matches(Path(value).stem, recipe_names(), n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise ValueError(f"--config {value}: no such file and no shipped recipe of that name{hint} "
+                             "(`seqpar recipes` lists the shipped recipes)")
+        out[j] = prefix + str(shipped)
+    return out
+
+
+def recipes_main(argv: Sequence[str]) -> None:
+    """``seqpar recipes``: list the shipped recipes; ``seqpar recipes cp NAME [DEST]``: copy one out to edit."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="seqpar recipes", description="The recipes shipped in the package "
+                                 "(run one with `seqpar fit --config NAME`).")
+    sub = ap.add_subparsers(dest="command")
+    cp = sub.add_parser("cp", help="copy a recipe out for editing")
+    cp.add_argument("name", help="a recipe name, as `seqpar recipes` lists them")
+    cp.add_argument("dest", nargs="?", default=None, help="file or existing folder (default: ./NAME.yaml)")
+    cp.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
+    args = ap.parse_args(list(argv))
+    if args.command is None:
+        names = recipe_names()
+        width = max(map(len, names))
+        for name in names:
+            print(f"{name:<{width}}  {recipe_summary(RECIPES_DIR / f'{name}.yaml')}")
+        return
+    source = recipe_path(args.name)
+    if source is None:
+        close = difflib.get_close_matches(args.name, recipe_names(), n=3, cutoff=0.5)
+        ap.exit(2, f"seqpar recipes cp: no recipe named {args.name!r}"
+                   f"{'; did you mean ' + ' or '.join(close) + '?' if close else ''} (`seqpar recipes` lists them)\n")
+    dest = Path(args.dest) if args.dest is not None else Path(source.name)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists() and not args.force:
+        ap.exit(2, f"seqpar recipes cp: {dest} exists (--force overwrites it)\n")
+    shutil.copyfile(source, dest)
+    print(f"{dest}  (run it: seqpar fit --config {dest})")
+
+
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of the ``seqpar`` console script; ``seqpar export ...`` runs ``lightning_seqpar.export``."""
     argv = list(sys.argv[1:] if args is None else args)
@@ -165,7 +264,14 @@ def main(args: Sequence[str] | None = None) -> None:
 
         memory_main(argv[1:])
         return
-    make_cli(args)
+    if argv[:1] == ["recipes"]:
+        recipes_main(argv[1:])
+        return
+    try:
+        argv = resolve_recipe_args(argv)
+    except ValueError as err:
+        sys.exit(f"seqpar: {err}")
+    make_cli(argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -41,16 +41,42 @@ def test_short_calls_take_cudnn_over_flash_attention_4_where_it_is_exact(hopper,
     assert local.resolve_backend("fa4", torch.device("cpu"), torch.bfloat16, 64, cudnn_exact=True, seq_len=4096) == "fa4"  # named: kept
 
 
-def test_the_choice_is_logged_once_with_what_the_extra_gains(caplog):
-    local._LOGGED.clear()
+@pytest.fixture
+def fa4_loads(monkeypatch):
+    """Whether flash-attention 4 loads, as log_auto_backend asks it (fa4_interface); the log's memory emptied."""
+    monkeypatch.setattr(local, "_LOGGED", set())
+
+    def set_installed(installed: bool):
+        monkeypatch.setattr(local, "fa4_interface", lambda: object() if installed else None)
+    return set_installed
+
+
+def logged(caplog, *calls) -> list[str]:
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.seqpar"):
-        for _ in range(3):
-            local.log_auto_backend("cudnn", cudnn_exact=True)
-        local.log_auto_backend("fa4", cudnn_exact=True)
-    lines = [r.getMessage() for r in caplog.records]
+        for backend, kwargs in calls:
+            local.log_auto_backend(backend, **kwargs)
+    return [r.getMessage() for r in caplog.records if r.name == "lightning.pytorch.seqpar"]
+
+
+def test_the_choice_is_logged_once_with_the_install_hint_where_flash_attention_4_is_missing(caplog, fa4_loads):
+    fa4_loads(False)
+    lines = logged(caplog, *[("cudnn", dict(cudnn_exact=True, seq_len=4096))] * 3, ("flash", dict(cudnn_exact=False)))
     assert len(lines) == 2, lines
-    assert "runs cuDNN" in lines[0] and "lightning-seqpar[gpu]" in lines[0]
-    assert "runs flash-attention 4." in lines[1] and "[gpu]" not in lines[1]
+    assert "runs cuDNN" in lines[0] and "Install flash-attention 4" in lines[0] and "lightning-seqpar[gpu]" in lines[0]
+    assert "runs torch's flash-attention-2" in lines[1] and "not exact" in lines[1] and "lightning-seqpar[gpu]" in lines[1]
+
+
+def test_with_flash_attention_4_installed_the_log_says_why_another_kernel_runs_and_no_install_hint(caplog, fa4_loads):
+    """The `gpu` extra installed, a 4K call: cuDNN by design (cheaper per short call), not "install flash-attention 4"."""
+    fa4_loads(True)
+    lines = logged(caplog, ("cudnn", dict(cudnn_exact=True, seq_len=4096)), ("fa4", dict(cudnn_exact=True, seq_len=32768)),
+                   ("flash", dict(cudnn_exact=False, seq_len=32768)))
+    assert len(lines) == 3, lines
+    assert all("Install" not in line and "[gpu]" not in line for line in lines), lines
+    assert "runs cuDNN" in lines[0] and "flash-attention 4 is installed" in lines[0] and "4,096 here" in lines[0]
+    assert f"{local.FA4_MIN_TOKENS:,}" in lines[0] and "by design" in lines[0]
+    assert "runs flash-attention 4" in lines[1]
+    assert "runs torch's flash-attention-2" in lines[2] and "cannot run this call" in lines[2]
 
 
 def test_models_say_whether_cudnn_is_exact_for_them():

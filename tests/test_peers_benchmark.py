@@ -21,7 +21,7 @@ def test_the_peers_table_in_docs_is_the_records_table():
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     start = text.index("<!-- generated: peers -->\n") + len("<!-- generated: peers -->\n")
     end = text.index("<!-- end: peers -->")
-    assert text[start:end].strip().splitlines() == table(records()), "regenerate with python -m benchmarks.peers.report"
+    assert text[start:end].strip().splitlines() == table(records(), newest_only=True), "regenerate: python -m benchmarks tables"
     rows = records()
     assert {r["system"] for r in rows} >= {"seqpar", "torchtitan", "trl_cp", "deepspeed_alst"}
     assert all(r["gpu"] in ("H100", "H200") and r["commit"] and r["model"] and r["seq"] and r["gpus"] for r in rows)
@@ -98,7 +98,7 @@ def test_the_longest_lengths_table_walks_each_system_to_its_first_limit():
     from benchmarks.peers.report import longest
 
     def run(system, seq, status="ok", **extra):
-        return dict(system=system, model="qwen3-8b", seq=seq, gpus=4, gpu="H200", session="s", status=status, **extra)
+        return dict(system=system, model="qwen3-8b", seq=seq, gpus=4, gpu="H200", group="s", status=status, **extra)
 
     rows = [run("trl_cp", 262144), run("trl_cp", 524288), run("trl_cp", 655360, "oom: CUDA out of memory"),
             run("deepspeed_alst", 262144), run("deepspeed_alst", 393216, "timeout"),
@@ -111,9 +111,9 @@ def test_the_longest_lengths_table_walks_each_system_to_its_first_limit():
         "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | - | - | 655,360: oom | - |",
     ]
     assert longest([run("trl_cp", 131072), run("seqpar", 131072)])[2:] == []  # nobody met a limit at 128K: no rows
-    # a run for the longest (above 128K) shows its session; a row of packed documents is its own system, not a dense length
+    # a run for the longest (above 128K) shows its run group; a row of packed documents is its own system, not a dense length
     lines = longest([run("trl_cp", 524288), run("seqpar", 655360), run("seqpar", 1048576, documents=16),
-                     dict(run("seqpar", 262144), session="r")])  # an older session: below the newest, under its anchor
+                     dict(run("seqpar", 262144), group="r")])  # an older group: below the newest, under its anchor
     assert lines[2:] == [
         '| <a id="peers-longest-qwen3-8b-4"></a>qwen3-8b | 4 x H200 | s | seqpar | 655,360 | - | - | none tried | 1.25x |',
         "| qwen3-8b | 4 x H200 | s | seqpar (16 packed documents) | 1,048,576 | - | - | none tried | 2.00x |",
@@ -127,7 +127,7 @@ def test_the_longest_lengths_table_walks_each_system_to_its_first_limit():
 
 def test_packed_documents_count_attention_within_each_document():
     """MFU of a row cut into N packed documents counts causal attention over each document (S / N), not the row: the
-    Qwen3-8B 1M run with 16 documents read 3.40 before (session 20261127-5; its record is recounted and says so)."""
+    Qwen3-8B 1M run with 16 documents read 3.40 before (4 x H200, 2026-11-27, f752977; its record is recounted and says so)."""
     sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
     from common import SHAPES
 

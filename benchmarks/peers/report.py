@@ -1,8 +1,10 @@
 """The peers table of docs/benchmarks.md from the records (``python -m benchmarks.peers.report``).
 
 One row per run, grouped by model and length, each system's tokens/s/GPU as a ratio to the best peer's (the peers:
-torchtitan, trl_cp, deepspeed_alst) of the same model, length, GPU kind and count measured in the same session (one
-results file per session: a ratio never mixes machines). Profiled steps are left out (the profiler slows the step it
+torchtitan, trl_cp, deepspeed_alst) of the same model, length, GPU kind and count measured in the same run group (one
+results file per group: one machine, its runs one after the other; a ratio never mixes machines). A group is named
+by its file: ``20261127-9`` is ``benchmarks/results/20261127-nvidia-h200-x4-peers-9.json`` (date, then the
+group's number that day); the rows carry the GPU kind and the commit. Profiled steps are left out (the profiler slows the step it
 records), and so are A/B runs of ours with options forced against the defaults (``ab`` in the record: docs/benchmarks.md
 cites them in its text); failed runs stay in, with their status.
 """
@@ -26,9 +28,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def records(paths: list[str] | None = None) -> list[dict]:
     rows = []
     for path in paths or sorted(glob.glob(os.path.join(RESULTS, "*peers*.json"))):
-        session = os.path.basename(path).split("-nvidia")[0] + ("" if path.endswith("-peers.json") else
-                                                                 "-" + path.rsplit("-", 1)[-1].removesuffix(".json"))
-        rows += [dict(r, session=session) for r in json.load(open(path))
+        group = os.path.basename(path).split("-nvidia")[0] + ("" if path.endswith("-peers.json") else
+                                                               "-" + path.rsplit("-", 1)[-1].removesuffix(".json"))
+        rows += [dict(r, group=group) for r in json.load(open(path))
                  if r.get("bench") == "peers" and not r.get("profiled_step") and not r.get("ab")]
     return rows
 
@@ -65,12 +67,23 @@ def _settings(r: dict) -> str:
     return ", ".join(parts) if (chosen or by_hand or s.get("loss_chunk_size") or set_attention or s.get("kernel")) else "defaults"
 
 
-def table(rows: list[dict]) -> list[str]:
-    out = ["| model | S | GPUs | session | system | version | tokens/s/GPU | vs best peer | MFU | of bound | peak GB | settings | commit |",
+def group_order(group: str) -> tuple[str, int]:
+    """A run group's place in time: its date, then its number that day (``20261127`` before ``20261127-2``, ``-9`` before
+    ``-10``)."""
+    date, _, n = group.partition("-")
+    return date, int(n) if n.isdigit() else (0 if not n else -1)
+
+
+def table(rows: list[dict], newest_only: bool = False) -> list[str]:
+    """One row per run, grouped by model, length and GPUs, the newest group first; ``newest_only``: only the newest group
+    of each (the table of docs/benchmarks.md)."""
+    out = ["| model | S | GPUs | run group | system | version | tokens/s/GPU | vs best peer | MFU | of bound | peak GB | settings | commit |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"], r.get("session", "-"))  # noqa: E731
+    key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"], r.get("group", "-"))  # noqa: E731
     anchored = set()
-    keys = sorted(sorted({key(r) for r in rows}, key=lambda k: k[4], reverse=True), key=lambda k: k[:4])  # newest session first
+    keys = sorted(sorted({key(r) for r in rows}, key=lambda k: group_order(k[4]), reverse=True), key=lambda k: k[:4])  # newest first
+    if newest_only:  # the newest group of each model, length and GPUs; the older ones: the records, benchmarks-history.md
+        keys = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1][:4] != k[:4]]
     for k in keys:
         group = [r for r in rows if key(r) == k]
         peers = [r["tokens_per_s_per_gpu"] for r in group if r["system"] in PEERS and r.get("tokens_per_s_per_gpu")]
@@ -92,29 +105,29 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def longest(rows: list[dict]) -> list[str]:
-    """The longest length each system trained, per model, GPUs and session (issue #39: 2 optimizer steps within one
+    """The longest length each system trained, per model, GPUs and run group (issue #39: 2 optimizer steps within one
     10-minute run): its largest "ok" length and what stopped the next length it tried ("oom", "timeout", an error),
-    or "none tried" (then the length is a lower bound). A session appears once some system in it met a limit or
+    or "none tried" (then the length is a lower bound). A group appears once some system in it met a limit or
     trained a length above 128K (the speed rows' length: a run for the longest); a row cut into packed documents is
     its own system (``documents``: attention within each document, a shorter step than a dense row of that length); ours
-    as a ratio to the best peer's longest of that session, and in brackets the ratio that is sure (ours over the length
+    as a ratio to the best peer's longest of that group, and in brackets the ratio that is sure (ours over the length
     at which that peer failed: its longest lies below it). A failed run whose
     record names a ``defect`` of ours fixed since (a wrong estimate, not a limit of the method) is not a limit."""
-    out = ["| model | GPUs | session | system | longest S that trained | s per step there | peak GB there | the next length tried | ours / best peer |",
+    out = ["| model | GPUs | run group | system | longest S that trained | s per step there | peak GB there | the next length tried | ours / best peer |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     anchored = set()
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["gpus"], r["gpu"], r.get("session", "-")), {}).setdefault(_system(r), []).append(r)
-    newest_first = sorted(groups.items(), key=lambda kv: kv[0][3], reverse=True)
-    for (model, gpus, gpu, session), systems in sorted(newest_first, key=lambda kv: kv[0][:3]):  # sessions newest first
+        groups.setdefault((r["model"], r["gpus"], r["gpu"], r.get("group", "-")), {}).setdefault(_system(r), []).append(r)
+    newest_first = sorted(groups.items(), key=lambda kv: group_order(kv[0][3]), reverse=True)
+    for (model, gpus, gpu, group), systems in sorted(newest_first, key=lambda kv: kv[0][:3]):  # groups newest first
         bounds = _bounds(systems)
         there = {system: next((r for r in runs if r.get("status") == "ok" and r["seq"] == bounds[system][0]), {})
                  for system, runs in systems.items()}  # the run at each system's longest length
         if not _shown(bounds):
             continue
-        # one anchor per model and GPU count (the README links there, and its figures may come from any session of
-        # that model): on the newest session's first row, the model's rows of every session below it
+        # one anchor per model and GPU count (the README links there, and its figures may come from any group of
+        # that model): on the newest group's first row, the model's rows of every group below it
         anchor = f'<a id="peers-longest-{model}-{gpus}"></a>' if (model, gpus) not in anchored else ""
         if anchor:
             anchored.add((model, gpus))
@@ -127,7 +140,7 @@ def longest(rows: list[dict]) -> list[str]:
                 sure = f" (> {ok / peer[1]['seq']:.2f}x)" if peer[1] else ""  # longest is below the length that failed
                 ratio = f"{ok / peer[0]:.2f}x{sure}"
             step, peak = there[system].get("step_time_s"), there[system].get("peak_mem_gb")
-            out.append(f"| {anchor}{model} | {gpus} x {gpu} | {session} | {system} | {f'{ok:,}' if ok else '-'} | "
+            out.append(f"| {anchor}{model} | {gpus} x {gpu} | {group} | {system} | {f'{ok:,}' if ok else '-'} | "
                        f"{f'{step:.1f}' if step else '-'} | {f'{peak:.1f}' if peak else '-'} | {next_cell} | {ratio} |")
             anchor = ""
     return out
@@ -145,7 +158,7 @@ def _bounds(systems: dict[str, list[dict]]) -> dict[str, tuple[int | None, dict 
 
 
 def _shown(bounds: dict[str, tuple[int | None, dict | None]]) -> bool:
-    """A session's group is a longest-length table row set once a system met a limit or trained above 128K."""
+    """A run group's rows are a longest-length table row set once a system met a limit or trained above 128K."""
     return any(stop is not None or (ok or 0) > 131072 for ok, stop in bounds.values())
 
 

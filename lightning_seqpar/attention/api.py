@@ -738,7 +738,7 @@ class Attention(nn.Module):
         if self.backend != "auto" or q.device.type != "cuda":
             return self.backend
         backend = resolve_backend("auto", q.device, q.dtype, q.shape[-1], cudnn_exact=self.cudnn_exact, seq_len=q.shape[1])
-        log_auto_backend(backend, cudnn_exact=self.cudnn_exact)
+        log_auto_backend(backend, cudnn_exact=self.cudnn_exact, seq_len=q.shape[1])
         return backend
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None, *, window: int | None = None,

@@ -169,10 +169,33 @@ def auto_backends_run() -> list[str]:
     return sorted({kernel for kernel, _ in _LOGGED})
 
 
-def log_auto_backend(backend: str, *, cudnn_exact: bool) -> None:
-    """Say once per process (rank zero) which kernel ``backend="auto"`` runs and what flash-attention 4 would
-    gain (Note [Choosing the local kernel]). Logged through Lightning's logger ("lightning.pytorch.seqpar"),
-    whose handler a Trainer run shows."""
+def auto_backend_message(backend: str, *, cudnn_exact: bool, fa4_installed: bool, seq_len: int | None = None) -> str:
+    """What ``backend="auto"`` runs and why (Note [Choosing the local kernel]); the install hint of the ``gpu`` extra
+    only where flash-attention 4 does not load. ``seq_len``: the call's local query tokens, None if unknown."""
+    if backend == "fa4":
+        return "attention_backend='auto' runs flash-attention 4, the fastest exact kernel here."
+    if backend == "cudnn":
+        what = "cuDNN (this model's rotary embedding is full, so its gradients are exact)"
+    elif backend == "flash":
+        what = "torch's flash-attention-2" + ("" if cudnn_exact else " (cuDNN's backward is not exact for models with "
+                                              "partial rotary embeddings or recurrent layers)")
+    else:
+        what = backend
+    if not fa4_installed:
+        why = (" Install flash-attention 4, the fastest exact kernel (pip install 'lightning-seqpar[gpu]'; measured 1.18x "
+               "plain transformers at 32K on one H100, Llama-3.2-1B shape).")
+    elif backend == "cudnn" and seq_len is not None and seq_len < FA4_MIN_TOKENS:
+        why = (f" flash-attention 4 is installed: a call of fewer than {FA4_MIN_TOKENS:,} query tokens "
+               f"({seq_len:,} here) costs less with cuDNN, by design; calls from {FA4_MIN_TOKENS:,} tokens run flash-attention 4.")
+    else:
+        why = " flash-attention 4 is installed but cannot run this call (it needs compute capability 9.x / 10.x, bf16 / fp16, and a head dim it takes)."
+    return f"attention_backend='auto' runs {what}.{why} (Note [Choosing the local kernel])"
+
+
+def log_auto_backend(backend: str, *, cudnn_exact: bool, seq_len: int | None = None) -> None:
+    """Say once per process (rank zero) which kernel ``backend="auto"`` runs and why, with the install hint of the
+    ``gpu`` extra only where flash-attention 4 does not load (:func:`auto_backend_message`). Logged through
+    Lightning's logger ("lightning.pytorch.seqpar"), whose handler a Trainer run shows."""
     key = (backend, cudnn_exact)
     if key in _LOGGED:
         return
@@ -183,14 +206,8 @@ def log_auto_backend(backend: str, *, cudnn_exact: bool) -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    why = {"fa4": "flash-attention 4",
-           "cudnn": "cuDNN (this model's rotary embedding is full, so its gradients are exact)",
-           "flash": "torch's flash-attention-2" + ("" if cudnn_exact else " (cuDNN's backward is not exact for models with "
-                                                   "partial rotary embeddings or recurrent layers; Note [Choosing the local kernel])")}
-    gain = "" if backend == "fa4" else (" Install flash-attention 4, the fastest exact kernel (pip install "
-                                        "'lightning-seqpar[gpu]'; measured 1.18x plain transformers at 32K on one H100, "
-                                        "Llama-3.2-1B shape).")
-    logging.getLogger("lightning.pytorch.seqpar").info(f"attention_backend='auto' runs {why.get(backend, backend)}.{gain}")
+    message = auto_backend_message(backend, cudnn_exact=cudnn_exact, fa4_installed=fa4_interface() is not None, seq_len=seq_len)
+    logging.getLogger("lightning.pytorch.seqpar").info(message)
 
 
 def acc_dtype(dtype: torch.dtype, device: torch.device | str | None = None) -> torch.dtype:
