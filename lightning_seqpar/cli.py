@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import lightning
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_seqpar.strategy  # noqa: F401 - registers the "seqpar*" strategy names
@@ -141,14 +142,42 @@ class SeqparCLI(LightningCLI):
 def make_cli(args: Sequence[str] | None = None, **kwargs: Any) -> SeqparCLI:
     """Build (and by default run) the CLI; ``args`` replaces ``sys.argv[1:]``; ``kwargs`` go to LightningCLI."""
     kwargs.setdefault("parser_class", SeqparArgumentParser)
+    own = names_a_module_class(sys.argv[1:] if args is None else args)
     return SeqparCLI(
-        CausalLMModule,
+        lightning.LightningModule if own else CausalLMModule,  # Note [A recipe of your own LightningModule]
+        subclass_mode_model=own,
         datamodule_class=None,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         args=list(args) if args is not None else None,
         **kwargs,
     )
+
+
+# Note [A recipe of your own LightningModule]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A recipe's ``model:`` is CausalLMModule's arguments. A recipe whose ``model:`` has a ``class_path`` names another
+# LightningModule instead (``lightning_seqpar.litgpt.LitGPTModule``, or a module of the user's own whose blocks call
+# ``F.scaled_dot_product_attention``: docs/own_model.md), with its ``init_args``; the CLI then takes the model in
+# LightningCLI's subclass mode, and everything else of the recipe (trainer, strategy, data) reads as before.
+
+
+def names_a_module_class(argv: Sequence[str]) -> bool:
+    """Whether a ``--config`` file of ``argv`` gives ``model.class_path`` (Note [A recipe of your own LightningModule])."""
+    import yaml
+
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg in ("--config", "-c") and i + 1 < len(argv) else arg.split("=", 1)[1] if arg.startswith("--config=") else None
+        if value is None or not Path(value).is_file():
+            continue
+        try:
+            config = yaml.safe_load(Path(value).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        model = config.get("model") if isinstance(config, dict) else None
+        if isinstance(model, dict) and "class_path" in model:
+            return True
+    return any(a.startswith("--model.class_path") or a.startswith("--model=") for a in argv)
 
 
 # Note [Shipped recipes]

@@ -32,10 +32,14 @@ def parse(args: list[str]):
 
 
 def _make(args: list[str]):
+    import lightning
+
+    from lightning_seqpar.cli import names_a_module_class
     from lightning_seqpar.module import CausalLMModule
 
-    return ParseOnlyCLI(CausalLMModule, datamodule_class=None, subclass_mode_data=True,
-                        save_config_kwargs={"overwrite": True}, args=args)
+    own = names_a_module_class(args)  # a recipe of another LightningModule (LitGPTModule): subclass mode, as the CLI
+    return ParseOnlyCLI(lightning.LightningModule if own else CausalLMModule, subclass_mode_model=own, datamodule_class=None,
+                        subclass_mode_data=True, save_config_kwargs={"overwrite": True}, args=args)
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +53,8 @@ def test_there_are_recipes():
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_parses(recipe):
+    if recipe.name.startswith("litgpt"):
+        pytest.importorskip("litgpt")
     config = parse(["fit", "--config", str(recipe)]).fit
     strategy = config.trainer.strategy
     assert strategy.class_path == "lightning_seqpar.SequenceParallelStrategy"
