@@ -186,9 +186,8 @@ class CausalLMModule(L.LightningModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        options = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, warmup_steps=warmup_steps, max_steps=max_steps,
-                       min_lr_ratio=min_lr_ratio, loss_chunk_size=loss_chunk_size, init_seed=init_seed,
-                       bits_per_character=bits_per_character, hf_save_dir=hf_save_dir, fused_optimizer=fused_optimizer)
+        hints = option_hints(CausalLMModule)  # every argument but those with rules of their own
+        options = {k: v for k, v in locals().items() if k in hints and k not in ("model", "lora", "config_overrides")}
         check_options(options, option_hints(CausalLMModule), owner=name, ranges=self.option_ranges)
         original = model
         self._window: list[torch.Tensor] | None = None  # (N_ref, the count so far): Note [Loss under gradient accumulation]

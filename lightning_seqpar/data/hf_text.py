@@ -70,7 +70,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import numpy as np
@@ -79,6 +79,7 @@ from torch.utils.data import Dataset
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_seqpar.checks import ANY, AT_LEAST_ONE, NON_NEGATIVE, Range, check_options, check_ranges, option_hints
 from lightning_seqpar.data.loaders import FileSplitLoaders
 from lightning_seqpar.loss import IGNORE_INDEX
 
@@ -288,6 +289,13 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
         cache_dir: ``datasets`` cache folder (default: ``HF_DATASETS_CACHE``).
     """
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        "seq_len": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE, "min_doc_tokens": AT_LEAST_ONE,
+        "long_doc_ratio": Range(low=0, high=1, low_open=True), "samples_per_epoch": AT_LEAST_ONE, "val_samples": AT_LEAST_ONE,
+        "num_workers": NON_NEGATIVE, "num_proc": AT_LEAST_ONE, "seed": ANY,
+    }
+    """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __init__(
         self,
         *,
@@ -311,6 +319,8 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
         cache_dir: str | None = None,
     ) -> None:
         super().__init__()
+        values = {k: v for k, v in locals().items() if k in option_hints(HFTextDataModule)}  # every argument
+        check_options(values, option_hints(HFTextDataModule), owner=type(self).__name__)  # types, finite numbers (ranges: below)
         name = type(self).__name__
         for arg, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -333,6 +343,7 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
             if isinstance(long_doc_ratio, bool) or not isinstance(long_doc_ratio, (int, float)) or not 0 < long_doc_ratio <= 1:
                 raise ValueError(f"{name}: long_doc_ratio must be a fraction in (0, 1] of the training tokens from long documents, "
                                  f"got {long_doc_ratio!r}")
+        check_ranges(values, self.option_ranges, owner=type(self).__name__)
         self.save_hyperparameters()
         self.train_files, self.val_files, self.tokenizer_path = train_files, val_files, tokenizer_path
         self.seq_len, self.batch_size, self.data_format, self.text_field = seq_len, batch_size, data_format, text_field
