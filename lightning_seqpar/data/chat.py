@@ -88,9 +88,16 @@ def _check_messages(messages: Any) -> str | None:
     for message in messages:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             return "a message without string role and content"
+    for message in messages:  # "Assistant" would be rendered, never trained (only "assistant" turns are)
+        role = message["role"]
+        if role != role.strip().lower() and role.strip().lower() in _STANDARD_ROLES:
+            return f"a role {role!r} that is not {role.strip().lower()!r} (roles are case-sensitive)"
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"
     return None
+
+
+_STANDARD_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], *, chat_template: str | None = None) -> Conversation:

@@ -240,7 +240,21 @@ def _files(spec: str | Sequence[str]) -> list[str]:
         if not matched:
             raise ValueError(f"no data file matches {pattern!r}")
         files.extend(f for f in matched if os.path.isfile(f))
+    empty = [f for f in files if _is_empty(f)]
+    if empty:
+        raise ValueError(f"the data file{'s' if len(empty) > 1 else ''} {empty[:5]} hold{'' if len(empty) > 1 else 's'} no document "
+                         f"(empty, or only blank lines); remove {'them' if len(empty) > 1 else 'it'} or give the files with the text")
     return files
+
+
+def _is_empty(path: str) -> bool:
+    """A file with nothing but whitespace (``datasets`` ends in a bare ``StopIteration`` on an empty .jsonl)."""
+    if os.path.getsize(path) == 0:
+        return True
+    if os.path.splitext(path)[1].lower() == ".parquet":
+        return False
+    with open(path, "rb") as f:
+        return not any(line.strip() for line in f)
 
 
 def _builder(files: list[str], data_format: str) -> str:
