@@ -87,7 +87,7 @@ def _check_positive(**values: int) -> None:
 
 
 def _check_dtype(dtype: str) -> np.dtype:
-    if dtype not in TOKEN_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TOKEN_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(TOKEN_DTYPES)}")
     return np.dtype(TOKEN_DTYPES[dtype])
 
