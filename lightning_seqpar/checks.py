@@ -208,7 +208,8 @@ def check_options(values: Mapping[str, Any], hints: Mapping[str, Any], *, owner:
             if all(typing.get_origin(m) is Literal or m is type(None) for m in members):
                 choices = tuple(c for m in members for c in (typing.get_args(m) if m is not type(None) else (None,)))
                 raise ValueError(f"{owner}: {name}={value!r} is not supported; expected one of {choices}")
-            expected = " or ".join(dict.fromkeys(_describe(m) for m in members))
+            words = list(dict.fromkeys(w for m in members for w in (("True", "False") if m is bool else (_describe(m),))))
+            expected = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
             raise ValueError(f"{owner}: {name} must be {expected}, got {value!r} ({type(value).__name__})")
         if _non_finite(value):
             raise ValueError(f"{owner}: {name} must be finite, got {value!r}")

@@ -96,7 +96,7 @@ def resolve_model(text: str) -> ModelShape:
 
 def _memory_setting(ap: argparse.ArgumentParser, args: argparse.Namespace, gpu_memory: float) -> MemorySetting:
     if args.host_memory is not None and not (math.isfinite(args.host_memory) and args.host_memory > 0):
-        ap.error(f"--host-memory: expected a finite number of GB > 0, got {args.host_memory}")
+        ap.error(f"--host-memory: expected GB > 0 (a finite number), got {args.host_memory}")
     if args.precision not in PARAM_BYTES:
         ap.error(f"--precision: {args.precision!r} is not one of the Trainer precisions the planner models: "
                  f"{', '.join(sorted(PARAM_BYTES))}")
