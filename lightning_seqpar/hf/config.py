@@ -377,9 +377,11 @@ def _check_rope_numbers(config: PretrainedConfig, params: Mapping[str, Any], rop
                                  f"frequency: 0 makes it infinite, a negative one turns the rotation backwards); entries "
                                  f"{[i for i, _ in bad][:8]} are {[f for _, f in bad][:8]}")
             continue
-        if value is None or isinstance(value, (str, list, tuple, dict)):
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if key in _ROPE_RANGES and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{label}: rope_parameters[{key!r}] must be a finite number, got {value!r} ({type(value).__name__})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # a type name, a flag (mrope_interleaved), a list (mrope_section), None: transformers' own checks
+        if not math.isfinite(value):
             raise ValueError(f"{label}: rope_parameters[{key!r}] must be a finite number, got {value!r}")
         if key in _ROPE_RANGES:
             low, strict = _ROPE_RANGES[key]
