@@ -296,15 +296,14 @@ def load_model_state_dict(path: str | os.PathLike, *, owner: str = "export") -> 
 
 def check_module_checkpoint(meta: Any, path: str | os.PathLike, *, owner: str = "export",
                             state_keys: Any = None) -> None:
-    """Refuse, naming ``path``, what is not a Lightning checkpoint of ``CausalLMModule`` (an arbitrary ``torch.save``
-    dict): ``meta`` (the checkpoint without its tensors, :func:`load_meta`) must hold Lightning's version and the module's
-    ``hyper_parameters['model']``; ``state_keys`` (the model state dict's keys, where read) must sit under ``model.``."""
+    """Refuse, naming ``path``, what is not a checkpoint of ``CausalLMModule`` (an arbitrary ``torch.save`` dict):
+    ``meta`` (the checkpoint without its tensors, :func:`load_meta`) must hold the module's ``hyper_parameters['model']``
+    (the model's config, which an export rebuilds the model from); ``state_keys`` (the model state dict's keys, where
+    read) must sit under ``model.``."""
     problems = []
     if not isinstance(meta, dict):
         problems.append(f"it holds a {type(meta).__name__}, not a checkpoint dict")
     else:
-        if "pytorch-lightning_version" not in meta:
-            problems.append("it has no 'pytorch-lightning_version' (Lightning writes one into every checkpoint)")
         hparams = meta.get("hyper_parameters")
         if not isinstance(hparams, dict) or "model" not in hparams:
             problems.append("its hyper_parameters have no 'model' (CausalLMModule saves the model's config there)")
@@ -313,7 +312,7 @@ def check_module_checkpoint(meta: Any, path: str | os.PathLike, *, owner: str = 
         if outside:
             problems.append(f"its state_dict has keys outside 'model.' ({outside[:3]})")
     if problems:
-        raise ValueError(f"{owner}: {str(path)!r} is not a checkpoint of CausalLMModule written by Lightning: {'; '.join(problems)}. "
+        raise ValueError(f"{owner}: {str(path)!r} is not a checkpoint of CausalLMModule: {'; '.join(problems)}. "
                          "Export a checkpoint that a run of CausalLMModule saved (a .ckpt folder of shards or file)")
 
 

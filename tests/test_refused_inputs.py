@@ -206,7 +206,7 @@ def test_a_checkpoint_that_is_not_ours_is_refused(tmp_path):
 
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(4)}, "global_step": 3}, foreign)
-    match = r"'.*foreign.ckpt' is not a checkpoint of CausalLMModule written by Lightning: it has no 'pytorch-lightning_version'"
+    match = r"'.*foreign.ckpt' is not a checkpoint of CausalLMModule: its hyper_parameters have no 'model'"
     with pytest.raises(ValueError, match=match):
         export_consolidated(foreign, tmp_path / "out.ckpt")
     with pytest.raises(ValueError, match=match):
