@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import types
 import typing
@@ -138,10 +139,10 @@ def _matches(value: Any, hint: Any) -> bool:
         return value is None
     if hint is bool:
         return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is int:  # numpy's integers too
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, (str, os.PathLike))  # a path given as a pathlib.Path
     origin = typing.get_origin(hint)
@@ -187,7 +188,7 @@ def _describe(hint: Any) -> str:
 
 
 def _non_finite(value: Any) -> bool:
-    if isinstance(value, float):
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
         return not math.isfinite(value)
     if isinstance(value, (tuple, list)):
         return any(_non_finite(v) for v in value)
@@ -226,5 +227,5 @@ def check_ranges(values: Mapping[str, Any], ranges: Mapping[str, Range] | None, 
         value = values[name]
         entries = value if isinstance(value, (tuple, list)) else (value,)
         for entry in entries:
-            if isinstance(entry, (int, float)) and not isinstance(entry, bool) and (not math.isfinite(entry) or entry not in within):
+            if isinstance(entry, numbers.Real) and not isinstance(entry, bool) and (not math.isfinite(entry) or entry not in within):
                 raise ValueError(f"{owner}: {name} must be {within.describe()}, got {value!r}")
