@@ -36,8 +36,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-__all__ = ["ANY", "AT_LEAST_ONE", "FRACTION", "NON_NEGATIVE", "POSITIVE", "Range", "check_bool", "check_number",
-           "check_options", "check_ranges", "option_hints", "option_values"]
+__all__ = ["ANY", "AT_LEAST_ONE", "FRACTION", "NON_NEGATIVE", "POSITIVE", "Range", "check_options", "check_ranges",
+           "option_hints", "option_values"]
 
 
 @dataclass(frozen=True)
@@ -73,31 +73,6 @@ POSITIVE = Range(low=0, low_open=True)
 NON_NEGATIVE = Range(low=0)
 AT_LEAST_ONE = Range(low=1)
 FRACTION = Range(low=0, high=1)
-
-
-def _prefix(owner: str | None) -> str:
-    return f"{owner}: " if owner else ""
-
-
-def check_bool(value: Any, name: str, *, owner: str | None = None, optional: bool = False) -> None:
-    """``value`` is True or False (or None where ``optional``); a string such as "no" is refused, not taken as True."""
-    if isinstance(value, bool) or (optional and value is None):
-        return
-    raise ValueError(f"{_prefix(owner)}{name} must be True or False{' or None' if optional else ''}, got {value!r} "
-                     f"({type(value).__name__})")
-
-
-def check_number(value: Any, name: str, *, owner: str | None = None, within: Range = ANY, integer: bool = False,
-                 optional: bool = False) -> None:
-    """``value`` is a finite number (an int where ``integer``; never a bool) in ``within``; None where ``optional``."""
-    if optional and value is None:
-        return
-    kind = "an int" if integer else "a finite number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise ValueError(f"{_prefix(owner)}{name} must be {kind}{'' if within == ANY else ' ' + within.describe()}"
-                         f"{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value not in within:
-        raise ValueError(f"{_prefix(owner)}{name} must be {kind} {within.describe()}{' or None' if optional else ''}, got {value!r}")
 
 
 @functools.lru_cache(maxsize=None)
