@@ -42,6 +42,20 @@ def test_non_finite_options_and_strings_for_bools_are_refused(kwargs, match):
         LlamaConfig.from_name("tiny", tie_embeddings="no")
 
 
+def test_a_recipe_given_a_nan_option_ends_before_training(tmp_path, monkeypatch):
+    """``seqpar fit --config recipes/quickstart.yaml --model.weight_decay .nan`` trained NaN parameters with exit code 0."""
+    import sys
+
+    from lightning_seqpar.cli import main
+
+    recipe = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["seqpar"])
+    with pytest.raises(ValueError, match="CausalLMModule: weight_decay must be finite, got nan"):
+        main(["fit", "--config", str(recipe), "--model.weight_decay", ".nan", "--trainer.devices=1",
+              "--trainer.strategy.init_args.sequence_parallel_size=1", "--trainer.max_steps=1"])
+
+
 @pytest.mark.parametrize("fields, match", [
     ({"rope_type": "longrope", "long_factor": [2.0, 0.0, 3.0, 3.5]}, r"every entry of rope_parameters\['long_factor'\] must be a finite number > 0.*\[1\]"),
     ({"rope_type": "longrope", "long_factor": [2.0, -2.5, 3.0, 3.5]}, r"rope_parameters\['long_factor'\].*entries \[1\] are \[-2.5\]"),
