@@ -2,9 +2,8 @@
 on NaN, a string taken as a bool or a number out of its range (Note [Checking options by their types] in
 ``lightning_seqpar.checks``).
 
-The surface is FOUND, not listed: every public class of ``lightning_seqpar``, ``lightning_seqpar.config``,
-``lightning_seqpar.models`` and ``lightning_seqpar.data`` that is a config dataclass, a LightningModule or a
-LightningDataModule. Its options and their types come from its annotations, its ranges from its ``option_ranges``
+The surface is FOUND, not listed: every public class defined in a module of ``lightning_seqpar`` that is a config
+dataclass (``...Config``), a LightningModule or a LightningDataModule. Its options and their types come from its annotations, its ranges from its ``option_ranges``
 table; a class found without a table, or a numeric option without a range, fails here. So an option added later is
 fuzzed without anyone remembering to. Only objects are constructed: no training, no process, no file read.
 
@@ -17,9 +16,11 @@ it: e.g. ``attention_backend="no"``); every other value must raise a ValueError 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import math
 import os
+import pkgutil
 import types
 import typing
 from typing import Any, Literal, Union
@@ -28,9 +29,6 @@ import lightning as L
 import pytest
 
 import lightning_seqpar
-import lightning_seqpar.config
-import lightning_seqpar.data
-import lightning_seqpar.models
 from lightning_seqpar.checks import Range, option_hints
 
 REQUIRED: dict[str, dict[str, Any]] = {
@@ -48,18 +46,24 @@ OWN_RULES: dict[str, set[str]] = {
 }
 """Options checked by rules of their own, not by their annotation (tests/test_refused_inputs.py, test_context_extension.py)."""
 
-NOT_OPTIONS = {"SequenceParallelStrategy"}  # its options are StrategyConfig's (fuzzed); the rest are Lightning's plugins
-CONFIG_MODULES = (lightning_seqpar, lightning_seqpar.config, lightning_seqpar.models, lightning_seqpar.data)
+DEPRECATED_PATHS = {"lightning_seqpar.lora", "lightning_seqpar.hf_hybrid", "lightning_seqpar.hf_support"}  # re-exports
 
 
 def _surfaces() -> list[type]:
+    """Every public config dataclass (``...Config``), LightningModule and LightningDataModule defined in a module of the
+    package (all of them are imported: a module added later is searched too)."""
     found: dict[str, type] = {}
-    for module in CONFIG_MODULES:
-        for name in getattr(module, "__all__", []):
-            obj = getattr(module, name)
-            if not isinstance(obj, type) or name in NOT_OPTIONS:
+    for info in pkgutil.walk_packages(lightning_seqpar.__path__, "lightning_seqpar."):
+        if info.name in DEPRECATED_PATHS:
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional dependency that is not installed (its options are fuzzed where it is)
+            continue
+        for name, obj in vars(module).items():
+            if name.startswith("_") or not isinstance(obj, type) or obj.__module__ != module.__name__:
                 continue
-            is_config = dataclasses.is_dataclass(obj) and (name.endswith("Config") and "HF" not in name)
+            is_config = dataclasses.is_dataclass(obj) and name.endswith("Config")
             if is_config or issubclass(obj, (L.LightningModule, L.LightningDataModule)):
                 found[name] = obj
     return sorted(found.values(), key=lambda c: c.__name__)
