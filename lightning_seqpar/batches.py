@@ -17,7 +17,8 @@ A mistake in a batch must end the run with a message, never with a hang. Two kin
 * :func:`check_same_batch` is the one check that needs the other ranks: all ranks of a
   sequence-parallel group must hold the SAME full sequences, or each would shard a different
   sequence and attention would silently mix them. Every rank all-gathers a few integers
-  (batch size, length, dtype code and two fingerprints of its ids and labels) over all ranks,
+  (batch size, length, dtype code and fingerprints of its ids, labels, positions, document ids,
+  attention mask and any other tensor of the sequence's length) over all ranks,
   and every rank then finds the same disagreement and raises the same error, naming the ranks.
   Nobody waits in a collective that the others skip.
 """
@@ -42,7 +43,7 @@ __all__ = ["batch_summary", "check_batch", "check_same_batch", "gather_sequence"
 
 # --------------------------------------------------------------------------------------------- checks
 
-_INTEGER_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids")
+_INTEGER_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids", "document_ids")
 _DTYPE_CODES: dict[torch.dtype, int] = {
     dtype: code
     for code, dtype in enumerate(
@@ -55,7 +56,7 @@ def check_batch(batch: Any, *, owner: str) -> None:
     """Raise a ValueError naming the key and the fix for a batch the strategy cannot shard correctly.
 
     Local: no communication. Checks that ``batch`` is a mapping with a (batch, seq_len) integer
-    ``input_ids``; that ``labels`` and ``position_ids`` (when present) are integer tensors of the
+    ``input_ids``; that ``labels``, ``position_ids`` and ``document_ids`` (when present) are integer tensors of the
     same length (``position_ids`` may have batch size 1); and that an ``attention_mask`` is a
     (batch, seq_len) right-padding mask (ones, then zeros) whose padded positions carry ignored
     labels: the sequence-parallel attention is causal over the whole sequence and supports no
@@ -96,6 +97,12 @@ def check_batch(batch: Any, *, owner: str) -> None:
             f"{owner}: batch['position_ids'] has shape {tuple(positions.shape)}; expected ({batch_size}, {seq_len}) or "
             f"(1, {seq_len}), the global position of every input token"
         )
+    documents = batch.get("document_ids")
+    if documents is not None and tuple(documents.shape) != (batch_size, seq_len):
+        raise ValueError(
+            f"{owner}: batch['document_ids'] has shape {tuple(documents.shape)}; expected ({batch_size}, {seq_len}) (the shape "
+            "of input_ids): the document of every input token"
+        )
     mask = batch.get("attention_mask")
     if mask is not None:
         _check_attention_mask(mask, labels, batch_size=batch_size, seq_len=seq_len, owner=owner)
@@ -125,29 +132,58 @@ def _check_attention_mask(mask: Any, labels: torch.Tensor | None, *, batch_size:
         )
 
 
-def batch_summary(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """int64 (5,): batch size, sequence length, dtype code of the ids, fingerprints of ids and labels.
+_SHARED_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids", "document_ids", "attention_mask")
+"""The per-token tensors :func:`batch_summary` fingerprints by name (every other one of the batch's sequence length is
+fingerprinted too, together, in one more column)."""
+_SUMMARY_COLUMNS: tuple[str, ...] = ("batch size", "sequence length", "input_ids dtype", *_SHARED_KEYS,
+                                     "other per-token tensors")
+_ABSENT = -(2**62)  # the fingerprint of a key the batch does not hold
 
-    The fingerprints are position-weighted sums (wrapping int64 arithmetic), so a different
-    sample or a permutation of the same tokens changes them.
+
+def _fingerprint(value: torch.Tensor, salt: int = 0) -> torch.Tensor:
+    """int64 (): a position-weighted sum of the tensor's values (bit patterns for floats; wrapping int64 arithmetic),
+    so that another value, a permutation or another dtype changes it."""
+    flat = value.detach().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.float().view(torch.int32)  # the bits: exact, NaN included
+    elif flat.is_complex():
+        flat = torch.view_as_real(flat).float().reshape(-1).view(torch.int32)
+    flat = flat.to(torch.int64)
+    weights = (torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 2654435761 + salt) % (2**31 - 1)
+    code = _DTYPE_CODES.get(value.dtype, -1)
+    return (flat * weights).sum() + code * 1000003 + hash(tuple(value.shape)) % (2**31)
+
+
+def batch_summary(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """int64 (9,): batch size, sequence length, dtype code of the ids, and fingerprints of every per-token tensor the
+    sequence-parallel ranks share: ``input_ids``, ``labels``, ``position_ids``, ``document_ids``, ``attention_mask``
+    (:data:`_ABSENT` where the batch has none), and all other tensors of the batch's sequence length together (a loss
+    mask, ``document_position_ids``, ...: their names are part of the fingerprint).
+
+    The fingerprints are position-weighted sums (wrapping int64 arithmetic) of the values (of their bits for floating
+    tensors), so a different sample, a permutation of the same tokens or another dtype or shape changes them.
     """
     input_ids = batch["input_ids"]
     batch_size, seq_len = input_ids.shape
-    weights = (torch.arange(1, batch_size * seq_len + 1, device=input_ids.device, dtype=torch.int64) * 2654435761) % (2**31 - 1)
-    weights = weights.view(batch_size, seq_len)
-    labels = batch.get("labels")
-    ids_print = (input_ids.to(torch.int64) * weights).sum()
-    labels_print = (labels.to(torch.int64) * weights).sum() if labels is not None else torch.zeros((), dtype=torch.int64, device=input_ids.device)
-    head = torch.tensor([batch_size, seq_len, _DTYPE_CODES.get(input_ids.dtype, -1)], dtype=torch.int64, device=input_ids.device)
-    return torch.cat([head, ids_print.view(1), labels_print.view(1)])
+    device = input_ids.device
+    head = torch.tensor([batch_size, seq_len, _DTYPE_CODES.get(input_ids.dtype, -1)], dtype=torch.int64, device=device)
+    absent = torch.full((), _ABSENT, dtype=torch.int64, device=device)
+    named = [_fingerprint(batch[k]) if isinstance(batch.get(k), torch.Tensor) else absent for k in _SHARED_KEYS]
+    others = absent.clone()
+    for index, key in enumerate(sorted(k for k in batch if k not in _SHARED_KEYS and isinstance(k, str))):
+        value = batch[key]
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == seq_len:
+            others = others + _fingerprint(value.to(device), salt=index) + sum(map(ord, key)) * (index + 1)
+    return torch.stack([*head, *(n.to(device) for n in named), others])
 
 
 def check_same_batch(batch: Mapping[str, torch.Tensor], *, groups: Sequence[Sequence[int]], owner: str) -> None:
     """All-gather :func:`batch_summary` over the default group; raise on every rank if the ranks of
     any group in ``groups`` (lists of global ranks: the sequence-parallel groups) disagree.
 
-    Collective (one all-gather of 5 integers per rank): every rank must call it. The error names
-    the ranks whose batch differs from the first rank of their group.
+    Collective (one all-gather of 9 integers per rank): every rank must call it. The error names
+    the ranks whose batch differs from the first rank of their group, and what differs (the shapes,
+    the dtypes, the tokens -- ids or labels --, or the key of another per-token tensor: ``document_ids``, ...).
     """
     summary = batch_summary(batch)
     world = dist.get_world_size()
@@ -159,15 +195,20 @@ def check_same_batch(batch: Mapping[str, torch.Tensor], *, groups: Sequence[Sequ
         differ = [r for r in group if rows[r] != first]
         if not differ:
             continue
-        what = "shapes" if any(rows[r][:2] != first[:2] for r in differ) else (
-            "dtypes" if any(rows[r][2] != first[2] for r in differ) else "tokens")
+        column = min(c for r in differ for c in range(len(first)) if rows[r][c] != first[c])
+        name = _SUMMARY_COLUMNS[column]
+        what = "shapes" if column < 2 else "dtypes" if column == 2 else "tokens" if name in ("input_ids", "labels") else name
         details = ", ".join(f"rank {r}: input_ids {tuple(rows[r][:2])}" for r in [group[0], *differ])
+        if what not in ("shapes", "dtypes", "tokens"):
+            missing = any((rows[r][column] == _ABSENT) != (first[column] == _ABSENT) for r in differ)
+            details += f"; {name} {'present on some ranks only' if missing else 'differ'}"
         raise ValueError(
             f"{owner}: ranks {differ} hold batches with different {what} than rank {group[0]} of their "
             f"sequence-parallel group {list(group)} ({details}); every rank of a sequence-parallel group must receive "
-            "the same full sequences. Let Lightning add its DistributedSampler (Trainer(use_distributed_sampler=True), "
-            "the default) or build your sampler from strategy.distributed_sampler_kwargs, and give every sample the "
-            "same length (or use pad_to_multiple=True)"
+            "the same full sequences (and the same per-token tensors: labels, positions, document ids, masks). Let "
+            "Lightning add its DistributedSampler (Trainer(use_distributed_sampler=True), the default) or build your "
+            "sampler from strategy.distributed_sampler_kwargs, and give every sample the same length (or use "
+            "pad_to_multiple=True)"
         )
 
 

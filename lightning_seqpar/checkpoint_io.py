@@ -66,6 +66,7 @@ from torch import nn
 __all__ = [
     "atomic_save",
     "check_checkpoint",
+    "check_module_checkpoint",
     "check_files",
     "check_loadable",
     "full_optimizer_state",
@@ -291,6 +292,28 @@ def load_model_state_dict(path: str | os.PathLike, *, owner: str = "export") -> 
     state = {"state_dict": model}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state["state_dict"]
+
+
+def check_module_checkpoint(meta: Any, path: str | os.PathLike, *, owner: str = "export",
+                            state_keys: Any = None) -> None:
+    """Refuse, naming ``path``, what is not a checkpoint of ``CausalLMModule`` (an arbitrary ``torch.save`` dict):
+    ``meta`` (the checkpoint without its tensors, :func:`load_meta`) must hold the module's ``hyper_parameters['model']``
+    (the model's config, which an export rebuilds the model from); ``state_keys`` (the model state dict's keys, where
+    read) must sit under ``model.``."""
+    problems = []
+    if not isinstance(meta, dict):
+        problems.append(f"it holds a {type(meta).__name__}, not a checkpoint dict")
+    else:
+        hparams = meta.get("hyper_parameters")
+        if not isinstance(hparams, dict) or "model" not in hparams:
+            problems.append("its hyper_parameters have no 'model' (CausalLMModule saves the model's config there)")
+    if state_keys is not None:
+        outside = sorted(k for k in state_keys if not str(k).startswith("model."))
+        if outside:
+            problems.append(f"its state_dict has keys outside 'model.' ({outside[:3]})")
+    if problems:
+        raise ValueError(f"{owner}: {str(path)!r} is not a checkpoint of CausalLMModule: {'; '.join(problems)}. "
+                         "Export a checkpoint that a run of CausalLMModule saved (a .ckpt folder of shards or file)")
 
 
 def atomic_save(obj: Any, path: Path) -> None:

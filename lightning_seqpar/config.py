@@ -21,14 +21,16 @@ the same helper functions (``check_uncheckpointed_blocks``, ``check_offload_chec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_seqpar.activation_checkpointing import AC_MODES
 from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS, Algorithm
+from lightning_seqpar.checks import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, check_options, option_hints
 from lightning_seqpar.mesh import PLACEMENTS
 from lightning_seqpar.sharding import LAYOUTS
 
@@ -257,9 +259,18 @@ class StrategyConfig:
     check_model: bool = True
     blocks: str | None = None
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        "sequence_parallel_size": AT_LEAST_ONE, "head_parallel_size": AT_LEAST_ONE, "expected_seq_len": AT_LEAST_ONE,
+        "inner_ring_size": AT_LEAST_ONE, "head_chunks": AT_LEAST_ONE, "data_parallel_replicate_size": AT_LEAST_ONE,
+        "uncheckpointed_blocks": NON_NEGATIVE, "offload_checkpoints": NON_NEGATIVE, "mlp_chunk_size": AT_LEAST_ONE,
+        "timeout": POSITIVE,
+    }
+    """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __post_init__(self) -> None:
-        if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
-            object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
+        timeout = self.timeout
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout):
+            object.__setattr__(self, "timeout", timedelta(seconds=timeout))
         self._check()
 
     # ----------------------------------------------------------------------------------------- derived values
@@ -373,7 +384,7 @@ class StrategyConfig:
             raise ValueError(f"{name}: mlp_chunk_size must be a positive int (tokens per slice) or None, got {self.mlp_chunk_size!r}")
         timeout = self.timeout
         if timeout is not None and not isinstance(timeout, timedelta):
-            raise ValueError(f"{name}: timeout must be a timedelta, a number of seconds or None, got {timeout!r}")
+            raise ValueError(f"{name}: timeout must be a timedelta, a finite number of seconds or None, got {timeout!r}")
         if timeout is not None and timeout.total_seconds() <= 0:
             raise ValueError(f"{name}: timeout must be positive, got {timeout!r}")
         if self.blocks is not None and (not isinstance(self.blocks, str) or not self.blocks):
@@ -387,6 +398,10 @@ class StrategyConfig:
             raise ValueError(f"{name}: memory={self.memory!r} is not supported; expected one of {MEMORY_CHOICES}")
         if self.placement not in ("auto", *PLACEMENTS):
             raise ValueError(f"{name}: placement={self.placement!r} is not supported; expected 'auto' or one of {PLACEMENTS}")
+        # every option by its type, finite numbers and ranges (Note [Checking options by their types]), after the
+        # messages above that say more for the options they know
+        values = {k: v for k, v in asdict(self).items() if not isinstance(v, timedelta)}
+        check_options(values, option_hints(type(self)), owner=name, ranges=self.option_ranges)
 
 
 class ConfigOptions:

@@ -233,6 +233,10 @@ def batch_documents(batch: dict, *, world: int) -> PackedDocuments | None:
     """
     ids = batch.get("document_ids")
     if isinstance(ids, Tensor):
+        shape = tuple(batch["input_ids"].shape) if isinstance(batch.get("input_ids"), Tensor) else None
+        if shape is not None and tuple(ids.shape) != shape:
+            raise ValueError(f"batch['document_ids'] has shape {tuple(ids.shape)}; expected {shape} (the shape of input_ids): "
+                             "the document of every input token")
         return PackedDocuments.from_document_ids(ids, world=world)
     pos = batch.get("position_ids")
     if isinstance(pos, Tensor) and pos.ndim == 2 and pos.shape[1] > 1 and bool((pos[:, 1:] == 0).any()):

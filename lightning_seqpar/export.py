@@ -1,7 +1,7 @@
 """Export a checkpoint of ``CausalLMModule``: one consolidated file, or a Hugging Face model folder.
 
     python -m lightning_seqpar.export CHECKPOINT OUTPUT --format consolidated
-    python -m lightning_seqpar.export CHECKPOINT OUTPUT --format hf [--weights safetensors|bin] [--dtype bfloat16]
+    python -m lightning_seqpar.export CHECKPOINT OUTPUT --format hf [--weights safetensors|bin] [--dtype bfloat16] [--overwrite]
     python -m lightning_seqpar.export CHECKPOINT OUTPUT --format lora [--merged MERGED_DIR] [--dtype bfloat16]
     seqpar export ...                                    (the same, through the console script)
 
@@ -55,7 +55,11 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
     out.parent.mkdir(parents=True, exist_ok=True)
     if src.is_file():
         full = torch.load(src, mmap=True, map_location="cpu", weights_only=True)
+        meta = {k: v for k, v in full.items() if k not in ("state_dict", "optimizer_states")} if isinstance(full, dict) else full
+        state = full.get("state_dict") if isinstance(full, dict) else None
+        checkpoint_io.check_module_checkpoint(meta, src, state_keys=list(state) if isinstance(state, dict) else None)
     else:
+        checkpoint_io.check_module_checkpoint(checkpoint_io.load_meta(src), src)
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -104,6 +108,8 @@ def main(args: Sequence[str] | None = None) -> None:
     parser.add_argument("--weights", choices=("safetensors", "bin"), default="safetensors", help="hf only: file format of the weights")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="hf: cast the weights; lora: cast the merged model")
     parser.add_argument("--merged", default=None, help="lora only: also write the model with the adapters merged into this folder")
+    parser.add_argument("--overwrite", action="store_true", help="hf, lora: replace an output folder that holds weights of "
+                        "another export (refused without it: two exports' weights in one folder would mix)")
     parser.add_argument("--tokenizer", default=None, help="hf, lora --merged: copy this tokenizer folder (or tokenizer.json) "
                         "into the export; default: the model's folder, else the datamodule's tokenizer_path")
     ns = parser.parse_args(args)
@@ -122,9 +128,11 @@ def main(args: Sequence[str] | None = None) -> None:
             parser.error("--weights applies to --format hf only")
         if ns.dtype is not None and ns.merged is None:
             parser.error("--dtype with --format lora casts the merged model: add --merged")
-        path = hf_export.export_lora(ns.checkpoint, ns.output, merged=ns.merged, dtype=dtype, tokenizer=ns.tokenizer)
+        path = hf_export.export_lora(ns.checkpoint, ns.output, merged=ns.merged, dtype=dtype, tokenizer=ns.tokenizer,
+                                     overwrite=ns.overwrite)
     else:
-        path = hf_export.export_hf(ns.checkpoint, ns.output, weights=ns.weights, dtype=dtype, tokenizer=ns.tokenizer)
+        path = hf_export.export_hf(ns.checkpoint, ns.output, weights=ns.weights, dtype=dtype, tokenizer=ns.tokenizer,
+                                   overwrite=ns.overwrite)
     print(f"wrote {path}" + (f" and {ns.merged}" if ns.merged is not None else ""))
     if ns.format == "hf" or ns.merged is not None:
         print(hf_export.describe_tokenizer(hf_export.tokenizer_source(checkpoint_io.load_meta(ns.checkpoint), tokenizer=ns.tokenizer)))

@@ -62,13 +62,13 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics.aggregation import MeanMetric
@@ -77,6 +77,7 @@ from typing_extensions import override
 from lightning_seqpar import hf
 from lightning_seqpar.hf import lora as lora_module
 from lightning_seqpar.attention import Attention
+from lightning_seqpar.checks import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, check_options, option_hints
 from lightning_seqpar.data.chars import BitsPerCharacter
 from lightning_seqpar.documents import batch_documents, documents_error, set_current_documents
 from lightning_seqpar.loss import IGNORE_INDEX, chunked_cross_entropy_sum, global_token_count, token_cross_entropy_sum
@@ -155,6 +156,15 @@ class CausalLMModule(L.LightningModule):
             memory with ``offload_params`` (torch's fused CPU kernel).
     """
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        "lr": POSITIVE, "weight_decay": NON_NEGATIVE, "betas": Range(low=0, high=1, high_open=True), "eps": POSITIVE,
+        "warmup_steps": NON_NEGATIVE, "max_steps": AT_LEAST_ONE, "min_lr_ratio": FRACTION, "loss_chunk_size": AT_LEAST_ONE,
+        "init_seed": Range(low=-(2**63), high=2**64 - 1),  # what torch.manual_seed takes
+    }
+    """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``): every
+    option but ``model`` / ``lora`` / ``config_overrides`` (checked by their own rules) is checked from its annotation
+    first, so that a NaN or inf learning rate or a string for a bool is refused by name, never trained."""
+
     def __init__(
         self,
         model: LlamaConfig | TransNormerConfig | GPTConfig | str | hf.HFConfigSpec = "tiny",
@@ -176,6 +186,9 @@ class CausalLMModule(L.LightningModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
+        hints = option_hints(CausalLMModule)  # every argument but those with rules of their own
+        options = {k: v for k, v in locals().items() if k in hints and k not in ("model", "lora", "config_overrides")}
+        check_options(options, option_hints(CausalLMModule), owner=name, ranges=self.option_ranges)
         original = model
         self._window: list[torch.Tensor] | None = None  # (N_ref, the count so far): Note [Loss under gradient accumulation]
         # LoRA (lightning_seqpar.hf.lora): a peft config, or a PeftModel given as the model
@@ -271,7 +284,8 @@ class CausalLMModule(L.LightningModule):
         self.model: Llama | TransNormer | GPT | hf.HFCausalLM | None = None if given is None else hf.HFCausalLM(given)
         if self.model is not None and self.loss_chunk_size is not None:  # a built model: its head checked now
             self._check_chunked_head(self.model)
-        self.val_loss = MeanMetric()
+        self.val_loss = TokenMean()
+        self._vocabulary_checked: set[str | None] = set()  # the stages whose first batch was checked (_check_vocabulary)
         self.val_bpc = BitsPerCharacter() if bits_per_character else None
         self.flops_per_batch = 0
         """Model FLOPs of this rank's share of the last training batch (read by Lightning's ThroughputMonitor):
@@ -370,6 +384,8 @@ class CausalLMModule(L.LightningModule):
         at 0) become current for attention and the positions restart at every document, so that a
         batch gives the same loss with and without the strategy."""
         batch = super().on_after_batch_transfer(batch, dataloader_idx)
+        if isinstance(batch, Mapping) and "input_ids" in batch:
+            self._check_vocabulary(batch)
         if _under_sequence_parallel_strategy(self) or not isinstance(batch, Mapping) or "input_ids" not in batch:
             return batch
         documents = batch_documents(batch, world=1)
@@ -386,6 +402,52 @@ class CausalLMModule(L.LightningModule):
         if documents is None:
             return batch
         return {**batch, "position_ids": documents.position_ids(batch["input_ids"].device)}
+
+    def _vocabulary_size(self) -> int | None:
+        """The model's number of token ids: its config's ``vocab_size``, a transformers model's input embedding rows."""
+        model = self._require_model()
+        if not isinstance(model, hf.HFCausalLM):
+            return int(self.config.vocab_size)
+        embeddings = model.hf.get_input_embeddings()
+        rows = getattr(embeddings, "num_embeddings", None)
+        if isinstance(rows, int):
+            return rows
+        config = model.hf.config
+        vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", None)
+        return vocab if isinstance(vocab, int) else None
+
+    def _check_vocabulary(self, batch: Mapping[str, Any]) -> None:
+        """The first batch of each stage (fit, validate, test, predict): its ids and labels (-100 aside) are ids of the
+        model's vocabulary, else a ValueError naming the datamodule, the largest id and the vocabulary size -- where an
+        embedding lookup would fail deep in the model (``index out of range in self``), or a GPU read out of bounds.
+        On the full batch, before the strategy shards it: every rank of a sequence-parallel group raises alike."""
+        stage = str(getattr(getattr(self._trainer, "state", None), "stage", None)) if self._trainer is not None else None
+        checked = self._vocabulary_checked
+        if stage in checked:
+            return
+        vocab = self._vocabulary_size()
+        if vocab is None:
+            return
+        source = "the dataloader"
+        if self._trainer is not None and getattr(self.trainer, "datamodule", None) is not None:
+            source = type(self.trainer.datamodule).__name__
+        for key in ("input_ids", "labels"):
+            ids = batch.get(key)
+            if not isinstance(ids, torch.Tensor) or ids.numel() == 0 or ids.is_floating_point():
+                continue
+            kept = ids[ids != IGNORE_INDEX] if key == "labels" else ids
+            if kept.numel() == 0:
+                continue
+            low, high = int(kept.min()), int(kept.max())
+            if low < 0 or high >= vocab:
+                bad = high if high >= vocab else low
+                raise ValueError(
+                    f"{type(self).__name__}: the first batch from {source} holds {key} id {bad} (largest {high}), but the "
+                    f"model's vocabulary has {vocab} ids (0..{vocab - 1}): the data was tokenized for another vocabulary, or "
+                    "a token file was read with another dtype (TokenFileDataModule(dtype=...)). Use the model's tokenizer, "
+                    "or a model whose vocab_size covers the data"
+                )
+        checked.add(stage)
 
     def _micro_batches(self) -> int:
         """``Trainer(accumulate_grad_batches=k)``'s k (1 without a trainer)."""
@@ -585,9 +647,23 @@ class CausalLMModule(L.LightningModule):
         max_steps = self.max_steps
         if max_steps is None:
             max_steps = int(self.trainer.estimated_stepping_batches)
+        if self.warmup_steps > max_steps:  # configure_optimizers runs once per fit: one warning
+            rank_zero_warn(f"{type(self).__name__}: warmup_steps={self.warmup_steps} is longer than the run ({max_steps} optimizer "
+                           f"steps): the learning rate never reaches lr={self.lr} (it ends at {max_steps / self.warmup_steps:.1%} of "
+                           "it). Lower warmup_steps or train longer")
         schedule = warmup_cosine(warmup_steps=self.warmup_steps, max_steps=max_steps, min_lr_ratio=self.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class TokenMean(MeanMetric):
+    """The token-weighted mean of ``val/loss`` (and ``test/loss``): 0 where no token of any rank has a label, as
+    ``train/loss`` logs such a batch (never 0/0 = NaN)."""
+
+    def compute(self) -> torch.Tensor:
+        if not bool(self.weight > 0):
+            return torch.zeros_like(self.mean_value)
+        return self.mean_value / self.weight
 
 
 def _under_sequence_parallel_strategy(module: L.LightningModule) -> bool:

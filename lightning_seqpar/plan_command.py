@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from lightning_seqpar.attention.cost import DeviceProfile
-from lightning_seqpar.memory import TransformerShape, plan_memory
+from lightning_seqpar.memory import PARAM_BYTES, TransformerShape, plan_memory
 from lightning_seqpar.step_plan import GPU_MEMORY, MODELS, MemorySetting, ModelShape, all_linear_lora, table
 
 __all__ = ["memory_main", "parse_gpu_memory", "parse_lengths", "plan_main", "resolve_model"]
@@ -94,8 +95,11 @@ def resolve_model(text: str) -> ModelShape:
 
 
 def _memory_setting(ap: argparse.ArgumentParser, args: argparse.Namespace, gpu_memory: float) -> MemorySetting:
-    if args.host_memory is not None and not args.host_memory > 0:
-        ap.error(f"--host-memory: expected GB > 0, got {args.host_memory}")
+    if args.host_memory is not None and not (math.isfinite(args.host_memory) and args.host_memory > 0):
+        ap.error(f"--host-memory: expected GB > 0 (a finite number), got {args.host_memory}")
+    if args.precision not in PARAM_BYTES:
+        ap.error(f"--precision: {args.precision!r} is not one of the Trainer precisions the planner models: "
+                 f"{', '.join(sorted(PARAM_BYTES))}")
     for flag, value in (("--loss-chunk", args.loss_chunk), ("--lora-r", args.lora_r)):
         if value < 0:
             ap.error(f"{flag}: expected an int >= 0, got {value}")
@@ -108,6 +112,19 @@ def _common_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--precision", default="bf16-mixed", help="the Trainer's precision (bf16-mixed, bf16-true, 32-true)")
     ap.add_argument("--loss-chunk", type=int, default=8192, help="CausalLMModule's loss_chunk_size (0: the full logits)")
     ap.add_argument("--lora-r", type=int, default=0, help="LoRA rank on every linear layer (0: full training)")
+
+
+def _check_lengths_and_gpus(ap: argparse.ArgumentParser, seqs: Sequence[int], gpus: Sequence[int]) -> None:
+    """Every GPU count splits every length it is planned for (one sequence over all the GPUs: a multiple of the count);
+    a length shorter than a GPU count is left out of the table, and nothing left is an error, not an empty table."""
+    for w in gpus:
+        for s in seqs:
+            if s >= w and s % w:
+                ap.error(f"--gpus {w}: the sequence of --seq {s} is split over all {w} GPUs and must be a multiple of {w} "
+                         f"(choose a length such as {s - s % w if s - s % w >= w else w} or another GPU count)")
+    if not any(s >= w for s in seqs for w in gpus):
+        ap.error(f"--seq {','.join(map(str, seqs))}: every length is shorter than the GPU counts {','.join(map(str, gpus))}: "
+                 "a GPU holds at least one token of the sequence; nothing to plan")
 
 
 def plan_main(argv: Sequence[str] | None = None) -> None:
@@ -143,6 +160,7 @@ def plan_main(argv: Sequence[str] | None = None) -> None:
     except ValueError as error:
         ap.error(f"--gpu-memory: {error}")
     memory = _memory_setting(ap, args, gpu_memory)
+    _check_lengths_and_gpus(ap, lengths["--seq"], lengths["--gpus"])
     profile = (DeviceProfile.h100 if card == "H100" else DeviceProfile.h200)(gpus_per_node=args.gpus_per_node)
     print("\n".join(table(models, lengths["--seq"], lengths["--gpus"], gpus_per_node=args.gpus_per_node, memory=memory,
                           profile=profile)))

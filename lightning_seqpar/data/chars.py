@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import ClassVar
 
 import lightning as L
 import numpy as np
@@ -34,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_seqpar.data.loaders import eval_loader, train_loader
 from torchmetrics import Metric
 
+from lightning_seqpar.checks import ANY, AT_LEAST_ONE, NON_NEGATIVE, Range, check_options, check_ranges, option_hints
 from lightning_seqpar.data.tokens import make_example
 
 __all__ = ["BitsPerCharacter", "CharDataModule", "CharWindowDataset", "bits_per_character", "char_splits"]
@@ -116,13 +118,20 @@ class CharDataModule(L.LightningDataModule):
         seed: seed of the single-process shuffle.
     """
 
+    option_ranges: ClassVar[dict[str, Range]] = {"seq_len": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE, "num_workers": NON_NEGATIVE,
+                                                 "seed": ANY}
+    """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __init__(self, *, path: str, seq_len: int, batch_size: int, num_workers: int = 0, seed: int = 0) -> None:
         super().__init__()
+        values = {k: v for k, v in locals().items() if k in option_hints(CharDataModule)}  # every argument
+        check_options(values, option_hints(CharDataModule), owner=type(self).__name__)  # types, finite numbers (ranges: below)
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}")
+        check_ranges(values, self.option_ranges, owner=type(self).__name__)
         self.save_hyperparameters()
         self.path, self.seq_len, self.batch_size, self.num_workers, self.seed = path, seq_len, batch_size, num_workers, seed
         self.datasets: dict[str, CharWindowDataset] = {}

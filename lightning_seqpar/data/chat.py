@@ -50,7 +50,7 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import numpy as np
@@ -58,6 +58,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset
 
+from lightning_seqpar.checks import ANY, AT_LEAST_ONE, NON_NEGATIVE, Range, check_options, check_ranges, option_hints
 from lightning_seqpar.data.hf_text import load_tokenizer
 from lightning_seqpar.data.loaders import FileSplitLoaders
 from lightning_seqpar.loss import IGNORE_INDEX
@@ -87,9 +88,16 @@ def _check_messages(messages: Any) -> str | None:
     for message in messages:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             return "a message without string role and content"
+    for message in messages:  # "Assistant" would be rendered, never trained (only "assistant" turns are)
+        role = message["role"]
+        if role != role.strip().lower() and role.strip().lower() in _STANDARD_ROLES:
+            return f"a role {role!r} that is not {role.strip().lower()!r} (roles are case-sensitive)"
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"
     return None
+
+
+_STANDARD_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], *, chat_template: str | None = None) -> Conversation:
@@ -291,6 +299,12 @@ class ChatDataModule(FileSplitLoaders, L.LightningDataModule):
         seed: seed of the single-process shuffle.
     """
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        "seq_len": Range(low=2), "batch_size": AT_LEAST_ONE, "samples_per_epoch": AT_LEAST_ONE, "val_samples": AT_LEAST_ONE,
+        "num_workers": NON_NEGATIVE, "seed": ANY,
+    }
+    """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __init__(
         self,
         *,
@@ -309,6 +323,8 @@ class ChatDataModule(FileSplitLoaders, L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        values = {k: v for k, v in locals().items() if k in option_hints(ChatDataModule)}  # every argument
+        check_options(values, option_hints(ChatDataModule), owner=type(self).__name__)  # types, finite numbers (ranges: below)
         name = type(self).__name__
         for arg, value, least in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -322,6 +338,7 @@ class ChatDataModule(FileSplitLoaders, L.LightningDataModule):
             raise ValueError(f"{name}: on_too_long={on_too_long!r} is not supported; expected 'skip', 'truncate' or 'error'")
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"{name}: num_workers must be a non-negative integer, got {num_workers!r}")
+        check_ranges(values, self.option_ranges, owner=type(self).__name__)
         self.save_hyperparameters()
         self.train_files, self.val_files, self.tokenizer_path = train_files, val_files, tokenizer_path
         self.seq_len, self.batch_size, self.messages_field, self.chat_template = seq_len, batch_size, messages_field, chat_template

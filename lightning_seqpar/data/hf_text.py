@@ -70,7 +70,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning as L
 import numpy as np
@@ -79,6 +79,7 @@ from torch.utils.data import Dataset
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_seqpar.checks import ANY, AT_LEAST_ONE, NON_NEGATIVE, Range, check_options, check_ranges, option_hints
 from lightning_seqpar.data.loaders import FileSplitLoaders
 from lightning_seqpar.loss import IGNORE_INDEX
 
@@ -239,7 +240,21 @@ def _files(spec: str | Sequence[str]) -> list[str]:
         if not matched:
             raise ValueError(f"no data file matches {pattern!r}")
         files.extend(f for f in matched if os.path.isfile(f))
+    empty = [f for f in files if _is_empty(f)]
+    if empty:
+        raise ValueError(f"the data file{'s' if len(empty) > 1 else ''} {empty[:5]} hold{'' if len(empty) > 1 else 's'} no document "
+                         f"(empty, or only blank lines); remove {'them' if len(empty) > 1 else 'it'} or give the files with the text")
     return files
+
+
+def _is_empty(path: str) -> bool:
+    """A file with nothing but whitespace (``datasets`` ends in a bare ``StopIteration`` on an empty .jsonl)."""
+    if os.path.getsize(path) == 0:
+        return True
+    if os.path.splitext(path)[1].lower() == ".parquet":
+        return False
+    with open(path, "rb") as f:
+        return not any(line.strip() for line in f)
 
 
 def _builder(files: list[str], data_format: str) -> str:
@@ -288,6 +303,13 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
         cache_dir: ``datasets`` cache folder (default: ``HF_DATASETS_CACHE``).
     """
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        "seq_len": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE, "min_doc_tokens": AT_LEAST_ONE,
+        "long_doc_ratio": Range(low=0, high=1, low_open=True), "samples_per_epoch": AT_LEAST_ONE, "val_samples": AT_LEAST_ONE,
+        "num_workers": NON_NEGATIVE, "num_proc": AT_LEAST_ONE, "seed": ANY,
+    }
+    """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __init__(
         self,
         *,
@@ -311,6 +333,8 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
         cache_dir: str | None = None,
     ) -> None:
         super().__init__()
+        values = {k: v for k, v in locals().items() if k in option_hints(HFTextDataModule)}  # every argument
+        check_options(values, option_hints(HFTextDataModule), owner=type(self).__name__)  # types, finite numbers (ranges: below)
         name = type(self).__name__
         for arg, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -333,6 +357,7 @@ class HFTextDataModule(FileSplitLoaders, L.LightningDataModule):
             if isinstance(long_doc_ratio, bool) or not isinstance(long_doc_ratio, (int, float)) or not 0 < long_doc_ratio <= 1:
                 raise ValueError(f"{name}: long_doc_ratio must be a fraction in (0, 1] of the training tokens from long documents, "
                                  f"got {long_doc_ratio!r}")
+        check_ranges(values, self.option_ranges, owner=type(self).__name__)
         self.save_hyperparameters()
         self.train_files, self.val_files, self.tokenizer_path = train_files, val_files, tokenizer_path
         self.seq_len, self.batch_size, self.data_format, self.text_field = seq_len, batch_size, data_format, text_field

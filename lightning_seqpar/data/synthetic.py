@@ -17,13 +17,14 @@ loss falls below log V only if the distributed attention is right.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_seqpar.checks import ANY, AT_LEAST_ONE, NON_NEGATIVE, Range, check_options, check_ranges, option_hints
 from lightning_seqpar.data.loaders import eval_loader, train_loader
 
 from lightning_seqpar.loss import IGNORE_INDEX
@@ -96,6 +97,12 @@ class LongRangeDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
     """
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        "vocab_size": Range(low=2), "seq_len": Range(low=2), "batch_size": AT_LEAST_ONE, "num_samples": AT_LEAST_ONE,
+        "val_samples": NON_NEGATIVE, "seed": ANY, "num_workers": NON_NEGATIVE,
+    }
+    """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __init__(
         self,
         *,
@@ -109,11 +116,14 @@ class LongRangeDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
+        values = {k: v for k, v in locals().items() if k in option_hints(LongRangeDataModule)}  # every argument
+        check_options(values, option_hints(LongRangeDataModule), owner=type(self).__name__)  # types, finite numbers (ranges: below)
         _check_args(vocab_size=vocab_size, seq_len=seq_len, supervise=supervise)
         if batch_size < 1 or num_samples < 1:
             raise ValueError(f"batch_size ({batch_size}) and num_samples ({num_samples}) must be >= 1")
         if val_samples < 0 or num_workers < 0:
             raise ValueError(f"val_samples ({val_samples}) and num_workers ({num_workers}) must be >= 0")
+        check_ranges(values, self.option_ranges, owner=type(self).__name__)
         self.save_hyperparameters()
         self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
         self.num_samples, self.val_samples, self.seed = num_samples, val_samples, seed

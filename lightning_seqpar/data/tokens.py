@@ -10,24 +10,74 @@ The datasets here are map-style with a fixed length, and sample ``i`` depends on
 (num_replicas = DP size, rank = DP rank), so SP ranks of one replica draw the same indices and
 replicas draw disjoint ones; the sampler reshuffles the order every epoch (``set_epoch``).
 Labels are the next tokens of the FULL window (``window[1:]``), shifted before any sharding.
+
+Note [A token file read with another dtype]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A flat file of ids carries no dtype: a uint32 file read as uint16 yields every id split in its two
+halves (70000, 70001, 5 -> 4464, 1, 4465, 1, 5, 0) and trains. So when a dataset opens a file it
+reads a sample (the first :data:`SAMPLE_TOKENS` ids) and refuses, naming the file and the dtype:
+
+* with ``vocab_size`` (the model's): any id >= vocab_size;
+* uint16: the ids at odd positions look like the high halves of uint32 ids (all 0 where the even
+  ones are not, or all < 256 while >= 1% of the even ones are >= 256): one id distribution seen at
+  even and odd positions alike is what a real uint16 file gives;
+* uint32: an id >= 2^24 (no tokenizer has 16M ids; two uint16 ids read as one are that large).
+
+``CausalLMModule`` checks the first batch's ids against the model's vocabulary as well, naming
+the datamodule (``_check_vocabulary``).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import ClassVar, Literal
 
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_seqpar.checks import ANY, AT_LEAST_ONE, NON_NEGATIVE, Range, check_options, check_ranges, option_hints
 from lightning_seqpar.data.loaders import eval_loader, train_loader
 
-__all__ = ["TOKEN_DTYPES", "TokenFileDataModule", "TokenWindowDataset", "make_example"]
+__all__ = ["SAMPLE_TOKENS", "TOKEN_DTYPES", "TokenFileDataModule", "TokenWindowDataset", "check_token_sample", "make_example"]
 
 TOKEN_DTYPES: dict[str, type[np.unsignedinteger]] = {"uint16": np.uint16, "uint32": np.uint32}
 """Supported on-disk token dtypes: uint16 for vocabularies up to 65536 ids, uint32 above."""
+
+SAMPLE_TOKENS = 1 << 16
+"""The ids read from the start of a token file to check its dtype (Note [A token file read with another dtype])."""
+_LARGEST_VOCABULARY = 1 << 24
+
+
+def check_token_sample(path: str, dtype: str, *, vocab_size: int | None = None) -> None:
+    """Refuse a token file whose first ids do not fit ``dtype`` or ``vocab_size`` (Note [A token file read with another
+    dtype]); a ValueError naming the file."""
+    np_dtype = _check_dtype(dtype)
+    count = min(os.path.getsize(path) // np_dtype.itemsize, SAMPLE_TOKENS) // 2 * 2
+    if count == 0:
+        return
+    sample = np.fromfile(path, dtype=np_dtype, count=count).astype(np.int64)
+    largest = int(sample.max())
+    if vocab_size is not None and largest >= vocab_size:
+        raise ValueError(
+            f"token file {path!r} (read as dtype={dtype!r}) holds id {largest} in its first {count} tokens, but vocab_size="
+            f"{vocab_size}: was it written with another dtype{' (uint16?)' if dtype == 'uint32' else ' (uint32?)'} or for "
+            "another tokenizer?"
+        )
+    even, odd = sample[0::2], sample[1::2]
+    if dtype == "uint16" and count >= 64 and (
+            (odd.max() == 0 and even.max() > 0) or (odd.max() < 256 and float((even >= 256).mean()) >= 0.01)):
+        raise ValueError(
+            f"token file {path!r} read as dtype='uint16' looks like a uint32 file: the ids at odd positions are all "
+            f"{'0' if odd.max() == 0 else '< 256'} (the high halves of uint32 ids) while those at even positions are not; "
+            "pass dtype='uint32' (or write the file with the dtype you read)"
+        )
+    if dtype == "uint32" and largest >= _LARGEST_VOCABULARY:
+        raise ValueError(
+            f"token file {path!r} read as dtype='uint32' holds id {largest} in its first {count} tokens, more than any "
+            f"vocabulary (2^24 = {_LARGEST_VOCABULARY}): it looks like a uint16 file (two ids read as one); pass dtype='uint16'"
+        )
 
 
 def _check_positive(**values: int) -> None:
@@ -37,7 +87,7 @@ def _check_positive(**values: int) -> None:
 
 
 def _check_dtype(dtype: str) -> np.dtype:
-    if dtype not in TOKEN_DTYPES:
+    if not isinstance(dtype, str) or dtype not in TOKEN_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(TOKEN_DTYPES)}")
     return np.dtype(TOKEN_DTYPES[dtype])
 
@@ -60,6 +110,8 @@ class TokenWindowDataset(Dataset):
         seed: with ``mode="random"``, sample ``i`` starts at an offset drawn from ``(seed, i)``.
         mode: ``"random"``: windows at random offsets (training); ``"sequential"``: consecutive
             non-overlapping windows of the file, ``min(num_samples, available)`` of them (validation).
+        vocab_size: the model's vocabulary: the file's first ids are checked against it (Note [A token file read with
+            another dtype]); None checks them against the dtype only.
     """
 
     def __init__(
@@ -71,6 +123,7 @@ class TokenWindowDataset(Dataset):
         num_samples: int | None = None,
         seed: int = 0,
         mode: Literal["random", "sequential"] = "random",
+        vocab_size: int | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.np_dtype = _check_dtype(dtype)
@@ -86,6 +139,7 @@ class TokenWindowDataset(Dataset):
                 f"(dtype={dtype!r}); was it written with another dtype?"
             )
         self.num_tokens = nbytes // self.np_dtype.itemsize
+        check_token_sample(self.path, dtype, vocab_size=vocab_size)
         if self.num_tokens < seq_len + 1:
             raise ValueError(
                 f"seq_len={seq_len} is too long for {self.path!r}: a sample needs seq_len + 1 = {seq_len + 1} "
@@ -136,7 +190,16 @@ class TokenFileDataModule(L.LightningDataModule):
         seed: seed of the training window offsets and of the single-process shuffle.
         samples_per_epoch: number of training windows (the length of an epoch).
         val_samples: at most this many validation windows (all consecutive windows when None).
+        vocab_size: the model's vocabulary size: the files' first ids are checked against it when they are opened
+            (Note [A token file read with another dtype]); None: against the dtype only (``CausalLMModule`` still
+            checks the first batch against the model).
     """
+
+    option_ranges: ClassVar[dict[str, Range]] = {
+        "seq_len": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE, "num_workers": NON_NEGATIVE, "seed": ANY,
+        "samples_per_epoch": AT_LEAST_ONE, "val_samples": AT_LEAST_ONE, "vocab_size": AT_LEAST_ONE,
+    }
+    """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
 
     def __init__(
         self,
@@ -150,18 +213,23 @@ class TokenFileDataModule(L.LightningDataModule):
         seed: int = 0,
         samples_per_epoch: int = 10_000,
         val_samples: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__()
+        values = {k: v for k, v in locals().items() if k in option_hints(TokenFileDataModule)}  # every argument
         _check_dtype(dtype)
+        check_options(values, option_hints(TokenFileDataModule), owner=type(self).__name__)  # types, finite numbers (ranges: below)
         _check_positive(seq_len=seq_len, batch_size=batch_size, samples_per_epoch=samples_per_epoch)
         if val_samples is not None:
             _check_positive(val_samples=val_samples)
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be a non-negative integer, got {num_workers!r}")
+        check_ranges(values, self.option_ranges, owner=type(self).__name__)
         self.save_hyperparameters()
         self.train_path, self.val_path, self.dtype = train_path, val_path, dtype
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
         self.seed, self.samples_per_epoch, self.val_samples = seed, samples_per_epoch, val_samples
+        self.vocab_size = vocab_size
         self.train_dataset: TokenWindowDataset | None = None
         self.val_dataset: TokenWindowDataset | None = None
 
@@ -170,12 +238,12 @@ class TokenFileDataModule(L.LightningDataModule):
         if self.train_dataset is None and stage in (None, "fit"):
             self.train_dataset = TokenWindowDataset(
                 path=self.train_path, dtype=self.dtype, seq_len=self.seq_len,
-                num_samples=self.samples_per_epoch, seed=self.seed, mode="random",
+                num_samples=self.samples_per_epoch, seed=self.seed, mode="random", vocab_size=self.vocab_size,
             )
         if self.val_dataset is None and self.val_path is not None and stage in (None, "fit", "validate"):
             self.val_dataset = TokenWindowDataset(
                 path=self.val_path, dtype=self.dtype, seq_len=self.seq_len,
-                num_samples=self.val_samples, mode="sequential",
+                num_samples=self.val_samples, mode="sequential", vocab_size=self.vocab_size,
             )
 
     def train_dataloader(self) -> DataLoader:

@@ -317,21 +317,92 @@ def _check_rope(old: PretrainedConfig, new: PretrainedConfig, overrides: Mapping
                          + "; ".join(fresh))
     for layer_type, params in _rope_dicts(new).items():
         rope_type = params.get("rope_type", "default")
-        if rope_type == getattr(new, "default_rope_type", "default") or rope_type == "default":
-            continue
         label = f"{where}" + (f"[{layer_type!r}]" if layer_type else "")
+        if rope_type == getattr(new, "default_rope_type", "default") or rope_type == "default":
+            _check_rope_numbers(new, params, rope_type, label)
+            continue
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"{label}: rope_type={rope_type!r} is not one of transformers' RoPE types "
                              f"{sorted(['default', *ROPE_INIT_FUNCTIONS])}")
-        factor = params.get("factor")
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1):
-            raise ValueError(f"{label}: rope_parameters['factor'] must be a number >= 1 (the length ratio), got {factor!r}")
-        try:  # the frequencies, as building the model computes them (a few numbers)
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](new, "cpu", layer_type=layer_type or None)
-        except Exception as exc:  # noqa: BLE001 - whatever transformers raises, named
-            raise ValueError(f"{label}: transformers cannot compute {rope_type!r} RoPE from {dict(params)!r}: {_one_line(exc)}") from exc
-        if not bool(inv_freq.isfinite().all()) or not math.isfinite(float(scaling)):
-            raise ValueError(f"{label}: {rope_type!r} RoPE from {dict(params)!r} gives non-finite frequencies")
+        _check_rope_numbers(new, params, rope_type, label)  # Note [RoPE parameters at the lengths they run]
+        for length in _rope_lengths(new, params, rope_type):  # the frequencies at the lengths they will run (a few numbers)
+            try:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](new, "cpu", seq_len=length, layer_type=layer_type or None)
+            except Exception as exc:  # noqa: BLE001 - whatever transformers raises, named
+                raise ValueError(f"{label}: transformers cannot compute {rope_type!r} RoPE from {dict(params)!r}: {_one_line(exc)}") from exc
+            at = "" if length is None else f" at length {length}"
+            if not bool(inv_freq.isfinite().all()) or not bool((inv_freq > 0).all()):
+                raise ValueError(f"{label}: {rope_type!r} RoPE from {dict(params)!r} gives frequencies that are not finite and > 0"
+                                 f"{at} (min {float(inv_freq.min())}, max {float(inv_freq.max())})")
+            if not math.isfinite(float(scaling)) or not float(scaling) > 0:
+                raise ValueError(f"{label}: {rope_type!r} RoPE from {dict(params)!r} gives the attention scaling {float(scaling)}{at}; "
+                                 "it must be finite and > 0 (it multiplies cos and sin)")
+
+
+# Note [RoPE parameters at the lengths they run]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# transformers validates RoPE parameters with comparisons that NaN and inf pass, and computes the
+# frequencies of a length-dependent type (LongRoPE, dynamic NTK) for the ORIGINAL length only when
+# a model is built: a LongRoPE long_factor with a 0 entry (an infinite frequency: NaN logits for
+# every position past original_max_position_embeddings, exactly those an extension trains), a
+# negative one (the rotation runs backwards), YaRN's attention_factor=0 (cos and sin zeroed) or a
+# linear factor=inf (no position information left) all pass it. So every number of a scaled
+# rope_parameters dict is checked finite and in its range (:data:`_ROPE_RANGES`; each LongRoPE
+# factor finite and > 0, one per rotary frequency), and the frequencies are computed at every length
+# they will run at (:func:`_rope_lengths`: the short and the long factors of LongRoPE, dynamic NTK at
+# twice its start) and must be finite and > 0, the attention scaling finite and > 0.
+
+_ROPE_RANGES: dict[str, tuple[float, bool]] = {
+    "factor": (1.0, False), "attention_factor": (0.0, True), "rope_theta": (0.0, True), "beta_fast": (0.0, True),
+    "beta_slow": (0.0, True), "low_freq_factor": (0.0, True), "high_freq_factor": (0.0, True),
+    "partial_rotary_factor": (0.0, True), "mscale": (0.0, False), "mscale_all_dim": (0.0, False),
+}
+"""(lowest value, whether it is excluded) of each number of a scaled rope_parameters dict (Note [RoPE parameters at the
+lengths they run]); any other number must be finite."""
+
+
+def _check_rope_numbers(config: PretrainedConfig, params: Mapping[str, Any], rope_type: str, label: str) -> None:
+    for key, value in params.items():
+        if key in ("long_factor", "short_factor"):
+            if value is None:
+                continue
+            dims = _rotary_dims(config, params) // 2
+            if not isinstance(value, (list, tuple)) or len(value) != dims:
+                raise ValueError(f"{label}: rope_parameters[{key!r}] must be a list of {dims} factors (one per rotary frequency: "
+                                 f"head_dim x partial_rotary_factor / 2), got {value!r}")
+            bad = [(i, f) for i, f in enumerate(value)
+                   if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not f > 0]
+            if bad:
+                raise ValueError(f"{label}: every entry of rope_parameters[{key!r}] must be a finite number > 0 (it divides the "
+                                 f"frequency: 0 makes it infinite, a negative one turns the rotation backwards); entries "
+                                 f"{[i for i, _ in bad][:8]} are {[f for _, f in bad][:8]}")
+            continue
+        if key in _ROPE_RANGES and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{label}: rope_parameters[{key!r}] must be a finite number, got {value!r} ({type(value).__name__})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # a type name, a flag (mrope_interleaved), a list (mrope_section), None: transformers' own checks
+        if not math.isfinite(value):
+            raise ValueError(f"{label}: rope_parameters[{key!r}] must be a finite number, got {value!r}")
+        if key in _ROPE_RANGES:
+            low, strict = _ROPE_RANGES[key]
+            if value < low or (strict and value == low):
+                raise ValueError(f"{label}: rope_parameters[{key!r}] must be {'>' if strict else '>='} {low:g} for rope_type="
+                                 f"{rope_type!r}, got {value!r}")
+        if key == "partial_rotary_factor" and value > 1:
+            raise ValueError(f"{label}: rope_parameters['partial_rotary_factor'] must be in (0, 1], got {value!r}")
+
+
+def _rope_lengths(config: PretrainedConfig, params: Mapping[str, Any], rope_type: str) -> list[int | None]:
+    """The lengths at which the frequencies of ``rope_type`` differ (Note [RoPE parameters at the lengths they run]):
+    None (what building the model computes) and, for LongRoPE, one past the original length (the long factors); for
+    dynamic NTK, twice the length at which its scaling starts."""
+    if rope_type == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        return [None] + ([int(original) + 1] if isinstance(original, int) else [])
+    if "dynamic" in rope_type:
+        start = getattr(config, "max_position_embeddings", None)
+        return [None] + ([2 * int(start)] if isinstance(start, int) else [])
+    return [None]
 
 
 # --------------------------------------------------------------------------------------------- extending RoPE

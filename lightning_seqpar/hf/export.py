@@ -35,25 +35,27 @@ names it and ``--tokenizer``; with no source at all nothing is copied and the co
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from lightning_seqpar.checkpoint_io import atomic_save, load_meta, load_model_state_dict
+from lightning_seqpar.checkpoint_io import atomic_save, check_module_checkpoint, load_meta, load_model_state_dict
 from lightning_seqpar.hf.config import is_hf_source
 from lightning_seqpar.hf.lora import apply_lora
 from lightning_seqpar.hf.model import build_hf_causal_lm
 from lightning_seqpar.models.llama import LlamaConfig
 
 __all__ = [
-    "MODULE_PREFIX", "TOKENIZER_FILES", "TokenizerSource", "describe_tokenizer", "export_hf", "export_lora", "export_tokenizer",
+    "MODULE_PREFIX", "TOKENIZER_FILES", "WEIGHT_FILES", "TokenizerSource", "describe_tokenizer", "export_hf", "export_lora", "export_tokenizer",
     "hf_config", "hf_state_dict", "tokenizer_source", "write_safetensors",
 ]
 
@@ -62,6 +64,71 @@ MODULE_PREFIX = "model."
 
 _LORA_MODULE_PREFIX = "model.hf."
 """Prefix of the peft model's parameters in ``CausalLMModule``'s state dict (CausalLMModule -> HFCausalLM -> PeftModel)."""
+
+
+# --------------------------------------------------------------------------------------------- the output folder
+
+# Note [Exports that cannot mix]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# transformers loads the weights it finds first: a folder holding an earlier ``model.safetensors``
+# beside a new ``pytorch_model.bin`` (or shards of another export) loads the STALE weights. So an
+# export never writes into a folder that already holds weight files (:data:`WEIGHT_FILES`): it
+# refuses, naming them and ``--overwrite``; with ``overwrite=True`` the export is written into a
+# fresh folder beside it (``.NAME.partial``) and only then takes the old folder's place (the old one
+# is renamed aside, the new one renamed in, the old one removed): at no moment does the folder hold
+# the weights of two exports, and a failed export leaves the old folder as it was.
+
+WEIGHT_FILES: tuple[str, ...] = (
+    "model.safetensors", "model-*.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model-*.bin",
+    "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin", "tf_model.h5", "flax_model.msgpack",
+)
+"""The names of the weight files transformers and peft load from a folder (Note [Exports that cannot mix])."""
+
+
+def weight_files(folder: str | os.PathLike) -> list[str]:
+    """The weight files (:data:`WEIGHT_FILES`) in ``folder``, sorted; none when it does not exist."""
+    path = Path(folder)
+    if not path.is_dir():
+        return []
+    return sorted(p.name for p in path.iterdir() if p.is_file() and any(fnmatch.fnmatch(p.name, w) for w in WEIGHT_FILES))
+
+
+def check_output_folder(folder: str | os.PathLike, *, overwrite: bool, owner: str = "export") -> None:
+    """Refuse a ``folder`` that holds weights of another export unless ``overwrite`` (Note [Exports that cannot mix]);
+    a file in its place is refused too."""
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{owner}: the output {str(path)!r} is a file; an export writes a folder")
+    found = weight_files(path)
+    if found and not overwrite:
+        raise ValueError(f"{owner}: the output folder {str(path)!r} already holds weights of another export ({', '.join(found)}); "
+                         "transformers would load whichever it finds first. Choose an empty folder, or pass --overwrite "
+                         "(overwrite=True) to replace the folder")
+
+
+@contextmanager
+def output_folder(folder: str | os.PathLike, *, overwrite: bool, owner: str = "export") -> Iterator[Path]:
+    """The folder to write an export into (Note [Exports that cannot mix]): ``folder`` itself when it holds no weights;
+    with ``overwrite`` and weights there, a fresh folder beside it that replaces it once the block has written it."""
+    path = Path(folder)
+    check_output_folder(path, overwrite=overwrite, owner=owner)
+    if not weight_files(path):
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    staging = path.with_name(f".{path.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    aside = path.with_name(f".{path.name}.replaced")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    os.replace(staging, path)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------- the package's Llama
@@ -175,6 +242,7 @@ def export_hf(
     weights: Literal["safetensors", "bin"] = "safetensors",
     dtype: torch.dtype | None = None,
     tokenizer: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``checkpoint``'s model as a Hugging Face ``LlamaForCausalLM`` folder ``output``, with the run's tokenizer
     and generation config where the checkpoint names them (:func:`tokenizer_source`).
@@ -184,25 +252,28 @@ def export_hf(
         dtype: cast the floating-point weights (e.g. ``torch.bfloat16``); None keeps theirs.
         tokenizer: a tokenizer folder or ``tokenizer.json`` file to copy instead of the one the checkpoint names
             (Note [The tokenizer of an export]).
+        overwrite: replace an ``output`` folder that holds weights (else refused: Note [Exports that cannot mix]).
     """
     if weights not in ("safetensors", "bin"):
         raise ValueError(f"export_hf: weights={weights!r} is not supported; expected 'safetensors' or 'bin'")
     src, out = Path(checkpoint), Path(output)
+    check_output_folder(out, overwrite=overwrite)  # before the checkpoint is read
     meta = load_meta(src)
+    check_module_checkpoint(meta, src)
     config = llama_config(meta)
     source = tokenizer_source(meta, tokenizer=tokenizer)  # checked before anything is written
     tensors = hf_state_dict(load_model_state_dict(src), config)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
     weight_dtype = next(iter(tensors.values())).dtype
-    (out / "config.json").write_text(json.dumps(hf_config(config, dtype=weight_dtype), indent=2) + "\n")
-    if weights == "safetensors":
-        write_safetensors(tensors, out / "model.safetensors")
-    else:
-        atomic_save({k: v.contiguous() for k, v in tensors.items()}, out / "pytorch_model.bin")
-    if source is not None:
-        export_tokenizer(source, out)
+    with output_folder(out, overwrite=overwrite) as folder:  # Note [Exports that cannot mix]
+        (folder / "config.json").write_text(json.dumps(hf_config(config, dtype=weight_dtype), indent=2) + "\n")
+        if weights == "safetensors":
+            write_safetensors(tensors, folder / "model.safetensors")
+        else:
+            atomic_save({k: v.contiguous() for k, v in tensors.items()}, folder / "pytorch_model.bin")
+        if source is not None:
+            export_tokenizer(source, folder)
     return out
 
 
@@ -216,6 +287,7 @@ def export_lora(
     merged: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
     tokenizer: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the adapters of a ``CausalLMModule(..., lora=...)`` checkpoint as a peft adapter folder
     ``output`` and, with ``merged``, the model with the adapters merged (``merge_and_unload``) as a
@@ -232,11 +304,15 @@ def export_lora(
             keeps the checkpoint's. The adapters keep theirs (fp32).
         tokenizer: with ``merged``, a tokenizer folder or ``tokenizer.json`` file to copy instead of the
             one the checkpoint names.
+        overwrite: replace ``output`` / ``merged`` folders that hold weights (else refused: Note [Exports that cannot mix]).
     """
     if tokenizer is not None and merged is None:
         raise ValueError("export_lora: tokenizer= is copied into the merged model's folder; give merged= as well")
     src, out = Path(checkpoint), Path(output)
+    for folder in (out, *([] if merged is None else [Path(merged)])):
+        check_output_folder(folder, overwrite=overwrite)  # before the checkpoint is read
     meta = load_meta(src)
+    check_module_checkpoint(meta, src)
     hparams = meta.get("hyper_parameters") or {}
     spec, source = hparams.get("lora"), hparams.get("model")
     if not spec:
@@ -255,15 +331,16 @@ def export_lora(
     if unexpected or [k for k in missing if k in dict(peft_model.named_parameters())]:
         raise ValueError(f"export: the checkpoint does not match the model rebuilt from its hyper-parameters: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    out.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(os.fspath(out))
+    with output_folder(out, overwrite=overwrite) as folder:  # Note [Exports that cannot mix]
+        peft_model.save_pretrained(os.fspath(folder))
     if merged is not None:
         model = peft_model.merge_and_unload()
         if dtype is not None:
             model = model.to(dtype)
-        model.save_pretrained(os.fspath(merged))
-        if tokenizer_from is not None:
-            export_tokenizer(tokenizer_from, merged)
+        with output_folder(merged, overwrite=overwrite) as folder:
+            model.save_pretrained(os.fspath(folder))
+            if tokenizer_from is not None:
+                export_tokenizer(tokenizer_from, folder)
     return out
 
 

@@ -28,12 +28,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_seqpar.checks import AT_LEAST_ONE, POSITIVE, Range, check_options, check_ranges, option_hints, option_values
 from lightning_seqpar.models.common import CausalLM, global_positions
 
 from lightning_seqpar.attention.fused import KV_COMMS, FusedKVAttention, KVComm
@@ -82,7 +83,15 @@ class GPTConfig:
     scale_residual_init: bool = True
     """Divide the init std of the residual output projections (``o_proj``, ``c_proj``) by sqrt(2 * n_layer) (GPT-2)."""
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        **{k: AT_LEAST_ONE for k in ("vocab_size", "n_embd", "n_layer", "n_head", "n_kv_head", "head_dim", "intermediate_size",
+                                      "max_seq_len")},
+        "dropout": Range(low=0, high=1, high_open=True), "norm_eps": POSITIVE, "init_std": POSITIVE,
+    }
+    """The numbers each field allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __post_init__(self) -> None:
+        check_options(option_values(self), option_hints(type(self)), owner="GPTConfig")  # types and finite numbers first
         for name in ("vocab_size", "n_embd", "n_layer", "n_head", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -106,6 +115,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.norm_eps ({self.norm_eps}) and init_std ({self.init_std}) must be > 0")
         if self.kv_comm not in KV_COMMS:
             raise ValueError(f"GPTConfig.kv_comm={self.kv_comm!r} is not supported; expected one of {KV_COMMS}")
+        check_ranges(option_values(self), self.option_ranges, owner="GPTConfig")
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> GPTConfig:

@@ -22,12 +22,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
 
 from lightning_seqpar.models import fused
+from lightning_seqpar.checks import AT_LEAST_ONE, POSITIVE, Range, check_options, check_ranges, option_hints, option_values
 from lightning_seqpar.models.common import CausalLM, global_positions
 
 from lightning_seqpar.attention import Attention
@@ -70,7 +71,15 @@ class LlamaConfig:
     """Divide the init std of the residual output projections (``o_proj``, ``down_proj``) by
     sqrt(2 * n_layer) (GPT-2 / nanoGPT), so the residual stream keeps its scale at any depth."""
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        **{k: AT_LEAST_ONE for k in ("vocab_size", "n_embd", "n_layer", "n_head", "n_kv_head", "head_dim", "intermediate_size",
+                                      "max_seq_len")},
+        "rope_theta": POSITIVE, "norm_eps": POSITIVE, "init_std": POSITIVE,
+    }
+    """The numbers each field allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __post_init__(self) -> None:
+        check_options(option_values(self), option_hints(type(self)), owner="LlamaConfig")  # types and finite numbers first
         for name in ("vocab_size", "n_embd", "n_layer", "n_head"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -101,6 +110,7 @@ class LlamaConfig:
             )
         if self.max_seq_len < 1:
             raise ValueError(f"LlamaConfig.max_seq_len must be >= 1, got {self.max_seq_len}")
+        check_ranges(option_values(self), self.option_ranges, owner="LlamaConfig")
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> LlamaConfig:

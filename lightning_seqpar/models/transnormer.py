@@ -30,12 +30,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_seqpar.checks import AT_LEAST_ONE, POSITIVE, Range, check_options, check_ranges, option_hints, option_values
 from lightning_seqpar.models.common import CausalLM, global_positions
 
 from lightning_seqpar.attention.lasp import LinearAttention
@@ -78,7 +79,14 @@ class TransNormerConfig:
     max_seq_len: int = 8192
     """Only a default for recipes and benchmarks: nothing in the model depends on the length."""
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        **{k: AT_LEAST_ONE for k in ("vocab_size", "n_embd", "n_layer", "n_head", "glu_dim", "chunk_size", "max_seq_len")},
+        "lrpe_base": POSITIVE, "norm_eps": POSITIVE, "init_std": POSITIVE,
+    }
+    """The numbers each field allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __post_init__(self) -> None:
+        check_options(option_values(self), option_hints(type(self)), owner="TransNormerConfig")  # types and finite numbers first
         for name in ("vocab_size", "n_embd", "n_layer", "n_head", "glu_dim", "chunk_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransNormerConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -88,6 +96,7 @@ class TransNormerConfig:
             raise ValueError(
                 f"TransNormerConfig.lrpe_base ({self.lrpe_base}), norm_eps ({self.norm_eps}) and init_std ({self.init_std}) must be > 0"
             )
+        check_ranges(option_values(self), self.option_ranges, owner="TransNormerConfig")
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> TransNormerConfig:
