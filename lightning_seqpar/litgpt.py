@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
 from torch import nn
 
+from lightning_seqpar.checks import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, check_options, option_hints
 from lightning_seqpar.loss import global_mean_loss, token_cross_entropy_sum
 from lightning_seqpar.module import warmup_cosine
 
@@ -59,10 +60,18 @@ class LitGPTModule(L.LightningModule):
         init_seed: the seed of the random initialization (a config name).
     """
 
+    option_ranges: ClassVar[dict[str, Range]] = {
+        "lr": POSITIVE, "weight_decay": NON_NEGATIVE, "betas": Range(low=0, high=1, high_open=True), "warmup_steps": NON_NEGATIVE,
+        "max_steps": AT_LEAST_ONE, "min_lr_ratio": FRACTION, "init_seed": Range(low=-(2**63), high=2**64 - 1),
+    }
+    """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
+
     def __init__(self, model: str = "Llama-3.2-1B", *, config_overrides: dict[str, Any] | None = None, lr: float = 3e-4,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0,
                  max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0) -> None:
         super().__init__()
+        hints = option_hints(LitGPTModule)
+        check_options({k: v for k, v in locals().items() if k in hints}, hints, owner="LitGPTModule", ranges=self.option_ranges)
         self.save_hyperparameters()
         Config, _ = _litgpt()
         folder = Path(model)
