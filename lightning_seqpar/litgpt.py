@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_seqpar.checks import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, check_options, option_hints
-from lightning_seqpar.loss import global_mean_loss, token_cross_entropy_sum
+from lightning_seqpar.loss import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
 from lightning_seqpar.module import warmup_cosine
 
 __all__ = ["LitGPTModule", "save_litgpt"]
@@ -58,17 +58,21 @@ class LitGPTModule(L.LightningModule):
         config_overrides: fields of the LitGPT config to change (``{"n_layer": 2, "block_size": 131072}``).
         lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio: AdamW with linear warm-up and cosine decay.
         init_seed: the seed of the random initialization (a config name).
+        loss_chunk_size: tokens per chunk of the output head and cross entropy (the full logits never exist:
+            ``lightning_seqpar.loss.chunked_cross_entropy_sum``); None: LitGPT's full logits.
     """
 
     option_ranges: ClassVar[dict[str, Range]] = {
         "lr": POSITIVE, "weight_decay": NON_NEGATIVE, "betas": Range(low=0, high=1, high_open=True), "warmup_steps": NON_NEGATIVE,
         "max_steps": AT_LEAST_ONE, "min_lr_ratio": FRACTION, "init_seed": Range(low=-(2**63), high=2**64 - 1),
+        "loss_chunk_size": AT_LEAST_ONE,
     }
     """The numbers each option allows (Note [Checking options by their types] in ``lightning_seqpar.checks``)."""
 
     def __init__(self, model: str = "Llama-3.2-1B", *, config_overrides: dict[str, Any] | None = None, lr: float = 3e-4,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 0,
-                 max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0) -> None:
+                 max_steps: int | None = None, min_lr_ratio: float = 0.1, init_seed: int = 0,
+                 loss_chunk_size: int | None = 8192) -> None:
         super().__init__()
         hints = option_hints(LitGPTModule)
         check_options({k: v for k, v in locals().items() if k in hints}, hints, owner="LitGPTModule", ranges=self.option_ranges)
@@ -108,7 +112,19 @@ class LitGPTModule(L.LightningModule):
         return self.gpt(input_ids)  # (B, S_local, V): LitGPT's own forward
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss_sum, n_valid = token_cross_entropy_sum(self(batch["input_ids"]), batch["labels"])
+        gpt = self.gpt
+        assert gpt is not None
+        head = gpt.lm_head
+        full = self.litgpt_config.final_logit_softcapping is not None or head.bias is not None  # LitGPT applies them after the head
+        if self.hparams.loss_chunk_size is None or full:
+            loss_sum, n_valid = token_cross_entropy_sum(self(batch["input_ids"]), batch["labels"])
+        else:  # LitGPT's forward with the head set aside returns its final hidden states; the head runs chunked
+            gpt.lm_head = nn.Identity()
+            try:
+                hidden = gpt(batch["input_ids"])  # (B, S_local, d)
+            finally:
+                gpt.lm_head = head
+            loss_sum, n_valid = chunked_cross_entropy_sum(hidden, head.weight, batch["labels"], chunk_size=self.hparams.loss_chunk_size)
         return global_mean_loss(loss_sum, n_valid, self.device_mesh)  # this rank's share of the global mean
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -114,7 +114,8 @@ def _run_one(name: str, flags: list[str], seq: int, *, args, gpus: int, env: dic
     import torch
 
     cmd = command(name, seq, gpus, args.steps, args.out, flags)
-    log = os.path.join(logs, f"{name.replace(':', '-')}-{seq}.log")
+    tag = "".join(f.strip("-").replace("=", "-") for f in flags if f.startswith("--"))  # a run's own flags name its log too
+    log = os.path.join(logs, f"{name.replace(':', '-')}{'-' + tag if tag else ''}-{seq}.log")
     print(f"[peers] {name} S={seq}: {' '.join(cmd)}", flush=True)
     before = len(json.load(open(args.out))) if os.path.exists(args.out) else 0
     start = time.monotonic()
