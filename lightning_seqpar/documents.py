@@ -273,7 +273,8 @@ def documents_error(owner: str, why: str) -> ValueError:
 #   block was not captured at all; issue #56). What the graph depends on is guarded, not baked
 #   in: None or a ``PackedDocuments`` (one graph each), the documents' ``seq_len`` / ``world``, the
 #   shape of their ``pieces``, which enter the graph as an input tensor: a new batch's documents
-#   of the same shapes reuse the graph, and the guards are checked in the calling thread, so a
+#   of the same shapes reuse the graph (after a first change of the document count Dynamo makes
+#   that size dynamic: one graph more, and one for a count of one), and the guards are checked in the calling thread, so a
 #   thread without documents never runs a graph traced with another's. (A ``threading.local``
 #   subclass with a class-level default is not traced by torch 2.11's Dynamo: it guards on the
 #   default as a constant.) A compiled checkpoint needs no :func:`run_with_documents`: its
