@@ -12,7 +12,10 @@ A variant is ``impl/checkpoint``: impl "eager" (the torch ops: SEQPAR_FUSED_KERN
 kernels, Note [Fused element-wise kernels]; needs liger-kernel), "compile" (``torch.compile`` of the block, as ``compile=True``);
 checkpoint "none", "selective++" (the package's default for a checkpointed block, Note [Selective Checkpoint++]),
 "selective++mm" (the same keeping the matmuls' outputs too), "selective++nonorm" (without Note [Checkpointed
-norms]' nested checkpoints).
+norms]' nested checkpoints), "full", "selective++offload" (the block's input to pinned host memory, Note [Offloading
+checkpoints to host memory]). "compile" compiles what ``apply_compile`` compiles (the block with its checkpoint, or
+inside an offloading one: Note [Checkpoints under torch.compile]); ``first_step_s`` in a record is the first step's
+wall time, the compile included.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import json
 import os
 import statistics
 import sys
+import time
 from functools import partial
 
 import torch
 
-VARIANTS = ("eager/none", "eager/selective++", "eager/selective++nonorm", "eager/selective++mm",
-            "fused/none", "fused/selective++", "fused/selective++mm", "compile/none", "compile/selective++")
+VARIANTS = ("eager/none", "eager/selective++", "eager/selective++nonorm", "eager/selective++mm", "eager/full",
+            "fused/none", "fused/selective++", "fused/selective++mm", "fused/full", "compile/none", "compile/selective++",
+            "compile/full", "fused/selective++offload", "compile/selective++offload")
 
 
 def _kind(name: str) -> str:
@@ -47,9 +52,11 @@ def _block(variant: str, config, device):
 
     from lightning_seqpar.activation_checkpointing import (
         SAVE_OPS,
+        HostOffload,
         _checkpoint,
         _selective_context,
         checkpoint_block,
+        compile_target,
     )
     from lightning_seqpar.models.llama import LlamaBlock
 
@@ -57,15 +64,17 @@ def _block(variant: str, config, device):
     os.environ["SEQPAR_FUSED_KERNELS"] = "1" if impl == "fused" else "0"  # Note [Fused element-wise kernels]
     torch.manual_seed(0)
     block = LlamaBlock(config).to(device=device, dtype=torch.bfloat16)
-    if ckpt == "selective++":
-        block = checkpoint_block(block, "selective++")
+    if ckpt in ("selective++", "full"):
+        block = checkpoint_block(block, ckpt)
+    elif ckpt == "selective++offload":
+        block = checkpoint_block(block, "selective++", offload=HostOffload())
     elif ckpt == "selective++mm":
         block = checkpoint_block(block, "selective++", save_ops=(*SAVE_OPS, torch.ops.aten.mm.default))
     elif ckpt == "selective++nonorm":
         block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=_checkpoint,
                                    context_fn=partial(_selective_context, tuple(SAVE_OPS)))
     if impl == "compile":
-        block.compile()
+        compile_target(block).compile()
     return block
 
 
@@ -83,8 +92,11 @@ def measure(variant: str, tokens: int, steps: int, model: str) -> dict:
         y = block(x, freqs)
         y.backward(dy)
 
-    for _ in range(2):
-        step()
+    t0 = time.perf_counter()
+    step()  # compiles, for "compile"
+    torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - t0
+    step()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -108,7 +120,7 @@ def measure(variant: str, tokens: int, steps: int, model: str) -> dict:
             by_kind[_kind(e.key)] += t
             top[e.key[:90]] = t
     return {"variant": variant, "tokens": tokens, "model": model, "ms": statistics.median(times), "times_ms": times,
-            "added_gb": peak / 1e9, "kernels_ms": by_kind,
+            "added_gb": peak / 1e9, "first_step_s": first_step_s, "kernels_ms": by_kind,
             "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])}
 
 

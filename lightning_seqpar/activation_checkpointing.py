@@ -103,6 +103,36 @@ one H200 with a Llama-shaped model at 8K, not on the CPU). Every checkpoint of t
 the forward it replays (:func:`_replay`). The backward thread waits for nothing else while it
 recomputes (the thread that called ``backward`` is blocked in it), so setting the process-wide
 default dtype for the duration of the replay changes nothing outside it.
+
+Note [Checkpoints under torch.compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``compile=True`` compiles each block after it is wrapped (Note [Order of the apply_* calls] in
+``lightning_seqpar.parallelize``), so Dynamo traces the checkpoint itself: ``torch.utils.checkpoint``
+becomes one ``tag_activation_checkpoint`` region of the block's graph, the Selective Checkpoint++
+policy tags its ops, and AOTAutograd's partitioner saves the attention op's outputs and recomputes
+the rest inside the compiled backward, fused like the forward (torchtitan's way). Two things keep
+that one graph:
+
+* the packed documents are read from a per-thread slot that Dynamo traces and guards (Note
+  [Per-call state] in ``lightning_seqpar.documents``). They were a ``ContextVar``, whose ``get``
+  broke the graph: the checkpoint region was not captured and every checkpointed block ran
+  eagerly under ``compile=True`` (one H200, one Llama-3-8B block at 32K: 209.0 ms compiled against
+  207.6 eager, docs/benchmarks.md; issue #56);
+* while Dynamo traces, :func:`_checkpoint` and the MLP tiles call ``checkpoint`` on the block
+  directly, without :func:`_replay`: the replay that needed the forward's default dtype and
+  documents is now the compiled backward, which holds the dtypes of the traced ops and the
+  documents' pieces among its saved inputs; and setting the slot inside the traced region
+  would be a side effect that Dynamo refuses in a checkpoint ("HOP: Unsafe side effect").
+
+A block whose checkpoint offloads its input (Note [Offloading checkpoints to host memory]) is the
+exception: Dynamo does not trace ``saved_tensors_hooks`` (torch 2.11 - 2.13 break the graph there),
+so :func:`compile_target` gives the module inside its checkpoint to compile. The checkpoint and its
+hooks then run eagerly around the compiled block: the hooks see what the checkpoint saves (the
+block's input, to the host), the compiled forward's own saved tensors are the checkpoint's
+placeholders, and the recompute in backward runs the compiled forward again, whose attention op
+Selective Checkpoint++'s dispatch mode still answers from its cache (the op is an opaque call in
+the compiled code). Tested on the CPU: the same outputs and gradients as eager, the attention
+forward run once per step under "selective++" and twice under "full", in either placement.
 """
 
 from __future__ import annotations
@@ -219,9 +249,26 @@ def _replay(dtype: torch.dtype, documents: Any, fn: Callable[..., Any], *args: A
 
 def _checkpoint(fn: Callable[..., Any], *args: Any, offload: HostOffload | None = None, **kwargs: Any) -> Any:
     """Non-reentrant ``checkpoint`` of ``fn`` whose recomputation runs with this forward's default dtype and
-    packed documents (backward may run in another thread, outside Lightning's precision context)."""
+    packed documents (backward may run in another thread, outside Lightning's precision context); traced by
+    torch.compile, the plain ``checkpoint`` (Note [Checkpoints under torch.compile])."""
     with offload.hooks() if offload is not None else contextlib.nullcontext():
+        if torch.compiler.is_compiling():  # the recomputation is the compiled backward's
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
         return checkpoint(_replay, torch.get_default_dtype(), current_documents(), fn, *args, use_reentrant=False, **kwargs)
+
+
+def offloads(block: nn.Module) -> bool:
+    """Whether ``block`` is wrapped by :func:`checkpoint_block` with ``offload`` (its checkpoint runs saved-tensor hooks)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    fn = getattr(block, "checkpoint_fn", None)
+    return isinstance(block, CheckpointWrapper) and getattr(fn, "keywords", {}).get("offload") is not None
+
+
+def compile_target(block: nn.Module) -> nn.Module:
+    """The module to ``torch.compile`` for ``block``: the block with its checkpoint, or for a block whose checkpoint
+    offloads (:func:`offloads`) the module inside it, the hooks staying eager (Note [Checkpoints under torch.compile])."""
+    return block._checkpoint_wrapped_module if offloads(block) else block
 
 
 def checkpoint_block(
@@ -268,7 +315,9 @@ def _sequence_tiles(fn: Callable[..., Any], x: torch.Tensor, *, chunk_size: int)
         raise ValueError(f"mlp_chunk_size: the tiled MLP takes one tensor of tokens, got {type(x).__name__}")
     dim = 1 if x.dim() >= 3 else 0
     pieces = x.split(chunk_size, dim=dim)
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and torch.compiler.is_compiling():  # Note [Checkpoints under torch.compile]
+        outs = [checkpoint(fn, p, use_reentrant=False) for p in pieces]
+    elif torch.is_grad_enabled():
         dtype, documents = torch.get_default_dtype(), current_documents()  # Note [Recomputing under the forward's default dtype]
         outs = [checkpoint(_replay, dtype, documents, fn, p, use_reentrant=False) for p in pieces]
     else:

@@ -85,19 +85,16 @@ def check_uncheckpointed_blocks(value: Any, *, owner: str | None = None) -> None
         raise ValueError(f"{_prefix(owner)}uncheckpointed_blocks must be an int >= 0, got {value!r}")
 
 
-def check_offload_checkpoints(offload_checkpoints: Any, *, activation_checkpointing: str | None, compiled: bool,
-                              owner: str | None = None) -> None:
-    """``offload_checkpoints`` is a bool or a block count >= 0 and needs checkpointed blocks that run eagerly (the
-    strategy's config, ``apply_ac`` and ``parallelize``; Note [Offloading checkpoints to host memory])."""
+def check_offload_checkpoints(offload_checkpoints: Any, *, activation_checkpointing: str | None, owner: str | None = None) -> None:
+    """``offload_checkpoints`` is a bool or a block count >= 0 and needs checkpointed blocks (the strategy's config,
+    ``apply_ac`` and ``parallelize``; Note [Offloading checkpoints to host memory]). Also with compile: an offloaded block
+    is compiled inside its checkpoint (Note [Checkpoints under torch.compile])."""
     if not isinstance(offload_checkpoints, int) or (not isinstance(offload_checkpoints, bool) and offload_checkpoints < 0):
         raise ValueError(f"{_prefix(owner)}offload_checkpoints must be True, False or the number of checkpointed blocks to "
                          f"offload (an int >= 0, the first ones), got {offload_checkpoints!r}")
     if offload_checkpoints and activation_checkpointing is None:
         raise ValueError(f"{_prefix(owner)}offload_checkpoints={offload_checkpoints!r} offloads what checkpointed blocks keep; it needs "
                          "activation_checkpointing: set activation_checkpointing='selective++' or 'full'")
-    if offload_checkpoints and compiled:
-        raise ValueError(f"{_prefix(owner)}offload_checkpoints={offload_checkpoints!r} runs the blocks eagerly (saved-tensor hooks around the "
-                         "checkpoint); set compile=False (compile_kwargs=None)")
 
 
 def check_lasp_variant(value: Any, *, owner: str | None = None) -> None:
@@ -363,7 +360,7 @@ class StrategyConfig:
         check_uncheckpointed_blocks(self.uncheckpointed_blocks, owner=name)
         if not isinstance(self.compile, (bool, dict)):
             raise ValueError(f"{name}: compile must be a bool or a dict of torch.compile keyword arguments, got {self.compile!r}")
-        check_offload_checkpoints(self.offload_checkpoints, activation_checkpointing=mode, compiled=bool(self.compile), owner=name)
+        check_offload_checkpoints(self.offload_checkpoints, activation_checkpointing=mode, owner=name)
         if not isinstance(self.offload_params, bool):
             raise ValueError(f"{name}: offload_params must be True or False, got {self.offload_params!r}")
         if not isinstance(self.bf16_adapters, bool):

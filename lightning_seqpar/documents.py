@@ -36,9 +36,9 @@ computes it from the full batch, before sharding, so no communication is needed.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -253,8 +253,8 @@ def documents_error(owner: str, why: str) -> ValueError:
 # ~~~~~~~~~~~~~~~~~~~~~
 # The packed documents of a batch are needed deep inside the model (every ``Attention`` module,
 # ``HFCausalLM``'s checks) but are not an argument of the model's forward. They travel in one
-# ``contextvars.ContextVar`` (``_DOCUMENTS`` below, whose value belongs to the thread / context
-# that set it; the module holds only the handle, no state):
+# per-thread slot (the attribute ``documents`` of ``_DOCUMENTS`` below, a ``threading.local``: its
+# value belongs to the thread that set it; the module holds only the handle, no state):
 #
 # * set: by ``SequenceParallelStrategy`` for every batch it shards, and by ``CausalLMModule`` for
 #   every batch outside the strategy, with :func:`set_current_documents` (the batch's documents,
@@ -265,16 +265,34 @@ def documents_error(owner: str, why: str) -> ValueError:
 #   piece lengths as an argument and autograd saves them with the other inputs, so its backward
 #   reads nothing.
 # * captured for backward: activation checkpointing recomputes a block in backward, and on a GPU
-#   the autograd engine runs backward in its own threads, where a ContextVar has its default
-#   (None). So ``lightning_seqpar.checkpointing`` runs every checkpointed block through
+#   the autograd engine runs backward in its own threads, where the slot has its default (None).
+#   So ``lightning_seqpar.activation_checkpointing`` runs every checkpointed block through
 #   :func:`run_with_documents` with the documents read at forward time: the recomputation masks
-#   by the same documents whatever thread it runs in (under torch.compile the recomputation is a
-#   replay of the traced graph, whose inputs already hold them). A checkpoint of one's own around
+#   by the same documents whatever thread it runs in. A checkpoint of one's own around
 #   ``Attention`` modules must do the same.
+# * under torch.compile: Dynamo traces the read (an attribute of a ``threading.local``, read with
+#   ``getattr`` and a default, as it traces any Python object's attribute) instead of breaking the
+#   graph, as it did on a ``contextvars.ContextVar`` (``ContextVar.get`` / ``set`` are not
+#   traceable in torch 2.11 - 2.13: every compiled block broke at each read, and a checkpointed
+#   block was not captured at all; issue #56). What the graph depends on is guarded, not baked
+#   in: None or a ``PackedDocuments`` (one graph each), the documents' ``seq_len`` / ``world``, the
+#   shape of their ``pieces``, which enter the graph as an input tensor: a new batch's documents
+#   of the same shapes reuse the graph (after a first change of the document count Dynamo makes
+#   that size dynamic: one graph more, and one for a count of one), and the guards are checked in the calling thread, so a
+#   thread without documents never runs a graph traced with another's. (A ``threading.local``
+#   subclass with a class-level default is not traced by torch 2.11's Dynamo: it guards on the
+#   default as a constant.) A compiled checkpoint needs no :func:`run_with_documents`: its
+#   recomputation is part of the compiled backward, whose inputs already hold the pieces (Note
+#   [Checkpoints under torch.compile] in ``lightning_seqpar.activation_checkpointing``).
 # * reset: by the next batch, and to None by the strategy's and the module's ``teardown`` (the end
 #   of every fit / validate / predict, also after a failure), so nothing outlives a run; two
 #   threads never see each other's documents.
-_DOCUMENTS: ContextVar[PackedDocuments | None] = ContextVar("lightning_seqpar.documents", default=None)
+#
+# (A ``ContextVar`` would also follow asyncio tasks; nothing here runs a model in them, and a thread's
+# slot is what the autograd engine's threads and torch.compile's guards both see.)
+
+
+_DOCUMENTS = threading.local()
 
 
 def _checked(documents: PackedDocuments | None) -> PackedDocuments | None:
@@ -290,29 +308,29 @@ def set_current_documents(documents: PackedDocuments | None) -> None:
     batch, or ``position_ids`` that restart at 0) and with None at teardown; the setting lasts
     until the next batch (Note [Per-call state]). Code of one's own uses :func:`packed_documents`.
     """
-    _DOCUMENTS.set(_checked(documents))
+    _DOCUMENTS.documents = _checked(documents)
 
 
 def current_documents() -> PackedDocuments | None:
     """The packed documents of this context (Note [Per-call state]); None when the batch has none."""
-    return _DOCUMENTS.get()
+    return getattr(_DOCUMENTS, "documents", None)
 
 
 @contextmanager
 def packed_documents(documents: PackedDocuments | None) -> Iterator[PackedDocuments | None]:
     """``with packed_documents(docs): model(...)`` — documents for the calls inside, restored after."""
-    token = _DOCUMENTS.set(_checked(documents))
+    before, _DOCUMENTS.documents = current_documents(), _checked(documents)
     try:
         yield documents
     finally:
-        _DOCUMENTS.reset(token)
+        _DOCUMENTS.documents = before
 
 
 def run_with_documents(documents: PackedDocuments | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` with ``documents`` current, the value before restored after: what a checkpoint runs,
     ``documents`` read at forward time, so that its recomputation in backward masks by them (Note [Per-call state])."""
-    token = _DOCUMENTS.set(documents)
+    before, _DOCUMENTS.documents = current_documents(), documents
     try:
         return fn(*args, **kwargs)
     finally:
-        _DOCUMENTS.reset(token)
+        _DOCUMENTS.documents = before

@@ -12,8 +12,9 @@ Note [Order of the apply_* calls]
    slice checkpointed (Note [Sequence-tiled MLP]). Inside the block, so before its wrapper.
 3. :func:`apply_ac` — wrap each block for activation checkpointing. Before compile, so that the
    compiled region contains the checkpoint (torch.compile traces the selective-checkpoint
-   policy and keeps the attention op's outputs), and before FSDP so that FSDP's all-gathers stay
-   outside the recomputed region.
+   policy and keeps the attention op's outputs; Note [Checkpoints under torch.compile]: a block
+   whose checkpoint offloads to host memory is compiled inside it), and before FSDP so that
+   FSDP's all-gathers stay outside the recomputed region.
 4. :func:`apply_compile` — ``torch.compile`` each (wrapped) block in place. Per block, not the
    whole model: one small graph reused for every layer, and FSDP's hooks stay between graphs.
 5. :func:`apply_fsdp` — ``fully_shard`` each block, then the root (on one rank with
@@ -46,8 +47,8 @@ from lightning_seqpar.agreement import RankAgreement
 from lightning_seqpar.config import check_lasp_variant, check_offload_checkpoints, check_uncheckpointed_blocks
 from lightning_seqpar.models.registry import attention_heads
 from lightning_seqpar.routing.blocks import BLOCK_CONTAINERS, is_marked
-from lightning_seqpar.activation_checkpointing import (MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block, is_norm,
-                                                       tile_mlp)
+from lightning_seqpar.activation_checkpointing import (MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block,
+                                                       compile_target, is_norm, tile_mlp)
 
 
 GradientReduction = Literal["sum", "mean"]
@@ -270,7 +271,7 @@ def apply_ac(
     """
     offload_checkpoints = _renamed("apply_ac", "offload", offload, "offload_checkpoints", offload_checkpoints)
     check_uncheckpointed_blocks(uncheckpointed_blocks)
-    check_offload_checkpoints(offload_checkpoints, activation_checkpointing=mode, compiled=False)
+    check_offload_checkpoints(offload_checkpoints, activation_checkpointing=mode)
     if mode is None:
         return 0
     found = find_blocks(model, block_classes)
@@ -327,14 +328,16 @@ def apply_compile(
     *,
     block_classes: Sequence[type[nn.Module]] | None = None,
 ) -> int:
-    """``torch.compile`` every block in place (``nn.Module.compile``: parameter names do not change)."""
+    """``torch.compile`` every block in place (``nn.Module.compile``: parameter names do not change), its checkpoint
+    included; a block whose checkpoint offloads to host memory is compiled inside it (Note [Checkpoints under
+    torch.compile] in ``lightning_seqpar.activation_checkpointing``)."""
     blocks = list(_blocks(model, block_classes))
     if not blocks:
         raise ValueError(
             f"compile: found no transformer blocks in {type(model).__name__} (an nn.ModuleList named one of {BLOCK_CONTAINERS})"
         )
     for block in blocks:
-        block.compile(**(compile_kwargs or {}))
+        compile_target(block).compile(**(compile_kwargs or {}))
     return len(blocks)
 
 
@@ -578,8 +581,7 @@ def parallelize(
         raise ValueError("offload_params=True offloads FSDP2's parameter shards; it needs an fsdp_mesh, got None")
     if gather_whole_model and fsdp_mesh is None:
         raise ValueError("gather_whole_model=True gathers FSDP2's root group; it needs an fsdp_mesh, got None")
-    check_offload_checkpoints(offload_checkpoints, activation_checkpointing=activation_checkpointing,
-                              compiled=compile_kwargs is not None)
+    check_offload_checkpoints(offload_checkpoints, activation_checkpointing=activation_checkpointing)
     apply_attention(model, sp_mesh, attention=attention, layout=layout, lasp_variant=lasp_variant, inner_ring_size=inner_ring_size,
                     head_chunks=head_chunks, attention_backend=attention_backend)
     apply_mlp_tiles(model, mlp_chunk_size, block_classes=block_classes)

@@ -534,7 +534,7 @@ def _memory_planner(module: nn.Module | None, *, config: StrategyConfig, length:
     shape = model_shape_of(module, owner=owner)
     defaults = StrategyConfig()
     fixed: dict[str, Any] = {name: getattr(config, name) for name in MEMORY_OPTIONS if getattr(config, name) != getattr(defaults, name)}
-    if config.compile or config.activation_checkpointing is None:  # offload needs eager checkpointed blocks
+    if config.activation_checkpointing is None:  # offload needs checkpointed blocks
         fixed.setdefault("offload_checkpoints", False)
     backend = group_backend or config.process_group_backend
     if backend is not None and not serves_cpu(backend):  # offload_params needs a CPU backend (config's check)

@@ -87,6 +87,8 @@ SLOW_FIRST = (
     "tests/test_benchmarks_driver.py::test_driver_runs_a_suite_within_its_budget",
     "tests/test_cli.py::test_console_script_two_processes",
     "tests/test_parity.py::test_training_parity_mlp_tiles_compiled_without_checkpointing",
+    "tests/test_checkpoint_compile.py::test_parallelize_compiles_checkpointed_and_offloaded_blocks",
+    "tests/test_checkpoint_compile.py::test_strategy_trains_compiled_checkpointed_and_offloaded_blocks_like_one_device",
     "tests/test_hf_hybrid.py::test_more_families_train_exactly_under_the_strategy",
     "tests/test_attention.py::test_eight_ranks_match_full_sequence_attention",
     "tests/test_hf_support.py::test_ci_subset_is_exact_or_refused",

@@ -149,13 +149,6 @@ def test_other_models_tile_and_offload(build):
     _assert_same(_loss_and_grads(model, ids), expected)
 
 
-def test_offload_and_compile_are_refused_together():
-    from lightning_seqpar.parallelize import parallelize
-
-    with pytest.raises(ValueError, match="offload_checkpoints=True runs the blocks eagerly"):
-        parallelize(_model(), sp_mesh=None, fsdp_mesh=None, offload_checkpoints=True, compile_kwargs={})
-
-
 def test_offload_params_needs_fsdp():
     """offload_params is FSDP2's CPUOffloadPolicy: without an FSDP mesh there is nothing to offload."""
     from lightning_seqpar.parallelize import parallelize

@@ -12,7 +12,7 @@ import torch
 from lightning_seqpar import SequenceParallelStrategy
 from lightning_seqpar.config import StrategyConfig
 from lightning_seqpar.models import Llama, LlamaConfig
-from lightning_seqpar.parallelize import apply_ac, apply_attention, parallelize
+from lightning_seqpar.parallelize import apply_ac, apply_attention
 
 
 def test_the_config_mirrors_the_constructor():
@@ -41,11 +41,9 @@ def test_the_config_is_frozen_and_resolves_derived_values():
     [
         (dict(uncheckpointed_blocks=-1), "SequenceParallelStrategy: uncheckpointed_blocks must be an int >= 0"),
         (dict(lasp_variant="ring"), "SequenceParallelStrategy: lasp_variant='ring' is not supported"),
-        (dict(offload_checkpoints=True, compile=True), "SequenceParallelStrategy: offload_checkpoints=True runs the blocks eagerly"),
         (dict(placement="rack-first"), "SequenceParallelStrategy: placement='rack-first' is not supported"),
         (dict(offload_checkpoints=-1), "SequenceParallelStrategy: offload_checkpoints must be True, False or the number"),
         (dict(offload_checkpoints=1.5), "SequenceParallelStrategy: offload_checkpoints must be True, False or the number"),
-        (dict(offload_checkpoints=2, compile=True), "SequenceParallelStrategy: offload_checkpoints=2 runs the blocks eagerly"),
         (dict(bf16_adapters=1), "SequenceParallelStrategy: bf16_adapters must be True or False"),
     ],
 )
@@ -64,8 +62,6 @@ def test_apply_functions_check_with_the_config_helpers():
         apply_ac(_tiny(), "full", uncheckpointed_blocks=-2)
     with pytest.raises(ValueError, match="^offload_checkpoints=True offloads what checkpointed blocks keep"):
         apply_ac(_tiny(), None, offload_checkpoints=True)
-    with pytest.raises(ValueError, match="^offload_checkpoints=True runs the blocks eagerly"):
-        parallelize(_tiny(), sp_mesh=None, fsdp_mesh=None, offload_checkpoints=True, compile_kwargs={})
     with pytest.raises(ValueError, match="^lasp_variant='ring' is not supported"):
         apply_attention(_tiny(), None, attention="lasp", layout="contiguous", lasp_variant="ring")
 

@@ -41,7 +41,6 @@ TIMEOUT = 180
         (dict(uncheckpointed_blocks=-1), "uncheckpointed_blocks must be an int >= 0"),
         (dict(offload_checkpoints="1"), "offload_checkpoints must be True, False or the number of checkpointed blocks"),
         (dict(offload_checkpoints=True, activation_checkpointing=None), "offload_checkpoints=True offloads what checkpointed"),
-        (dict(offload_checkpoints=True, compile=True), "offload_checkpoints=True runs the blocks eagerly"),
         (dict(offload_params="yes"), "offload_params must be True or False, got 'yes'"),
         (dict(offload_params=True, process_group_backend="nccl"), "offload_params=True keeps the parameters and gradients on the CPU"),
         (dict(offload_params=True, process_group_backend="cuda:nccl"), "use 'cpu:gloo,cuda:nccl'"),

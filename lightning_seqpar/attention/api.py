@@ -42,7 +42,8 @@ from lightning_seqpar.attention.allgather import (
     to_rank_order,
 )
 from lightning_seqpar.attention.varlen import DocSegments, reorder, sample_order
-from lightning_seqpar.attention.local import acc_dtype, block_backward, block_forward, default_scale, log_auto_backend, resolve_backend
+from lightning_seqpar.attention.local import (FA4_MIN_TOKENS, acc_dtype, block_backward, block_forward, default_scale, log_auto_backend,
+                                              resolve_backend)
 from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import new_accumulators
 from lightning_seqpar.attention.ring import ring_backward, ring_forward
@@ -694,6 +695,17 @@ def _gathered_local(world: int, s_local: int, spec: AttentionSpec, docs: Tensor 
     return attend
 
 
+@torch.compiler.assume_constant_result
+def _auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int, cudnn_exact: bool, short: bool) -> str:
+    """``backend="auto"``'s kernel for a call (``short``: fewer than ``FA4_MIN_TOKENS`` local query tokens), logged once
+    per process. A constant to torch.compile, computed (and logged) while Dynamo traces: the device queries and the
+    logger inside break a graph, and a checkpointed block's graph may hold no side effect (Note [Checkpoints under
+    torch.compile] in ``lightning_seqpar.activation_checkpointing``); the arguments are all the answer depends on."""
+    backend = resolve_backend("auto", device, dtype, head_dim, cudnn_exact=cudnn_exact, seq_len=1 if short else FA4_MIN_TOKENS)
+    log_auto_backend(backend, cudnn_exact=cudnn_exact, seq_len=1 if short else FA4_MIN_TOKENS)
+    return backend
+
+
 class Attention(nn.Module):
     """Scaled dot-product attention that a model calls; local until configured.
 
@@ -737,9 +749,7 @@ class Attention(nn.Module):
         """The kernel of this call: ``backend``, or for "auto" the fastest exact one for the model (logged once)."""
         if self.backend != "auto" or q.device.type != "cuda":
             return self.backend
-        backend = resolve_backend("auto", q.device, q.dtype, q.shape[-1], cudnn_exact=self.cudnn_exact, seq_len=q.shape[1])
-        log_auto_backend(backend, cudnn_exact=self.cudnn_exact, seq_len=q.shape[1])
-        return backend
+        return _auto_backend(q.device, q.dtype, q.shape[-1], self.cudnn_exact, bool(q.shape[1] < FA4_MIN_TOKENS))
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None, *, window: int | None = None,
                 softcap: float | None = None, sinks: Tensor | None = None, chunk_size: int | None = None,

@@ -186,7 +186,7 @@ def auto_backend_message(backend: str, *, cudnn_exact: bool, fa4_installed: bool
                "plain transformers at 32K on one H100, Llama-3.2-1B shape).")
     elif backend == "cudnn" and seq_len is not None and seq_len < FA4_MIN_TOKENS:
         why = (f" flash-attention 4 is installed: a call of fewer than {FA4_MIN_TOKENS:,} query tokens "
-               f"({seq_len:,} here) costs less with cuDNN, by design; calls from {FA4_MIN_TOKENS:,} tokens run flash-attention 4.")
+               f"(as here) costs less with cuDNN, by design; calls from {FA4_MIN_TOKENS:,} tokens run flash-attention 4.")
     else:
         why = " flash-attention 4 is installed but cannot run this call (it needs compute capability 9.x / 10.x, bf16 / fp16, and a head dim it takes)."
     return f"attention_backend='auto' runs {what}.{why} (Note [Choosing the local kernel])"
