@@ -73,7 +73,7 @@ def test_with_flash_attention_4_installed_the_log_says_why_another_kernel_runs_a
                    ("flash", dict(cudnn_exact=False, seq_len=32768)))
     assert len(lines) == 3, lines
     assert all("Install" not in line and "[gpu]" not in line for line in lines), lines
-    assert "runs cuDNN" in lines[0] and "flash-attention 4 is installed" in lines[0] and "4,096 here" in lines[0]
+    assert "runs cuDNN" in lines[0] and "flash-attention 4 is installed" in lines[0] and "(as here)" in lines[0]
     assert f"{local.FA4_MIN_TOKENS:,}" in lines[0] and "by design" in lines[0]
     assert "runs flash-attention 4" in lines[1]
     assert "runs torch's flash-attention-2" in lines[2] and "cannot run this call" in lines[2]
