@@ -89,6 +89,7 @@ class LitGPTModule(L.LightningModule):
                 raise ValueError(f"LitGPTModule: model={model!r} is neither a LitGPT config name nor a folder with "
                                  f"model_config.yaml ({e})") from None
         self.gpt: nn.Module | None = None
+        self.loss_chunk_size = loss_chunk_size  # read by the strategy's memory planner, as CausalLMModule's
         self.config = planner_fields(self.litgpt_config)
         """The sizes the strategy's memory planner reads (``memory="auto"``), in transformers' names; None where the
         planner does not model the layers (a mixture of experts, a non-Llama MLP)."""
@@ -105,6 +106,8 @@ class LitGPTModule(L.LightningModule):
                 raise ValueError(f"LitGPTModule: {self.source} has model_config.yaml but no lit_model.pth")
             state = torch.load(weights, map_location="cpu", weights_only=True)
             gpt.load_state_dict(state.get("model", state), strict=True)
+        # Note [Choosing the local kernel]: cuDNN's backward is exact for a rotary embedding over the whole head
+        gpt.cudnn_attention_exact = self.litgpt_config.rotary_percentage == 1.0 and self.litgpt_config.n_expert == 0
         self.gpt = gpt
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

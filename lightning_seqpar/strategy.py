@@ -46,6 +46,7 @@ from lightning_seqpar.documents import set_current_documents
 from lightning_seqpar.loss import counting_global_mean_calls, own_loss_message, token_shares, uneven_token_shares
 from lightning_seqpar.hf.lora import upcast_trainable
 from lightning_seqpar.memory import MemoryPlan
+from lightning_seqpar.models.registry import attention_heads
 from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh, warn_if_ranks_not_by_node
 from lightning_seqpar.parallelize import (apply_attention, find_blocks, is_parallelized, parallel_roots, parallelize, process_group_backend,
                                           use_host_optimizer_threads)
@@ -259,7 +260,8 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         owner = type(self).__name__
         find_block_container(module, blocks=self.config.blocks, owner=owner)  # Note [Finding the blocks of a user's model]
         roots = parallel_roots(module, owner=owner)  # checked before any collective
-        self._routings = [r for r in (own_model_routing(root, find_blocks(root), owner=owner) for root in roots) if r is not None]
+        heads = attention_heads(module)  # the model's config, where the registry reads it (K/V repeated before SDPA)
+        self._routings = [r for r in (own_model_routing(root, find_blocks(root), owner=owner, heads=heads) for root in roots) if r is not None]
         dims = self.parallel_dims
         param_dtype, reduce_dtype = fsdp_dtypes(self.precision_plugin, bf16_adapters=self.bf16_adapters,
                                                 fp32_adapters=getattr(self, "_fp32_adapters", False), owner=type(self).__name__)

@@ -235,6 +235,8 @@ def _train_litgpt(rank: int, world: int, batches: list[dict], model: str, out: s
     state = _state(module)
     if rank == 0 and out is not None:
         save_litgpt(state, module.litgpt_config, out)
+    repeats = {getattr(m, "kv_repeat", None) for m in module.modules() if type(m).__name__ == "Attention"}
+    assert repeats == {2}, repeats  # LitGPT repeats K/V for its 2 query heads per group: the routed call takes one copy
     return losses, state if rank == 0 else None
 
 

@@ -508,7 +508,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, sca
     _check_options(causal, "zigzag", "ring")
     var = check_variant_args(causal=causal, window=window, softcap=softcap, chunk_size=chunk_size, sinks=sinks, h_q=q.shape[2])
     docs = _check_documents(documents, q, "zigzag", "ring", 1, 1)
-    be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
+    be = _checked_backend(backend, q.device, q.dtype, q.shape[-1])
     spec = AttentionSpec(kind="local", causal=causal, layout="zigzag", scale=default_scale(q.shape[-1], scale), backend=be,
                          window=var.window, chunk_size=var.chunk, softcap=var.softcap)
     return attention_op(q, k, v, spec, docs=docs, sinks=_sinks_on(sinks, q))
@@ -595,7 +595,7 @@ def sequence_parallel_attention(
     check_head_chunks(head_chunks, k.shape[2], algorithm)
     var = check_variant_args(causal=causal, window=window, softcap=softcap, chunk_size=chunk_size, sinks=sinks, h_q=q.shape[2])
     docs = _check_documents(documents, q, layout, algorithm, hp, cp)
-    be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
+    be = _checked_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
     inner = inner_ring_size or 0
     _sinks_on(sinks, q)
@@ -666,7 +666,7 @@ def gathered_kv_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, 
         raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
     _check_sizes(q, k, "allgather", layout, 1, cp, None)
     docs = _check_documents(documents, q, layout, "allgather", 1, cp)
-    be = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
+    be = _checked_backend(backend, q.device, q.dtype, q.shape[-1])
     sc = default_scale(q.shape[-1], scale)
     local = AttentionSpec(kind="local", causal=causal, layout=layout, scale=sc, backend=be)
     if cp == 1:
@@ -693,6 +693,13 @@ def _gathered_local(world: int, s_local: int, spec: AttentionSpec, docs: Tensor 
         return out
 
     return attend
+
+
+@torch.compiler.assume_constant_result
+def _checked_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """``resolve_backend`` of a call, a constant to torch.compile: its device queries (``cudnn.is_available()``) would
+    break a compiled block's graph (Note [Checkpoints under torch.compile] in ``lightning_seqpar.activation_checkpointing``)."""
+    return resolve_backend(backend, device, dtype, head_dim)
 
 
 @torch.compiler.assume_constant_result

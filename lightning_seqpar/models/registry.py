@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
@@ -124,10 +125,13 @@ def _positive(value: Any) -> bool:
 
 
 def _hf_heads(config: Any) -> AttentionHeads | None:
-    """Heads of a transformers ``PretrainedConfig`` (transformers' standard attribute names)."""
-    transformers = sys.modules.get("transformers")  # a PretrainedConfig exists only once transformers is imported
-    if transformers is None or not isinstance(config, transformers.PretrainedConfig):
-        return None
+    """Heads of a transformers ``PretrainedConfig`` or a dict of its fields (transformers' standard attribute names)."""
+    if isinstance(config, Mapping):  # a dict of those fields (a config's ``to_dict()``, LitGPTModule's planner fields)
+        config = SimpleNamespace(**{k: v for k, v in config.items() if isinstance(k, str)})
+    else:
+        transformers = sys.modules.get("transformers")  # a PretrainedConfig exists only once transformers is imported
+        if transformers is None or not isinstance(config, transformers.PretrainedConfig):
+            return None
     h_q = getattr(config, "num_attention_heads", None)
     if not _positive(h_q):
         return None

@@ -22,6 +22,14 @@ itself refuses it), and a mask, unless it shows a sliding window shorter than th
 built from the local length that looks causal cannot show a longer window: pass ``is_causal=True``).
 LitGPT's windowed layers build such masks; their window is read from the layer's config.
 
+Note [K/V repeated before the call]: a model with fewer K/V heads than query heads may repeat K and V
+(``repeat_interleave``, LitGPT, torchtitan's ``repeat_kv``) before calling SDPA without ``enable_gqa``.
+Exact as it is, but the ring, the all-gather and Ulysses would then move every repeated copy (4x the
+K/V traffic for Llama-3-8B). Where the model's config says it has g query heads per K/V head
+(``attention_heads``: LitGPTModule, transformers configs) and the block's first call shows K and V
+made of g equal copies per group, the routed call takes one head per group (a strided view): the same
+attention, and since the copies' gradients add up in the model's repeat, the same gradients.
+
 Every mode is entered per block forward (so the recomputation of a checkpointed block in backward
 routes as its forward did) and once around the whole training / validation / predict step (for
 what the model does outside its blocks: an SDPA call there is refused, and position tables).
@@ -95,6 +103,7 @@ class Routing:
         self.whole = False  # the check's reference pass: plain SDPA, tables as they are
         self.record: CheckRecord | None = None
         self._inside = 0  # > 0 while a routed call runs (its own kernels' SDPA calls pass through)
+        self.kv_groups = 1  # query heads per K/V head from the model's config, where known (Note [K/V repeated before the call])
         self._table_ids: dict[int, str] = {}
         self._index: Tensor | None = None
         for i, block in enumerate(blocks):
@@ -143,6 +152,19 @@ class Routing:
         return self._index
 
     # ----------------------------------------------------------------------------------------- the calls
+
+    def _unrepeated(self, attention: Attention, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """K / V with one head per group where the model repeated them before the call (Note [K/V repeated before the
+        call]): decided at the block's first eager call, then a strided view every call."""
+        groups = getattr(attention, "kv_repeat", None)
+        if groups is None:
+            if torch.compiler.is_compiling():
+                return key, value
+            g = self.kv_groups
+            k, v = key.unflatten(1, (-1, g)), value.unflatten(1, (-1, g))  # (B, H_kv, g, S, D)
+            repeated = torch.equal(k, k[:, :, :1].expand_as(k)) and torch.equal(v, v[:, :, :1].expand_as(v))
+            groups = attention.kv_repeat = g if repeated else 1  # type: ignore[assignment]
+        return (key, value) if groups == 1 else (key[:, ::groups], value[:, ::groups])
 
     def table_rows(self, table: Tensor, index: Any) -> Tensor | None:
         """``table[index]`` read at this rank's global positions, where ``index`` slices the shard's length from 0 along
@@ -214,6 +236,8 @@ class Routing:
         h_q, h_kv = query.shape[1], key.shape[1]
         if h_q != h_kv and not enable_gqa:
             raise ValueError(f"{where}: {h_q} query heads and {h_kv} key/value heads need enable_gqa=True (as SDPA itself requires)")
+        if h_q == h_kv and self.kv_groups > 1:  # Note [K/V repeated before the call]
+            key, value = self._unrepeated(attention, key, value)
         if self.record is not None:
             index = attention.block_index  # type: ignore[attr-defined]
             self.record.sdpa_by_block[index] = self.record.sdpa_by_block.get(index, 0) + 1
@@ -332,7 +356,8 @@ def install_sdpa_routing(root: nn.Module, blocks: Sequence[nn.Module], *, owner:
     return Routing(root, blocks, owner=owner, blocks_name=blocks_name)
 
 
-def own_model_routing(root: nn.Module, blocks: Sequence[tuple[nn.Module, str]], *, owner: str) -> Routing | None:
+def own_model_routing(root: nn.Module, blocks: Sequence[tuple[nn.Module, str]], *, owner: str,
+                      heads: tuple[int, int, Any] | None = None) -> Routing | None:
     """Install the routed SDPA in ``root`` (whose blocks are ``getattr(parent, name)`` of ``blocks``) where it computes
     no attention through the package's modules; the routing already installed, or None for the package's models."""
     existing = routing_of(root)
@@ -340,7 +365,10 @@ def own_model_routing(root: nn.Module, blocks: Sequence[tuple[nn.Module, str]], 
         return existing
     names = {id(m): n for n, m in root.named_modules()}
     blocks_name = (names.get(id(blocks[0][0])) if blocks else None) or type(root).__name__
-    return install_sdpa_routing(root, [getattr(p, n) for p, n in blocks], owner=owner, blocks_name=blocks_name)
+    routing = install_sdpa_routing(root, [getattr(p, n) for p, n in blocks], owner=owner, blocks_name=blocks_name)
+    if heads is not None and heads[1] and heads[0] % heads[1] == 0:
+        routing.kv_groups = heads[0] // heads[1]
+    return routing
 
 
 @contextmanager
