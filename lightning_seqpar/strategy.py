@@ -268,7 +268,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         # FSDP2 also on one rank: one code path, and the same checkpoint format at every size.
         mesh_for_fsdp = self._fsdp_mesh = fsdp_mesh(self.device_mesh, timeout=self.timeout)
         self._groups.tie(module, [self._device_mesh, mesh_for_fsdp])  # released with the module (Note [What a run releases])
-        self._resolve_auto_attention(roots)
+        self._resolve_auto_attention([*roots, module] if module not in roots else roots)  # heads: the roots', else the module's config
         self._check_options_against_model(roots)
         for root in roots:
             routing = routing_of(root)
