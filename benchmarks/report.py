@@ -643,7 +643,14 @@ def peers_longest_table(rows: list[dict]) -> str:
     return "\n".join(module.longest(module.records()))
 
 
+def own_model_table(rows: list[dict]) -> str:
+    """A model of the user's own (LitGPT) against the package's model and plain LitGPT (``benchmarks/peers/report.py``)."""
+    module = _peers_report()
+    return "\n".join(module.own_model_table(module.own_model_records()))
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "own-model": own_model_table,
     "peers": peers_table, "peers-all": peers_all_table, "peers-longest": peers_longest_table,
     "hf-families-gpus": hf_families_gpus_table,
     "delta-rule": delta_rule_table,

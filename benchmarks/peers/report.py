@@ -166,3 +166,55 @@ if __name__ == "__main__":
     print("\n".join(table(records(sys.argv[1:] or None))))
     print()
     print("\n".join(longest(records(sys.argv[1:] or None))))
+
+
+# --------------------------------------------------------------------------------------------- your own model
+
+_OWN_LABELS = {"litgpt-llama3-8b": "LitGPT `GPT` (Llama-3-8B config), unchanged, under the strategy",
+               "litgpt-llama3.2-1b": "LitGPT `GPT` (Llama-3.2-1B config), unchanged, under the strategy",
+               "llama3-8b": "the package's Llama-3-8B (`CausalLMModule(\"llama3-8b\")`)"}
+
+
+def own_model_records(paths: list[str] | None = None) -> list[dict]:
+    """The runs of docs/own_model.md's speed claims: ``benchmarks/results/*own-model*.json`` (one file, one lease)."""
+    rows = []
+    for path in paths or sorted(glob.glob(os.path.join(RESULTS, "*own-model*.json"))):
+        group = os.path.basename(path).removesuffix(".json")
+        rows += [dict(r, group=group) for r in json.load(open(path)) if r.get("bench") == "peers"]
+    return rows
+
+
+def own_model_table(rows: list[dict]) -> list[str]:
+    """A model of the user's own (LitGPT's GPT through the routed SDPA) against the package's own model of the same shape
+    and against plain LitGPT, each ratio within one results file (one lease, one GPU kind), by length and GPU count."""
+    out = ["| run group (GPUs, commit) | model | length | system | tokens/s/GPU | ratio | peak GB | attention, kernel, plan |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for group in sorted({r["group"] for r in rows}):
+        mine = [r for r in rows if r["group"] == group]
+        for r in mine:
+            s = r.get("settings", {})
+            compiled = s.get("compile") is True
+            if r["system"] == "litgpt":
+                system = "plain LitGPT (its SDPA, its chunked loss, no strategy)"
+            else:
+                system = _OWN_LABELS.get(r["model"], r["model"]) + (", `compile=True`" if compiled else "")
+            same = [o for o in mine if o is not r and o["seq"] == r["seq"] and o["gpus"] == r["gpus"] and o.get("tokens_per_s_per_gpu")]
+            base = None
+            if r["system"] == "seqpar" and r["model"].startswith("litgpt"):  # routed LitGPT against the package's model, else plain
+                base = next((o for o in same if o["model"] == "llama3-8b" and not o.get("settings", {}).get("compile")), None) or \
+                    next((o for o in same if o["system"] == "litgpt"), None)
+            elif compiled:
+                base = next((o for o in same if o["model"] == r["model"] and not o.get("settings", {}).get("compile")), None)
+            tps = r.get("tokens_per_s_per_gpu")
+            ratio = (f"{tps / base['tokens_per_s_per_gpu']:.2f}x " + ("plain LitGPT" if base["system"] == "litgpt" else
+                     "the package's model" if base["model"] != r["model"] else "without compile")) if tps and base else "-"
+            plan = s.get("memory_plan") or ""
+            opts = plan.split("estimate=")[0]
+            what = ", ".join(x for x in (s.get("attention"), s.get("kernel"),
+                                         "offloaded parameters" if "offload_params=True" in opts else None,
+                                         "offloaded checkpoints" if "offload_checkpoints=True" in opts else None) if x)
+            status = f"{tps:,.0f}" if tps else r.get("status", "-")
+            peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") else "-"
+            gpus = f"{r['gpus']} x {r['gpu']}, {r.get('commit', '?')}"
+            out.append(f"| {group} ({gpus}) | {r['model']} | {_k(r['seq'])} | {system} | {status} | {ratio} | {peak} | {what or '-'} |")
+    return out
