@@ -264,3 +264,16 @@ def test_ranks_that_built_different_weights_start_from_rank_0s():
     ref = reference("nanogpt", batches, seed=0)
     _check_parity(run_distributed(_train, 2, "nanogpt", {"sequence_parallel_size": 2}, batches, {"seed": "rank"},
                                   timeout=TIMEOUT), ref)
+
+
+def test_a_routed_block_compiles_as_one_graph():
+    """The block's router (a TorchFunctionMode entered in its forward) and the routed attention trace into one graph."""
+    import torch._dynamo
+    from own_models import build
+
+    from lightning_seqpar.routing.sdpa import install_sdpa_routing
+
+    model = build("nanogpt")
+    install_sdpa_routing(model, list(model.stack), owner="test", blocks_name="stack")
+    explained = torch._dynamo.explain(model.stack[0])(torch.randn(2, 16, 32))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
