@@ -200,39 +200,32 @@ class Routing:
                     "know to be split along the sequence; call attention inside the blocks, or name the module list that "
                     "holds every attention call with SequenceParallelStrategy(blocks='path.to.list')")
             return plain()
+        block = f"{where} in block {attention.block_index}"  # type: ignore[attr-defined]
+        window, known = None, getattr(attention, "routed_window", None)
+        shown = _mask_pattern(attn_mask, query.shape[-2]) if attn_mask is not None and query.dim() == 4 else None
         if query.dim() != 4 or key.dim() != 4:
+            why = f"{block}: routed attention takes (B, H, S, D) tensors, got q {tuple(query.shape)}, k {tuple(key.shape)}"
+        elif key.shape[-2] != query.shape[-2]:
+            why = (f"{block}: keys of length {key.shape[-2]} for queries of length {query.shape[-2]}: attention to a tensor "
+                   "that is not the sequence (cross attention, latents, a cache) is not split with the sequence, so it cannot "
+                   "be made exact under sequence parallelism")
+        elif dropout_p:
+            why = (f"{block}: dropout_p={dropout_p} draws a random mask, which no split can reproduce; train with attention "
+                   "dropout 0 (as long-context training does) or pass dropout_p=0 when self.training is False only")
+        elif attn_mask is not None and (shown is None or (shown[1] is None and known is None)):
+            why = (f"{block}: an explicit attn_mask {tuple(attn_mask.shape)} is built from the shard, not the sequence; pass "
+                   "is_causal=True (causal), attn_mask=None (bidirectional), document_ids in the batch (packed documents: the "
+                   "strategy masks them), or a sliding-window mask")
+        else:
+            why = None
+        if why is not None:  # refused under the split; one process runs it as it is
             if sp > 1:
-                raise ValueError(f"{where} in block {attention.block_index}: routed attention takes (B, H, S, D) tensors, "  # type: ignore[attr-defined]
-                                 f"got q {tuple(query.shape)}, k {tuple(key.shape)}")
+                raise ValueError(why)
             return plain()
-        window = None
-        if key.shape[-2] != query.shape[-2]:
-            if sp > 1:
-                raise ValueError(
-                    f"{where} in block {attention.block_index}: keys of length {key.shape[-2]} for queries of length "  # type: ignore[attr-defined]
-                    f"{query.shape[-2]}: attention to a tensor that is not the sequence (cross attention, latents, a cache) "
-                    "is not split with the sequence, so it cannot be made exact under sequence parallelism")
-            return plain()
-        if dropout_p:
-            if sp > 1:
-                raise ValueError(
-                    f"{where} in block {attention.block_index}: dropout_p={dropout_p} draws a random mask, which no split "  # type: ignore[attr-defined]
-                    "can reproduce; train with attention dropout 0 (as long-context training does) or pass "
-                    "dropout_p=0 when self.training is False only")
-            return plain()
-        if attn_mask is not None:
-            shown = _mask_pattern(attn_mask, query.shape[-2])
-            known = getattr(attention, "routed_window", None)
-            if shown is None or (shown[1] is None and known is None):
-                if sp > 1:
-                    raise ValueError(
-                        f"{where} in block {attention.block_index}: an explicit attn_mask {tuple(attn_mask.shape)} is "  # type: ignore[attr-defined]
-                        "built from the shard, not the sequence; pass is_causal=True (causal), attn_mask=None (bidirectional), "
-                        "document_ids in the batch (packed documents: the strategy masks them), or a sliding-window mask")
-                return plain()
+        if shown is not None:
             is_causal, window = True, (known if known is not None else shown[1])
-        elif getattr(attention, "routed_window", None) is not None and is_causal:
-            window = attention.routed_window  # type: ignore[attr-defined]
+        elif known is not None and is_causal:
+            window = known
         h_q, h_kv = query.shape[1], key.shape[1]
         if h_q != h_kv and not enable_gqa:
             raise ValueError(f"{where}: {h_q} query heads and {h_kv} key/value heads need enable_gqa=True (as SDPA itself requires)")
