@@ -41,17 +41,10 @@ def _step(block, x0, freqs, documents):
 def test_checkpointed_block_compiles_fullgraph_on_gpu(mode, offload, attention_forwards, monkeypatch):
     import torch._dynamo
 
-    import lightning_seqpar.attention.api as api
+    from test_checkpoint_compile import _count_attention_forwards
 
     torch._dynamo.reset()
-    calls = {"n": 0}
-    forward = api._forward
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(api, "_forward", counted)
+    calls = _count_attention_forwards(monkeypatch)
     config = LlamaConfig(**CONFIG)
     torch.manual_seed(0)
     plain = LlamaBlock(config).to("cuda", torch.bfloat16)
