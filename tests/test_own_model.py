@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from strategy_testing import _LossRecorder
 
 TIMEOUT = 240
 SEQ = 32
@@ -54,25 +55,11 @@ def _loader(batches: list[dict], *, reference: bool = False):
     return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False, sampler=sampler)
 
 
-class _Losses:
-    def __new__(cls):
-        import lightning as L
-
-        class Losses(L.Callback):
-            def __init__(self) -> None:
-                self.losses: list[float] = []
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-                self.losses.append(float(trainer.callback_metrics["train/loss"]))
-
-        return Losses()
-
-
 def _fit(module: Any, strategy: Any, devices: int, batches: list[dict]) -> list[float]:
     reference = strategy == "auto"
     import lightning as L
 
-    losses = _Losses()
+    losses = _LossRecorder()  # the logged train/loss of every step
     L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=len(batches), logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
               limit_val_batches=0, callbacks=[losses]).fit(module, train_dataloaders=_loader(batches, reference=reference))
