@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -71,27 +69,6 @@ def export_consolidated(checkpoint: str | os.PathLike, output: str | os.PathLike
         full["optimizer_states"] = [tensors.pop(f"optimizer_{i}") for i in range(len(tensors)) if f"optimizer_{i}" in tensors]
     checkpoint_io.atomic_save(full, out)
     return out
-
-
-# --------------------------------------------------------------------------------------------- names that moved
-
-_MOVED: dict[str, ModuleType] = {
-    **{name: hf_export for name in ("MODULE_PREFIX", "TOKENIZER_FILES", "TokenizerSource", "describe_tokenizer", "export_hf",
-                                     "export_tokenizer", "hf_config", "hf_state_dict", "llama_config", "tokenizer_source",
-                                     "write_safetensors")},
-    **{name: checkpoint_io for name in ("load_meta", "load_model_state_dict")},
-}
-"""The public names this module held before the transformers writer moved to ``lightning_seqpar.hf.export`` and the
-checkpoint reading to ``lightning_seqpar.checkpoint_io``: still found here for one release, with a DeprecationWarning."""
-
-
-def __getattr__(name: str) -> object:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"lightning_seqpar.export.{name} moved to {module.__name__}.{name}; the old path is deprecated and "
-                  "will be removed in the next release", DeprecationWarning, stacklevel=2)
-    return getattr(module, name)
 
 
 # --------------------------------------------------------------------------------------------- CLI

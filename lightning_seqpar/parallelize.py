@@ -31,7 +31,6 @@ of :data:`BLOCK_CONTAINERS` (``model.layers`` for Llama and Hugging Face Llama/M
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -121,14 +120,6 @@ def config_value(config: Any, name: str) -> Any:
         return None
 
 
-def _renamed(function: str, old: str, old_value: Any, new: str, new_value: Any) -> Any:
-    """The value of a keyword given under its deprecated old name (with a DeprecationWarning), else the new one's."""
-    if old_value is None:
-        return new_value
-    warnings.warn(f"{function}({old}=...) is deprecated; pass {new}= (the strategy's name for it)", DeprecationWarning, stacklevel=3)
-    return old_value
-
-
 # --------------------------------------------------------------------------------------------- apply_*
 
 
@@ -142,14 +133,12 @@ def apply_attention(
     model: nn.Module,
     mesh: DeviceMesh | None,
     *,
-    attention: Literal["ring", "allgather", "ulysses", "2d", "lasp"] | None = None,
+    attention: Literal["ring", "allgather", "ulysses", "2d", "lasp"],
     layout: Literal["zigzag", "contiguous"] = "zigzag",
     attention_backend: str = "auto",
     inner_ring_size: int | None = None,
     lasp_variant: Literal["p2p", "allgather"] = "p2p",
     head_chunks: int = 1,
-    algorithm: str | None = None,
-    backend: str | None = None,
 ) -> int:
     """Configure every :class:`~lightning_seqpar.attention.Attention` in ``model`` for ``mesh``, and every
     :class:`~lightning_seqpar.attention.recurrent.Recurrence` (the recurrent mixers of hybrid models,
@@ -158,18 +147,13 @@ def apply_attention(
     ``mesh`` is the sequence-parallel mesh (1-D, or 2-D ("hp", "cp") for "2d"); None or one rank
     gives local attention. Returns how many modules were configured. The keywords are the
     strategy's (Note [One name per option] in ``lightning_seqpar.config``): ``attention`` is the
-    algorithm, ``attention_backend`` the local kernel; ``algorithm=`` and ``backend=`` are their
-    deprecated old names.
+    algorithm, ``attention_backend`` the local kernel.
 
     Raises:
         ValueError: sequence parallelism over a model without ``Attention`` modules, an unknown
             algorithm, or query heads not divisible by the head-parallel degree (checked from the
             model's config, before any communication).
     """
-    attention = _renamed("apply_attention", "algorithm", algorithm, "attention", attention)
-    attention_backend = _renamed("apply_attention", "backend", backend, "attention_backend", attention_backend)
-    if attention is None:
-        raise TypeError("apply_attention() missing the keyword argument 'attention' (the algorithm)")
     algorithm = attention
     if algorithm not in (*ALGORITHMS, "lasp"):
         raise ValueError(f"attention={algorithm!r} is not supported; expected one of {(*ALGORITHMS, 'lasp')}")
@@ -257,7 +241,6 @@ def apply_ac(
     save_ops: Sequence[Any] = SAVE_OPS,
     uncheckpointed_blocks: int = 0,
     offload_checkpoints: bool | int = False,
-    offload: bool | None = None,
 ) -> int:
     """Wrap the blocks of ``model`` for activation checkpointing (in place); returns how many were wrapped.
 
@@ -267,9 +250,8 @@ def apply_ac(
     activation and are not recomputed (spend free memory on speed; torchtitan's per-layer AC idea).
     ``offload_checkpoints``: the checkpointed blocks keep their inputs in pinned host memory (Note
     [Offloading checkpoints to host memory]); an int: only the first that many do (the rest keep them on the
-    device: where the host, not the device, binds); ``offload=`` is its deprecated old name.
+    device: where the host, not the device, binds).
     """
-    offload_checkpoints = _renamed("apply_ac", "offload", offload, "offload_checkpoints", offload_checkpoints)
     check_uncheckpointed_blocks(uncheckpointed_blocks)
     check_offload_checkpoints(offload_checkpoints, activation_checkpointing=mode)
     if mode is None:

@@ -66,15 +66,9 @@ def test_apply_functions_check_with_the_config_helpers():
         apply_attention(_tiny(), None, attention="lasp", layout="contiguous", lasp_variant="ring")
 
 
-def test_old_keyword_names_still_work_with_a_deprecation_warning():
+def test_apply_attention_needs_the_attention_keyword():
     model = _tiny()
-    with pytest.warns(DeprecationWarning, match=r"apply_attention\(algorithm=...\) is deprecated; pass attention="):
-        assert apply_attention(model, None, algorithm="allgather") == 2
-    with pytest.warns(DeprecationWarning, match=r"apply_attention\(backend=...\) is deprecated; pass attention_backend="):
-        apply_attention(model, None, attention="ring", backend="math")
-    assert all(m.backend == "math" for m in model.modules() if hasattr(m, "backend"))
-    with pytest.warns(DeprecationWarning, match=r"apply_ac\(offload=...\) is deprecated; pass offload_checkpoints="):
-        assert apply_ac(model, "full", offload=False) == 2
     with pytest.raises(TypeError, match="attention"):
-        apply_attention(_tiny(), None)
+        apply_attention(model, None)
+    assert apply_attention(model, None, attention="allgather") == 2
     assert torch.is_tensor(model(torch.zeros(1, 4, dtype=torch.long)))

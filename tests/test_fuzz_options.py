@@ -46,16 +46,12 @@ OWN_RULES: dict[str, set[str]] = {
 }
 """Options checked by rules of their own, not by their annotation (tests/test_refused_inputs.py, test_context_extension.py)."""
 
-DEPRECATED_PATHS = {"lightning_seqpar.lora", "lightning_seqpar.hf_hybrid", "lightning_seqpar.hf_support"}  # re-exports
-
 
 def _surfaces() -> list[type]:
     """Every public config dataclass (``...Config``), LightningModule and LightningDataModule defined in a module of the
     package (all of them are imported: a module added later is searched too)."""
     found: dict[str, type] = {}
     for info in pkgutil.walk_packages(lightning_seqpar.__path__, "lightning_seqpar."):
-        if info.name in DEPRECATED_PATHS:
-            continue
         try:
             module = importlib.import_module(info.name)
         except ImportError:  # an optional dependency that is not installed (its options are fuzzed where it is)
