@@ -43,14 +43,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-from lightning_seqpar.agreement import RankAgreement
+from lightning_seqpar.sharding.agreement import RankAgreement
 from lightning_seqpar.attention import BACKENDS, lasp_attention, linear_attention, local_attention, sequence_parallel_attention
 from lightning_seqpar.attention import local, masked
 from lightning_seqpar.attention import recurrent as ours
 from lightning_seqpar.attention.cost import DeviceProfile, causal_flops, choose_attention, estimate_attention
 from lightning_seqpar.attention.lasp import resolve_kernel
 from lightning_seqpar.attention.variants import Mask, Variant
-from lightning_seqpar.documents import PackedDocuments
+from lightning_seqpar.sharding.documents import PackedDocuments
 from lightning_seqpar.models.transnormer import tnl_decay_log
 from lightning_seqpar.sharding import shard_sequence
 

@@ -50,7 +50,8 @@ def _block(variant: str, config, device):
         checkpoint_wrapper,
     )
 
-    from lightning_seqpar.activation_checkpointing import (
+    from lightning_seqpar.models.llama import LlamaBlock
+    from lightning_seqpar.parallel.activation_checkpointing import (
         SAVE_OPS,
         HostOffload,
         _checkpoint,
@@ -58,7 +59,6 @@ def _block(variant: str, config, device):
         checkpoint_block,
         compile_target,
     )
-    from lightning_seqpar.models.llama import LlamaBlock
 
     impl, ckpt = variant.split("/")
     os.environ["SEQPAR_FUSED_KERNELS"] = "1" if impl == "fused" else "0"  # Note [Fused element-wise kernels]

@@ -8,7 +8,7 @@ does not? One GPU (or CPU at toy size), random init, a passkey-retrieval task.
 1. A word-level tokenizer of the passkey prompts' words (digits one token each) and a small Llama-shaped
    transformers model with ``max_position_embeddings`` = L (--seq) train ``--steps`` on passkey prompts of L
    tokens at random depths (labels: every next token, so the only way to predict the answer is to find the needle).
-2. Evaluated by :class:`~lightning_seqpar.callbacks.LongContextEval` (passkey accuracy over depths x lengths up to
+2. Evaluated by :class:`~lightning_seqpar.training.callbacks.LongContextEval` (passkey accuracy over depths x lengths up to
    4L, loss by position) through ``trainer.validate``: (a) as trained, at L ... 4L, RoPE unchanged;
    (b) after ``rope_extension(..., 4L, rope_type="yarn")`` and ``--extend-steps`` more steps at 4L.
 3. ``$OUT/extend/{a,b}/long_context/``: the JSON numbers, the heatmap and the loss-by-position curve of each;
@@ -16,7 +16,7 @@ does not? One GPU (or CPU at toy size), random init, a passkey-retrieval task.
 
 ``--cost N,...``: what the evaluation costs at N tokens on one GPU, the Llama-3.2-1B shape (random init, "bf16-true",
 logits in pieces of ``--loss-chunk`` tokens): one validation batch of N tokens (loss by position) and ``--samples``
-passkey prompts of N tokens through :class:`~lightning_seqpar.callbacks.LongContextEval`, seconds of each and the peak
+passkey prompts of N tokens through :class:`~lightning_seqpar.training.callbacks.LongContextEval`, seconds of each and the peak
 memory, appended to ``--out`` (a JSON list of records).
 """
 
@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
-from lightning_seqpar.callbacks import LongContextEval
 from lightning_seqpar.data.passkey import FILLER, NEEDLE, QUESTION, passkey_prompts
 from lightning_seqpar.hf import rope_extension
+from lightning_seqpar.training.callbacks import LongContextEval
 
 IGNORE = -100
 

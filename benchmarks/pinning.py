@@ -1,5 +1,5 @@
 """How fast pinned host memory grows, as offloaded checkpoints grow it in a first step (Note [Pinning host memory in
-parallel] in lightning_seqpar.resources): ``--procs`` processes at once (one per GPU, as ranks do), each pinning
+parallel] in lightning_seqpar.parallel.resources): ``--procs`` processes at once (one per GPU, as ranks do), each pinning
 ``--gb`` GB in the 256 MiB pieces of ``HostOffload``, under torch's default (``cudaHostAlloc``) and under what the
 strategy turns on when it offloads (malloc, pages faulted in on 8 threads, ``cudaHostRegister``).
 
@@ -59,7 +59,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
 
-    from lightning_seqpar.resources import PARALLEL_PINNING
+    from lightning_seqpar.parallel.resources import PARALLEL_PINNING
 
     rows = []
     for settings in (None, PARALLEL_PINNING):

@@ -4,7 +4,7 @@ Note [Checking options by their types]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A check written as ``if x < 0: raise`` lets NaN through (every comparison with NaN is False), and
 a string given for a bool (``tie_embeddings="no"``) is truthy. So the options of every public
-config type (the strategy's :class:`~lightning_seqpar.config.StrategyConfig`, ``CausalLMModule``,
+config type (the strategy's :class:`~lightning_seqpar.parallel.config.StrategyConfig`, ``CausalLMModule``,
 the model configs, the datamodules) are checked from their TYPE ANNOTATIONS by one function,
 :func:`check_options`, called once per config type (in ``__post_init__`` or ``__init__``, before
 anything else runs):

@@ -34,29 +34,29 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar import checkpoint_io
+from lightning_seqpar.parallel import checkpoint_io
 from lightning_seqpar.attention import ALGORITHMS
 from lightning_seqpar.attention.cost import AttentionPlan
-from lightning_seqpar.batches import check_batch, gather_sequence, shard_batch
-from lightning_seqpar.collective_failures import explaining_collective_failures
-from lightning_seqpar.config import OPTIONS_DOC, ActivationCheckpointingChoice, AttentionChoice, ConfigOptions, StrategyConfig
-from lightning_seqpar.cuda_warmup import warm_up_backward_handles
+from lightning_seqpar.sharding.batches import check_batch, gather_sequence, shard_batch
+from lightning_seqpar.parallel.collective_failures import explaining_collective_failures
+from lightning_seqpar.parallel.config import OPTIONS_DOC, ActivationCheckpointingChoice, AttentionChoice, ConfigOptions, StrategyConfig
+from lightning_seqpar.parallel.cuda_warmup import warm_up_backward_handles
 from lightning_seqpar.data.resumable import ResumableLoader
-from lightning_seqpar.documents import set_current_documents
-from lightning_seqpar.loss import counting_global_mean_calls, own_loss_message, token_shares, uneven_token_shares
+from lightning_seqpar.sharding.documents import set_current_documents
+from lightning_seqpar.loss.cross_entropy import counting_global_mean_calls, own_loss_message, token_shares, uneven_token_shares
 from lightning_seqpar.hf.lora import upcast_trainable
-from lightning_seqpar.memory import MemoryPlan
+from lightning_seqpar.planner.memory import MemoryPlan
 from lightning_seqpar.models.registry import attention_heads
-from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh, warn_if_ranks_not_by_node
-from lightning_seqpar.parallelize import (apply_attention, find_blocks, is_parallelized, parallel_roots, parallelize, process_group_backend,
+from lightning_seqpar.parallel.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh, warn_if_ranks_not_by_node
+from lightning_seqpar.parallel.parallelize import (apply_attention, find_blocks, is_parallelized, parallel_roots, parallelize, process_group_backend,
                                           use_host_optimizer_threads)
-from lightning_seqpar.planning import (RunSite, check_options_against_model, check_plans_agree, device_memory_bytes, plan_parallel_dims, plan_run_memory,
+from lightning_seqpar.planner.planning import (RunSite, check_options_against_model, check_plans_agree, device_memory_bytes, plan_parallel_dims, plan_run_memory,
                                        resolve_auto_attention)
-from lightning_seqpar.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
+from lightning_seqpar.parallel.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
 from lightning_seqpar.routing.blocks import find_block_container
 from lightning_seqpar.routing.check import broadcast_initial_weights, check_split_matches_whole
 from lightning_seqpar.routing.sdpa import own_model_routing, routed_step, routing_of
-from lightning_seqpar.resources import RunGroups, free_unreferenced, prefer_expandable_segments, prefer_parallel_pinning
+from lightning_seqpar.parallel.resources import RunGroups, free_unreferenced, prefer_expandable_segments, prefer_parallel_pinning
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -69,7 +69,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
     does not change: every ``lightning_seqpar.attention.Attention`` in it runs the chosen
     algorithm, every ``LinearAttention`` runs LASP. See docs/strategy.md for each argument.
 
-""" + OPTIONS_DOC  # the Args: lightning_seqpar.config.OPTIONS_DOC (seqpar fit --help shows them)
+""" + OPTIONS_DOC  # the Args: lightning_seqpar.parallel.config.OPTIONS_DOC (seqpar fit --help shows them)
 
     strategy_name = "seqpar"
 
@@ -114,7 +114,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
             process_group_backend=process_group_backend, timeout=timeout, pad_to_multiple=pad_to_multiple,
             validate_batches=validate_batches, memory=memory, check_model=check_model, blocks=blocks,
         )
-        """The options as given ("auto" included), checked (Note [One name per option] in ``lightning_seqpar.config``)."""
+        """The options as given ("auto" included), checked (Note [One name per option] in ``lightning_seqpar.parallel.config``)."""
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
                          timeout=self.config.timeout)
         # What setup resolves (Note [Choosing attention automatically]); until then "2d" with head_parallel_size > 1, else "ring".
@@ -144,7 +144,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        # Note [Clipping with fused optimizers under bf16-mixed] in lightning_seqpar.precision
+        # Note [Clipping with fused optimizers under bf16-mixed] in lightning_seqpar.parallel.precision
         self._precision_plugin = scaler_free(precision_plugin)
 
     @property
@@ -201,7 +201,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
     def _plan_memory(self, dims: ParallelDims, trainer: pl.Trainer | None = None) -> None:
         """memory None / "auto": set the options the planner chooses for this device (``planning.plan_run_memory``): in
         setup_environment for a length known then, else in setup (``trainer``) for the first batch's (Note [The length
-        memory="auto" plans for] in ``lightning_seqpar.planning``)."""
+        memory="auto" plans for] in ``lightning_seqpar.planner.planning``)."""
         if trainer is not None and not self._plan_in_setup:
             return
         site = self._run_site()
@@ -237,7 +237,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         # precision, parallelize every child holding blocks (attention -> AC -> compile -> FSDP2), then the optimizers
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        evaluate_without_inference_mode(trainer)  # Note [Evaluation without inference mode] in lightning_seqpar.precision
+        evaluate_without_inference_mode(trainer)  # Note [Evaluation without inference mode] in lightning_seqpar.parallel.precision
         if not is_parallelized(self.model):
             self._plan_memory(self.parallel_dims, trainer)  # memory="auto" without a length known earlier: the first batch's
             self.model = convert_module_keeping_rotary(self.precision_plugin, self.model)  # bf16-true: bf16 parameters (Note [Rotary frequencies under bf16-true])
@@ -278,7 +278,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
                 apply_attention(root, self.sp_mesh, attention=self.attention, layout=self.layout, inner_ring_size=self.inner_ring_size,  # type: ignore[arg-type]
                                 head_chunks=self.head_chunks, attention_backend=self.attention_backend)
                 check_split_matches_whole(routing, blocks=[getattr(p, n) for p, n in find_blocks(root)], owner=owner)
-            parallelize(  # every option under its own name (Note [One name per option] in lightning_seqpar.config)
+            parallelize(  # every option under its own name (Note [One name per option] in lightning_seqpar.parallel.config)
                 root, sp_mesh=self.sp_mesh if dims.sp > 1 else None, fsdp_mesh=mesh_for_fsdp,
                 attention=self.attention, layout=self.layout, lasp_variant=self.lasp_variant,  # type: ignore[arg-type]
                 inner_ring_size=self.inner_ring_size, head_chunks=self.head_chunks, attention_backend=self.attention_backend,
@@ -310,7 +310,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
                        gpus_per_node=self.num_processes)
 
     # ----------------------------------------------------------------------------------------- steps
-    # Note [Timeouts name themselves] in lightning_seqpar.collective_failures: the step methods re-raise a
+    # Note [Timeouts name themselves] in lightning_seqpar.parallel.collective_failures: the step methods re-raise a
     # collective's timeout or lost connection as an error that says what it means and what to do.
 
     @override
@@ -358,7 +358,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
         calls, ranks = getattr(self, "_step_calls", None), self.parallel_dims.world_size
-        if calls is not None and not calls.count and ranks > 1:  # Note [A loss of the user's own] in lightning_seqpar.loss
+        if calls is not None and not calls.count and ranks > 1:  # Note [A loss of the user's own] in lightning_seqpar.loss.cross_entropy
             closure_loss = closure_loss / ranks
         with self._explain_timeouts("backward"):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -373,7 +373,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
                                               step=lambda: getattr(getattr(self.lightning_module, "_trainer", None), "global_step", 0))
 
     # ----------------------------------------------------------------------------------------- checkpoints
-    # Note [Checkpoint formats] and Note [Complete checkpoints only] in lightning_seqpar.checkpoint_io
+    # Note [Checkpoint formats] and Note [Complete checkpoints only] in lightning_seqpar.parallel.checkpoint_io
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -443,7 +443,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         """This rank's piece of a dict batch of full sequences: checked, padded with ``pad_to_multiple``,
         compared across the sequence-parallel group with ``validate_batches``, split along the sequence
         with the strategy's layout (or per document, the documents made current for attention).
-        See :func:`lightning_seqpar.batches.shard_batch`."""
+        See :func:`lightning_seqpar.sharding.batches.shard_batch`."""
         check_batch(batch, owner=type(self).__name__)  # local: before anything else, even before the mesh exists
         dims = self.parallel_dims
         local = shard_batch(batch, sp=dims.sp, sp_mesh=self.sp_mesh if dims.sp > 1 else None, device_mesh=self.device_mesh,
@@ -454,10 +454,10 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
 
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The full sequences, on every rank, from this rank's piece of a per-token tensor of the current
-        batch: the inverse of :meth:`shard_batch` along dim 1 (:func:`lightning_seqpar.batches.gather_sequence`)."""
+        batch: the inverse of :meth:`shard_batch` along dim 1 (:func:`lightning_seqpar.sharding.batches.gather_sequence`)."""
         return gather_sequence(x, sp_mesh=self.sp_mesh if self.parallel_dims.sp > 1 else None, layout=self.layout)
 
-    # What a run releases, and when: Note [What a run releases] in lightning_seqpar.resources
+    # What a run releases, and when: Note [What a run releases] in lightning_seqpar.parallel.resources
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -469,7 +469,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         set_current_documents(None)
         try:
             super().teardown()
-        finally:  # what a run releases at its end (Note [What a run releases] in lightning_seqpar.resources); local, no collective
+        finally:  # what a run releases at its end (Note [What a run releases] in lightning_seqpar.parallel.resources); local, no collective
             if self._groups.release_at_end([self._fsdp_mesh, self._device_mesh], built=self._device_mesh is not None):
                 self._device_mesh = self._sp_mesh = self._fsdp_mesh = None  # failed, or set-up stopped early
                 module = self.lightning_module

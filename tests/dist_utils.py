@@ -85,7 +85,7 @@ def release_task_groups() -> int:
     for pg in groups:
         dist.destroy_process_group(pg)
     if groups:
-        from lightning_seqpar.mesh import forget_cached_meshes
+        from lightning_seqpar.parallel.mesh import forget_cached_meshes
 
         forget_cached_meshes()  # DTensor's caches would hand an equal mesh of a later task these groups
     gc.collect()  # a group's threads end when its last reference goes (meshes, FSDP state in cycles)

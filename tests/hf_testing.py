@@ -250,8 +250,8 @@ def fit_on_text(rank: int, world_size: int, model: Any, datamodule_kwargs: dict[
 
     from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
     from lightning_seqpar.data import HFTextDataModule
-    from lightning_seqpar.documents import current_documents
     from lightning_seqpar.sharding import unshard_sequence
+    from lightning_seqpar.sharding.documents import current_documents
 
     def unshard(v, s):
         documents = current_documents()  # packed documents: sharded with the per-document zigzag
@@ -301,7 +301,7 @@ def with_twins(model, mesh, layout: str):
     apply_attention points them (and the attention) at ``mesh`` with ``layout``."""
     from lightning_seqpar.attention.recurrent import Recurrence
     from lightning_seqpar.hf import apply_hf_attention
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
 
     model = copy.deepcopy(model)
     apply_hf_attention(model)
@@ -316,7 +316,7 @@ def shard_case(ids, labels, *, lengths, layout: str, world: int, rank: int):
     ``lengths`` (packed documents per sample) the per-document zigzag and no label across a document boundary."""
     from seqpar_testing import expected_index, take
 
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     batch, seq = ids.shape
     if lengths is None:
@@ -334,7 +334,7 @@ def sharded_failures(model, reference, ids, labels, positions, shard, documents=
     unmodified model: the failures, one line each."""
     import torch.distributed as dist
 
-    from lightning_seqpar.documents import packed_documents
+    from lightning_seqpar.sharding.documents import packed_documents
 
     ref_logits, ref_loss, ref_grads = reference
     with packed_documents(documents):

@@ -1,4 +1,4 @@
-"""Gradient accumulation is exact (Note [Loss under gradient accumulation] in lightning_seqpar.module): one optimizer
+"""Gradient accumulation is exact (Note [Loss under gradient accumulation] in lightning_seqpar.training.module): one optimizer
 step over k micro-batches under SequenceParallelStrategy (sp 2; dp 2) has the gradient of the mean over EVERY trained
 token of the k micro-batches, as one device computes it on all of them at once, although the micro-batches' counts
 of trained tokens differ by an order of magnitude (the case chat data with assistant-only labels makes)."""

@@ -11,9 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
 from lightning_seqpar.attention import ATTENTION_OPS
-from lightning_seqpar.activation_checkpointing import AC_MODES, SAVE_OPS, checkpoint_block, selective_checkpoint_policy
+from lightning_seqpar.parallel.activation_checkpointing import AC_MODES, SAVE_OPS, checkpoint_block, selective_checkpoint_policy
 from lightning_seqpar.models import Llama, LlamaConfig
-from lightning_seqpar.parallelize import apply_ac, apply_attention, find_blocks
+from lightning_seqpar.parallel.parallelize import apply_ac, apply_attention, find_blocks
 
 ATTN_FWD = torch.ops.seqpar.attn_fwd.default
 ATTN_BWD = torch.ops.seqpar.attn_bwd.default
@@ -182,7 +182,7 @@ def test_recomputation_runs_under_the_forward_default_dtype(wrap):
     the forward only; a tensor the forward makes from the default dtype (here a scale factor that the
     multiplication saves for backward) must come back the same when a checkpoint recomputes it in backward
     (it was a CheckpointError on GPUs with mlp_chunk_size)."""
-    from lightning_seqpar.activation_checkpointing import tile_mlp
+    from lightning_seqpar.parallel.activation_checkpointing import tile_mlp
 
     class Scaled(torch.nn.Module):
         def __init__(self) -> None:
@@ -223,7 +223,7 @@ def test_norms_are_checkpointed_and_exact(mode, tiles):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
 
-    from lightning_seqpar.parallelize import apply_mlp_tiles
+    from lightning_seqpar.parallel.parallelize import apply_mlp_tiles
 
     torch.manual_seed(0)
     config = HFLlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_seqpar.models import Llama, LlamaConfig
-from lightning_seqpar.parallelize import apply_ac, apply_mlp_tiles
+from lightning_seqpar.parallel.parallelize import apply_ac, apply_mlp_tiles
 
 pytestmark = pytest.mark.gpu
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_seqpar.activation_checkpointing import HostOffload, checkpoint_block, tile_mlp
 from lightning_seqpar.models import GPT, GPTConfig, Llama, LlamaConfig, TransNormer, TransNormerConfig
 from lightning_seqpar.models.llama import rope_freqs_cis
-from lightning_seqpar.parallelize import apply_ac, apply_mlp_tiles
+from lightning_seqpar.parallel.activation_checkpointing import HostOffload, checkpoint_block, tile_mlp
+from lightning_seqpar.parallel.parallelize import apply_ac, apply_mlp_tiles
 
 B, S, D = 2, 13, 32
 
@@ -151,7 +151,7 @@ def test_other_models_tile_and_offload(build):
 
 def test_offload_params_needs_fsdp():
     """offload_params is FSDP2's CPUOffloadPolicy: without an FSDP mesh there is nothing to offload."""
-    from lightning_seqpar.parallelize import parallelize
+    from lightning_seqpar.parallel.parallelize import parallelize
 
     with pytest.raises(ValueError, match="offload_params=True offloads FSDP2's parameter shards; it needs an fsdp_mesh"):
         parallelize(_model(), sp_mesh=None, fsdp_mesh=None, offload_params=True)

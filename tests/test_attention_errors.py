@@ -186,7 +186,7 @@ def test_errors_2d(dim_names):
 def _disagree_worker(rank: int, world_size: int) -> list[str]:
     """Note [Inputs that differ across ranks]: inputs that pass every local check but differ between
     ranks get the same ValueError on every rank (naming what differs), not a hang or an abort."""
-    from lightning_seqpar import agreement
+    from lightning_seqpar.sharding import agreement
     from lightning_seqpar.attention import sequence_parallel_attention
 
     mesh = make_mesh(("1d", world_size))

@@ -87,7 +87,7 @@ def _close(got, want, what):
 
 def _run_case(mesh, algorithm, layout, case, S, seed, **extra):
     from lightning_seqpar.attention import sequence_parallel_attention
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     (q, k, v, dout, sinks), out_ref, grads_ref = _full_case(case, S, seed)
     hp, hp_rank, cp, cp_rank = mesh_coords(mesh)
@@ -151,7 +151,7 @@ def test_variants_match_reference(algorithm, mesh_spec, extras):
 
 def test_local_attention_variants():
     from lightning_seqpar.attention import Attention, local_attention
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     for i, case in enumerate(CASES):
         (q, k, v, dout, sinks), out_ref, grads_ref = _full_case(case, 32, seed=7 + i)

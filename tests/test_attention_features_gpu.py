@@ -46,7 +46,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}" for k in c))
 def test_variant_kernels_bf16(case, head_dim):
     from lightning_seqpar.attention.local import resolve_backend
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     B, S, HQ, HKV = (1, 2048, 8, 2) if head_dim < 256 else (1, 2048, 4, 2)
     dev = torch.device("cuda")

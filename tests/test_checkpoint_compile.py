@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_seqpar.activation_checkpointing import HostOffload, checkpoint_block, compile_target, offloads
-from lightning_seqpar.documents import PackedDocuments, current_documents, packed_documents
 from lightning_seqpar.models import Llama, LlamaConfig
 from lightning_seqpar.models.llama import LlamaBlock, rope_freqs_cis
-from lightning_seqpar.parallelize import apply_ac, apply_compile, apply_mlp_tiles, parallelize
+from lightning_seqpar.parallel.activation_checkpointing import HostOffload, checkpoint_block, compile_target, offloads
+from lightning_seqpar.parallel.parallelize import apply_ac, apply_compile, apply_mlp_tiles, parallelize
+from lightning_seqpar.sharding.documents import PackedDocuments, current_documents, packed_documents
 
 BACKEND = {"backend": "aot_eager"}
 B, S = 2, 16
@@ -177,7 +177,7 @@ def test_parallelize_compiles_checkpointed_and_offloaded_blocks(mode, mlp_chunk_
 
 
 def test_offload_with_compile_is_accepted_by_the_strategy_config():
-    from lightning_seqpar.config import StrategyConfig
+    from lightning_seqpar.parallel.config import StrategyConfig
 
     assert StrategyConfig(offload_checkpoints=2, compile=True).offload_checkpoints == 2
 
@@ -235,7 +235,7 @@ def _ring_worker(rank: int, world_size: int, mode: str) -> None:
     from seqpar_testing import mesh_1d
     from torch._dynamo.utils import counters
 
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
 
     torch._dynamo.reset()
     counters.clear()

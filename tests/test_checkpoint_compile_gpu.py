@@ -16,8 +16,8 @@ import copy
 import pytest
 import torch
 
-from lightning_seqpar.activation_checkpointing import HostOffload, checkpoint_block, compile_target
-from lightning_seqpar.documents import PackedDocuments, packed_documents
+from lightning_seqpar.parallel.activation_checkpointing import HostOffload, checkpoint_block, compile_target
+from lightning_seqpar.sharding.documents import PackedDocuments, packed_documents
 from lightning_seqpar.models import LlamaConfig
 from lightning_seqpar.models.llama import LlamaBlock, rope_freqs_cis
 

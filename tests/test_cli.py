@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_seqpar.cli import SUBCOMMANDS, main
+from lightning_seqpar.cli.seqpar import SUBCOMMANDS, main
 
 QUICKSTART = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lightning_seqpar import SequenceParallelStrategy
-from lightning_seqpar.config import StrategyConfig
 from lightning_seqpar.models import Llama, LlamaConfig
-from lightning_seqpar.parallelize import apply_ac, apply_attention
+from lightning_seqpar.parallel.config import StrategyConfig
+from lightning_seqpar.parallel.parallelize import apply_ac, apply_attention
 
 
 def test_the_config_mirrors_the_constructor():

@@ -32,9 +32,9 @@ from seqpar_testing import expected_index, take  # noqa: E402
 from lightning_seqpar import CausalLMModule  # noqa: E402
 from lightning_seqpar.data import HFTextDataModule, passkey_prompts, select_documents  # noqa: E402
 from lightning_seqpar.data.passkey import FILLER, INTRO, NEEDLE, QUESTION  # noqa: E402
-from lightning_seqpar.documents import PackedDocuments  # noqa: E402
 from lightning_seqpar.hf import apply_config_overrides, rope_extension  # noqa: E402
-from lightning_seqpar.metrics import LossByPosition, PasskeyAccuracy  # noqa: E402
+from lightning_seqpar.sharding.documents import PackedDocuments  # noqa: E402
+from lightning_seqpar.training.metrics import LossByPosition, PasskeyAccuracy  # noqa: E402
 
 ORIGINAL, TARGET = 16, 64  # the tiny models' "pretrained" length (SEQ_LEN = 32 is beyond it) and the extended one
 ATOL = 1e-5
@@ -385,7 +385,7 @@ def _validate(rank: int, world_size: int, folder: str, *, strategy_kwargs: dict 
     import lightning as L
 
     from lightning_seqpar import SequenceParallelStrategy
-    from lightning_seqpar.callbacks import LongContextEval
+    from lightning_seqpar.training.callbacks import LongContextEval
 
     callback = LongContextEval(tokenizer_path=data["tokenizer_path"], output_dir=output_dir, **EVAL)
     strategy = "auto" if strategy_kwargs is None else SequenceParallelStrategy(**{"sequence_parallel_size": world_size, **strategy_kwargs})
@@ -400,7 +400,7 @@ def _fit_recipe(rank: int, world_size: int, *, model: dict, data: dict, callback
     import lightning as L
 
     from lightning_seqpar import SequenceParallelStrategy
-    from lightning_seqpar.callbacks import LongContextEval
+    from lightning_seqpar.training.callbacks import LongContextEval
 
     eval_callback = LongContextEval(**callback)
     module = CausalLMModule(**model)
@@ -436,7 +436,7 @@ def _recipe(root, tokenizer) -> dict:
     config = parse(["fit", "--config", str(RECIPES[0].parent / "extend_context_tiny.yaml")]).fit.as_dict()
     spec = config["model"].pop("model")
     callback = config["trainer"]["callbacks"][0]["init_args"]
-    assert config["trainer"]["callbacks"][0]["class_path"] == "lightning_seqpar.callbacks.LongContextEval"
+    assert config["trainer"]["callbacks"][0]["class_path"] == "lightning_seqpar.training.callbacks.LongContextEval"
     data = {**config["data"]["init_args"], "train_files": str(root / "train.jsonl"), "val_files": str(root / "val.jsonl"),
             "tokenizer_path": tokenizer, "cache_dir": str(root / "cache")}
     return {"model": {**config["model"], "model": {"model_type": spec["model_type"], **spec["config"]}}, "data": data,
@@ -543,7 +543,7 @@ def test_a_one_cell_evaluation_keeps_its_shapes(setup):
     results keep the (depths x lengths) grid and the list of buckets."""
     import lightning as L
 
-    from lightning_seqpar.callbacks import LongContextEval
+    from lightning_seqpar.training.callbacks import LongContextEval
 
     folder, _, _, eval_data, _, root = setup
     callback = LongContextEval(tokenizer_path=eval_data["tokenizer_path"], lengths=[EVAL["lengths"][-1]], depths=[0.5], samples=1,

@@ -20,7 +20,7 @@ from lightning_seqpar.attention.cost import (
     estimate_attention,
     kv_repeat,
 )
-from lightning_seqpar.mesh import ParallelDims
+from lightning_seqpar.parallel.mesh import ParallelDims
 
 H200 = DeviceProfile.h200()
 SHAPE = dict(num_heads=32, num_kv_heads=8, head_dim=128)
@@ -495,7 +495,7 @@ def test_strategy_auto_runs_the_attention_its_memory_was_planned_with():
     chosen together]): setup resolves "auto" to that candidate, not to the cost model's first pick."""
     from dataclasses import replace
 
-    from lightning_seqpar.memory import TransformerShape, plan_memory
+    from lightning_seqpar.planner.memory import TransformerShape, plan_memory
 
     strategy = _strategy(4, ParallelDims(cp=4, world_size=4), expected_seq_len=131072)
     strategy._resolve_auto_attention([_llama(32, 8)])

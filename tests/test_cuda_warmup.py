@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_seqpar.cuda_warmup import warm_up_backward_handles
+from lightning_seqpar.parallel.cuda_warmup import warm_up_backward_handles
 
 
 def test_no_op_on_cpu():

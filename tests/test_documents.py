@@ -51,7 +51,7 @@ def _case(lengths, h_q, h_kv, d, seed):
 
 def _doc_worker(rank: int, world_size: int, algorithm: str, spec: tuple, inner: int | None, lengths_sets: tuple, entry: str) -> int:
     from lightning_seqpar.attention import gathered_kv_attention, sequence_parallel_attention
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     mesh = make_mesh(spec)
     hp, hp_rank, cp, cp_rank = mesh_coords(mesh)
@@ -136,7 +136,7 @@ def test_one_token_documents_and_single_document():
 
 def test_local_attention_documents():
     from lightning_seqpar.attention import local_attention
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     docs = PackedDocuments.from_lengths(LENGTHS)
     for causal in (True, False):
@@ -163,7 +163,7 @@ def _causal_pairs(index: torch.Tensor, lengths) -> int:
 def test_per_document_zigzag_balances_work(world):
     """Per-document zigzag: every rank computes the same causal work (up to piece rounding), where
     the plain zigzag of the packed sequence is far off on a skewed mix of documents."""
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     S = 2 * world * 256
     lengths = (S // 2, *([16] * (S // 2 // 16)))  # one long document, then many short ones
@@ -177,7 +177,7 @@ def test_per_document_zigzag_balances_work(world):
 
 
 def test_sharding_is_a_partition_with_equal_halves():
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     for world in (1, 2, 3, 4):
         docs = PackedDocuments.from_lengths(LENGTHS, world=world)
@@ -192,7 +192,7 @@ def test_sharding_is_a_partition_with_equal_halves():
 
 
 def test_from_document_ids_and_position_ids():
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [7, 7, 7, 7, 7, 7, 7, 7]])
     a = PackedDocuments.from_document_ids(ids, world=2)
@@ -210,7 +210,7 @@ def test_from_document_ids_and_position_ids():
     (dict(lengths=[[4]], world=0), "world must be a positive int"),
 ])
 def test_bad_lengths_raise(bad, match):
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     with pytest.raises(ValueError, match=match):
         PackedDocuments.from_lengths(bad["lengths"], world=bad["world"])
@@ -218,7 +218,7 @@ def test_bad_lengths_raise(bad, match):
 
 def test_documents_that_do_not_fit_raise_before_communication():
     from lightning_seqpar.attention import local_attention
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     q = torch.randn(2, SEQ_LEN, 4, 8)
     with pytest.raises(ValueError, match="were split for"):
@@ -250,8 +250,8 @@ def test_checkpoint_recomputes_with_the_forwards_documents(mode):
     runs in another thread (a GPU's autograd threads), where the context has no documents."""
     import threading
 
-    from lightning_seqpar.activation_checkpointing import checkpoint_block
-    from lightning_seqpar.documents import PackedDocuments, current_documents, packed_documents
+    from lightning_seqpar.parallel.activation_checkpointing import checkpoint_block
+    from lightning_seqpar.sharding.documents import PackedDocuments, current_documents, packed_documents
 
     torch.manual_seed(0)
     block = _Block()
@@ -297,7 +297,7 @@ def test_checkpoint_recomputes_with_the_forwards_documents(mode):
 def test_documents_are_per_thread_and_scoped():
     import threading
 
-    from lightning_seqpar.documents import PackedDocuments, current_documents, packed_documents, set_current_documents
+    from lightning_seqpar.sharding.documents import PackedDocuments, current_documents, packed_documents, set_current_documents
 
     mine, theirs = PackedDocuments.from_lengths([[4, 4]]), PackedDocuments.from_lengths([[2, 6]])
     seen: dict[str, object] = {}

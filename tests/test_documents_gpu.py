@@ -74,7 +74,7 @@ def test_documents_bf16(nccl_world, algorithm):
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_seqpar.attention import sequence_parallel_attention
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     W = nccl_world
     rank = dist.get_rank()

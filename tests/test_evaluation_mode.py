@@ -1,4 +1,4 @@
-"""Evaluation without inference mode (Note [Evaluation without inference mode] in lightning_seqpar.precision):
+"""Evaluation without inference mode (Note [Evaluation without inference mode] in lightning_seqpar.parallel.precision):
 ``trainer.validate`` / ``predict`` of a model no ``fit`` gathered before. On a GPU (NCCL) Lightning ran them under
 ``torch.inference_mode`` and FSDP2's first gather failed; gloo hides it (Lightning uses ``no_grad`` there), so this
 test makes Lightning skip its gloo check."""

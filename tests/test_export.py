@@ -49,7 +49,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def test_consolidated_file_holds_the_full_state_and_resumes_under_another_layout(trained, tmp_path):
     from lightning_seqpar import CausalLMModule
-    from lightning_seqpar.cli import main
+    from lightning_seqpar.cli.seqpar import main
 
     checkpoint, saved = trained
     out = tmp_path / "consolidated.ckpt"
@@ -77,12 +77,12 @@ def test_consolidated_file_holds_the_full_state_and_resumes_under_another_layout
 
 @pytest.mark.parametrize("weights", ["safetensors", "bin"])
 def test_hugging_face_export_has_hf_names_and_config(trained, tmp_path, weights, capsys):
-    from lightning_seqpar.export import main
+    from lightning_seqpar.cli.export import main
     from lightning_seqpar.models import LlamaConfig
 
     checkpoint, saved = trained
     out = tmp_path / "hf"
-    main([str(checkpoint), str(out), "--format", "hf", "--weights", weights])  # python -m lightning_seqpar.export
+    main([str(checkpoint), str(out), "--format", "hf", "--weights", weights])  # python -m lightning_seqpar.cli.export
     # the run named no tokenizer (a package model, loaders without one): the command says so and how to add one
     printed = capsys.readouterr().out
     assert "no tokenizer copied: " in printed and "pass --tokenizer DIR" in printed and not (out / "tokenizer.json").exists()
@@ -117,7 +117,7 @@ def _importable(name: str) -> bool:
 
 
 def test_export_bf16_and_bad_inputs(trained, tmp_path):
-    from lightning_seqpar.checkpoint_io import load_model_state_dict
+    from lightning_seqpar.parallel.checkpoint_io import load_model_state_dict
     from lightning_seqpar.hf.export import export_hf
 
     checkpoint, saved = trained
@@ -202,7 +202,7 @@ def test_hf_export_carries_the_datamodules_tokenizer_and_generates(trained, tmp_
 
     from hf_testing import tiny_tokenizer
 
-    from lightning_seqpar.export import main
+    from lightning_seqpar.cli.export import main
     from lightning_seqpar.hf.export import export_hf, tokenizer_source
 
     checkpoint, _ = trained

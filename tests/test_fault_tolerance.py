@@ -151,7 +151,7 @@ def _reference_run(rank: int, world_size: int, config: str, *extra: str) -> None
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))
     saved = dict(os.environ)
-    from lightning_seqpar.cli import make_cli
+    from lightning_seqpar.cli.seqpar import make_cli
 
     try:
         make_cli(["fit", "--config", config, *extra])
@@ -208,7 +208,7 @@ KILL_TIMEOUT = 30.0  # the strategy's timeout in these runs (seconds)
 
 def cli_rank(argv: list[str]) -> None:
     """One rank's ``seqpar`` run, in a process forked from the pools' server (dist_utils.ForkedProcess)."""
-    from lightning_seqpar.cli import main
+    from lightning_seqpar.cli.seqpar import main
 
     main(argv)
 

@@ -90,8 +90,8 @@ def test_silu_mul_matches_torch():
 def test_checkpointed_block_is_bitwise_uncheckpointed(fused_on, monkeypatch):
     """Selective Checkpoint++ (and the same keeping the matmuls' outputs) recomputes the fused kernels to the bit:
     the block's gradients equal its uncheckpointed ones (torch's math attention: a deterministic backward)."""
-    from lightning_seqpar.activation_checkpointing import SAVE_OPS, checkpoint_block
     from lightning_seqpar.models.llama import LlamaBlock, LlamaConfig, rope_freqs_cis
+    from lightning_seqpar.parallel.activation_checkpointing import SAVE_OPS, checkpoint_block
 
     monkeypatch.setenv("SEQPAR_FUSED_KERNELS", "1" if fused_on else "0")
     config = LlamaConfig(vocab_size=256, n_embd=512, n_layer=1, n_head=8, n_kv_head=2, intermediate_size=1408,

@@ -172,7 +172,7 @@ def test_kv_comm_resolution():
 def test_apply_attention_reaches_the_fused_module():
     """``apply_attention`` configures the ``Attention`` inside every ``FusedKVAttention``; None is local."""
     from lightning_seqpar.attention import Attention
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
 
     model = _gpt()
     cores = [m for m in model.modules() if isinstance(m, Attention)]
@@ -234,7 +234,7 @@ def _summed_grads(model) -> dict[str, torch.Tensor]:
 
 def _distributed(model, mesh, layout: str, algorithm: str = "allgather", **config):
     from lightning_seqpar.models import GPT, GPTConfig
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
 
     twin = GPT(GPTConfig(**{**vars(model.config), **config}))
     twin.load_state_dict(model.state_dict())
@@ -361,7 +361,7 @@ def test_fused_and_unfused_match_single_device(world):
 def _input_with_2d_worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("hp", "cp"))
     model = _gpt(kv_comm="input")
@@ -394,9 +394,9 @@ def _train_worker(rank: int, world: int, sp: int, path: str) -> None:
 
     from lightning_seqpar.data import CharWindowDataset
     from lightning_seqpar.loss import global_mean_loss, token_cross_entropy_sum
-    from lightning_seqpar.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
+    from lightning_seqpar.parallel.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh
     from lightning_seqpar.models import GPT, GPTConfig
-    from lightning_seqpar.parallelize import apply_attention, apply_fsdp
+    from lightning_seqpar.parallel.parallelize import apply_attention, apply_fsdp
     from lightning_seqpar.sharding import shard_sequence
 
     data = CharWindowDataset(path=path, seq_len=SEQ)

@@ -1,4 +1,4 @@
-"""The head interface (lightning_seqpar.head): a plain head's operands, refusals by name, and a library's adapter."""
+"""The head interface (lightning_seqpar.loss.head): a plain head's operands, refusals by name, and a library's adapter."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_seqpar.head import USE_FULL_LOGITS, head_operands, is_plain, is_plain_linear, logits_head
+from lightning_seqpar.loss.head import USE_FULL_LOGITS, head_operands, is_plain, is_plain_linear, logits_head
 
 
 def test_a_plain_head_gives_its_own_weight():
@@ -78,7 +78,7 @@ def test_the_loss_chunk_by_default():
     from transformers import AutoModelForCausalLM, CohereConfig, LlamaConfig
 
     from lightning_seqpar import CausalLMModule
-    from lightning_seqpar.module import LOSS_CHUNK_AUTO
+    from lightning_seqpar.training.module import LOSS_CHUNK_AUTO
 
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -161,7 +161,7 @@ def test_temperature_tuning_is_refused_with_packed_documents_from_floor_scale_on
     """Llama 4's attention temperature tuning reads the token index in the packed row (arange over the row), not in
     the document: refused by name once the row reaches config.floor_scale, before any collective, at sp 1 too."""
     from lightning_seqpar.hf import support as hf_support
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
+    from lightning_seqpar.sharding.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
 
     config = hf_support.tiny_config("llama4_text", "chunked")

@@ -42,8 +42,8 @@ def _models():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["llama4-chunked", "llama-dynamic", "phi3-longrope"])
 def test_features_per_document_on_the_gpu(name, monkeypatch):
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
+    from lightning_seqpar.sharding.documents import PackedDocuments, packed_documents
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = dict(_models())[name].cuda().train()

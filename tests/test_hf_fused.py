@@ -54,8 +54,8 @@ def test_other_models_keep_their_own_forward():
 
 def test_hf_causal_lm_applies_them_and_the_planner_counts_them(monkeypatch):
     from lightning_seqpar.hf import HFCausalLM
-    from lightning_seqpar.model_shape import TransformerShape
     from lightning_seqpar.models import fused
+    from lightning_seqpar.planner.model_shape import TransformerShape
 
     model = HFCausalLM(transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3")))
     assert "forward" in vars(model.hf.model.layers[0].self_attn.q_norm)

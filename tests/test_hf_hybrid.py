@@ -201,7 +201,7 @@ def test_two_d_attention_is_refused_by_name():
     from hf_testing import tiny_config
 
     from lightning_seqpar.hf import HFCausalLM
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
 
     torch.manual_seed(0)
     wrapped = HFCausalLM(transformers.AutoModelForCausalLM.from_config(tiny_config("lfm2"), dtype=torch.float32))
@@ -220,8 +220,8 @@ def test_packed_documents_reset_the_state_on_one_device():
     from hf_testing import tiny_config
     from test_hf_documents import LENGTHS
 
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
+    from lightning_seqpar.sharding.documents import PackedDocuments, packed_documents
 
     lengths = LENGTHS[1]  # one sample: documents of 1, 2, 3 and 16 tokens
     ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
@@ -329,9 +329,9 @@ def test_more_families_are_replaced_and_reset_at_documents_on_one_device():
     from hf_testing import tiny_config
     from test_hf_documents import LENGTHS
 
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
     from lightning_seqpar.hf.hybrid import HYBRID_MIXERS
+    from lightning_seqpar.sharding.documents import PackedDocuments, packed_documents
 
     lengths = LENGTHS[1]  # documents of 2, 3, 1, 1, 9 and 16 tokens
     ids = torch.randint(0, 97, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))

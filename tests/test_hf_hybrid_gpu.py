@@ -151,8 +151,8 @@ def test_twins_with_packed_documents_on_the_gpu(kind):
     """Packed documents on one GPU (the per-document state reset of the torch kernels, Note [Documents in a
     recurrence]), bf16 autocast: the twins' logits, loss and every gradient against every document run alone
     through the unmodified model in fp32, within 2x (+ 2e-3) of that model's own bf16 error (:func:`_bound`)."""
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf import HFCausalLM
+    from lightning_seqpar.sharding.documents import PackedDocuments, packed_documents
 
     lengths = [1000, 1, 2047, 48, 1000]  # S tokens: a one-token document, a document across chunk boundaries
     assert sum(lengths) == S

@@ -137,7 +137,7 @@ def test_mamba1_models_train_exactly_under_the_strategy(saved):
 
 def test_blocks_that_share_parameters_form_one_fsdp_group():
     """Zamba ties the shared attention block of its hybrid layers (FSDP2 refuses a parameter in two groups)."""
-    from lightning_seqpar.parallelize import _blocks, _sharing_groups
+    from lightning_seqpar.parallel.parallelize import _blocks, _sharing_groups
 
     model = build("zamba")
     blocks = _blocks(model, None)

@@ -67,7 +67,7 @@ def test_replacement_keeps_the_state_dict_and_is_exact_on_one_device():
 def test_resets_caches_and_packed_kwargs_are_refused_by_name():
     """position_ids restarting at 0 without the batch's documents (transformers would reset the RG-LRU there, the
     chain would not), a cache, packed-document kwargs and padding: ValueError naming each."""
-    from lightning_seqpar.documents import PackedDocuments, packed_documents
+    from lightning_seqpar.sharding.documents import PackedDocuments, packed_documents
     from lightning_seqpar.hf.hybrid import apply_hf_hybrid
 
     model = build()

@@ -167,11 +167,11 @@ def _sp_step(model, mesh, algorithm, data, packed: str | None = None):
     """Our run on the zigzag shards: logits (local), loss (global mean), grads accumulate on the params. ``packed``:
     the batch holds packed documents ("docs": document_ids, "pos": restarting position_ids), sharded as the strategy
     shards it (``batches.shard_batch``: the per-document zigzag, positions inside each document, the documents current)."""
-    from lightning_seqpar.batches import shard_batch
-    from lightning_seqpar.documents import set_current_documents
     from lightning_seqpar.hf import HFCausalLM
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
     from lightning_seqpar.sharding import shard_sequence
+    from lightning_seqpar.sharding.batches import shard_batch
+    from lightning_seqpar.sharding.documents import set_current_documents
 
     hf_support.check_model_supported(model, max_seq_len=hf_support.SEQ_LEN)
     wrapped = HFCausalLM(model)
@@ -205,8 +205,8 @@ def _compare(model, mesh, logits, loss, ref, documents=None, atol: float = ATOL,
     """None if logits, loss and every gradient match the reference, else what differs (by how much)."""
     import torch.distributed as dist
 
-    from lightning_seqpar.batches import gather_sequence
-    from lightning_seqpar.documents import packed_documents
+    from lightning_seqpar.sharding.batches import gather_sequence
+    from lightning_seqpar.sharding.documents import packed_documents
 
     ref_logits, ref_loss, ref_grads = ref
     with packed_documents(documents):  # the layout's or the per-document zigzag's order
@@ -237,8 +237,8 @@ def _run_one(model, mesh, algorithm, data, ref, packed: str | None = None) -> di
     import torch.distributed as dist
     from seqpar_testing import no_collectives
 
-    from lightning_seqpar.documents import batch_documents
-    from lightning_seqpar.sharding import mesh_sizes
+    from lightning_seqpar.sharding.documents import batch_documents
+    from lightning_seqpar.sharding.layouts import mesh_sizes
 
     trial = copy.deepcopy(model)
     probe: str

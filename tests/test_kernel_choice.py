@@ -81,7 +81,7 @@ def test_with_flash_attention_4_installed_the_log_says_why_another_kernel_runs_a
 
 def test_models_say_whether_cudnn_is_exact_for_them():
     from lightning_seqpar.models import Llama, LlamaConfig
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
 
     model = Llama(LlamaConfig.from_name("tiny"))
     apply_attention(model, None, attention="ring")

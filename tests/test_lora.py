@@ -184,7 +184,7 @@ def _logits(model, data) -> torch.Tensor:
 
 
 def test_resume_is_exact_and_the_adapters_export(base, tmp_path):
-    from lightning_seqpar.export import main as export_main
+    from lightning_seqpar.cli.export import main as export_main
 
     data = _data(4)
     ckpt = str(tmp_path / "step2.ckpt")
@@ -246,7 +246,7 @@ def test_adapter_folder_of_a_checkpointed_model(base, tmp_path):
     (parameter names with ``_checkpoint_wrapped_module``) loads with peft and gives the model's logits."""
     from lightning_seqpar import CausalLMModule
     from lightning_seqpar.hf.lora import save_lora_pretrained
-    from lightning_seqpar.parallelize import apply_ac
+    from lightning_seqpar.parallel.parallelize import apply_ac
 
     module = CausalLMModule(base, lora=LORA_ALL)
     module.configure_model()
@@ -345,8 +345,8 @@ def _head_model(base: str, **lora: Any):
 def test_the_operands_of_an_adapted_head_give_its_logits_and_gradients(base):
     """Note [An adapted output head]: h' @ W'^T is lm_head(h) for a LoRA head with two active adapters (one with a
     rank of its own), and the adapters' gradients through it are peft's; a disabled or merged head is its weight."""
-    from lightning_seqpar.head import head_operands as operands
     from lightning_seqpar.hf.lora import PEFT_HEAD
+    from lightning_seqpar.loss.head import head_operands as operands
 
     def head_operands(head, hidden):
         return operands(head, hidden, adapters=(PEFT_HEAD,))

@@ -1,4 +1,4 @@
-"""The memory estimate and memory="auto" (Note [Memory per token], Note [Planning memory] in lightning_seqpar.memory)."""
+"""The memory estimate and memory="auto" (Note [Memory per token], Note [Planning memory] in lightning_seqpar.planner.memory)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_seqpar.memory import (
+from lightning_seqpar.planner.memory import (
     DEFAULT_MARGIN,
     OVERHEAD_BYTES,
     MemoryOptions,
@@ -121,7 +121,7 @@ def test_norm_backward_is_tiled_with_the_mlp():
     plain = estimate_memory(model_shape=LLAMA_1B, seq_len=64 * K, options=MemoryOptions(), loss_chunk_size=8192)
     tiled = estimate_memory(model_shape=LLAMA_1B, seq_len=64 * K, options=MemoryOptions(mlp_chunk_size=1024), loss_chunk_size=8192)
     assert tiled.block_recompute < plain.block_recompute
-    from lightning_seqpar.memory import NORM_BACKWARD
+    from lightning_seqpar.planner.memory import NORM_BACKWARD
     n = 64 * K
     assert plain.block_recompute >= n * NORM_BACKWARD * 2048  # the norm phase alone
 
@@ -190,7 +190,7 @@ H200_MIB = 143771 * 2**20  # what the H200 runs of benchmarks/memory_plan.py pla
 
 
 def _lora_8b(seq_len: int, options: MemoryOptions, targets=LORA_ALL):
-    from lightning_seqpar.planning import lora_trainable_params
+    from lightning_seqpar.planner.planning import lora_trainable_params
 
     class Config:
         r, target_modules = 16, "all-linear"
@@ -220,7 +220,7 @@ def test_an_adapted_head_counts_its_widened_operands_and_gradient():
     """Note [An adapted output head]: LoRA on lm_head widens the chunked loss's operands (a copy of the hidden states
     and of the head's weight) and its fp32 weight gradient exists again; lora_targets finds the head in a list or a
     pattern, never in "all-linear" (peft leaves the output layer out of it)."""
-    from lightning_seqpar.planning import lora_targets, lora_trainable_params
+    from lightning_seqpar.planner.planning import lora_targets, lora_trainable_params
 
     def config(targets):
         return type("Config", (), {"r": 16, "target_modules": targets})()
@@ -240,7 +240,7 @@ def test_bf16_adapters_drop_the_fp32_input_copies_and_come_first_for_lora():
     """Note [Adapters in bf16]: lora_A keeps its bf16 input itself (one tensor for q|k|v, one for gate|up), so the
     block's peak loses the fp32 copies; the planner tries it first for LoRA under bf16-true (it costs no time) and
     drops it where the defaults fit."""
-    from lightning_seqpar.memory import ladder
+    from lightning_seqpar.planner.memory import ladder
 
     tiled = MemoryOptions(offload_checkpoints=True, mlp_chunk_size=8192)
     fp32, bf16 = (_lora_8b(192 * K, replace(tiled, bf16_adapters=b)) for b in (False, True))
@@ -402,7 +402,7 @@ def test_first_batch_seq_len_leaves_the_run_untouched_and_names_expected_seq_len
     from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
     from lightning.pytorch.trainer.states import TrainerFn
 
-    from lightning_seqpar.planning import first_batch_seq_len
+    from lightning_seqpar.planner.planning import first_batch_seq_len
 
     class Drawing(torch.utils.data.Dataset):  # draws from the global generators, as some datasets do
         def __len__(self):
@@ -440,7 +440,7 @@ def test_strategy_memory_auto_refuses_before_training():
 
 def test_seqpar_memory_command(tmp_path, capsys):
     """`seqpar memory`: the planner's choice per length without a GPU, for a package config name or a local HF folder."""
-    from lightning_seqpar.cli import main
+    from lightning_seqpar.cli.seqpar import main
 
     main(["memory", "--model", "llama3-8b", "--seq", "128K,4M", "--device-memory", "150.1", "--host-memory", "125"])
     lines = capsys.readouterr().out.splitlines()
@@ -573,7 +573,7 @@ def test_ulysses_keeps_its_head_all_to_alls_under_selective_checkpointing():
     checkpointed layer keeps q, k, v in the head layout and the output back in the sequence layout as well --
     20,480 B more per token and layer for the Qwen3-8B shape. Counting ring's only let the planner spend the
     difference on uncheckpointed blocks, and the 128K step ran out of memory on 4 x H200 (Note [Memory per token])."""
-    from lightning_seqpar.memory import MemoryOptions, TransformerShape, estimate_memory, plan_memory
+    from lightning_seqpar.planner.memory import MemoryOptions, TransformerShape, estimate_memory, plan_memory
 
     qwen = TransformerShape(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
                             vocab_size=151936)
@@ -633,10 +633,10 @@ def _plan_run(config_kwargs: dict, *, module=None, device_memory: float | None =
     """``plan_run_memory`` for the tiny Llama on one CPU rank, with the lines it logs."""
     from types import SimpleNamespace
 
-    from lightning_seqpar import planning
-    from lightning_seqpar.config import StrategyConfig
-    from lightning_seqpar.mesh import ParallelDims
     from lightning_seqpar.models.llama import LlamaConfig
+    from lightning_seqpar.parallel.config import StrategyConfig
+    from lightning_seqpar.parallel.mesh import ParallelDims
+    from lightning_seqpar.planner import planning
 
     logged: list[str] = []
     monkeypatch.setattr(planning, "rank_zero_info", logged.append)
@@ -707,8 +707,8 @@ def test_the_default_runs_a_plan_with_one_gather_and_warns_where_nothing_fits():
 
 
 def _plans(rank: int, world_size: int) -> list:
-    from lightning_seqpar.config import StrategyConfig
-    from lightning_seqpar.planning import check_plans_agree
+    from lightning_seqpar.parallel.config import StrategyConfig
+    from lightning_seqpar.planner.planning import check_plans_agree
 
     out = []
     same = StrategyConfig(memory="auto", uncheckpointed_blocks=2)
@@ -784,7 +784,7 @@ def test_q_k_norms_are_counted_as_the_layer_keeps_them():
     plans = [plan_memory(model_shape=s, seq_len=128 * K, device_memory=150.1e9, sp=4, loss_chunk_size=8192, attention="ulysses",
                          fixed={"gather_whole_model": False}, host_memory=120e9) for s in (replace(shape, qk_norm=False), shape)]
     assert [p.options.uncheckpointed_blocks for p in plans] == [11, 9]
-    from lightning_seqpar.step_plan import ModelShape  # `seqpar plan`'s shape keeps it (it planned 11 blocks when it did not)
+    from lightning_seqpar.planner.step_plan import ModelShape  # `seqpar plan`'s shape keeps it (it planned 11 blocks when it did not)
 
     assert ModelShape.from_transformer_shape("qwen3-8b", shape).transformer_shape == shape
 
@@ -798,7 +798,7 @@ QWEN3_8B = TransformerShape(hidden_size=4096, num_layers=36, num_heads=32, num_k
 def _qwen3_joint(seq_len: int):
     """The strategy's inputs of the measured Qwen3-8B runs (4 x H200, flash-attention 4, bf16-true, loss chunks of 8192)."""
     from lightning_seqpar.attention.cost import DeviceProfile, choose_attention
-    from lightning_seqpar.memory import plan_attention_and_memory
+    from lightning_seqpar.planner.memory import plan_attention_and_memory
 
     plan = choose_attention(seq_len=seq_len, num_heads=32, num_kv_heads=8, head_dim=128, world_size=4, head_parallel_size=1,
                             double_ring=False, profile=DeviceProfile.for_device("NVIDIA H200", backend="fa4", gpus_per_node=4))
@@ -832,7 +832,7 @@ def test_the_joint_choice_scores_recomputation_and_skips_what_does_not_fit():
     """Each candidate scores L x its attention time x (1 + 1/3.5 where its plan recomputes attention); a later one must
     be more than 1% faster; candidates whose memory does not fit are skipped; none fitting raises the first's refusal."""
     from lightning_seqpar.attention.cost import AttentionPlan, Candidate
-    from lightning_seqpar.memory import MemoryPlanError, plan_attention_and_memory
+    from lightning_seqpar.planner.memory import MemoryPlanError, plan_attention_and_memory
 
     def candidate(algorithm, t):
         return Candidate(algorithm=algorithm, hp=4 if algorithm == "ulysses" else 1, cp=1 if algorithm == "ulysses" else 4,
@@ -869,8 +869,8 @@ def test_the_joint_choice_scores_recomputation_and_skips_what_does_not_fit():
 def test_seqpar_plan_chooses_and_times_attention_with_its_memory():
     """``seqpar plan`` (plan_step) makes the same joint choice, and a plan that recomputes attention counts its forward."""
     from lightning_seqpar.attention.cost import DeviceProfile
-    from lightning_seqpar.memory import RECOMPUTED_ATTENTION
-    from lightning_seqpar.step_plan import GPU_MEMORY, MemorySetting, ModelShape, plan_step
+    from lightning_seqpar.planner.memory import RECOMPUTED_ATTENTION
+    from lightning_seqpar.planner.step_plan import GPU_MEMORY, MemorySetting, ModelShape, plan_step
 
     model = ModelShape.from_transformer_shape("qwen3-8b", QWEN3_8B)
     fa4 = DeviceProfile.for_device("NVIDIA H200", backend="fa4", gpus_per_node=4)
@@ -888,11 +888,11 @@ def test_the_strategy_plans_memory_and_resolves_attention_as_one_choice(monkeypa
     """Under the strategy's own functions (plan_memory_options before the process group, resolve_auto_attention in setup)
     on a 4 x H200 site with flash-attention 4 (faked on this CPU): the Qwen3-8B shape at 640K plans the ring's memory
     and setup runs the ring; the cost model alone would run Ulysses, whose memory needs attention recomputed."""
-    import lightning_seqpar.planning as planning
+    import lightning_seqpar.planner.planning as planning
     from lightning_seqpar import CausalLMModule
-    from lightning_seqpar.config import StrategyConfig
-    from lightning_seqpar.mesh import ParallelDims
     from lightning_seqpar.models import Llama, LlamaConfig
+    from lightning_seqpar.parallel.config import StrategyConfig
+    from lightning_seqpar.parallel.mesh import ParallelDims
 
     monkeypatch.setattr(planning, "available_backends", lambda device, dtype, head_dim: ["fa4"])
     monkeypatch.setattr(planning.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
@@ -920,12 +920,12 @@ def test_head_parallel_size_auto_chooses_the_mesh_with_its_memory(monkeypatch):
     node, 4 x H200-sized memory): the cost model alone takes 2D 8 x 8, whose memory needs attention recomputed; with
     the memory the mesh is hp = 1 and the ring runs with Selective Checkpoint++. Without a device memory (the CPU) or
     with memory="manual" the cost model's mesh stays; `seqpar plan` agrees."""
-    import lightning_seqpar.planning as planning
+    import lightning_seqpar.planner.planning as planning
     from lightning_seqpar import CausalLMModule
     from lightning_seqpar.attention.cost import DeviceProfile
-    from lightning_seqpar.config import StrategyConfig
-    from lightning_seqpar.model_shape import ModelShape
-    from lightning_seqpar.step_plan import plan_step
+    from lightning_seqpar.parallel.config import StrategyConfig
+    from lightning_seqpar.planner.model_shape import ModelShape
+    from lightning_seqpar.planner.step_plan import plan_step
 
     monkeypatch.setattr(planning, "host_memory_bytes", lambda: 2e12)
     cfg = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,

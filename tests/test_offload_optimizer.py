@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_seqpar import CausalLMModule
-from lightning_seqpar.parallelize import host_optimizer_threads, with_cpu_threads
+from lightning_seqpar.parallel.parallelize import host_optimizer_threads, with_cpu_threads
 
 
 @pytest.fixture

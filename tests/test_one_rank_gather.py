@@ -1,5 +1,5 @@
 """gather_whole_model: FSDP2 over the root only on one rank (Note [One rank: one gather per step] in
-lightning_seqpar.parallelize): the same training and the same checkpoints as a group per block."""
+lightning_seqpar.parallel.parallelize): the same training and the same checkpoints as a group per block."""
 
 from __future__ import annotations
 
@@ -86,10 +86,10 @@ def test_gather_whole_model_is_refused_beyond_one_rank_and_with_offload_params()
 
 
 def _two_ranks(rank: int, world_size: int) -> str:
-    from lightning_seqpar.mesh import ParallelDims
-    from lightning_seqpar.planning import RunSite, check_options_against_model
-    from lightning_seqpar.config import StrategyConfig
-    from lightning_seqpar.parallelize import apply_fsdp
+    from lightning_seqpar.parallel.mesh import ParallelDims
+    from lightning_seqpar.planner.planning import RunSite, check_options_against_model
+    from lightning_seqpar.parallel.config import StrategyConfig
+    from lightning_seqpar.parallel.parallelize import apply_fsdp
     from lightning_seqpar.models.llama import Llama, LlamaConfig
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -215,7 +215,7 @@ def _train_litgpt(rank: int, world: int, batches: list[dict], model: str, out: s
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))
     from lightning_seqpar import SequenceParallelStrategy
-    from lightning_seqpar.litgpt import LitGPTModule, save_litgpt
+    from lightning_seqpar.training.litgpt import LitGPTModule, save_litgpt
 
     module = LitGPTModule(model, config_overrides=None if out is None else LITGPT_OVERRIDES, lr=1e-2, max_steps=len(batches))
     losses = _fit(module, SequenceParallelStrategy(sequence_parallel_size=world, attention="ring"), world, batches)

@@ -1,4 +1,4 @@
-"""``seqpar plan`` and ``lightning_seqpar.step_plan`` (Note [Planning a step across nodes]): the model
+"""``seqpar plan`` and ``lightning_seqpar.planner.step_plan`` (Note [Planning a step across nodes]): the model
 shapes, the terms of a planned step, auto against Megatron-style CP, the CLI, and the table in
 docs/scaling.md reproduced from the code (no hand-edited numbers)."""
 
@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_seqpar import cli
+from lightning_seqpar.cli import seqpar as cli
 from lightning_seqpar.attention.cost import DeviceProfile
-from lightning_seqpar.plan_command import parse_gpu_memory, parse_lengths
-from lightning_seqpar.step_plan import GPU_MEMORY, MODELS, PEAK_BF16, MemorySetting, ModelShape, megatron_cp, plan_step, table
+from lightning_seqpar.cli.plan import parse_gpu_memory, parse_lengths
+from lightning_seqpar.planner.step_plan import GPU_MEMORY, MODELS, PEAK_BF16, MemorySetting, ModelShape, megatron_cp, plan_step, table
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
 
@@ -65,7 +65,7 @@ def test_more_gpus_shorten_the_step_and_need_fewer_memory_savings():
 def _savings(p) -> int:
     from dataclasses import fields
 
-    from lightning_seqpar.memory import MemoryOptions
+    from lightning_seqpar.planner.memory import MemoryOptions
 
     return sum(getattr(p.memory.options, f.name) != getattr(MemoryOptions(), f.name) for f in fields(MemoryOptions)
                if f.name != "uncheckpointed_blocks")  # a speed choice, not a saving

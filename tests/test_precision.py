@@ -1,5 +1,5 @@
 """Gradient clipping with a fused AdamW under bf16-mixed (Note [Clipping with fused optimizers under
-bf16-mixed] in lightning_seqpar.precision): Lightning's own plugin refuses it; the strategy's clips,
+bf16-mixed] in lightning_seqpar.parallel.precision): Lightning's own plugin refuses it; the strategy's clips,
 with the same losses as the unfused optimizer, and fp16's scaled gradients are still refused."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
-from lightning_seqpar.precision import ScalerFreeMixedPrecision, scaler_free
+from lightning_seqpar.parallel.precision import ScalerFreeMixedPrecision, scaler_free
 
 MODEL = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_kv_head=2, intermediate_size=64, max_seq_len=64)
 STEPS = 3

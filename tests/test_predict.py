@@ -84,7 +84,7 @@ def _predict(rank: int, world: int, strategy_kwargs: dict | None, batch: dict, m
     items = [{k: v[b : b + 1] for k, v in batch.items()} for b in range(2)] if world // sp > 1 else [batch]
     loader = torch.utils.data.DataLoader(items, batch_size=None)
     outputs = trainer.predict(_module(**module_kwargs), dataloaders=loader)
-    from lightning_seqpar.documents import current_documents
+    from lightning_seqpar.sharding.documents import current_documents
 
     assert current_documents() is None, "the run's packed documents outlived it (Note [Per-call state])"
     return outputs

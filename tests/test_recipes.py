@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_seqpar.cli import SeqparCLI
+from lightning_seqpar.cli.seqpar import SeqparCLI
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 
@@ -34,8 +34,8 @@ def parse(args: list[str]):
 def _make(args: list[str]):
     import lightning
 
-    from lightning_seqpar.cli import names_a_module_class
-    from lightning_seqpar.module import CausalLMModule
+    from lightning_seqpar.cli.seqpar import names_a_module_class
+    from lightning_seqpar.training.module import CausalLMModule
 
     own = names_a_module_class(args)  # a recipe of another LightningModule (LitGPTModule): subclass mode, as the CLI
     return ParseOnlyCLI(lightning.LightningModule if own else CausalLMModule, subclass_mode_model=own, datamodule_class=None,
@@ -116,7 +116,7 @@ def test_hybrid_cpu_recipe_builds_a_transformers_hybrid():
     pytest.importorskip("transformers")
     from lightning_seqpar.hf import HFConfigSpec
     from lightning_seqpar.hf.hybrid import is_hybrid_twin
-    from lightning_seqpar.module import CausalLMModule
+    from lightning_seqpar.training.module import CausalLMModule
 
     config = parse(["fit", "--config", str(RECIPES[0].parent / "hybrid_tiny_cpu.yaml")]).fit
     spec = config.model.model
@@ -134,7 +134,7 @@ def test_a_run_by_steps_gets_a_progress_bar_that_reads_epoch_n():
     recipe that trains by max_steps, unless the bar is off, a progress bar is named or max_epochs is set."""
     from jsonargparse import Namespace
 
-    from lightning_seqpar.cli import TQDM_PROGRESS_BAR, step_progress_bar
+    from lightning_seqpar.cli.seqpar import TQDM_PROGRESS_BAR, step_progress_bar
 
     recipe = str(RECIPES[0].parent / "lora_finetune.yaml")
     trainer = parse(["fit", "--config", recipe]).fit.trainer

@@ -1,4 +1,4 @@
-"""The recipes ship in the wheel (Note [Shipped recipes] in lightning_seqpar/cli.py): `seqpar recipes` lists them,
+"""The recipes ship in the wheel (Note [Shipped recipes] in lightning_seqpar/cli/seqpar.py): `seqpar recipes` lists them,
 `seqpar recipes cp` copies one out, `--config NAME` reads one by name; and a wheel built from this tree, installed
 into a fresh virtual environment, has them and runs them from a folder outside the repository."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_seqpar import cli
+from lightning_seqpar.cli import seqpar as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,7 +99,7 @@ def test_the_wheel_ships_the_recipes_and_runs_one_by_name_outside_the_repository
     away.mkdir()
     env = {**env, "PATH": f"{bindir}{os.pathsep}{env.get('PATH', '')}"}
     # one interpreter for the package's location, `seqpar recipes` and `seqpar recipes cp` (each start imports torch)
-    listing = _run([python, "-c", "import lightning_seqpar.cli as c; print(c.__file__); print(c.RECIPES_DIR); "
+    listing = _run([python, "-c", "from lightning_seqpar.cli import seqpar as c; print(c.__file__); print(c.RECIPES_DIR); "
                     "c.main(['recipes']); c.main(['recipes', 'cp', 'quickstart', 'mine.yaml'])"], away, env)
     where = "\n".join(listing.splitlines()[:2])
     assert str(env_dir) in where and str(ROOT) not in where, where  # the wheel's package, not this tree's

@@ -323,7 +323,7 @@ def _check_documents(label, local_fn, full_fn, inputs, token_inputs, dout, docum
 
 
 def _documents_worker(rank: int, world_size: int) -> int:
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     mesh, layout, T = mesh_1d(world_size), "zigzag", 24
     docs = PackedDocuments.from_lengths(DOC_LENGTHS, world=world_size)
@@ -364,7 +364,7 @@ def test_documents_reset_the_state_at_every_boundary(world_size):
 
 def test_documents_match_the_token_recurrence_on_one_device():
     """One device, one chunk holding several documents and a chunk boundary inside one: the float64 token loop."""
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     docs = PackedDocuments.from_lengths(DOC_LENGTHS)
     d = delta_inputs(T=24)
@@ -380,7 +380,7 @@ def test_documents_match_the_token_recurrence_on_one_device():
 
 
 def test_documents_errors_name_the_argument():
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     d = delta_inputs(T=24)
     docs = PackedDocuments.from_lengths(DOC_LENGTHS)
@@ -394,7 +394,7 @@ def test_documents_errors_name_the_argument():
 
 def _documents_traffic_worker(rank: int, world_size: int) -> list:
     import lightning_seqpar.attention.comm as comm
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     mesh = mesh_1d(world_size)
     shapes = []
@@ -439,7 +439,7 @@ def _chain_switch_worker(rank: int, world_size: int) -> int:
     rule with packed documents, Mamba1's selective scan without."""
     import os
 
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     mesh = mesh_1d(world_size)
     docs = PackedDocuments.from_lengths(DOC_LENGTHS, world=world_size)
@@ -465,7 +465,7 @@ def _chain_switch_worker(rank: int, world_size: int) -> int:
 def _autocast_worker(rank: int, world_size: int) -> int:
     """Note [Recurrences in fp32 under autocast]: under torch.autocast (bf16) the recurrences give exactly what they
     give without it (fp32 inside), with packed documents and without, in parallel and down the chain."""
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     mesh = mesh_1d(world_size) if world_size > 1 else None
     docs = PackedDocuments.from_lengths(DOC_LENGTHS, world=world_size)
@@ -560,7 +560,7 @@ def test_selective_scan_errors_name_the_argument():
 
 
 def _selective_worker(rank: int, world_size: int) -> int:
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     mesh, T = mesh_1d(world_size), 24
     failures: list[str] = []
@@ -584,7 +584,7 @@ def test_selective_scan_chains_match_full_sequence(world_size):
 
 
 def test_selective_scan_documents_match_the_token_recurrence_on_one_device():
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     s = selective_inputs(T=24)
     docs = PackedDocuments.from_lengths(DOC_LENGTHS)
@@ -595,7 +595,7 @@ def test_selective_scan_documents_match_the_token_recurrence_on_one_device():
 
 def _selective_traffic_worker(rank: int, world_size: int) -> list:
     import lightning_seqpar.attention.comm as comm
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     mesh = mesh_1d(world_size)
     shapes = []
@@ -664,7 +664,7 @@ def kda_inputs(B=2, T=24, H=3, Dk=8, Dv=6, seed=3):
 def test_per_dimension_decay_matches_token_recurrence(chunk_size):
     x = kda_inputs(T=23)
     close(gated_delta_rule(**x, chunk_size=chunk_size), naive_kda(**x), f"chunk={chunk_size}")
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     docs = PackedDocuments.from_lengths(DOC_LENGTHS)
     x = kda_inputs(T=24)
@@ -685,7 +685,7 @@ def test_per_dimension_decay_matches_transformers_kimi_linear():
 
 
 def _kda_worker(rank: int, world_size: int) -> int:
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     mesh, T = mesh_1d(world_size), 24
     failures: list[str] = []
@@ -732,7 +732,7 @@ def test_diagonal_recurrence_matches_token_recurrence_and_transformers_rnn_scan(
     x = diagonal_inputs(T=23)
     for chunk in (1, 5, 16, 64):
         close(diagonal_recurrence(**x, chunk_size=chunk), naive_diagonal(**x), f"chunk={chunk}")
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     docs = PackedDocuments.from_lengths(DOC_LENGTHS)
     x = diagonal_inputs(T=24)
@@ -749,7 +749,7 @@ def test_diagonal_recurrence_matches_token_recurrence_and_transformers_rnn_scan(
 
 
 def _diagonal_worker(rank: int, world_size: int) -> int:
-    from lightning_seqpar.documents import PackedDocuments
+    from lightning_seqpar.sharding.documents import PackedDocuments
 
     mesh, T = mesh_1d(world_size), 24
     failures: list[str] = []

@@ -46,7 +46,7 @@ def test_a_recipe_given_a_nan_option_ends_before_training(tmp_path, monkeypatch)
     """``seqpar fit --config recipes/quickstart.yaml --model.weight_decay .nan`` trained NaN parameters with exit code 0."""
     import sys
 
-    from lightning_seqpar.cli import main
+    from lightning_seqpar.cli.seqpar import main
 
     recipe = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
     monkeypatch.chdir(tmp_path)
@@ -173,8 +173,8 @@ def _has_transformers() -> bool:
 
 
 def test_a_wrong_length_of_document_ids_is_named():
-    from lightning_seqpar.batches import check_batch
-    from lightning_seqpar.documents import batch_documents
+    from lightning_seqpar.sharding.batches import check_batch
+    from lightning_seqpar.sharding.documents import batch_documents
 
     batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "document_ids": torch.zeros(2, 6, dtype=torch.long)}
     with pytest.raises(ValueError, match=r"batch\['document_ids'\] has shape \(2, 6\); expected \(2, 8\)"):
@@ -197,7 +197,7 @@ def _checkpoint(path: Path) -> Path:
 
 
 def test_an_export_into_a_used_folder_is_refused_or_replaced_whole(tmp_path):
-    from lightning_seqpar.export import main
+    from lightning_seqpar.cli.export import main
     from lightning_seqpar.hf.export import export_hf
 
     checkpoint = _checkpoint(tmp_path / "run.ckpt")
@@ -215,7 +215,7 @@ def test_an_export_into_a_used_folder_is_refused_or_replaced_whole(tmp_path):
 
 
 def test_a_checkpoint_that_is_not_ours_is_refused(tmp_path):
-    from lightning_seqpar.export import export_consolidated
+    from lightning_seqpar.cli.export import export_consolidated
     from lightning_seqpar.hf.export import export_hf
 
     foreign = tmp_path / "foreign.ckpt"
@@ -255,7 +255,7 @@ def test_ranks_with_the_same_tokens_but_other_document_ids_are_named():
 
 
 def test_the_summary_covers_every_per_token_tensor():
-    from lightning_seqpar.batches import batch_summary
+    from lightning_seqpar.sharding.batches import batch_summary
 
     ids = torch.arange(16).view(2, 8)
     base = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(8).expand(2, 8)}
@@ -302,7 +302,7 @@ def test_long_warmup_warns_and_untrained_validation_logs_zero():
     (["--seq", "1K", "--gpus", "4", "--host-memory", "nan"], r"--host-memory: expected GB > 0 \(a finite number\), got nan"),
 ])
 def test_seqpar_plan_refuses_what_it_cannot_plan(argv, match, capsys):
-    from lightning_seqpar.plan_command import plan_main
+    from lightning_seqpar.cli.plan import plan_main
 
     with pytest.raises(SystemExit):
         plan_main(["--model", "llama3-8b", *argv])

@@ -1,4 +1,4 @@
-"""Every Trainer run releases what the strategy created (Note [What a run releases] in lightning_seqpar/resources.py).
+"""Every Trainer run releases what the strategy created (Note [What a run releases] in lightning_seqpar/parallel/resources.py).
 
 Ten consecutive fits in one process, each with a new strategy, Trainer and module (as a user's
 script or notebook runs them), keep the process's threads, open file descriptors and resident
@@ -282,11 +282,11 @@ def _fake_allocator(monkeypatch, env: str | None) -> _Setter:
 @pytest.mark.parametrize("env", [None, "expandable_segments:True"])
 def test_offloading_on_cuda_pins_host_memory_on_eight_threads(monkeypatch, env):
     # Note [Pinning host memory in parallel]: torch's documented keys, set only for CUDA and only these keys
-    from lightning_seqpar.resources import PARALLEL_PINNING, pinning_in_effect, prefer_parallel_pinning
+    from lightning_seqpar.parallel.resources import PARALLEL_PINNING, pinning_in_effect, prefer_parallel_pinning
 
     setter = _fake_allocator(monkeypatch, env)
     assert prefer_parallel_pinning(torch.device("cpu")) is False and setter.calls == []
-    monkeypatch.setattr("lightning_seqpar.resources._SET", {})
+    monkeypatch.setattr("lightning_seqpar.parallel.resources._SET", {})
     assert pinning_in_effect() == "default (cudaHostAlloc)"
     assert prefer_parallel_pinning(torch.device("cuda", 0)) is True
     assert setter.calls == [PARALLEL_PINNING] and pinning_in_effect() == PARALLEL_PINNING
@@ -295,11 +295,11 @@ def test_offloading_on_cuda_pins_host_memory_on_eight_threads(monkeypatch, env):
 
 @pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
 def test_the_users_pinned_settings_win(monkeypatch, var):
-    from lightning_seqpar.resources import pinning_in_effect, prefer_parallel_pinning
+    from lightning_seqpar.parallel.resources import pinning_in_effect, prefer_parallel_pinning
 
     setter = _Setter()
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
-    monkeypatch.setattr("lightning_seqpar.resources._SET", {})
+    monkeypatch.setattr("lightning_seqpar.parallel.resources._SET", {})
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv(var, "expandable_segments:True,pinned_use_cuda_host_register:False")
@@ -311,7 +311,7 @@ def test_the_users_pinned_settings_win(monkeypatch, var):
     ("prefer_parallel_pinning", "pinned_use_cuda_host_register", "pinned host memory stays on one thread"),
     ("prefer_expandable_segments", "expandable_segments", "device memory keeps torch's fixed segments")])
 def test_an_allocator_refusing_the_keys_warns_and_leaves_it_alone(monkeypatch, prefer, key, warning):
-    import lightning_seqpar.resources as resources
+    import lightning_seqpar.parallel.resources as resources
 
     setter = _Setter(RuntimeError(f"Unrecognized key '{key}' in CUDA allocator config."))
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter, raising=False)
@@ -339,10 +339,10 @@ def test_the_strategy_turns_parallel_pinning_on_only_when_it_offloads(monkeypatc
 @pytest.mark.parametrize("env", [None, "pinned_use_cuda_host_register:True", "expandable_segments:False"])
 def test_cuda_runs_grow_expandable_segments_unless_the_user_says(monkeypatch, env):
     # Note [Expandable segments by default]: set for CUDA only, and never over the user's own key
-    from lightning_seqpar.resources import EXPANDABLE_SEGMENTS, prefer_expandable_segments, segments_in_effect
+    from lightning_seqpar.parallel.resources import EXPANDABLE_SEGMENTS, prefer_expandable_segments, segments_in_effect
 
     setter = _fake_allocator(monkeypatch, env)
-    monkeypatch.setattr("lightning_seqpar.resources._SET", {})
+    monkeypatch.setattr("lightning_seqpar.parallel.resources._SET", {})
     assert prefer_expandable_segments(torch.device("cpu")) is False and setter.calls == []
     users = env is not None and env.startswith("expandable_segments")
     assert segments_in_effect() == (env if users else "default (fixed segments)")

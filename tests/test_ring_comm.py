@@ -20,7 +20,7 @@ WORLD = 4
 
 
 def _ring_forward_traffic_worker(rank: int, world_size: int, h_q: int, h_kv: int) -> dict[str, int]:
-    from lightning_seqpar.agreement import RankAgreement
+    from lightning_seqpar.sharding.agreement import RankAgreement
     from lightning_seqpar.attention import sequence_parallel_attention
 
     mesh = mesh_1d(world_size)

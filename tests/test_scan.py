@@ -13,7 +13,7 @@ from dist_utils import run_distributed
 from seqpar_testing import mesh_1d
 
 from lightning_seqpar.attention.scan import affine_scan
-from lightning_seqpar.sharding import chunk_ids, num_chunks
+from lightning_seqpar.sharding.layouts import chunk_ids, num_chunks
 
 B, H, C, DK, DV = 2, 3, 4, 5, 3
 

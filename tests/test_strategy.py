@@ -11,7 +11,7 @@ import torch
 
 from dist_utils import run_distributed
 from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
-from lightning_seqpar.mesh import MESH_AXES, ParallelDims
+from lightning_seqpar.parallel.mesh import MESH_AXES, ParallelDims
 
 TIMEOUT = 180
 
@@ -219,7 +219,7 @@ def _trainer(world_size: int, strategy, max_steps: int = 2):
 def _check_batches(rank: int, world_size: int, sp: int, hp: int, layout: str, with_positions: bool) -> dict:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))
-    from lightning_seqpar.mesh import sp_mesh
+    from lightning_seqpar.parallel.mesh import sp_mesh
     from lightning_seqpar.sharding import sequence_index
 
     seq_len = 16
@@ -307,7 +307,7 @@ def test_non_dict_batch_is_rejected():
 def _no_attention_module(rank: int, world_size: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     with pytest.raises(ValueError) as info:

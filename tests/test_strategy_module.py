@@ -11,7 +11,7 @@ import torch
 
 from lightning_seqpar import CausalLMModule
 from lightning_seqpar.models import LlamaConfig
-from lightning_seqpar.module import batch_samples, batch_tokens, warmup_cosine
+from lightning_seqpar.training.module import batch_samples, batch_tokens, warmup_cosine
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from lightning_seqpar.mesh import MESH_AXES, ParallelDims
+from lightning_seqpar.parallel.mesh import MESH_AXES, ParallelDims
 
 GPN = 8
 
@@ -119,7 +119,7 @@ def test_node_size_from_env(monkeypatch):
 def _mesh_groups(rank: int, world_size: int, placement: str):
     import torch.distributed as dist
 
-    from lightning_seqpar.mesh import fsdp_mesh
+    from lightning_seqpar.parallel.mesh import fsdp_mesh
 
     dims = ParallelDims(dp_shard=2, hp=2, cp=2, world_size=8, placement=placement, node_size=4)  # type: ignore[arg-type]
     mesh = dims.build_mesh("cpu")
@@ -148,8 +148,7 @@ def test_meshes_are_built_without_nccl_split_and_the_binding_is_restored(monkeyp
     second fit), and afterwards, also after an error, it is the device it was."""
     import torch.distributed as dist
 
-    from lightning_seqpar import mesh as mesh_module
-
+    from lightning_seqpar.parallel import mesh as mesh_module
     class Default:
         bound_device_id = torch.device("cuda", 3)
 

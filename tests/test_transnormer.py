@@ -299,7 +299,7 @@ def _checkpoint_worker(rank: int, world_size: int) -> dict[str, tuple[int, int]]
     neither re-runs linear attention nor its forward state hops; full checkpointing re-runs both."""
     from lightning_seqpar.attention import ATTENTION_OPS
     from lightning_seqpar.attention.lasp import LASP_OPS
-    from lightning_seqpar.activation_checkpointing import checkpoint_block
+    from lightning_seqpar.parallel.activation_checkpointing import checkpoint_block
     from seqpar_testing import record_p2p
 
     mesh = mesh_1d(world_size)

@@ -124,7 +124,7 @@ def test_batches_that_differ_across_ranks_are_named(world, kind):
 def _heads(rank: int, world_size: int) -> list[str]:
     from lightning_seqpar.attention import sequence_parallel_attention
     from lightning_seqpar.models import Llama, LlamaConfig
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
     from seqpar_testing import mesh_1d, mesh_2d
 
     out = []
@@ -173,7 +173,7 @@ def test_sizes_not_multiplying_to_the_world_raise_before_the_process_group(kwarg
 
 
 def test_unknown_recipe_keys_are_named_with_the_fix(capsys, monkeypatch):
-    from lightning_seqpar.cli import main, unknown_key_hints
+    from lightning_seqpar.cli.seqpar import main, unknown_key_hints
 
     monkeypatch.setattr(sys, "argv", ["seqpar"])
     with no_collectives(), pytest.raises(SystemExit):
@@ -194,7 +194,7 @@ def _edge_cases(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
 
     from lightning_seqpar.loss import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
     from lightning_seqpar.models import Llama, LlamaConfig
-    from lightning_seqpar.parallelize import apply_attention
+    from lightning_seqpar.parallel.parallelize import apply_attention
 
     strategy = _ready_strategy(world_size, sequence_parallel_size=2, attention="ring", pad_to_multiple=True)
     config = LlamaConfig.from_name("tiny")

@@ -87,7 +87,7 @@ def litgpt_module(model: str, *, seq: int, tiny: bool, plain: bool):
     ``plain`` a LightningModule as a LitGPT user writes it (``gpt(input_ids)``, LitGPT's chunked cross entropy)."""
     import lightning as L
 
-    from lightning_seqpar.litgpt import LitGPTModule
+    from lightning_seqpar.training.litgpt import LitGPTModule
 
     name = {"litgpt-llama3-8b": "Llama-3-8B", "litgpt-llama3.2-1b": "Llama-3.2-1B"}[model]
     overrides = {"block_size": seq} | ({"n_layer": 2, "n_embd": 64, "n_head": 4, "n_query_groups": 2, "head_size": 16,
@@ -187,7 +187,7 @@ def main() -> None:
     settings = dict(strategy_kwargs, precision=precision, attention=strategy.attention, kernel=kernel,
                     memory_plan=None if plan is None else str(plan), data="copy task, every token labelled" + (
                         f", {args.documents} packed documents per row" if args.documents else ""))
-    from lightning_seqpar.config import StrategyConfig
+    from lightning_seqpar.parallel.config import StrategyConfig
 
     defaults = StrategyConfig()  # an option given at its default value is not fixed: memory="auto" may still set it
     as_default = sorted(k for k, v in options.items() if getattr(defaults, k, object()) == v)
@@ -196,7 +196,7 @@ def main() -> None:
     settings["loss_chunk_size"] = getattr(module, "loss_chunk_size", None)  # what ran ("auto" resolved)
     settings["loss_chunk_set"] = args.loss_chunk is not None
     settings["host_alloc_s"] = _host_alloc_seconds()  # pinned host memory grown (offloaded checkpoints): part of the first step
-    from lightning_seqpar.resources import pinning_in_effect, segments_in_effect
+    from lightning_seqpar.parallel.resources import pinning_in_effect, segments_in_effect
 
     settings["pinned_allocation"] = pinning_in_effect()  # Note [Pinning host memory in parallel]
     settings["device_segments"] = segments_in_effect()  # Note [Expandable segments by default]

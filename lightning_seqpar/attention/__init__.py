@@ -6,7 +6,7 @@ Public names:
 * :func:`local_attention` — the same contract on one device (no mesh): what models run without
   the strategy.
 * :class:`Attention` — a parameter-free module that models call; ``configure`` (used by
-  ``lightning_seqpar.parallelize.apply_attention``) switches it from local to distributed.
+  ``lightning_seqpar.parallel.parallelize.apply_attention``) switches it from local to distributed.
 * :class:`AttentionSpec`, :func:`attention_op` — what one call of the attention op runs, and the call.
 * :data:`ATTENTION_OPS` — the custom ops whose outputs Selective Checkpoint++ saves.
 * :class:`LinearAttention`, :func:`lasp_attention`, :func:`linear_attention`,

@@ -31,7 +31,7 @@ from lightning_seqpar.attention.comm import all_gather_into, reduce_scatter_into
 from lightning_seqpar.attention.masked import variant_block_backward, variant_block_forward
 from lightning_seqpar.attention.merge import merge_, new_accumulators
 from lightning_seqpar.attention.variants import Variant, VariantPlan
-from lightning_seqpar.sharding import chunk_ids, num_chunks
+from lightning_seqpar.sharding.layouts import chunk_ids, num_chunks
 
 
 

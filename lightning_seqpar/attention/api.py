@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.agreement import RankAgreement, check_ranks_agree
+from lightning_seqpar.sharding.agreement import RankAgreement, check_ranks_agree
 from lightning_seqpar.attention.algorithms import ALGORITHMS, Algorithm, OpKind
 from lightning_seqpar.attention.checks import check_qkv_tensors
 from lightning_seqpar.attention.comm import kv_repeat, process_group
@@ -50,8 +50,8 @@ from lightning_seqpar.attention.ring import ring_backward, ring_forward
 from lightning_seqpar.attention.two_d import split_kv_heads, two_d_attention
 from lightning_seqpar.attention.ulysses import overlapped_backward, overlapped_forward, ulysses_stages
 from lightning_seqpar.attention.variants import Variant, check_variant_args, fold_sinks, local_mask, sinks_grad
-from lightning_seqpar.documents import PackedDocuments, current_documents
-from lightning_seqpar.sharding import LAYOUTS
+from lightning_seqpar.sharding.documents import PackedDocuments, current_documents
+from lightning_seqpar.sharding.layouts import LAYOUTS
 
 
 
@@ -488,7 +488,7 @@ def _check_documents(documents, q, layout: str, algorithm: str, hp: int, cp: int
     if documents is None:
         return None
     if not isinstance(documents, PackedDocuments):
-        raise ValueError(f"documents must be a lightning_seqpar.documents.PackedDocuments or None, got {type(documents).__name__}")
+        raise ValueError(f"documents must be a lightning_seqpar.sharding.documents.PackedDocuments or None, got {type(documents).__name__}")
     # the ranks the documents were split over: the 1-D ranks (Ulysses) or the cp ranks (ring, all-gather, 2D)
     world = hp if algorithm == "ulysses" else cp
     if layout != "zigzag" and world > 1:
@@ -559,7 +559,7 @@ def sequence_parallel_attention(
         backend: local kernel: "auto", "cudnn", "flash", "efficient" or "math".
         inner_ring_size: double ring (LoongTrain §4.3) inner ring size for "ring" / "2d"; must
             divide the context-parallel size. None = one ring.
-        documents: packed documents (:class:`lightning_seqpar.documents.PackedDocuments`, built from
+        documents: packed documents (:class:`lightning_seqpar.sharding.documents.PackedDocuments`, built from
             the full batch with ``world`` = the context-parallel size, or the mesh size for
             "ulysses"; shards from its ``shard``): attention never crosses a document boundary,
             and the per-document zigzag gives every rank the same work. None: one sequence.
@@ -577,7 +577,7 @@ def sequence_parallel_attention(
             j // chunk_size (and j <= i when causal), global positions. With ``documents``, i and j
             are the positions inside the document (every document chunked from its own first
             token, as if alone) and the document mask holds too. None: none. Note [Attention variants] in ``lightning_seqpar/attention/variants.py``.
-        agreement: a :class:`lightning_seqpar.agreement.RankAgreement` that the caller keeps across calls: the
+        agreement: a :class:`lightning_seqpar.sharding.agreement.RankAgreement` that the caller keeps across calls: the
             ranks' inputs are compared until a call on ``mesh`` agrees, then not again (None: on every call).
 
     Returns:
@@ -586,7 +586,7 @@ def sequence_parallel_attention(
     Raises:
         ValueError: naming the argument, before any communication, for any input it does not take;
             and on every rank, on a call that compares them (``agreement``), when the ranks passed different shapes or
-            options (one small all-gather; Note [Inputs that differ across ranks] in ``lightning_seqpar/agreement.py``).
+            options (one small all-gather; Note [Inputs that differ across ranks] in ``lightning_seqpar/sharding/agreement.py``).
     """
     _check_qkv(q, k, v)
     _check_options(causal, layout, algorithm)
@@ -698,7 +698,7 @@ def _gathered_local(world: int, s_local: int, spec: AttentionSpec, docs: Tensor 
 @torch.compiler.assume_constant_result
 def _checked_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """``resolve_backend`` of a call, a constant to torch.compile: its device queries (``cudnn.is_available()``) would
-    break a compiled block's graph (Note [Checkpoints under torch.compile] in ``lightning_seqpar.activation_checkpointing``)."""
+    break a compiled block's graph (Note [Checkpoints under torch.compile] in ``lightning_seqpar.parallel.activation_checkpointing``)."""
     return resolve_backend(backend, device, dtype, head_dim)
 
 
@@ -707,7 +707,7 @@ def _auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int, cudnn
     """``backend="auto"``'s kernel for a call (``short``: fewer than ``FA4_MIN_TOKENS`` local query tokens), logged once
     per process. A constant to torch.compile, computed (and logged) while Dynamo traces: the device queries and the
     logger inside break a graph, and a checkpointed block's graph may hold no side effect (Note [Checkpoints under
-    torch.compile] in ``lightning_seqpar.activation_checkpointing``); the arguments are all the answer depends on."""
+    torch.compile] in ``lightning_seqpar.parallel.activation_checkpointing``); the arguments are all the answer depends on."""
     backend = resolve_backend("auto", device, dtype, head_dim, cudnn_exact=cudnn_exact, seq_len=1 if short else FA4_MIN_TOKENS)
     log_auto_backend(backend, cudnn_exact=cudnn_exact, seq_len=1 if short else FA4_MIN_TOKENS)
     return backend
@@ -717,7 +717,7 @@ class Attention(nn.Module):
     """Scaled dot-product attention that a model calls; local until configured.
 
     ``forward(q, k, v)`` takes ``[B, S, H_q, D]`` and ``[B, S, H_kv, D]`` and returns
-    ``[B, S, H_q, D]``. ``lightning_seqpar.parallelize.apply_attention`` calls :meth:`configure` on
+    ``[B, S, H_q, D]``. ``lightning_seqpar.parallel.parallelize.apply_attention`` calls :meth:`configure` on
     every instance, after which the same model code runs sequence-parallel attention over the
     mesh. The module has no parameters. Packed documents: the ``documents`` argument, else the
     batch's documents that ``SequenceParallelStrategy`` sets (``current_documents()``).
@@ -761,7 +761,7 @@ class Attention(nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: PackedDocuments | None = None, *, window: int | None = None,
                 softcap: float | None = None, sinks: Tensor | None = None, chunk_size: int | None = None,
                 causal: bool | None = None, scale: float | None = None) -> Tensor:
-        """``documents``: packed documents to mask by; default the batch's (``lightning_seqpar.documents.current_documents``).
+        """``documents``: packed documents to mask by; default the batch's (``lightning_seqpar.sharding.documents.current_documents``).
         ``window``, ``softcap``, ``sinks``, ``chunk_size``: per call (a model alternates them by layer), as
         :func:`sequence_parallel_attention`. ``causal``: this call's mask, default the module's (a routed
         ``F.scaled_dot_product_attention`` call passes its ``is_causal`` and ``scale``); ``scale``: likewise."""

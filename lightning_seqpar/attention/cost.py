@@ -41,7 +41,7 @@ ulysses.py, two_d.py):
   a fixed cost per elementwise kernel. On one node these, not the links, separate the
   algorithms.
 
-Placement is the mesh's (Note [Node-aware placement] in lightning_seqpar.mesh, LoongTrain §4.4):
+Placement is the mesh's (Note [Node-aware placement] in lightning_seqpar.parallel.mesh, LoongTrain §4.4):
 "context-first" makes the cp ranks of a group adjacent (the hp group has stride cp),
 "head-first" the hp ranks (the cp ring has stride hp). Two link levels: a group of ``size``
 ranks ``stride`` apart stays inside a node when size x stride <= gpus_per_node; otherwise each

@@ -25,7 +25,7 @@ or multi-query attention 2 * H_kv * D can be smaller than d, and then gathering 
 ``kv_comm="auto"`` picks by that byte count (:func:`resolve_kv_comm`).
 
 The module holds no mesh of its own: it wraps an :class:`~lightning_seqpar.attention.Attention`
-(``self.core``), which ``lightning_seqpar.parallelize.apply_attention`` finds and configures like
+(``self.core``), which ``lightning_seqpar.parallel.parallelize.apply_attention`` finds and configures like
 any other (it walks ``model.modules()``, which reaches submodules). The mesh, algorithm, layout
 and backend are read from ``self.core`` at every call, so the strategy's ``configure`` is the one
 switch, and ``configure(mesh=None)`` goes back to local attention.
@@ -39,7 +39,7 @@ from typing import Literal
 from torch import Tensor, nn
 
 from lightning_seqpar.attention.api import Attention, gathered_kv_attention
-from lightning_seqpar.sharding import gather_along
+from lightning_seqpar.sharding.layouts import gather_along
 
 __all__ = ["KVComm", "KV_COMMS", "FusedKVAttention", "resolve_kv_comm"]
 

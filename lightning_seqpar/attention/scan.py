@@ -100,7 +100,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_seqpar.attention.comm import gather_stacked, process_group
-from lightning_seqpar.sharding import chunk_ids, in_global_order
+from lightning_seqpar.sharding.layouts import chunk_ids, in_global_order
 
 __all__ = ["affine_scan", "segment_scan"]
 
@@ -316,7 +316,7 @@ def affine_scan(e: Tensor, K: Tensor | None, W: Tensor | None, b: Tensor, h0: Te
     e ``[P, B, H, N, d, 1]`` (d = 1 or Dk), K and W ``[P, B, H, N, c, Dk]`` (both or neither), b ``[P, B, H, N, Dk,
     Dv]`` fp32: N chunks of each of this rank's P pieces (in local order). ``h0`` ``[B, H, Dk, Dv]``: the state entering
     the sequence (zero if None; one device only). ``group_name``: the sequence-parallel group (its pieces as
-    ``lightning_seqpar.sharding.chunk_ids`` lays them out), or None: the P pieces follow each other on this device
+    ``lightning_seqpar.sharding.layouts.chunk_ids`` lays them out), or None: the P pieces follow each other on this device
     (P = 1). Returns (the state entering every chunk ``[P, B, H, N, Dk, Dv]``, the state after every piece
     ``[P, B, H, Dk, Dv]``); differentiable in e, K, W, b and h0.
     """

@@ -63,8 +63,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_seqpar.documents import PackedDocuments
-from lightning_seqpar.sharding import chunk_ids
+from lightning_seqpar.sharding.documents import PackedDocuments
+from lightning_seqpar.sharding.layouts import chunk_ids
 
 
 class Variant(NamedTuple):

@@ -1,5 +1,5 @@
 """Varlen plans: the document-masked attention blocks of every algorithm (Note [Packed documents and per-document zigzag]
-in ``lightning_seqpar.documents``).
+in ``lightning_seqpar.sharding.documents``).
 
 The algorithms receive the piece lengths ``pieces`` (int64 ``[B, N, P]`` on the CPU; P = 2W for
 W ranks, 1 for one rank) and turn each block pair into one varlen kernel call:
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar.attention.local import Varlen
-from lightning_seqpar.documents import PackedDocuments, exclusive_cumsum, segment_indices
+from lightning_seqpar.sharding.documents import PackedDocuments, exclusive_cumsum, segment_indices
 
 Block = tuple[slice, slice, bool, "Varlen | None"]  # (query rows, key rows, causal, segments)
 

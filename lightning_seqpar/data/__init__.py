@@ -5,7 +5,7 @@ The strategy's batch hook shards them along the sequence; labels are already shi
 documents; ``min_doc_tokens`` / ``long_doc_ratio`` for long-context training) also yields ``document_ids`` and
 ``document_position_ids``; so does :class:`ChatDataModule` (jsonl
 conversations through the chat template, the loss on the assistant turns only). :func:`passkey_prompts`
-builds passkey-retrieval prompts with a tokenizer (``lightning_seqpar.callbacks.LongContextEval``).
+builds passkey-retrieval prompts with a tokenizer (``lightning_seqpar.training.callbacks.LongContextEval``).
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ next one); the rest of a sample is padding (its own document, labels -100):
 else -100: the last token of a conversation never predicts the next conversation. The batch has
 ``document_ids``, so the strategy splits it with the per-document zigzag (every rank the same share
 of every conversation's causal work) and masks attention by conversation (Note [Packed documents
-and per-document zigzag] in ``lightning_seqpar.documents``): each conversation is trained as if
+and per-document zigzag] in ``lightning_seqpar.sharding.documents``): each conversation is trained as if
 it were alone. The loss is the sum over the trained tokens of all ranks divided by their GLOBAL
 count (``lightning_seqpar.loss.global_mean_loss``), so every trained token weighs the same,
 however the conversations fall on ranks, samples and the micro-batches of a step (Note [Loss under
-gradient accumulation] in ``lightning_seqpar.module``).
+gradient accumulation] in ``lightning_seqpar.training.module``).
 
 Bad rows never stop training half-way: they are found at ``setup`` (every row is rendered then),
 counted by reason, and handled by policy: ``on_invalid`` for rows that cannot be trained (broken
@@ -61,7 +61,7 @@ from torch.utils.data import Dataset
 from lightning_seqpar.checks import ANY, AT_LEAST_ONE, NON_NEGATIVE, Range, check_options, check_ranges, option_hints
 from lightning_seqpar.data.hf_text import load_tokenizer
 from lightning_seqpar.data.loaders import FileSplitLoaders
-from lightning_seqpar.loss import IGNORE_INDEX
+from lightning_seqpar.loss.cross_entropy import IGNORE_INDEX
 
 __all__ = ["ChatDataModule", "Conversation", "PackedChatDataset", "assistant_mask", "pack_conversations", "read_conversations"]
 

@@ -27,7 +27,7 @@ Each sample is a dict of LongTensors ``(seq_len,)``:
 
 The strategy's batch hook sees ``document_ids``: it splits the batch with the per-document zigzag,
 replaces ``position_ids`` with the positions inside each document and masks attention by document
-(Note [Packed documents and per-document zigzag] in ``lightning_seqpar.documents``), so every
+(Note [Packed documents and per-document zigzag] in ``lightning_seqpar.sharding.documents``), so every
 document is trained as if it were alone; the loss never crosses documents either (labels).
 
 Every rank builds the same index (documents in file order, or in the seeded order of Note [Long
@@ -56,7 +56,7 @@ documents of the stream:
   seed), so that long and short ones alternate through the stream.
 
 Only the training split is mixed; validation keeps its long documents only (so that
-``lightning_seqpar.metrics.LossByPosition`` measures far positions). The counts (documents and
+``lightning_seqpar.training.metrics.LossByPosition`` measures far positions). The counts (documents and
 tokens, long and short, kept and available, the ratio reached) are logged once at ``setup``
 (rank 0) and kept in :attr:`HFTextDataModule.document_counts`. Deterministic given ``seed``: every
 rank selects the same documents. A document longer than a window still continues in the next
@@ -81,7 +81,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_seqpar.checks import ANY, AT_LEAST_ONE, NON_NEGATIVE, Range, check_options, check_ranges, option_hints
 from lightning_seqpar.data.loaders import FileSplitLoaders
-from lightning_seqpar.loss import IGNORE_INDEX
+from lightning_seqpar.loss.cross_entropy import IGNORE_INDEX
 
 __all__ = ["DATA_FORMATS", "HFTextDataModule", "PackedDocumentDataset", "load_tokenizer", "pack_window", "select_documents"]
 

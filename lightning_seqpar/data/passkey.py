@@ -21,8 +21,8 @@ the needle follows the introduction, 1: it precedes the question; the filler is 
 granularity, so a sentence may be split around the needle, as the prompt must have exactly
 ``length`` tokens). The labels are -100
 except at the positions that predict the answer's tokens (the last answer token predicts
-nothing), so a forward pass gives :class:`lightning_seqpar.metrics.PasskeyAccuracy` the greedy
-answer (Note [Passkey retrieval] in ``lightning_seqpar.metrics``). The passkeys are random numbers
+nothing), so a forward pass gives :class:`lightning_seqpar.training.metrics.PasskeyAccuracy` the greedy
+answer (Note [Passkey retrieval] in ``lightning_seqpar.training.metrics``). The passkeys are random numbers
 of ``digits`` digits drawn from ``seed``: every rank builds the same prompts.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_seqpar.loss import IGNORE_INDEX
+from lightning_seqpar.loss.cross_entropy import IGNORE_INDEX
 
 __all__ = ["FILLER", "INTRO", "NEEDLE", "QUESTION", "PasskeyPrompts", "passkey_prompts"]
 

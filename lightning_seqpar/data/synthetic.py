@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_seqpar.checks import ANY, AT_LEAST_ONE, NON_NEGATIVE, Range, check_options, check_ranges, option_hints
 from lightning_seqpar.data.loaders import eval_loader, train_loader
 
-from lightning_seqpar.loss import IGNORE_INDEX
+from lightning_seqpar.loss.cross_entropy import IGNORE_INDEX
 
 __all__ = ["CopyTaskDataset", "LongRangeDataModule"]
 

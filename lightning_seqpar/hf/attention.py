@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
-from lightning_seqpar.documents import current_documents
 from lightning_seqpar.hf.features import attention_features, attention_kwargs, is_attention_layer, layer_name
 from lightning_seqpar.hf.hybrid import HYBRID_MIXERS, apply_hf_hybrid, is_hybrid_twin
 from lightning_seqpar.hf.rope import install_global_length_rotary
 from lightning_seqpar.hf.support import check_sharded_layer, refuse_token_mixers, refuse_unseen_position_features
+from lightning_seqpar.sharding.documents import current_documents
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

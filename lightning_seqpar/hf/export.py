@@ -10,8 +10,8 @@ Public names:
 * :func:`tokenizer_source`, :func:`export_tokenizer`, :func:`describe_tokenizer`, :class:`TokenizerSource`,
   :data:`TOKENIZER_FILES` — the run's tokenizer and generation config that both folders carry.
 
-``seqpar export CHECKPOINT OUTPUT --format hf | lora`` (``lightning_seqpar.export``) calls them; the
-checkpoint is read by ``lightning_seqpar.checkpoint_io`` (a folder of shards or one full file).
+``seqpar export CHECKPOINT OUTPUT --format hf | lora`` (``lightning_seqpar.cli.export``) calls them; the
+checkpoint is read by ``lightning_seqpar.parallel.checkpoint_io`` (a folder of shards or one full file).
 
 Note [The tokenizer of an export]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -48,11 +48,11 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_seqpar.checkpoint_io import atomic_save, check_module_checkpoint, load_meta, load_model_state_dict
 from lightning_seqpar.hf.config import is_hf_source
 from lightning_seqpar.hf.lora import apply_lora
 from lightning_seqpar.hf.model import build_hf_causal_lm
 from lightning_seqpar.models.llama import LlamaConfig
+from lightning_seqpar.parallel.checkpoint_io import atomic_save, check_module_checkpoint, load_meta, load_model_state_dict
 
 __all__ = [
     "MODULE_PREFIX", "TOKENIZER_FILES", "WEIGHT_FILES", "TokenizerSource", "describe_tokenizer", "export_hf", "export_lora", "export_tokenizer",

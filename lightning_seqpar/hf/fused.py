@@ -21,8 +21,8 @@ import types
 
 from torch import Tensor, nn
 
-from lightning_seqpar.model_shape import FUSED_MODEL_TYPES
 from lightning_seqpar.models import fused
+from lightning_seqpar.planner.model_shape import FUSED_MODEL_TYPES
 
 __all__ = ["FUSED_MODEL_TYPES", "apply_hf_fused_kernels"]
 

@@ -71,8 +71,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.recurrent import Recurrence
-from lightning_seqpar.documents import current_documents
-from lightning_seqpar.head import is_plain
+from lightning_seqpar.loss.head import is_plain
+from lightning_seqpar.sharding.documents import current_documents
 
 __all__ = ["HYBRID_MIXERS", "SeqparFalconH1Mixer", "SeqparGatedDeltaNet", "SeqparKimiDeltaAttention", "SeqparLightningAttention",
            "SeqparMamba2Mixer", "SeqparMambaMixer", "SeqparOlmoHybridGatedDeltaNet", "SeqparRecurrentGemmaRecurrentBlock",
@@ -108,7 +108,7 @@ def _check_call(module: nn.Module, attention_mask: Tensor | None, kwargs: dict[s
             raise ValueError(f"{where}: packed documents as {name}=... are not read by the sequence-parallel recurrent "
                              "layers; give them as the batch's document_ids (or position_ids restarting at 0) to "
                              "SequenceParallelStrategy / CausalLMModule, or wrap the call in "
-                             "lightning_seqpar.documents.packed_documents(...)")
+                             "lightning_seqpar.sharding.documents.packed_documents(...)")
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ValueError(f"{where}: an attention_mask with padding is not supported by the sequence-parallel recurrent "
                          "layers; pad on the right and set labels=-100 on the padding (exact for causal layers)")
@@ -530,7 +530,7 @@ class SeqparRecurrentGemmaRecurrentBlock(nn.Module):
                 f"{where}: position_ids == 0 (where the RG-LRU resets its state) at other tokens than the starts of the "
                 "sequence and of the batch's packed documents: a reset there is not carried between ranks. Give packed "
                 "documents as the batch's document_ids or position_ids restarting at 0 (SequenceParallelStrategy / "
-                "CausalLMModule), or wrap the call in lightning_seqpar.documents.packed_documents("
+                "CausalLMModule), or wrap the call in lightning_seqpar.sharding.documents.packed_documents("
                 "PackedDocuments.from_position_ids(position_ids, world=...)); pass the global positions of the shard")
         return reset[:, :, None]
 

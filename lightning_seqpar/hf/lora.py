@@ -7,7 +7,7 @@ Public names:
 * :func:`apply_lora` — ``peft.get_peft_model`` over a transformers model (adapters in fp32).
 * :func:`is_peft_model`, :func:`upcast_trainable` — what the strategy and ``CausalLMModule`` use.
 * :func:`adapter_state_dict`, :func:`save_lora_pretrained` — the adapter folder of a (sharded) model.
-* :data:`PEFT_HEAD` (:class:`PeftHead`) — peft's output head for ``lightning_seqpar.head``: what the chunked
+* :data:`PEFT_HEAD` (:class:`PeftHead`) — peft's output head for ``lightning_seqpar.loss.head``: what the chunked
   loss multiplies by when the output head is wrapped by peft (Note [An adapted output head]).
 
 Note [Adapters in bf16]
@@ -41,7 +41,7 @@ and nothing of it is rewritten here. ``HFCausalLM`` holds the ``PeftModel`` as `
 ``apply_hf_attention`` runs on its base model (the ``PreTrainedModel``), and the strategy finds
 the decoder layers (``hf.base_model.model.model.layers``, an ``nn.ModuleList`` named ``layers``),
 checkpoints and shards them as for any Hugging Face model. The loss and its normalisation do not
-change (Note [Loss under sequence parallelism] in ``lightning_seqpar.module``): an adapter's
+change (Note [Loss under sequence parallelism] in ``lightning_seqpar.training.module``): an adapter's
 gradient is the sum of the per-rank gradients, as for any parameter.
 
 Precision. The frozen base is held in the Trainer's precision (bf16 with ``precision="bf16-true"``:
@@ -81,7 +81,7 @@ hidden states by ``lm_head.weight`` one chunk at a time. When peft wraps the hea
 is no longer what the head computes with: a LoRA layer's ``weight`` is its frozen base weight (the
 adapters would be left out of the loss and get no gradient: a silent wrong answer, found by an
 independent check with ``target_modules=["q_proj", "lm_head"]``), and a ``TrainableTokensWrapper``
-changes some rows. So the head is resolved first (``lightning_seqpar.head.logits_head`` with
+changes some rows. So the head is resolved first (``lightning_seqpar.loss.head.logits_head`` with
 :data:`PEFT_HEAD`): a plain ``nn.Linear`` without bias is used as it is; ``ModulesToSaveWrapper``
 (``modules_to_save=["lm_head"]``) by its active copy; a LoRA layer is written as ONE matrix product over r more columns per adapter,
 
@@ -110,7 +110,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_seqpar.head import USE_FULL_LOGITS, is_plain_linear, logits_head
+from lightning_seqpar.loss.head import USE_FULL_LOGITS, is_plain_linear, logits_head
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
@@ -305,7 +305,7 @@ def _skeleton(peft_model: PeftModel) -> PeftModel:
 
 
 class PeftHead:
-    """peft's wrappers of an output head, for the head interface (:class:`lightning_seqpar.head.HeadAdapter`;
+    """peft's wrappers of an output head, for the head interface (:class:`lightning_seqpar.loss.head.HeadAdapter`;
     Note [An adapted output head]): a LoRA layer over a plain ``nn.Linear`` without bias is written as one product
     over widened operands; ``ModulesToSaveWrapper`` resolves to its active copy; what the chunked loss would get
     wrong is refused by name. Nothing is resolved while peft is not imported (then no peft wrapper can exist)."""
@@ -379,4 +379,4 @@ class PeftHead:
 
 
 PEFT_HEAD = PeftHead()
-"""The head adapter that ``HFCausalLM`` hands to ``lightning_seqpar.head`` (Note [An adapted output head])."""
+"""The head adapter that ``HFCausalLM`` hands to ``lightning_seqpar.loss.head`` (Note [An adapted output head])."""

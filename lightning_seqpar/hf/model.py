@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
-from lightning_seqpar.documents import current_documents, documents_error
-from lightning_seqpar.head import head_operands, logits_head
+from lightning_seqpar.sharding.documents import current_documents, documents_error
+from lightning_seqpar.loss.head import head_operands, logits_head
 from lightning_seqpar.hf.attention import apply_hf_attention, require_transformers
 from lightning_seqpar.hf.config import HFConfigSpec, is_hf_source, load_hf_config
 from lightning_seqpar.hf.fused import apply_hf_fused_kernels
@@ -20,7 +20,7 @@ from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_a
 from lightning_seqpar.hf.hybrid import is_hybrid_twin
 from lightning_seqpar.hf.lora import PEFT_HEAD, is_peft_model
 from lightning_seqpar.hf.support import check_sharded_layer
-from lightning_seqpar.parallelize import config_value
+from lightning_seqpar.parallel.parallelize import config_value
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

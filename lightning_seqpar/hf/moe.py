@@ -15,7 +15,7 @@ logits of every MoE layer (``[tokens, E]`` each, the rows of all layers counted 
 Under the strategy a rank holds a shard of the sequences of its data-parallel slice. f and R
 are GLOBAL statistics: the rank's expert counts and row count are all-reduced (SUM) over every
 rank of the SP x DP mesh, exactly as the loss's token count (Note [Loss normalisation under
-sequence parallelism] in ``lightning_seqpar.loss``). The rank then adds its SHARE
+sequence parallelism] in ``lightning_seqpar.loss.cross_entropy``). The rank then adds its SHARE
 
     aux_r = E * sum_e f_e * (sum_{t in rank r} p_t[e]) / R
 

@@ -52,8 +52,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
-from lightning_seqpar.documents import PackedDocuments, current_documents
-from lightning_seqpar.sharding import mesh_sizes
+from lightning_seqpar.sharding.documents import PackedDocuments, current_documents
+from lightning_seqpar.sharding.layouts import mesh_sizes
 
 __all__ = ["GlobalLengthRotary", "install_global_length_rotary", "reads_sequence_length"]
 

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lightning_seqpar.head import head_operands
+from lightning_seqpar.loss.head import head_operands
 
 
 def global_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -56,5 +56,5 @@ class CausalLM(nn.Module):
 
     def head_operands(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, lm_head.weight)``: what a chunked loss multiplies to get the logits of ``hidden`` (B, S, d)
-        (``lightning_seqpar.head``; a head other than a plain ``nn.Linear`` without bias is refused by name)."""
+        (``lightning_seqpar.loss.head``; a head other than a plain ``nn.Linear`` without bias is refused by name)."""
         return head_operands(self.lm_head, hidden, type(self).__name__)

@@ -4,7 +4,7 @@ Covers multi-head (MHA), grouped-query (GQA) and multi-query (MQA) attention and
 (the LightSeq variants Llama-33H, -16H, ..., -2H). The file imports nothing from
 ``torch.distributed``: every block calls one :class:`lightning_seqpar.attention.Attention`
 module, which runs exact local attention until the strategy configures it for sequence
-parallelism (``lightning_seqpar.parallelize.apply_attention``).
+parallelism (``lightning_seqpar.parallel.parallelize.apply_attention``).
 
 Shape legend:
     B: batch size                 S: sequence length (the local shard under sequence parallelism)

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_seqpar.routing.sdpa import CheckRecord, Routing
-from lightning_seqpar.sharding import required_multiple, shard_sequence, unshard_sequence
+from lightning_seqpar.sharding.layouts import required_multiple, shard_sequence, unshard_sequence
 
 __all__ = ["CHECK_TOKENS", "check_split_matches_whole"]
 

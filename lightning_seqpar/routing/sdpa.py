@@ -64,8 +64,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_seqpar.attention import Attention, LinearAttention
 from lightning_seqpar.attention.recurrent import Recurrence
-from lightning_seqpar.documents import current_documents
-from lightning_seqpar.sharding import mesh_sizes, sequence_index
+from lightning_seqpar.sharding.documents import current_documents
+from lightning_seqpar.sharding.layouts import mesh_sizes, sequence_index
 
 __all__ = ["ROUTED_NAME", "Routing", "install_sdpa_routing", "own_model_routing", "routed_step", "routing_of"]
 

@@ -67,7 +67,7 @@ history) is zero at each document's first token, in the middle of a rank's shard
 and a document that spans several ranks keeps its own chain. The functions take the batch's
 ``PackedDocuments`` (the twins read ``current_documents()`` at forward time and pass them; the
 piece lengths are bound into the chain's autograd Function then, so the backward, which may run
-on another thread, reads nothing: Note [Per-call state] in ``lightning_seqpar.documents``).
+on another thread, reads nothing: Note [Per-call state] in ``lightning_seqpar.sharding.documents``).
 
 Packed batches are sharded with the per-document zigzag (Note [Packed documents and per-document
 zigzag]): global piece p is piece p of EVERY document, end to end, and rank r holds pieces r and
@@ -122,8 +122,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.comm import P2P, process_group
-from lightning_seqpar.documents import PackedDocuments, exclusive_cumsum, segment_indices
-from lightning_seqpar.sharding import LAYOUTS, chunk_ids, num_chunks
+from lightning_seqpar.sharding.documents import PackedDocuments, exclusive_cumsum, segment_indices
+from lightning_seqpar.sharding.layouts import LAYOUTS, chunk_ids, num_chunks
 
 Kernel = Literal["auto", "torch", "fla"]
 RECURRENT_KERNELS: tuple[str, ...] = ("auto", "torch", "fla")
@@ -275,7 +275,7 @@ def check_documents(documents: PackedDocuments | None, batch: int, local_len: in
     if documents is None:
         return None
     if not isinstance(documents, PackedDocuments):
-        raise ValueError(f"documents must be a lightning_seqpar.documents.PackedDocuments or None, got {type(documents).__name__}")
+        raise ValueError(f"documents must be a lightning_seqpar.sharding.documents.PackedDocuments or None, got {type(documents).__name__}")
     world = 1 if mesh is None else mesh.size()
     if world > 1 and layout != "zigzag":
         raise ValueError(f"documents are sharded with the per-document zigzag (PackedDocuments.shard); layout={layout!r} "

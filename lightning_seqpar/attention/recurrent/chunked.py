@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.recurrent.base import RECURRENT_KERNELS, chain_forced, check_tokens, pieces_of, segment_layout
 from lightning_seqpar.attention.scan import Segments, affine_scan, segment_scan
-from lightning_seqpar.sharding import chunk_ids
+from lightning_seqpar.sharding.layouts import chunk_ids
 
 
 # ---------------------------------------------------------------------------------------------

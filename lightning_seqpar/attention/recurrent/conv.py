@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.comm import P2P, process_group
 from lightning_seqpar.attention.recurrent.base import StateChain, check_documents, check_mesh_layout, piece_owner, pieces_of
-from lightning_seqpar.documents import PackedDocuments, exclusive_cumsum, segment_indices
-from lightning_seqpar.sharding import chunk_ids, num_chunks
+from lightning_seqpar.sharding.documents import PackedDocuments, exclusive_cumsum, segment_indices
+from lightning_seqpar.sharding.layouts import chunk_ids, num_chunks
 
 _ACTIVATIONS: dict[str | None, Callable[[Tensor], Tensor]] = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
 

@@ -16,7 +16,7 @@ from lightning_seqpar.attention.recurrent.delta_rule import gated_delta_rule
 from lightning_seqpar.attention.recurrent.rglru import diagonal_recurrence, sequence_starts
 from lightning_seqpar.attention.recurrent.selective import selective_scan
 from lightning_seqpar.attention.recurrent.ssd import ssd_scan
-from lightning_seqpar.documents import PackedDocuments, current_documents
+from lightning_seqpar.sharding.documents import PackedDocuments, current_documents
 
 
 class Recurrence(nn.Module):

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_seqpar.attention.recurrent.base import check_documents, check_mesh_layout, check_tokens, in_fp32, pieces_of, state_chain
 from lightning_seqpar.attention.recurrent.selective import diagonal_in_parallel, diagonal_map, parallel_diagonal, selective_kernel
-from lightning_seqpar.documents import PackedDocuments
+from lightning_seqpar.sharding.documents import PackedDocuments
 
 
 # a diagonal linear recurrence (RecurrentGemma's RG-LRU)

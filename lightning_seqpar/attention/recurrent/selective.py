@@ -17,8 +17,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_seqpar.attention.comm import AllGatherStacked
 from lightning_seqpar.attention.recurrent.base import (chain_forced, check_documents, check_mesh_layout, check_tokens, in_fp32, pieces_of,
                                                        segment_layout, state_chain)
-from lightning_seqpar.documents import PackedDocuments
-from lightning_seqpar.sharding import chunk_ids, in_global_order
+from lightning_seqpar.sharding.documents import PackedDocuments
+from lightning_seqpar.sharding.layouts import chunk_ids, in_global_order
 
 
 # Mamba1's selective scan

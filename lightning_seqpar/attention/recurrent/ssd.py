@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_seqpar.attention.recurrent.base import (Kernel, check_documents, check_mesh_layout, check_tokens, in_fp32, pieces_of,
                                                        state_chain)
 from lightning_seqpar.attention.recurrent.chunked import check_scan, gated_scan, parallel_scan, piece_scan, resolve_kernel, state_passing
-from lightning_seqpar.documents import PackedDocuments
+from lightning_seqpar.sharding.documents import PackedDocuments
 
 
 def ssd_scan_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, initial_state: Tensor | None = None,

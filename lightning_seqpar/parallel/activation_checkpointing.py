@@ -107,14 +107,14 @@ default dtype for the duration of the replay changes nothing outside it.
 Note [Checkpoints under torch.compile]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``compile=True`` compiles each block after it is wrapped (Note [Order of the apply_* calls] in
-``lightning_seqpar.parallelize``), so Dynamo traces the checkpoint itself: ``torch.utils.checkpoint``
+``lightning_seqpar.parallel.parallelize``), so Dynamo traces the checkpoint itself: ``torch.utils.checkpoint``
 becomes one ``tag_activation_checkpoint`` region of the block's graph, the Selective Checkpoint++
 policy tags its ops, and AOTAutograd's partitioner saves the attention op's outputs and recomputes
 the rest inside the compiled backward, fused like the forward (torchtitan's way). Two things keep
 that one graph:
 
 * the packed documents are read from a per-thread slot that Dynamo traces and guards (Note
-  [Per-call state] in ``lightning_seqpar.documents``). They were a ``ContextVar``, whose ``get``
+  [Per-call state] in ``lightning_seqpar.sharding.documents``). They were a ``ContextVar``, whose ``get``
   broke the graph: the checkpoint region was not captured and every checkpointed block ran
   eagerly under ``compile=True`` (one H200, one Llama-3-8B block at 32K: 209.0 ms compiled against
   207.6 eager, docs/benchmarks.md; issue #56);
@@ -148,7 +148,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_seqpar.attention import ATTENTION_OPS
-from lightning_seqpar.documents import current_documents, run_with_documents
+from lightning_seqpar.sharding.documents import current_documents, run_with_documents
 
 ActivationCheckpointing = Literal["selective++", "full"]
 AC_MODES: tuple[str, ...] = ("selective++", "full")
@@ -238,7 +238,7 @@ class HostOffload:
 
 def _replay(dtype: torch.dtype, documents: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` under the default dtype and packed documents of the forward it recomputes
-    (Note [Recomputing under the forward's default dtype]; Note [Per-call state] in ``lightning_seqpar.documents``)."""
+    (Note [Recomputing under the forward's default dtype]; Note [Per-call state] in ``lightning_seqpar.sharding.documents``)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -5,7 +5,7 @@ device's and the pinned host memory's caches. Local calls only: no collective.
 Note [What a run releases]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 The process groups of a run's meshes (Note [Releasing the groups of a mesh] in
-``lightning_seqpar.mesh``: five per run at any world size, each with its own threads on gloo,
+``lightning_seqpar.parallel.mesh``: five per run at any world size, each with its own threads on gloo,
 a communicator, proxy thread and GPU memory on NCCL) are what the parallelized module runs
 on: FSDP2 gathers over them, and so does ``get_model_state_dict(full_state_dict=True)`` or a
 ``trainer.validate`` after ``fit``. So they live exactly as long as that module:
@@ -49,7 +49,7 @@ given.
 
 Note [Expandable segments by default]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The memory planner (Note [Planning memory] in ``lightning_seqpar.memory``) plans the bytes a step
+The memory planner (Note [Planning memory] in ``lightning_seqpar.planner.memory``) plans the bytes a step
 allocates; the CUDA caching allocator reserves fixed-size segments and can only reuse a freed block
 for a request that fits inside it, so at long lengths, where a step allocates tensors of several GB
 that change size between phases (a layer's saved activations, the ring's buffers, the loss
@@ -79,7 +79,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_seqpar.mesh import release_mesh_groups
+from lightning_seqpar.parallel.mesh import release_mesh_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -6,11 +6,11 @@
 
 ``seqpar plan`` prints, per model, length and GPU count, what ``attention="auto"`` picks across
 nodes, the step around it, and what ``memory="auto"`` sets for it with its estimate per GPU, or
-the longest length that fits (Note [Planning a step across nodes] in ``lightning_seqpar.step_plan``).
+the longest length that fits (Note [Planning a step across nodes] in ``lightning_seqpar.planner.step_plan``).
 ``seqpar memory`` prints the memory planner's choice alone, for a given sequence-parallel size.
-Both run the planner the strategy runs (Note [Planning memory] in ``lightning_seqpar.memory``).
+Both run the planner the strategy runs (Note [Planning memory] in ``lightning_seqpar.planner.memory``).
 
-A model (``--model``) is one of the package's (:data:`lightning_seqpar.step_plan.MODELS`, or a
+A model (``--model``) is one of the package's (:data:`lightning_seqpar.planner.step_plan.MODELS`, or a
 config name of ``lightning_seqpar.models``), a local Hugging Face model folder (its
 ``config.json`` is read; nothing is downloaded) or a ``config.json`` file. A GPU
 (``--gpu-memory``) is a size (``80GB``: 10^9 bytes; ``75GiB``: 2^30) or a card:
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_seqpar.attention.cost import DeviceProfile
-from lightning_seqpar.memory import PARAM_BYTES, TransformerShape, plan_memory
-from lightning_seqpar.step_plan import GPU_MEMORY, MODELS, MemorySetting, ModelShape, all_linear_lora, table
+from lightning_seqpar.planner.memory import PARAM_BYTES, TransformerShape, plan_memory
+from lightning_seqpar.planner.step_plan import GPU_MEMORY, MODELS, MemorySetting, ModelShape, all_linear_lora, table
 
 __all__ = ["memory_main", "parse_gpu_memory", "parse_lengths", "plan_main", "resolve_model"]
 
@@ -50,7 +50,7 @@ def parse_lengths(text: str) -> list[int]:
 
 def parse_gpu_memory(text: str) -> tuple[float, str]:
     """A GPU's memory in bytes and the name of its cost-model profile ("H100" or "H200"): ``H100`` / ``H200`` (what
-    torch reports for the card, :data:`~lightning_seqpar.step_plan.GPU_MEMORY`), or a size ``80GB`` / ``80`` (10^9
+    torch reports for the card, :data:`~lightning_seqpar.planner.step_plan.GPU_MEMORY`), or a size ``80GB`` / ``80`` (10^9
     bytes) / ``75GiB`` (2^30 bytes), timed as an H200. A ValueError for anything else."""
     name = text.strip().upper()
     if name in GPU_MEMORY:
@@ -63,7 +63,7 @@ def parse_gpu_memory(text: str) -> tuple[float, str]:
 
 
 def resolve_model(text: str) -> ModelShape:
-    """The decoder ``--model`` names: one of :data:`~lightning_seqpar.step_plan.MODELS`, a config name of the package,
+    """The decoder ``--model`` names: one of :data:`~lightning_seqpar.planner.step_plan.MODELS`, a config name of the package,
     a local Hugging Face model folder or a ``config.json`` file. A ValueError naming what was expected, and for a model
     the memory estimate does not model (linear attention, experts, recurrent layers)."""
     if text in MODELS:
@@ -131,7 +131,7 @@ def plan_main(argv: Sequence[str] | None = None) -> None:
     """``seqpar plan``: what fits across GPUs (module docstring)."""
     ap = argparse.ArgumentParser(prog="seqpar plan", description="What attention='auto' picks across nodes, the step around it, "
                                  "and what memory='auto' sets for it (Note [Planning a step across nodes] in "
-                                 "lightning_seqpar.step_plan).")
+                                 "lightning_seqpar.planner.step_plan).")
     ap.add_argument("--model", default="llama3-8b,llama-70b,llama-33h",
                     help=f"comma-separated: of {sorted(MODELS)}, a config name of the package, a local Hugging Face model "
                          "folder or a config.json file")
@@ -170,7 +170,7 @@ def memory_main(argv: Sequence[str] | None = None) -> None:
     """``seqpar memory``: what ``memory="auto"`` would choose (or why it refuses) for a model, lengths and a device,
     without a GPU: the same estimate and planner the strategy runs at set-up."""
     ap = argparse.ArgumentParser(prog="seqpar memory", description=(memory_main.__doc__ or "").split(":", 1)[0] +
-                                 " (Note [Planning memory] in lightning_seqpar.memory).")
+                                 " (Note [Planning memory] in lightning_seqpar.planner.memory).")
     ap.add_argument("--model", required=True, help="a model of the package (llama3-8b, llama-7b, ...), a local Hugging Face "
                                                     "model folder (its config.json is read) or a config.json file")
     ap.add_argument("--seq", required=True, help="sequence lengths, e.g. 128K,512K,1M")

@@ -28,11 +28,11 @@ from typing import Any, ClassVar, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_seqpar.activation_checkpointing import AC_MODES
 from lightning_seqpar.attention import ALGORITHMS, BACKENDS, LASP_VARIANTS, Algorithm
 from lightning_seqpar.checks import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, check_options, option_hints
-from lightning_seqpar.mesh import PLACEMENTS
-from lightning_seqpar.sharding import LAYOUTS
+from lightning_seqpar.parallel.activation_checkpointing import AC_MODES
+from lightning_seqpar.parallel.mesh import PLACEMENTS
+from lightning_seqpar.sharding.layouts import LAYOUTS
 
 __all__ = [
     "ActivationCheckpointingChoice",
@@ -49,7 +49,7 @@ ActivationCheckpointingChoice = Literal["selective++", "full"]
 
 MEMORY_CHOICES: tuple[str | None, ...] = (None, "manual", "auto")
 """``memory``: None (the default: "auto" where the planner can plan, else the options as given), "manual" (the options
-as given) or "auto" (Note [Planning memory] in ``lightning_seqpar.memory``)."""
+as given) or "auto" (Note [Planning memory] in ``lightning_seqpar.planner.memory``)."""
 
 MEMORY_OPTIONS: tuple[str, ...] = ("offload_checkpoints", "head_chunks", "mlp_chunk_size", "offload_params", "activation_checkpointing",
                                    "bf16_adapters", "uncheckpointed_blocks", "gather_whole_model")
@@ -133,7 +133,7 @@ OPTIONS_DOC = """\
             nodes, fit inside one. None: one ring, or with ``attention="auto"`` on several nodes the
             cost model's choice.
         placement: which group of the 2D grid gets the GPUs of one node (LoongTrain §4.4, Note
-            [Node-aware placement] in ``lightning_seqpar.mesh``): "context-first" (the cp ring),
+            [Node-aware placement] in ``lightning_seqpar.parallel.mesh``): "context-first" (the cp ring),
             "head-first" (the hp all-to-all) or "auto": the cost model's choice with
             ``attention="auto"`` and ``expected_seq_len``, else "context-first". The node size
             is the devices per node (``Trainer(devices=...)``, torchrun's LOCAL_WORLD_SIZE).
@@ -152,7 +152,7 @@ OPTIONS_DOC = """\
         offload_checkpoints: keep the inputs that checkpointed blocks save in pinned host memory
             (copied on a side stream in forward, back in backward): for the longest contexts,
             where the saved inputs are what does not fit (Note [Offloading checkpoints to host
-            memory] in ``lightning_seqpar.activation_checkpointing``). Needs activation_checkpointing. An int
+            memory] in ``lightning_seqpar.parallel.activation_checkpointing``). Needs activation_checkpointing. An int
             n: only the first n checkpointed blocks offload (the others keep their inputs on the device), for
             where the host's memory, not the device's, binds.
         offload_params: keep the sharded parameters, their gradients and the optimizer state in
@@ -160,7 +160,7 @@ OPTIONS_DOC = """\
             copied to the GPU for its all-gather, gradients come back after the reduce-scatter
             and the optimizer step runs on the CPU. Frees 16 bytes per parameter / (dp_shard x sp)
             of GPU memory (llama-7b on 4 GPUs: ~27 GB) for the same in host memory and a slower
-            step (Note [Offloading parameters to host memory] in ``lightning_seqpar.parallelize``).
+            step (Note [Offloading parameters to host memory] in ``lightning_seqpar.parallel.parallelize``).
             On CUDA the process group gets a CPU backend too (``process_group_backend=None``
             becomes "cpu:gloo,cuda:nccl"), for the collectives over CPU tensors (gradient clipping).
         bf16_adapters: LoRA under ``precision="bf16-true"``: FSDP2 gathers the fp32 adapters in bf16 for the
@@ -173,7 +173,7 @@ OPTIONS_DOC = """\
             shards the root module alone, not every block, so the whole model is gathered once per step (in the
             compute dtype) and stays gathered through it: the same training, less Python per step, for the memory of
             every parameter in the compute dtype instead of the root's and two blocks' (Note [One rank: one gather per
-            step] in ``lightning_seqpar.parallelize``). The planner (``memory`` None or "auto") turns it on on one rank
+            step] in ``lightning_seqpar.parallel.parallelize``). The planner (``memory`` None or "auto") turns it on on one rank
             where it fits. Checkpoints are the same with and without it.
         mlp_chunk_size: run each block's MLP over slices of this many tokens, each checkpointed:
             the MLP's intermediate activations (3.5x the block width) exist for one slice at a
@@ -201,9 +201,9 @@ OPTIONS_DOC = """\
             transformer blocks, where finding them by name ("layers", "h", "blocks") or by structure (the longest
             list of same-class modules) is ambiguous (Note [Finding the blocks of a user's model]). None: found.
         memory: None (the default), "manual" or "auto". "auto": before the process group exists, the
-            planner (``lightning_seqpar.memory.plan_memory``) estimates this rank's peak memory for
+            planner (``lightning_seqpar.planner.memory.plan_memory``) estimates this rank's peak memory for
             ``expected_seq_len``, else the datamodule's ``seq_len``, else (in setup) the first batch's length
-            (Note [The length memory="auto" plans for] in ``lightning_seqpar.planning``) and sets activation_checkpointing
+            (Note [The length memory="auto" plans for] in ``lightning_seqpar.planner.planning``) and sets activation_checkpointing
             (None where everything fits), offload_checkpoints, head_chunks, mlp_chunk_size, offload_params, (LoRA)
             bf16_adapters, and for speed gather_whole_model (one rank) and uncheckpointed_blocks, those left at their
             defaults only ("selective++" counts as unset), to the fastest set that fits the device's memory; it logs the

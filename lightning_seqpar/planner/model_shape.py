@@ -1,7 +1,7 @@
 """The sizes of a decoder that the memory estimate and the step planner read (Note [Memory per token] in
-``lightning_seqpar.memory``, Note [Planning a step across nodes] in ``lightning_seqpar.step_plan``).
+``lightning_seqpar.planner.memory``, Note [Planning a step across nodes] in ``lightning_seqpar.planner.step_plan``).
 
-:class:`TransformerShape` is what :func:`~lightning_seqpar.memory.estimate_memory` takes, read from a Hugging Face
+:class:`TransformerShape` is what :func:`~lightning_seqpar.planner.memory.estimate_memory` takes, read from a Hugging Face
 config or one of the package's (:meth:`TransformerShape.from_config`, which refuses by name the layers the estimate
 does not model); :class:`ModelShape` is the same decoder as the step planner and ``seqpar plan`` name it, with its
 FLOPs per token, and :data:`MODELS` the package's named shapes. No torch, no device: sizes only.
@@ -166,14 +166,14 @@ class ModelShape:
 
     @classmethod
     def from_transformer_shape(cls, name: str, shape: TransformerShape) -> ModelShape:
-        """The same decoder as the memory estimate's :class:`~lightning_seqpar.memory.TransformerShape`."""
+        """The same decoder as the memory estimate's :class:`~lightning_seqpar.planner.memory.TransformerShape`."""
         return cls(name=name, n_layer=shape.num_layers, d_model=shape.hidden_size, n_head=shape.num_heads,
                    n_kv_head=shape.num_kv_heads, head_dim=shape.head_dim, ffn=shape.intermediate_size, vocab=shape.vocab_size,
                    tied_embeddings=shape.tied_embeddings, gated_mlp=shape.gated_mlp, qk_norm=shape.qk_norm)
 
     @property
     def transformer_shape(self) -> TransformerShape:
-        """This decoder as the memory estimate's :class:`~lightning_seqpar.memory.TransformerShape`."""
+        """This decoder as the memory estimate's :class:`~lightning_seqpar.planner.memory.TransformerShape`."""
         return TransformerShape(hidden_size=self.d_model, num_layers=self.n_layer, num_heads=self.n_head,
                                 num_kv_heads=self.n_kv_head, head_dim=self.head_dim, intermediate_size=self.ffn,
                                 vocab_size=self.vocab, tied_embeddings=self.tied_embeddings, gated_mlp=self.gated_mlp,

@@ -1,6 +1,6 @@
 """The output head's operands: what the chunked cross entropy multiplies to get a model's logits.
 
-The chunked loss (``loss_chunk_size``; Note [Chunked cross entropy] in ``lightning_seqpar.loss``) never forms the
+The chunked loss (``loss_chunk_size``; Note [Chunked cross entropy] in ``cross_entropy.py``) never forms the
 full logits: it multiplies the final hidden states by one weight, ``logits = h @ W^T``, a chunk of tokens at a time.
 Every model hands it ``(h, W)`` through this module (its ``head_operands(hidden)``):
 

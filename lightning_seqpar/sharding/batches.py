@@ -2,9 +2,9 @@
 
 The strategy's batch hook (``SequenceParallelStrategy.batch_to_device``) calls :func:`shard_batch`,
 the one place where a batch is split over the sequence-parallel ranks; ``gather_sequence`` (used by
-``CausalLMModule.predict_step``) is its inverse. How a tensor is split is ``lightning_seqpar.sharding``'s
+``CausalLMModule.predict_step``) is its inverse. How a tensor is split is ``lightning_seqpar.sharding.layouts``'s
 (Note [Sequence layouts]); packed documents are split per document (Note [Packed documents and
-per-document zigzag] in ``lightning_seqpar.documents``).
+per-document zigzag] in ``lightning_seqpar.sharding.documents``).
 
 Note [Validating batches without hanging]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lightning_seqpar.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
-from lightning_seqpar.loss import IGNORE_INDEX
-from lightning_seqpar.sharding import gather_along, mesh_sizes, required_multiple, shard_sequence, unshard_sequence
+from lightning_seqpar.loss.cross_entropy import IGNORE_INDEX
+from lightning_seqpar.sharding.documents import PackedDocuments, batch_documents, current_documents, documents_error, set_current_documents
+from lightning_seqpar.sharding.layouts import gather_along, mesh_sizes, required_multiple, shard_sequence, unshard_sequence
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

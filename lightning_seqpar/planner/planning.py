@@ -1,12 +1,12 @@
 """What ``attention="auto"`` and ``memory="auto"`` decide under the strategy, for the model it is given (the planned
-step across nodes of ``seqpar plan`` is in ``lightning_seqpar.step_plan``).
+step across nodes of ``seqpar plan`` is in ``lightning_seqpar.planner.step_plan``).
 
 The strategy asks this module, beside the cost model (``lightning_seqpar.attention.cost``), for its
 decisions that need the model and the world: the mesh sizes it may choose (:func:`plan_mesh_sizes`,
 before the process group exists), the algorithm of ``attention="auto"`` (:func:`resolve_auto_attention`,
 in setup; Note [Choosing attention automatically]), and the checks of the options against the model's
 heads, the mesh and the device (:func:`check_options_against_model`); and ``memory="auto"``'s options
-(:func:`plan_memory_options`, before the process group exists, with ``lightning_seqpar.memory``'s estimate).
+(:func:`plan_memory_options`, before the process group exists, with ``lightning_seqpar.planner.memory``'s estimate).
 It also gives the strategy's hooks the mesh sizes of this world (:func:`plan_parallel_dims`) and ``memory="auto"`` at
 its two moments (:func:`plan_run_memory`).
 """
@@ -34,16 +34,16 @@ from lightning_seqpar.attention.cost import (
     choose_attention,
 )
 from lightning_seqpar.attention.local import available_backends, resolve_backend
-from lightning_seqpar.config import MEMORY_OPTIONS, StrategyConfig, serves_cpu
-from lightning_seqpar.memory import (
+from lightning_seqpar.models.registry import attention_heads, family_of
+from lightning_seqpar.parallel.config import MEMORY_OPTIONS, StrategyConfig, serves_cpu
+from lightning_seqpar.parallel.mesh import ParallelDims
+from lightning_seqpar.parallel.parallelize import uses_linear_attention
+from lightning_seqpar.planner.memory import (
     MemoryPlan,
     TransformerShape,
     plan_attention_and_memory,
     plan_memory,
 )
-from lightning_seqpar.mesh import ParallelDims
-from lightning_seqpar.models.registry import attention_heads, family_of
-from lightning_seqpar.parallelize import uses_linear_attention
 
 # --------------------------------------------------------------------------------------------- under the strategy
 
@@ -60,7 +60,7 @@ from lightning_seqpar.parallelize import uses_linear_attention
 # planned for (the datamodule's seq_len or the first batch's: both plans read one length, and
 # the memory plan estimates the algorithm this choice will take, since Ulysses holds whole-
 # sequence heads where ring holds blocks; where memory binds the two are chosen together, Note
-# [Attention and memory chosen together] in lightning_seqpar.memory); with neither "auto" stays "2d" if hp > 1 else
+# [Attention and memory chosen together] in lightning_seqpar.planner.memory); with neither "auto" stays "2d" if hp > 1 else
 # "ring" (4 x H200, Llama-3-8B at 64K without expected_seq_len: ring 4,390 tokens/s/GPU
 # where the cost model's Ulysses ran 4,536). Across nodes (sp > devices per node) it also picks the rank order of the
 # mesh (placement="auto": head-first or context-first, decided with hp when the mesh is built)
@@ -400,7 +400,7 @@ def device_memory_bytes(device: torch.device) -> int | None:
 # With 1 or 2 the plan runs before the process group exists (Note "The order of the steps" in
 # docs/architecture.md). With 3 it runs when the group exists already: of the options it may set,
 # only ``offload_params`` reaches the group (the CPU backend its host-resident gradients need,
-# Note [Offloading parameters to host memory] in ``lightning_seqpar.parallelize``), so on CUDA with
+# Note [Offloading parameters to host memory] in ``lightning_seqpar.parallel.parallelize``), so on CUDA with
 # ``process_group_backend=None`` the group is then created with "cpu:gloo,cuda:nccl" whatever the
 # plan chooses (under "auto"; the default ``memory=None`` adds no backend for a plan it may not make,
 # and its plan then keeps ``offload_params`` off unless the group's backend serves the CPU); every
@@ -505,7 +505,7 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
                         dims: ParallelDims, device_memory: int | None, owner: str,
                         group_backend: str | None = None) -> MemoryPlan | None:
     """memory="auto" (or the default None): the options the planner chooses for the LightningModule's model on this
-    device for ``length`` (Note [Planning memory] in ``lightning_seqpar.memory``); None when ``device_memory`` is None
+    device for ``length`` (Note [Planning memory] in ``lightning_seqpar.planner.memory``); None when ``device_memory`` is None
     (not a CUDA device) or memory="manual". The options the user set (any value but the default) are fixed;
     ``group_backend``: the process group's backend where it exists already (offload_params needs a CPU one). Raises the
     planner's ``ValueError`` when nothing fits, and one naming the model when its shape cannot be read."""
@@ -514,7 +514,7 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
     plan_for = _memory_planner(module, config=config, length=length, site=site, dims=dims, device_memory=device_memory,
                                owner=owner, group_backend=group_backend)
     # attention="auto": the algorithm setup then resolves is planned with the memory (its memory differs: Ulysses holds
-    # whole-sequence heads), Note [Attention and memory chosen together] in lightning_seqpar.memory
+    # whole-sequence heads), Note [Attention and memory chosen together] in lightning_seqpar.planner.memory
     shape = model_shape_of(module, owner=owner)
     plan = plan_attention((shape.num_heads, shape.num_kv_heads, shape.head_dim), config=config, site=site, sp=dims.sp,
                           head_parallel_size=dims.hp, placement=dims.placement, layout=config.layout,
@@ -578,7 +578,7 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
     batch's). ``device_memory``: read when planning, None off CUDA (no plan, a log line). ``group_backend``: in setup, the process group's
     backend as the strategy asked for it (None: Lightning's default for the device). memory="auto" raises where it cannot plan or
     nothing fits; the default None logs why it does not plan, or warns with the planner's message where nothing
-    fits, and keeps the options as given (Note [Planning memory] in ``lightning_seqpar.memory``)."""
+    fits, and keeps the options as given (Note [Planning memory] in ``lightning_seqpar.planner.memory``)."""
     as_given = RunMemory(config)
     if config.memory == "manual":
         return as_given

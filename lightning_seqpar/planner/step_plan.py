@@ -1,5 +1,5 @@
 """A whole training step planned on 8 to 1,024 GPUs: what ``attention="auto"`` picks, the step around it and what
-``memory="auto"`` sets for it (``seqpar plan``, in ``lightning_seqpar.plan_command``), with the strategy's own planners.
+``memory="auto"`` sets for it (``seqpar plan``, in ``lightning_seqpar.cli.plan``), with the strategy's own planners.
 
 Note [Planning a step across nodes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -10,7 +10,7 @@ FSDP2 over the same W ranks, bf16-mixed, selective++ checkpointing. Per GPU and 
   placement; Note [Two link levels]), forward + backward; selective++ keeps its output, so it
   is not recomputed, unless memory="auto" has to recompute it ("full": its forward once more). The
   algorithm is chosen together with the memory plan, as under the strategy (Note [Attention and
-  memory chosen together] in ``lightning_seqpar.memory``).
+  memory chosen together] in ``lightning_seqpar.planner.memory``).
 * linear layers: (6 + 2) x N_matmul x S / W FLOPs (forward, backward, and the recompute of
   selective++) at ``linear_flops``, every block counted as recomputed: where memory="auto" leaves
   blocks without checkpointing (``uncheckpointed_blocks`` in the table), the step is that much
@@ -20,7 +20,7 @@ FSDP2 over the same W ranks, bf16-mixed, selective++ checkpointing. Per GPU and 
   fp32 gradients: (2 + 2 + 4) x N x (W-1)/W bytes per GPU, a ring at the NIC rate once W
   spans nodes; prefetched, so only what exceeds the compute is exposed.
 * memory: what ``memory="auto"`` would do for that step (Note [Planning memory] in
-  ``lightning_seqpar.memory``, the same planner the strategy runs): one sequence of S tokens, sp = W,
+  ``lightning_seqpar.planner.memory``, the same planner the strategy runs): one sequence of S tokens, sp = W,
   dp_shard = 1, the chosen attention algorithm and head-parallel size, the precision and loss chunk
   of :class:`MemorySetting` (bf16-mixed, 8192 by default), a GPU's memory as torch reports it
   (:data:`GPU_MEMORY`). The options it sets and its estimate, or, where none fit, the longest length
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from lightning_seqpar.attention.cost import AttentionPlan, Candidate, DeviceProfile, choose_attention
-from lightning_seqpar.memory import (
+from lightning_seqpar.planner.memory import (
     DEFAULT_MARGIN,
     RECOMPUTED_ATTENTION,
     MemoryEstimate,
@@ -49,8 +49,8 @@ from lightning_seqpar.memory import (
     plan_attention_and_memory,
     plan_memory,
 )
-from lightning_seqpar.model_shape import MODELS, ModelShape
-from lightning_seqpar.planning import lora_targets, lora_trainable_params
+from lightning_seqpar.planner.model_shape import MODELS, ModelShape
+from lightning_seqpar.planner.planning import lora_targets, lora_trainable_params
 
 PEAK_BF16 = 989e12
 
@@ -94,7 +94,7 @@ class StepPlan:
     fits: bool
     """Whether ``memory="auto"`` finds options that fit (``memory``)."""
     memory: MemoryPlan | None = None
-    """The memory planner's choice (Note [Planning memory] in ``lightning_seqpar.memory``); None when nothing fits."""
+    """The memory planner's choice (Note [Planning memory] in ``lightning_seqpar.planner.memory``); None when nothing fits."""
     longest_seq_len: int | None = None
     """When nothing fits: the longest length that fits with the options nearest to fitting (0: none)."""
 
@@ -245,7 +245,7 @@ def table(models: Sequence[str | ModelShape], seq_lens: Sequence[int], gpus: Seq
 
 def _host(estimate: MemoryEstimate) -> str:
     """Pinned host memory per GPU (offloaded checkpoints and parameters): what the run's host must hold for each GPU's
-    process, and what its first step pins (Note [Pinning host memory in parallel] in ``lightning_seqpar.resources``)."""
+    process, and what its first step pins (Note [Pinning host memory in parallel] in ``lightning_seqpar.parallel.resources``)."""
     return f"{estimate.host / 1e9:.0f}" if estimate.host else "-"
 
 

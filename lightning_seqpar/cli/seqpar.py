@@ -5,8 +5,8 @@
     seqpar recipes                                        (the shipped recipes, one line each)
     seqpar recipes cp llama_gqa [DEST]                    (a copy to edit: ./llama_gqa.yaml by default)
     seqpar validate --config recipes/quickstart.yaml --ckpt_path ...
-    seqpar export CHECKPOINT OUTPUT --format hf           (lightning_seqpar.export; not a Trainer command)
-    seqpar plan --model llama3-8b --seq 128K,1M --gpus 4,64 --gpu-memory H200   (what fits: lightning_seqpar.plan_command)
+    seqpar export CHECKPOINT OUTPUT --format hf           (lightning_seqpar.cli.export; not a Trainer command)
+    seqpar plan --model llama3-8b --seq 128K,1M --gpus 4,64 --gpu-memory H200   (what fits: lightning_seqpar.cli.plan)
     seqpar memory --model llama3-8b --seq 512K,1M --device-memory 150.1   (memory="auto"'s choice; no GPU needed)
 
 Any LightningDataModule can be given as ``data.class_path`` (subclass mode), e.g.
@@ -30,7 +30,7 @@ import lightning
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_seqpar.strategy  # noqa: F401 - registers the "seqpar*" strategy names
-from lightning_seqpar.module import CausalLMModule
+from lightning_seqpar.training.module import CausalLMModule
 
 SUBCOMMANDS: tuple[str, ...] = ("fit", "validate", "test")
 
@@ -43,8 +43,8 @@ def _accepted_names() -> set[str]:
 
     import lightning_seqpar.data as data
     import lightning_seqpar.models as models
-    from lightning_seqpar.preemption import PreemptionCheckpoint
     from lightning_seqpar.strategy import SequenceParallelStrategy
+    from lightning_seqpar.training.preemption import PreemptionCheckpoint
 
     names: set[str] = set()
     for obj in vars(models).values():
@@ -157,7 +157,7 @@ def make_cli(args: Sequence[str] | None = None, **kwargs: Any) -> SeqparCLI:
 # Note [A recipe of your own LightningModule]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A recipe's ``model:`` is CausalLMModule's arguments. A recipe whose ``model:`` has a ``class_path`` names another
-# LightningModule instead (``lightning_seqpar.litgpt.LitGPTModule``, or a module of the user's own whose blocks call
+# LightningModule instead (``lightning_seqpar.training.litgpt.LitGPTModule``, or a module of the user's own whose blocks call
 # ``F.scaled_dot_product_attention``: docs/own_model.md), with its ``init_args``; the CLI then takes the model in
 # LightningCLI's subclass mode, and everything else of the recipe (trainer, strategy, data) reads as before.
 
@@ -189,7 +189,7 @@ def names_a_module_class(argv: Sequence[str]) -> bool:
 # (a one-line summary), and `seqpar recipes cp NAME [DEST]` copies one out for editing, as torchtune's
 # `tune ls` / `tune cp`.
 
-RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def recipe_names() -> list[str]:
@@ -276,20 +276,20 @@ def recipes_main(argv: Sequence[str]) -> None:
 
 
 def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of the ``seqpar`` console script; ``seqpar export ...`` runs ``lightning_seqpar.export``."""
+    """Entry point of the ``seqpar`` console script; ``seqpar export ...`` runs ``lightning_seqpar.cli.export``."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["export"]:
-        from lightning_seqpar.export import main as export_main
+        from lightning_seqpar.cli.export import main as export_main
 
         export_main(argv[1:])
         return
     if argv[:1] == ["plan"]:
-        from lightning_seqpar.plan_command import plan_main
+        from lightning_seqpar.cli.plan import plan_main
 
         plan_main(argv[1:])
         return
     if argv[:1] == ["memory"]:
-        from lightning_seqpar.plan_command import memory_main
+        from lightning_seqpar.cli.plan import memory_main
 
         memory_main(argv[1:])
         return

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_seqpar.agreement import RankAgreement, check_ranks_agree
+from lightning_seqpar.sharding.agreement import RankAgreement, check_ranks_agree
 
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
@@ -129,7 +129,7 @@ def unshard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1, layout: La
 
     Differentiable: the gradient of the full tensor is summed over ranks and each rank keeps the
     rows of its own shard (the all-gather / reduce-scatter pair). ``agreement``: see
-    :func:`lightning_seqpar.agreement.check_ranks_agree` (None: the ranks' inputs are compared on every call).
+    :func:`lightning_seqpar.sharding.agreement.check_ranks_agree` (None: the ranks' inputs are compared on every call).
     """
     _check_layout(layout)
     dim = _check_dim(x, dim)

@@ -1,8 +1,8 @@
 """Export a checkpoint of ``CausalLMModule``: one consolidated file, or a Hugging Face model folder.
 
-    python -m lightning_seqpar.export CHECKPOINT OUTPUT --format consolidated
-    python -m lightning_seqpar.export CHECKPOINT OUTPUT --format hf [--weights safetensors|bin] [--dtype bfloat16] [--overwrite]
-    python -m lightning_seqpar.export CHECKPOINT OUTPUT --format lora [--merged MERGED_DIR] [--dtype bfloat16]
+    python -m lightning_seqpar.cli.export CHECKPOINT OUTPUT --format consolidated
+    python -m lightning_seqpar.cli.export CHECKPOINT OUTPUT --format hf [--weights safetensors|bin] [--dtype bfloat16] [--overwrite]
+    python -m lightning_seqpar.cli.export CHECKPOINT OUTPUT --format lora [--merged MERGED_DIR] [--dtype bfloat16]
     seqpar export ...                                    (the same, through the console script)
 
 ``CHECKPOINT`` is what the strategy saved: a folder of shards (``save_distributed_checkpoint=True``,
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_seqpar import checkpoint_io
 from lightning_seqpar.hf import export as hf_export
+from lightning_seqpar.parallel import checkpoint_io
 
 __all__ = ["export_consolidated", "main"]
 
@@ -77,7 +77,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def main(args: Sequence[str] | None = None) -> None:
-    """``python -m lightning_seqpar.export`` / ``seqpar export``."""
+    """``python -m lightning_seqpar.cli.export`` / ``seqpar export``."""
     parser = argparse.ArgumentParser(prog="seqpar export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a folder of shards or a full checkpoint file written under SequenceParallelStrategy")
     parser.add_argument("output", help="consolidated: the output file; hf: the output folder; lora: the adapter folder")

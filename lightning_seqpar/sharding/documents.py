@@ -266,7 +266,7 @@ def documents_error(owner: str, why: str) -> ValueError:
 #   reads nothing.
 # * captured for backward: activation checkpointing recomputes a block in backward, and on a GPU
 #   the autograd engine runs backward in its own threads, where the slot has its default (None).
-#   So ``lightning_seqpar.activation_checkpointing`` runs every checkpointed block through
+#   So ``lightning_seqpar.parallel.activation_checkpointing`` runs every checkpointed block through
 #   :func:`run_with_documents` with the documents read at forward time: the recomputation masks
 #   by the same documents whatever thread it runs in. A checkpoint of one's own around
 #   ``Attention`` modules must do the same.
@@ -283,7 +283,7 @@ def documents_error(owner: str, why: str) -> ValueError:
 #   subclass with a class-level default is not traced by torch 2.11's Dynamo: it guards on the
 #   default as a constant.) A compiled checkpoint needs no :func:`run_with_documents`: its
 #   recomputation is part of the compiled backward, whose inputs already hold the pieces (Note
-#   [Checkpoints under torch.compile] in ``lightning_seqpar.activation_checkpointing``).
+#   [Checkpoints under torch.compile] in ``lightning_seqpar.parallel.activation_checkpointing``).
 # * reset: by the next batch, and to None by the strategy's and the module's ``teardown`` (the end
 #   of every fit / validate / predict, also after a failure), so nothing outlives a run; two
 #   threads never see each other's documents.

@@ -42,11 +42,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from lightning_seqpar.attention import ALGORITHMS, Attention, LinearAttention
 from lightning_seqpar.attention.api import check_head_chunks
 from lightning_seqpar.attention.recurrent import Recurrence
-from lightning_seqpar.agreement import RankAgreement
-from lightning_seqpar.config import check_lasp_variant, check_offload_checkpoints, check_uncheckpointed_blocks
+from lightning_seqpar.sharding.agreement import RankAgreement
+from lightning_seqpar.parallel.config import check_lasp_variant, check_offload_checkpoints, check_uncheckpointed_blocks
 from lightning_seqpar.models.registry import attention_heads
 from lightning_seqpar.routing.blocks import BLOCK_CONTAINERS, is_marked
-from lightning_seqpar.activation_checkpointing import (MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block,
+from lightning_seqpar.parallel.activation_checkpointing import (MLP_NAMES, SAVE_OPS, ActivationCheckpointing, HostOffload, checkpoint_block,
                                                        compile_target, is_norm, tile_mlp)
 
 
@@ -146,7 +146,7 @@ def apply_attention(
 
     ``mesh`` is the sequence-parallel mesh (1-D, or 2-D ("hp", "cp") for "2d"); None or one rank
     gives local attention. Returns how many modules were configured. The keywords are the
-    strategy's (Note [One name per option] in ``lightning_seqpar.config``): ``attention`` is the
+    strategy's (Note [One name per option] in ``lightning_seqpar.parallel.config``): ``attention`` is the
     algorithm, ``attention_backend`` the local kernel.
 
     Raises:
@@ -275,7 +275,7 @@ def apply_mlp_tiles(model: nn.Module, mlp_chunk_size: int | None, *, block_class
     """Run each block's MLP (and its normalisation layers) over slices of ``mlp_chunk_size`` tokens, each checkpointed
     (Note [Sequence-tiled MLP], Note [Checkpointed norms]).
 
-    The MLP is the block's child named one of :data:`~lightning_seqpar.activation_checkpointing.MLP_NAMES`;
+    The MLP is the block's child named one of :data:`~lightning_seqpar.parallel.activation_checkpointing.MLP_NAMES`;
     returns how many were tiled. ``mlp_chunk_size=None`` does nothing.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -292,7 +292,7 @@ def apply_mlp_tiles(model: nn.Module, mlp_chunk_size: int | None, *, block_class
         if name is None:
             raise ValueError(
                 f"mlp_chunk_size={mlp_chunk_size}: block {type(block).__name__} has no MLP child named one of {MLP_NAMES}; "
-                "tile it by hand with lightning_seqpar.activation_checkpointing.tile_mlp, or leave mlp_chunk_size=None"
+                "tile it by hand with lightning_seqpar.parallel.activation_checkpointing.tile_mlp, or leave mlp_chunk_size=None"
             )
         mlp = getattr(block, name)
         if not isinstance(mlp, CheckpointWrapper):  # tiled already (parallelize called again)
@@ -312,7 +312,7 @@ def apply_compile(
 ) -> int:
     """``torch.compile`` every block in place (``nn.Module.compile``: parameter names do not change), its checkpoint
     included; a block whose checkpoint offloads to host memory is compiled inside it (Note [Checkpoints under
-    torch.compile] in ``lightning_seqpar.activation_checkpointing``)."""
+    torch.compile] in ``lightning_seqpar.parallel.activation_checkpointing``)."""
     blocks = list(_blocks(model, block_classes))
     if not blocks:
         raise ValueError(
@@ -418,7 +418,7 @@ def apply_fsdp(
 ) -> nn.Module:
     """FSDP2: ``fully_shard`` every block, then ``model`` itself (the root), over ``mesh``.
 
-    ``mesh`` is 1-D (shard) or 2-D (replicate, shard) for HSDP (``lightning_seqpar.mesh.fsdp_mesh``).
+    ``mesh`` is 1-D (shard) or 2-D (replicate, shard) for HSDP (``lightning_seqpar.parallel.mesh.fsdp_mesh``).
     ``offload_params``: the sharded parameters, their gradients and the optimizer state live in
     host memory, the optimizer step runs on the CPU (Note [Offloading parameters to host memory]).
     ``gather_whole_model``: on a mesh of one rank, ``fully_shard`` the root only (Note [One rank: one gather per step]).

@@ -55,7 +55,7 @@ backward of ONE block recomputes it, and its peak is the larger of two phases:
   shape (120,832 with offload). ``mlp_chunk_size=c`` replaces the MLP's 6 I e per token by the
   same for c tokens (one tile at a time, Note [Sequence-tiled MLP]).
 * norm phase: one RMSNorm's backward (Note [Checkpointed norms] in
-  ``lightning_seqpar.activation_checkpointing``) beside the block's input and gradients; with
+  ``lightning_seqpar.parallel.activation_checkpointing``) beside the block's input and gradients; with
   ``mlp_chunk_size`` the norms are tiled too and its fp32 tensors are one tile's.
 * attention phase: norm 1's output, the incoming gradient and the attention's own working set on
   this rank: the cost model's estimate (``attention.cost.estimate_attention(...).peak_memory_bytes``:
@@ -73,7 +73,7 @@ recurrent / convolution layers (``layer_types`` other than attention, Mamba / LR
 refused by name (``TransformerShape.from_config``), since their memory per token differs; sliding-
 window layers count as full attention (an upper bound).
 
-The loss runs before the backward (Note [Chunked cross entropy] in ``lightning_seqpar.loss``):
+The loss runs before the backward (Note [Chunked cross entropy] in ``lightning_seqpar.loss.cross_entropy``):
 its peak, which does not coexist with a block's backward, is the final norm's state, the hidden
 states and their gradient (d (4 + 3e) per token), one chunk's logits (n x V x (e + 4 + 4): the
 bf16 product, the fp32 logits, the fp32 log-softmax or softmax) and the fp32 (V, d) gradient of
@@ -107,7 +107,7 @@ Note [Planning memory]
 ~~~~~~~~~~~~~~~~~~~~~~
 The planner runs under ``memory="auto"``, and under the default ``memory=None`` where it can: on a CUDA
 device, for a model whose shape :meth:`TransformerShape.from_config` reads, with a length known (Note [The
-length memory="auto" plans for] in ``lightning_seqpar.planning``); elsewhere None keeps the options as given
+length memory="auto" plans for] in ``lightning_seqpar.planner.planning``); elsewhere None keeps the options as given
 with one log line, and where nothing fits it warns with the message below instead of raising
 (``planning.plan_run_memory``). It first tries no activation checkpointing at all (unless the user set it or
 ``offload_checkpoints``): where every layer's saved tensors fit, that is the fastest, by far at short
@@ -140,7 +140,7 @@ once the MLP is tiled the attention phase may be. What the chosen set leaves of 
 speed, first on one rank (dp_shard x sp = 1, nothing offloaded: where memory binds enough to offload, the
 step is long and not bound by the CPU) ``gather_whole_model``, FSDP2 over the root only, the whole model
 gathered once per step, where its estimate still fits (also after no checkpointing at all: Note [One rank:
-one gather per step] in ``lightning_seqpar.parallelize``, issue #43: a short step on one GPU is bound by the
+one gather per step] in ``lightning_seqpar.parallel.parallelize``, issue #43: a short step on one GPU is bound by the
 CPU, and every FSDP2 group costs Python); then the most blocks left without checkpointing (``uncheckpointed_blocks``, the last blocks; no recompute
 in their backward) whose estimate still fits, where checkpointing is on and nothing is offloaded (4 x H200,
 Llama-3-8B at 64K, sequence-parallel 4 with the chunked loss: 24 blocks uncheckpointed gave 4,390 tokens/s
@@ -197,7 +197,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from lightning_seqpar.attention.cost import AttentionPlan, Candidate, estimate_attention
-from lightning_seqpar.model_shape import TransformerShape
+from lightning_seqpar.planner.model_shape import TransformerShape
 
 __all__ = [
     "LADDER",
@@ -258,7 +258,7 @@ class MemoryOptions:
     uncheckpointed_blocks: int = 0
     gather_whole_model: bool = False
     """One rank only (dp_shard x sp = 1, no offload_params): FSDP2 shards the root alone, so the whole model is gathered
-    once per step and stays gathered (Note [One rank: one gather per step] in ``lightning_seqpar.parallelize``)."""
+    once per step and stays gathered (Note [One rank: one gather per step] in ``lightning_seqpar.parallel.parallelize``)."""
 
     def changes(self) -> str:
         """The options that differ from the defaults, short ("offload_checkpoints, head_chunks=4"); "defaults" when none."""
@@ -375,7 +375,7 @@ def estimate_memory(
         loss_chunk_size: ``CausalLMModule``'s; None: the full logits.
         trainable_params: LoRA: the adapters' parameter count (fp32, with gradients and AdamW state);
             the rest of the model is frozen. None: every parameter is trained.
-        lora_targets: LoRA: the adapted linear layers of a block (names of ``lightning_seqpar.planning.LORA_LINEARS``);
+        lora_targets: LoRA: the adapted linear layers of a block (names of ``lightning_seqpar.planner.planning.LORA_LINEARS``);
             each keeps an fp32 copy of its input for its backward (Note [Memory per token]); and "lm_head"
             where the output head is adapted (the chunked loss then widens its operands).
         attention: the algorithm ("ring", "allgather", "ulysses", "2d"; "auto" and "lasp" are estimated as
@@ -404,7 +404,7 @@ def estimate_memory(
     parameters, gradients, optimizer = (0.0, 0.0, 0.0) if on_host else (parameters / shards, gradients / shards, optimizer / shards)
     # FSDP2 gathers into its own buffers (on one rank too): the root module's, kept through the step, and two blocks';
     # with gather_whole_model every parameter, kept through the step, and all gradients reduced at once at its end
-    # (Note [One rank: one gather per step] in lightning_seqpar.parallelize)
+    # (Note [One rank: one gather per step] in lightning_seqpar.parallel.parallelize)
     reduction = 0.0
     if options.gather_whole_model:
         if shards != 1 or options.offload_params:

@@ -6,7 +6,7 @@ Under ``SequenceParallelStrategy`` each rank holds a shard of the sequences of i
 slice. ``training_step`` returns this rank's share of the global mean (its token-loss sum over
 the number of valid tokens of ALL ranks, ``lightning_seqpar.loss.global_mean_loss``); the shares
 add up to the single-device loss, and FSDP2 sums the gradients (Note [Gradient reduction] in
-``lightning_seqpar.parallelize``). The logged ``train/loss`` is that sum, so it equals the
+``lightning_seqpar.parallel.parallelize``). The logged ``train/loss`` is that sum, so it equals the
 single-device loss of the same batch. Without the strategy (one device, or DDP) the loss is the
 plain per-rank token mean.
 
@@ -41,7 +41,7 @@ Note [The loss chunk by default]
 The full logits are the largest tensors of a long step: 32K tokens per rank x Qwen3's 151,936
 vocabulary hold 70 GB at the loss (bf16 logits, their fp32 copy, softmax and gradient), against
 ~9 GB per 8,192-token chunk of the chunked cross entropy (Note [Chunked cross entropy] in
-``lightning_seqpar.loss``), which costs the same three matmuls per token and gives the same loss and
+``lightning_seqpar.loss.cross_entropy``), which costs the same three matmuls per token and gives the same loss and
 gradients. TRL chunks its NLL by default too. So ``loss_chunk_size="auto"`` (the default) is
 :data:`LOSS_CHUNK_AUTO` wherever the chunked loss is known to compute the model's own logits -- the
 package's models, and the transformers model types of ``hf.CHUNKED_LOSS_MODEL_TYPES``, whose
@@ -79,14 +79,14 @@ from lightning_seqpar.hf import lora as lora_module
 from lightning_seqpar.attention import Attention
 from lightning_seqpar.checks import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, check_options, option_hints
 from lightning_seqpar.data.chars import BitsPerCharacter
-from lightning_seqpar.documents import batch_documents, documents_error, set_current_documents
-from lightning_seqpar.loss import IGNORE_INDEX, chunked_cross_entropy_sum, global_token_count, token_cross_entropy_sum
-from lightning_seqpar.mesh import MESH_AXES
+from lightning_seqpar.sharding.documents import batch_documents, documents_error, set_current_documents
+from lightning_seqpar.loss.cross_entropy import IGNORE_INDEX, chunked_cross_entropy_sum, global_token_count, token_cross_entropy_sum
+from lightning_seqpar.parallel.mesh import MESH_AXES
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.models.llama import Llama, LlamaConfig
 from lightning_seqpar.models.registry import build_model, family_of, is_named_config, resolve_config
 from lightning_seqpar.models.transnormer import TransNormer, TransNormerConfig
-from lightning_seqpar.parallelize import uses_linear_attention
+from lightning_seqpar.parallel.parallelize import uses_linear_attention
 from lightning_seqpar.strategy import SequenceParallelStrategy
 
 __all__ = ["LOSS_CHUNK_AUTO", "CausalLMModule", "batch_samples", "batch_tokens"]
@@ -351,7 +351,7 @@ class CausalLMModule(L.LightningModule):
     def token_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The cross entropy of every token of a (sharded) batch, ``(B, S_local)`` fp32, 0 where the label is
         ignored (-100): what validation reduces to ``val/loss`` and gives callbacks (``token_losses`` in its
-        output, e.g. :class:`~lightning_seqpar.metrics.LossByPosition`). With ``loss_chunk_size`` the logits of
+        output, e.g. :class:`~lightning_seqpar.training.metrics.LossByPosition`). With ``loss_chunk_size`` the logits of
         at most that many tokens exist at a time."""
         labels = batch["labels"]
         pieces, losses, start = self.logit_pieces(batch), [], 0

@@ -7,13 +7,13 @@ inside the run, on its mesh, with nothing gathered:
 
 * every validation batch: ``CausalLMModule.validation_step`` returns the per-token losses of this
   rank's shard (``token_losses``) and the batch holds the shard's ``position_ids``; they update
-  :class:`~lightning_seqpar.metrics.LossByPosition` (Note [Loss by position under sequence
+  :class:`~lightning_seqpar.training.metrics.LossByPosition` (Note [Loss by position under sequence
   parallelism]). No extra forward pass.
 * at the end of the validation epoch: the passkey prompts (:func:`~lightning_seqpar.data.passkey_prompts`,
   built once at ``setup`` with the run's tokenizer) go through the strategy's own batch hook
   (``strategy.batch_to_device``: checked, sharded like any batch) and one forward pass each
   (``CausalLMModule.logit_pieces``: with ``loss_chunk_size`` at most that many tokens' logits at a
-  time); the argmax of this rank's logits updates :class:`~lightning_seqpar.metrics.PasskeyAccuracy`
+  time); the argmax of this rank's logits updates :class:`~lightning_seqpar.training.metrics.PasskeyAccuracy`
   (Note [Passkey retrieval]). Batches of prompts (one length each) are dealt round-robin over the
   data-parallel replicas; every replica runs the same number of forward passes (FSDP gathers
   parameters over all ranks), a replica left without a batch in the last round repeats one
@@ -41,9 +41,9 @@ from typing_extensions import override
 
 from lightning_seqpar.data.hf_text import load_tokenizer
 from lightning_seqpar.data.passkey import PasskeyPrompts, passkey_prompts
-from lightning_seqpar.metrics import LossByPosition, PasskeyAccuracy
-from lightning_seqpar.sharding import required_multiple
+from lightning_seqpar.sharding.layouts import required_multiple
 from lightning_seqpar.strategy import SequenceParallelStrategy
+from lightning_seqpar.training.metrics import LossByPosition, PasskeyAccuracy
 
 __all__ = ["LongContextEval"]
 

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from lightning_seqpar.checks import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, check_options, option_hints
-from lightning_seqpar.loss import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
-from lightning_seqpar.module import warmup_cosine
+from lightning_seqpar.loss.cross_entropy import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
+from lightning_seqpar.training.module import warmup_cosine
 
 __all__ = ["LitGPTModule", "save_litgpt"]
 

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_seqpar.loss import IGNORE_INDEX
+from lightning_seqpar.loss.cross_entropy import IGNORE_INDEX
 
 __all__ = ["LossByPosition", "PasskeyAccuracy"]
 
