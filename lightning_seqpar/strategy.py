@@ -6,16 +6,17 @@ It is Lightning's ``ModelParallelStrategy`` (process groups, launcher, FSDP2-awa
 save/load through ``torch.distributed.checkpoint``) with its own mesh, batch hook and
 parallelization. This module holds Lightning's hooks, in the order a run calls them ("The order of
 the steps the strategy runs" in docs/architecture.md), each saying what it adds to Lightning's;
-what they call lives by concern in the package's ``config``, ``planning``, ``mesh``, ``parallelize``,
-``precision``, ``batches``, ``checkpoint_io``, ``collective_failures`` and ``resources`` modules
-(the module table of docs/architecture.md).
+what they call lives by concern below it: the strategy's internals in ``parallel/`` (``config``, ``mesh``,
+``parallelize``, ``precision``, ``checkpoint_io``, ``collective_failures``, ``resources``), the planner's
+answers in ``planner/`` (``planning.RunPlanning``: the mesh sizes, ``memory`` and ``attention="auto"``), the
+batches in ``sharding/`` (``batches``) and a loss of the user's own in ``loss/`` (the module table of
+docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,39 +30,37 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar.parallel import checkpoint_io
 from lightning_seqpar.attention import ALGORITHMS
 from lightning_seqpar.attention.cost import AttentionPlan
-from lightning_seqpar.sharding.batches import check_batch, gather_sequence, shard_batch
+from lightning_seqpar.data.resumable import ResumableLoader
+from lightning_seqpar.hf.lora import upcast_trainable
+from lightning_seqpar.loss.cross_entropy import OwnLossWarnings, counting_global_mean_calls, token_shares
+from lightning_seqpar.models.registry import attention_heads
+from lightning_seqpar.parallel import checkpoint_io
 from lightning_seqpar.parallel.collective_failures import explaining_collective_failures
 from lightning_seqpar.parallel.config import OPTIONS_DOC, ActivationCheckpointingChoice, AttentionChoice, ConfigOptions, StrategyConfig
 from lightning_seqpar.parallel.cuda_warmup import warm_up_backward_handles
-from lightning_seqpar.data.resumable import ResumableLoader
-from lightning_seqpar.sharding.documents import set_current_documents
-from lightning_seqpar.loss.cross_entropy import counting_global_mean_calls, own_loss_message, token_shares, uneven_token_shares
-from lightning_seqpar.hf.lora import upcast_trainable
-from lightning_seqpar.planner.memory import MemoryPlan
-from lightning_seqpar.models.registry import attention_heads
 from lightning_seqpar.parallel.mesh import ParallelDims, dp_rank_and_size, fsdp_mesh, sp_mesh, warn_if_ranks_not_by_node
-from lightning_seqpar.parallel.parallelize import (apply_attention, find_blocks, is_parallelized, parallel_roots, parallelize, process_group_backend,
-                                          use_host_optimizer_threads)
-from lightning_seqpar.planner.planning import (RunSite, check_options_against_model, check_plans_agree, device_memory_bytes, plan_parallel_dims, plan_run_memory,
-                                       resolve_auto_attention)
+from lightning_seqpar.parallel.parallelize import (apply_attention, find_blocks, is_parallelized, parallel_roots, parallelize,
+                                                   process_group_backend, use_host_optimizer_threads)
 from lightning_seqpar.parallel.precision import convert_module_keeping_rotary, evaluate_without_inference_mode, fsdp_dtypes, scaler_free
+from lightning_seqpar.parallel.resources import RunGroups, free_unreferenced, prefer_expandable_segments, prefer_parallel_pinning
+from lightning_seqpar.planner.memory import MemoryPlan
+from lightning_seqpar.planner.planning import RunPlanning
 from lightning_seqpar.routing.blocks import find_block_container
 from lightning_seqpar.routing.check import broadcast_initial_weights, check_split_matches_whole
 from lightning_seqpar.routing.sdpa import own_model_routing, routed_step, routing_of
-from lightning_seqpar.parallel.resources import RunGroups, free_unreferenced, prefer_expandable_segments, prefer_parallel_pinning
+from lightning_seqpar.sharding.batches import check_batch, gather_sequence, shard_batch
+from lightning_seqpar.sharding.documents import set_current_documents
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
+class SequenceParallelStrategy(ConfigOptions, RunPlanning, ModelParallelStrategy):
     __doc__ = """Train a causal LM on sequences split across ranks: exact distributed attention + FSDP2.
 
     Each sequence is split over ``sequence_parallel_size`` ranks (sp = hp x cp); the remaining
@@ -124,7 +123,7 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         self.attention_plan: AttentionPlan | None = None
         self.memory_plan: MemoryPlan | None = None
         """memory="auto" (or None, where it planned): the planner's choice and estimate (Note [Planning memory])."""
-        self._warned_loss = self._warned_uneven = False
+        self._own_loss = OwnLossWarnings()  # Note [A loss of the user's own]
         self._token_shares: Any = None
         self._routings: list[Any] = []
         self._parallel_dims: ParallelDims | None = None
@@ -161,17 +160,6 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
             raise RuntimeError(f"{type(self).__name__}.sp_mesh is only known after setup_environment()")
         return self._sp_mesh
 
-    def resolve_parallel_dims(self) -> ParallelDims:
-        """The mesh sizes for this world (no communication). Raises ValueError naming the argument."""
-        # "auto": the cost model's choice for the LightningModule's config (Note [Choosing attention automatically]), with
-        # each candidate's memory plan where it can be made now (Note [Attention and memory chosen together])
-        site = self._run_site()
-        return plan_parallel_dims(self.lightning_module, config=self.config, site=site,
-                                  world_size=self.num_nodes * self.num_processes, node_size=self.num_processes,
-                                  layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__,
-                                  device_memory=lambda: self._device_memory_bytes(site.device),
-                                  trainer=getattr(self.lightning_module, "_trainer", None))
-
     @override
     def setup_environment(self) -> None:
         dims = self.resolve_parallel_dims()  # validated before the process group exists
@@ -197,23 +185,6 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         # LightningModule.device_mesh is read-only and ModelParallelStrategy sets it this same way.
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-
-    def _plan_memory(self, dims: ParallelDims, trainer: pl.Trainer | None = None) -> None:
-        """memory None / "auto": set the options the planner chooses for this device (``planning.plan_run_memory``): in
-        setup_environment for a length known then, else in setup (``trainer``) for the first batch's (Note [The length
-        memory="auto" plans for] in ``lightning_seqpar.planner.planning``)."""
-        if trainer is not None and not self._plan_in_setup:
-            return
-        site = self._run_site()
-        run = plan_run_memory(self.lightning_module, config=self.config, site=site, dims=dims,
-                              device_memory=lambda: self._device_memory_bytes(site.device), in_setup=trainer is not None,
-                              trainer=trainer or getattr(self.lightning_module, "_trainer", None), owner=type(self).__name__,
-                              group_backend=self._process_group_backend if trainer is not None else None)
-        self._plan_in_setup, self.config, self.memory_plan = run.later, run.config, run.plan or self.memory_plan
-
-    def _device_memory_bytes(self, device: torch.device) -> int | None:
-        """The memory memory="auto" plans for: the CUDA device's total (None elsewhere). Tests override it."""
-        return device_memory_bytes(device)
 
     @property
     @override
@@ -287,28 +258,6 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
                 gather_whole_model=self.gather_whole_model, compile_kwargs=self.compile_kwargs, param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype)
 
-    def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
-        """attention="auto": what the planner resolves it to for these roots (Note [Choosing attention automatically])."""
-        resolved = resolve_auto_attention(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
-                                          layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__,
-                                          seq_len=self.memory_plan.estimate.seq_len if self.memory_plan else None,
-                                          planned=self.memory_plan.attention if self.memory_plan else None)
-        if resolved is not None:
-            self.attention, self.layout, self.inner_ring_size = resolved.attention, resolved.layout, resolved.inner_ring_size
-            self.attention_plan = resolved.plan if resolved.plan is not None else self.attention_plan
-
-    def _check_options_against_model(self, roots: list[nn.Module]) -> None:
-        """The options that need the model, mesh and device, before any collective (``planning.check_options_against_model``)."""
-        check_options_against_model(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
-                                    attention=self.attention, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
-        check_plans_agree(self.config, attention=self.attention, owner=type(self).__name__)  # before parallelizing
-
-    def _run_site(self) -> RunSite:
-        """This run's device, precision and devices per node, for the planner."""
-        device = self.root_device if self.parallel_devices else torch.device("cpu")
-        return RunSite(device=device, precision=str(getattr(self.precision_plugin, "precision", "32-true")),
-                       gpus_per_node=self.num_processes)
-
     # ----------------------------------------------------------------------------------------- steps
     # Note [Timeouts name themselves] in lightning_seqpar.parallel.collective_failures: the step methods re-raise a
     # collective's timeout or lost connection as an error that says what it means and what to do.
@@ -318,23 +267,8 @@ class SequenceParallelStrategy(ConfigOptions, ModelParallelStrategy):
         with self._explain_timeouts("training_step"), counting_global_mean_calls() as calls, self._routed(args):
             self._step_calls = calls  # read by backward, also by a manual_backward inside the step
             out = super().training_step(*args, **kwargs)
-        self._check_loss_normalisation(calls.count)
+        self._own_loss.check(calls.count, ranks=self.parallel_dims.world_size, shares=self._token_shares, owner=type(self).__name__)
         return out
-
-    def _check_loss_normalisation(self, calls: int) -> None:
-        """A step's loss that did not go through ``global_mean_loss`` is a per-rank mean: backward averages it over the
-        ranks (Note [A loss of the user's own] in lightning_seqpar.loss); say so once, and once more where the
-        sequence-parallel ranks trained different numbers of tokens (then it is not the global mean)."""
-        ranks = self.parallel_dims.world_size  # dp_replicate x dp_shard x sp
-        if ranks == 1 or calls or (self._warned_loss and self._warned_uneven):
-            return
-        uneven = uneven_token_shares(self._token_shares)
-        if uneven is not None and not self._warned_uneven:
-            self._warned_uneven = self._warned_loss = True
-            warnings.warn(f"{type(self).__name__}: {own_loss_message(ranks)} {uneven}", stacklevel=2)
-        elif not self._warned_loss:
-            self._warned_loss = True
-            rank_zero_warn(f"{type(self).__name__}: {own_loss_message(ranks)}")
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

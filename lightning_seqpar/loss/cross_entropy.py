@@ -21,6 +21,7 @@ SP x DP ranks:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["IGNORE_INDEX", "GlobalMeanCalls", "chunked_cross_entropy_sum", "counting_global_mean_calls", "global_mean_loss",
@@ -307,3 +309,25 @@ def own_loss_message(ranks: int) -> str:
     return (f"the loss of training_step did not come from lightning_seqpar.loss.global_mean_loss: it is taken as a mean over "
             f"this rank's tokens, and backward averages it over the {ranks} data- and sequence-parallel ranks, as DDP does "
             "(Note [A loss of the user's own]); that is the global mean when every rank trains the same number of tokens.")
+
+
+class OwnLossWarnings:
+    """The strategy's warnings for a training step whose loss did not come from :func:`global_mean_loss` (Note [A loss
+    of the user's own]): once that backward averages it over the ranks, and once more where the sequence-parallel ranks
+    trained different numbers of tokens (then the mean of per-rank means is not the global mean)."""
+
+    def __init__(self) -> None:
+        self.warned_loss = self.warned_uneven = False
+
+    def check(self, calls: int, *, ranks: int, shares: tuple[torch.Tensor, torch.Tensor, int] | None, owner: str) -> None:
+        """After a training step with ``calls`` calls of :func:`global_mean_loss` over ``ranks`` (dp_replicate x dp_shard
+        x sp) ranks; ``shares``: the step's batch's :func:`token_shares`."""
+        if ranks == 1 or calls or (self.warned_loss and self.warned_uneven):
+            return
+        uneven = uneven_token_shares(shares)
+        if uneven is not None and not self.warned_uneven:
+            self.warned_uneven = self.warned_loss = True
+            warnings.warn(f"{owner}: {own_loss_message(ranks)} {uneven}", stacklevel=2)
+        elif not self.warned_loss:
+            self.warned_loss = True
+            rank_zero_warn(f"{owner}: {own_loss_message(ranks)}")

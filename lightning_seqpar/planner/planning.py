@@ -613,3 +613,71 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
     planned = replace(config, **{name: getattr(plan.options, name) for name in MEMORY_OPTIONS})
     rank_zero_info(f"{owner}: {plan.describe()} ({length.name})")
     return RunMemory(planned, plan)
+
+
+# --------------------------------------------------------------------------------------------- the strategy's questions
+
+
+class RunPlanning:
+    """The strategy's questions to the planner, as methods of ``SequenceParallelStrategy`` (a mixin, as the options'
+    ``ConfigOptions``): each passes the run's state (the world, the device and precision, the options resolved so far)
+    to the functions above and keeps their answer on the strategy (``config``, ``memory_plan``, the resolved
+    ``attention``, ``layout`` and ``inner_ring_size``, ``attention_plan``)."""
+
+    config: StrategyConfig
+    attention: str
+    layout: str
+    inner_ring_size: int | None
+    attention_plan: AttentionPlan | None
+    memory_plan: MemoryPlan | None
+    _plan_in_setup: bool
+
+    def resolve_parallel_dims(self) -> ParallelDims:
+        """The mesh sizes for this world (no communication). Raises ValueError naming the argument."""
+        # "auto": the cost model's choice for the LightningModule's config (Note [Choosing attention automatically]), with
+        # each candidate's memory plan where it can be made now (Note [Attention and memory chosen together])
+        site = self._run_site()
+        return plan_parallel_dims(self.lightning_module, config=self.config, site=site,
+                                  world_size=self.num_nodes * self.num_processes, node_size=self.num_processes,
+                                  layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__,
+                                  device_memory=lambda: self._device_memory_bytes(site.device),
+                                  trainer=getattr(self.lightning_module, "_trainer", None))
+
+    def _plan_memory(self, dims: ParallelDims, trainer: Any = None) -> None:
+        """memory None / "auto": set the options the planner chooses for this device (``planning.plan_run_memory``): in
+        setup_environment for a length known then, else in setup (``trainer``) for the first batch's (Note [The length
+        memory="auto" plans for] in ``lightning_seqpar.planner.planning``)."""
+        if trainer is not None and not self._plan_in_setup:
+            return
+        site = self._run_site()
+        run = plan_run_memory(self.lightning_module, config=self.config, site=site, dims=dims,
+                              device_memory=lambda: self._device_memory_bytes(site.device), in_setup=trainer is not None,
+                              trainer=trainer or getattr(self.lightning_module, "_trainer", None), owner=type(self).__name__,
+                              group_backend=self._process_group_backend if trainer is not None else None)
+        self._plan_in_setup, self.config, self.memory_plan = run.later, run.config, run.plan or self.memory_plan
+
+    def _device_memory_bytes(self, device: torch.device) -> int | None:
+        """The memory memory="auto" plans for: the CUDA device's total (None elsewhere). Tests override it."""
+        return device_memory_bytes(device)
+
+    def _resolve_auto_attention(self, roots: list[nn.Module]) -> None:
+        """attention="auto": what the planner resolves it to for these roots (Note [Choosing attention automatically])."""
+        resolved = resolve_auto_attention(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
+                                          layout=self.layout, inner_ring_size=self.inner_ring_size, owner=type(self).__name__,
+                                          seq_len=self.memory_plan.estimate.seq_len if self.memory_plan else None,
+                                          planned=self.memory_plan.attention if self.memory_plan else None)
+        if resolved is not None:
+            self.attention, self.layout, self.inner_ring_size = resolved.attention, resolved.layout, resolved.inner_ring_size
+            self.attention_plan = resolved.plan if resolved.plan is not None else self.attention_plan
+
+    def _check_options_against_model(self, roots: list[nn.Module]) -> None:
+        """The options that need the model, mesh and device, before any collective (``planning.check_options_against_model``)."""
+        check_options_against_model(roots, config=self.config, site=self._run_site(), dims=self.parallel_dims,
+                                    attention=self.attention, inner_ring_size=self.inner_ring_size, owner=type(self).__name__)
+        check_plans_agree(self.config, attention=self.attention, owner=type(self).__name__)  # before parallelizing
+
+    def _run_site(self) -> RunSite:
+        """This run's device, precision and devices per node, for the planner."""
+        device = self.root_device if self.parallel_devices else torch.device("cpu")
+        return RunSite(device=device, precision=str(getattr(self.precision_plugin, "precision", "32-true")),
+                       gpus_per_node=self.num_processes)
