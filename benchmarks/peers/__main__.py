@@ -251,8 +251,10 @@ def command(run: str, seq: int, gpus: int, steps: int, out: str, extra: list[str
         cfg = "accelerate_cp.yaml" if system == "trl_cp" else "accelerate_alst.yaml"
         if system == "trl_cp" and "--ckpt-offload" in extra:  # TRL's long-context example: checkpoints offloaded to the host
             cfg = "accelerate_cp_long.yaml"
+        # the YAMLs name 4 GPUs; the degree follows the GPUs of the run (accelerate launch's flags win over its config)
+        degree = "--parallelism_config_cp_size" if system == "trl_cp" else "--parallelism_config_sp_size"
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"{HERE}/{cfg}", "--num_processes",
-                str(gpus), f"{HERE}/trl_sft.py", "--system", system, *common]
+                str(gpus), degree, str(gpus), f"{HERE}/trl_sft.py", "--system", system, *common]
     if system == "seqpar":
         return [*torchrun, f"{HERE}/ours.py", "--model", model or "llama3-8b", *common]
     raise SystemExit(f"--runs: unknown system {system!r} (torchtitan, trl_cp, deepspeed_alst, seqpar:MODEL)")
