@@ -260,6 +260,13 @@ def command(run: str, seq: int, gpus: int, steps: int, out: str, extra: list[str
     raise SystemExit(f"--runs: unknown system {system!r} (torchtitan, trl_cp, deepspeed_alst, seqpar:MODEL)")
 
 
+def parse_run(spec: str) -> tuple[str, list[str]]:
+    """'deepspeed_alst+--liger+--attn+flash_attention_4' -> ('deepspeed_alst', ['--liger', '--attn', 'flash_attention_4']):
+    the system (and ours' model) and the flags its runner gets."""
+    name, *flags = spec.strip().split("+")
+    return name, flags
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", required=True, help="comma-separated: torchtitan, trl_cp, deepspeed_alst, seqpar:llama3-8b, "
@@ -287,7 +294,7 @@ def main() -> None:
     os.makedirs(logs, exist_ok=True)
     lengths = [int(x) for x in str(args.seq).split(",")]
     for run in args.runs.split(","):
-        name, *flags = run.split("+")
+        name, flags = parse_run(run)
         for seq in lengths:  # ascending: the longest that trains is the last "ok" before the first failure
             if _run_one(name, flags, seq, args=args, gpus=gpus, env=env, logs=logs) != "ok":
                 break

@@ -121,9 +121,8 @@ class Probe:
 
     def wrap_reset(self) -> None:
         """Read the peaks before any ``reset_peak_memory_stats`` (the call itself unchanged)."""
-        import torch.cuda.memory as memory
-
-        original = memory.reset_peak_memory_stats
+        cuda = self.torch.cuda
+        original = cuda.reset_peak_memory_stats
         if getattr(original, "_peers_probe", False):
             return
 
@@ -133,8 +132,10 @@ class Probe:
             return original(*args, **kwargs)
 
         reset_peak_memory_stats._peers_probe = True
-        memory.reset_peak_memory_stats = reset_peak_memory_stats
-        self.torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
+        cuda.reset_peak_memory_stats = reset_peak_memory_stats
+        memory = getattr(cuda, "memory", None)  # torch.cuda.memory: its reset_max_memory_* call the module's own name
+        if memory is not None and hasattr(memory, "reset_peak_memory_stats"):
+            memory.reset_peak_memory_stats = reset_peak_memory_stats
 
     # ---- steps -------------------------------------------------------------------------------------------
     def pre(self, optimizer, args, kwargs) -> None:
