@@ -384,5 +384,9 @@ def test_the_peers_table_reads_one_memory_measure_and_labels_the_old_one():
     by_system = {c[4]: c for c in peers}
     assert by_system["trl_cp, liger"][10:13] == ["60.0", "fp32", "cuDNN SDPA"]
     assert by_system["trl_cp, as published"][10:13] == ["46.3 alloc (old)", "-", "-"]
+    from benchmarks.peers.report import kernels_in_timed_steps
+
+    assert not kernels_in_timed_steps(dict(warmup=2, kernels=dict(step=2))) and kernels_in_timed_steps(dict(warmup=2, kernels=dict(step=3)))
+    assert not kernels_in_timed_steps(dict(kernels=dict(step=0, why="not profiled"))) and not kernels_in_timed_steps({})
     titans = [c for c in peers if c[4] == "torchtitan, as published"]
     assert [c[10] for c in titans] == ["147.2 (its log)", "32.2 alloc (old, reset by its logger: no peak)"]
