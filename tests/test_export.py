@@ -244,4 +244,4 @@ def test_hf_export_carries_the_datamodules_tokenizer_and_generates(trained, tmp_
     assert not (tmp_path / "bad").exists()
     with pytest.raises(SystemExit):
         main([str(checkpoint), str(tmp_path / "c.ckpt"), "--tokenizer", str(out)])  # not for --format consolidated
-    assert "--tokenizer applies to --format hf and to --format lora with --merged" in capsys.readouterr().err
+    assert "--tokenizer applies to --format hf, litgpt and to --format lora with --merged" in capsys.readouterr().err

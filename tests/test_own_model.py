@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 from strategy_testing import _LossRecorder
 
@@ -55,14 +54,17 @@ def _loader(batches: list[dict], *, reference: bool = False):
     return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False, sampler=sampler)
 
 
-def _fit(module: Any, strategy: Any, devices: int, batches: list[dict]) -> list[float]:
+def _fit(module: Any, strategy: Any, devices: int, batches: list[dict], save: str | None = None) -> list[float]:
     reference = strategy == "auto"
     import lightning as L
 
     losses = _LossRecorder()  # the logged train/loss of every step
-    L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=len(batches), logger=False,
-              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-              limit_val_batches=0, callbacks=[losses]).fit(module, train_dataloaders=_loader(batches, reference=reference))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=len(batches), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[losses])
+    trainer.fit(module, train_dataloaders=_loader(batches, reference=reference))
+    if save is not None:
+        trainer.save_checkpoint(save)  # under the strategy: a folder of shards
     return losses.losses
 
 
@@ -218,7 +220,8 @@ def _train_litgpt(rank: int, world: int, batches: list[dict], model: str, out: s
     from lightning_seqpar.training.litgpt import LitGPTModule, save_litgpt
 
     module = LitGPTModule(model, config_overrides=None if out is None else LITGPT_OVERRIDES, lr=1e-2, max_steps=len(batches))
-    losses = _fit(module, SequenceParallelStrategy(sequence_parallel_size=world, attention="ring"), world, batches)
+    losses = _fit(module, SequenceParallelStrategy(sequence_parallel_size=world, attention="ring"), world, batches,
+                  save=None if out is None else out + ".ckpt")
     state = _state(module)
     if rank == 0 and out is not None:
         save_litgpt(state, module.litgpt_config, out)
@@ -242,6 +245,49 @@ def test_litgpt_module_trains_exact_and_round_trips_its_checkpoint(tmp_path):
     assert sorted(os.listdir(os.path.join(shared, "sp2"))) == ["lit_model.pth", "model_config.yaml"]
     again = run_distributed(_train_litgpt, 2, batches, os.path.join(shared, "sp2"), None, timeout=TIMEOUT)
     assert again[0][0][0] < two[0][0][0]  # starts from the trained weights: a lower first loss
+    _export_and_generate(os.path.join(shared, "sp2"), tmp_path)
+
+
+def _export_and_generate(trained: str, tmp_path) -> None:
+    """``seqpar export CKPT OUT --format litgpt`` of the run's checkpoint (a folder of shards) writes the trained weights
+    as save_litgpt does, and ``litgpt generate OUT`` (LitGPT's own command) continues a prompt with them greedily as
+    the exported GPT does here."""
+    import json
+    import subprocess
+    import sys
+
+    from litgpt import Config
+    from litgpt.model import GPT
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lightning_seqpar.cli.export import main as export
+
+    tokenizer = tmp_path / "tokenizer"  # a word-level tokenizer over the model's 64 ids: t0 ... t63
+    tokenizer.mkdir()
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tokenizer / "tokenizer.json"))
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False}))
+    out = tmp_path / "exported"
+    export([trained + ".ckpt", str(out), "--format", "litgpt", "--tokenizer", str(tokenizer)])
+    assert sorted(os.listdir(out)) == ["lit_model.pth", "model_config.yaml", "tokenizer.json", "tokenizer_config.json"]
+    exported, saved = (torch.load(os.path.join(d, "lit_model.pth"), weights_only=True) for d in (out, trained))
+    assert exported.keys() == saved.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(exported[name], value, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    (out / "prompt_style.yaml").write_text("class_path: litgpt.prompts.Default\n")  # the prompt as typed
+    gpt = GPT(Config.from_file(out / "model_config.yaml")).eval()
+    gpt.load_state_dict(exported, strict=False)  # its RoPE caches are buffers it builds itself
+    ids = [5, 9, 17, 33]
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(gpt(torch.tensor([ids]))[0, -1].argmax()))
+    prompt = " ".join(f"t{i}" for i in ids[:4])
+    run = subprocess.run([sys.executable, "-m", "litgpt", "generate", str(out), "--prompt", prompt, "--max_new_tokens", "6",
+                          "--top_k", "1", "--precision", "32-true"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith(prompt)]
+    assert lines == [" ".join(f"t{i}" for i in ids)], run.stdout[-2000:]
 
 
 def test_ranks_that_built_different_weights_start_from_rank_0s():

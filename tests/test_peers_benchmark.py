@@ -46,6 +46,10 @@ def test_a_run_leaves_a_record_and_a_run_past_its_limit_says_so(tmp_path):
     # every record says how long its whole run took (launch to exit: what the 10-minute budget counts)
     assert sum(ok["step_times_s"]) < ok["run_s"] < 120 and 0 < odd["run_s"] < 120 and 1 <= late["run_s"] < 60
     assert late["steps_done_s"] == []  # killed before its first step ended
+    # issue #56: the harness's own measures on every record, a failed one too (Note [One measurement for every peer])
+    assert ok["master_weights"] == "fp32" and ok["memory"]["probe"]["steps"] == 2 and ok["memory"]["host"]["peak_rss_gb"] > 0
+    assert ok["flags"] == ["--tiny", "--warmup", "1"] and "not profiled" in ok["kernels"]["why"]  # no warm-up step 2
+    assert "old measure" in ok["peak_mem_measure"] and late["memory"]["host"]["peak_rss_gb"] >= 0
 
 
 def test_each_peer_launches_as_its_own_launcher_does():
@@ -153,3 +157,236 @@ def test_the_physical_bound_of_a_step():
     # 16 packed documents of 64K: attention within each document, as a dense 64K row
     assert bound_tokens_per_s(qwen, 1 << 20, "H200", documents=16) == bound_tokens_per_s(qwen, 1 << 16, "H200")
     assert bound_tokens_per_s(qwen, 131072, "H100") is None  # no rates measured on H100
+
+
+# ---- issue #56: one memory measure, the master weights and the kernels, read outside each system's code ----------
+
+def _probe_module():
+    """probe/sitecustomize.py loaded under another name (as a module it installs nothing: only as `sitecustomize`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("peers_probe_under_test", ROOT / "benchmarks" / "peers" / "probe" / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _StubCuda:
+    """torch.cuda's memory counters as the allocator keeps them: a peak that a reset brings down to what is held now."""
+
+    def __init__(self):
+        self.held, self.peak, self.memory = 0, 0, None
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def max_memory_reserved(self):
+        return self.peak
+
+    def max_memory_allocated(self):
+        return self.peak // 2
+
+    def memory_reserved(self):
+        return self.held
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peak = self.held
+
+    def synchronize(self):
+        pass
+
+
+def test_the_probe_keeps_its_running_max_through_a_peers_resets(tmp_path):
+    """torchtitan's logger resets the peak every step (its old column read 32.3 GB where it reserved ~147 GB): the probe
+    reads the peak before every reset and after every optimizer step, and keeps the max."""
+    import types
+
+    import torch
+
+    probe_module = _probe_module()
+    cuda = _StubCuda()
+    probe = probe_module.Probe(types.SimpleNamespace(cuda=cuda), str(tmp_path))
+    probe.wrap_reset()
+    optimizer = types.SimpleNamespace(param_groups=[{"params": [torch.zeros(1)]}])
+
+    def step(peak, held, reset_inside=False):
+        probe.backwards += 1  # the step's backward
+        cuda.held, cuda.peak = held, max(cuda.peak, peak)
+        if reset_inside:  # the peer's logger, before the optimizer's step ends
+            cuda.reset_peak_memory_stats()
+        probe.pre(optimizer, (), {})
+        probe.post(optimizer, (), {})
+
+    step(100e9, 40e9)
+    cuda.reset_peak_memory_stats()  # a reset between steps
+    step(120e9, 30e9, reset_inside=True)  # a peak that only the read before the reset sees
+    step(50e9, 30e9)
+    assert cuda.peak == 50e9 and probe.reserved == 120e9 and probe.allocated == 60e9 and probe.resets == 2
+    assert probe.current_reserved == 40e9 and probe.steps == 3 and probe.master_weights == "fp32"
+    (written,) = tmp_path.glob("probe-0-*.json")
+    state = json.loads(written.read_text())
+    assert state["peak_reserved_gb"] == 120 and state["resets_seen"] == 2 and state["optimizer"] == "SimpleNamespace"
+    # a wrapped reset is not wrapped twice, and torch.cuda.memory's own name is wrapped too
+    cuda.memory = types.SimpleNamespace(reset_peak_memory_stats=cuda.reset_peak_memory_stats)
+    wrapped = cuda.reset_peak_memory_stats
+    probe.wrap_reset()
+    assert cuda.reset_peak_memory_stats is wrapped
+
+
+def test_the_probe_counts_training_steps_not_optimizer_calls():
+    """torchtitan's OptimizersContainer steps its inner optimizer inside its own step (nested); DeepSpeed ZeRO-3 steps
+    its inner optimizer once per parameter sub-group (no backward between): each is one training step."""
+    import types
+
+    import torch
+
+    probe = _probe_module().Probe(types.SimpleNamespace(cuda=_StubCuda()), None)
+    bf16 = types.SimpleNamespace(param_groups=[{"params": []}, {"params": [torch.zeros(1, dtype=torch.bfloat16)]}])
+    for _ in range(2):  # torchtitan: container(inner)
+        probe.backwards += 1
+        probe.pre(bf16, (), {}), probe.pre(bf16, (), {}), probe.post(bf16, (), {}), probe.post(bf16, (), {})
+    assert probe.steps == 2 and probe.master_weights == "bf16"
+    for _ in range(2):  # ZeRO-3: three sub-groups per step
+        probe.backwards += 1
+        for _ in range(3):
+            probe.pre(bf16, (), {}), probe.post(bf16, (), {})
+    assert probe.steps == 4
+
+
+def test_the_probe_names_the_attention_kernel_and_the_fused_kernels():
+    summarize = _probe_module().summarize
+    fa4 = "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at_0x7f"
+    rows = [("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>(Flash_fwd_params)", 32, 400.0),
+            ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", 900, 2000.0),
+            ("_rms_norm_forward_kernel", 65, 30.0), ("triton_poi_fused_mul_silu_0", 32, 20.0),
+            ("fmha_cutlassB_bf16_aligned_64x64_k128_sm80(PyTorchMemEffAttention::AttentionKernel)", 32, 100.0)]
+    s = summarize(rows)
+    assert s["attention"] == "torch SDPA flash (flash-attention 2 in torch)" and s["top"][0]["calls"] == 900
+    assert s["attention_ms"] == {"torch SDPA flash (flash-attention 2 in torch)": 400.0,
+                                 "torch SDPA memory-efficient (cutlass fmha)": 100.0}
+    assert s["liger"] and s["liger_kernels"] == ["_rms_norm_forward_kernel"] and s["triton_generated_ms"] == 20.0
+    assert summarize([(fa4, 64, 900.0)])["attention"] == "flash-attention 4 (CuTe DSL)"
+    assert summarize([("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_128x128x128", 32, 5.0),
+                      ("cudnn::bn_fw_tr_1C11_kernel_NCHW", 9, 50.0)])["attention"] == "cuDNN SDPA"
+    assert summarize([("void flash::FlashAttnFwdSm90<...>", 1, 1.0)])["attention"] == "flash-attention 3"
+    assert summarize([("ampere_bf16_s16816gemm", 1, 1.0)])["attention"] == "none found"
+    assert not summarize([("ampere_bf16_s16816gemm", 1, 1.0)])["liger"]
+
+
+def test_a_peers_record_carries_the_probe_and_the_poller(tmp_path):
+    """What the harness adds to every record: the probe's reserved peak (the tables' column), master weights, kernels
+    (rank 0's), the poller's device / host peaks; the old column kept and labelled, and said to be no peak when the
+    system reset it."""
+    from benchmarks.peers.__main__ import merge_measures, probe_results
+
+    kernels = dict(step=2, attention="flash-attention 4 (CuTe DSL)")
+    for rank, reserved, resets in ((0, 130.4, 5), (1, 131.2, 5)):
+        (tmp_path / f"probe-{rank}-1{rank}.json").write_text(json.dumps(dict(
+            rank=rank, steps=5, optimizer="AdamW", master_weights="fp32", peak_reserved_gb=reserved, peak_allocated_gb=100.0,
+            max_current_reserved_gb=90.0, resets_seen=resets, host_maxrss_gb=12.5, kernels=kernels if rank == 0 else None)))
+    probed = probe_results(str(tmp_path))
+    assert probed["peak_reserved_gb"] == 131.2 and probed["master_weights"] == "fp32" and probed["kernels"] == kernels
+    assert probed["attention_kernel"] == "flash-attention 4 (CuTe DSL)" and probed["probe"]["host_maxrss_gb_sum"] == 25.0
+    polled = dict(device=dict(source="nvml (nvidia-ml-py)", peak_gb=140.1), host=dict(peak_rss_gb=30.0))
+    row = merge_measures(dict(system="torchtitan", peak_mem_gb=32.3), probed, polled, ["--compile"])
+    assert row["peak_reserved_gb"] == 131.2 and row["flags"] == ["--compile"] and "not a peak" in row["peak_mem_measure"]
+    assert row["memory"]["device"]["peak_gb"] == 140.1 and row["memory"]["probe"]["resets_seen"] == [5, 5]
+    assert probe_results(str(tmp_path / "none")) == {}
+
+
+def test_the_memory_poller_reads_the_process_tree_and_the_timed_steps(tmp_path):
+    from benchmarks.peers.__main__ import MemoryPoller
+
+    log = tmp_path / "run.log"
+    log.write_text("[peers] step 1: 3.0 s\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.2)"])
+    poller = MemoryPoller(proc.pid, str(log), warmup=2, interval=0.05)
+    poller.start()
+    import time
+
+    time.sleep(0.4)
+    with open(log, "a") as f:
+        f.write("[peers] step 2: 3.0 s\n")
+    proc.wait()
+    out = poller.stop()
+    assert out["host"]["peak_rss_gb"] > 0 and out["samples"] >= 5 and out["timed_from_s"] is not None
+    assert out["device"]["source"]  # nvml, nvidia-smi, or says there is neither
+
+
+def test_each_peers_best_settings_are_run_flags():
+    """`--runs "torchtitan+--compile+--ac+full,trl_cp+--liger,deepspeed_alst+--liger+--attn+flash_attention_4"`: each
+    '+' flag reaches the peer's runner, the TRL / ALST degree follows the GPUs, and the runners refuse what cannot run."""
+    from benchmarks.peers.__main__ import command, parse_run, warmup_of
+
+    assert parse_run("torchtitan+--compile+--ac+full") == ("torchtitan", ["--compile", "--ac", "full"])
+    assert parse_run("seqpar:qwen3-8b") == ("seqpar:qwen3-8b", [])
+    titan = command("torchtitan", 65536, 2, 5, "o.json", parse_run("torchtitan+--compile+--ac+full")[1])
+    assert titan[-3:] == ["--compile", "--ac", "full"] and titan[titan.index("--nproc_per_node") + 1] == "2"
+    alst = command("deepspeed_alst", 65536, 2, 5, "o.json", parse_run("deepspeed_alst+--liger+--attn+flash_attention_4")[1])
+    assert alst[alst.index("--parallelism_config_sp_size") + 1] == "2" and alst[-3:] == ["--liger", "--attn", "flash_attention_4"]
+    cp = command("trl_cp", 65536, 2, 5, "o.json", ["--liger"])
+    assert cp[cp.index("--parallelism_config_cp_size") + 1] == "2"
+    assert warmup_of([]) == 2 and warmup_of(["--tiny", "--warmup", "3"]) == 3 and warmup_of(["--warmup=1"]) == 1
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    import trl_sft
+
+    assert "SDPA" in trl_sft.attention_check("trl_cp", "flash_attention_4")
+    assert trl_sft.attention_check("deepspeed_alst", "sdpa") is None and "one of" in trl_sft.attention_check("deepspeed_alst", "fa9")
+    assert "not importable here: flash-attn (PyPI ships only its sdist" in trl_sft.attention_check("deepspeed_alst", "flash_attention_2")
+
+
+def test_alst_takes_flash_attention_4_through_accelerates_name_check(monkeypatch):
+    """accelerate 1.15 lists sdpa / flash_attention_2 / _3 / Hub kernels; the runner lets flash_attention_4 through
+    that one check and nothing else."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import dataclasses as accelerate_dataclasses
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    import trl_sft
+
+    cls = accelerate_dataclasses.DeepSpeedSequenceParallelConfig
+    monkeypatch.setattr(cls, "__post_init__", cls.__post_init__)  # restored after the test
+    monkeypatch.delenv("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", raising=False)
+    with pytest.raises(ValueError, match="Invalid sp_attn_implementation"):
+        cls(sp_attn_implementation="flash_attention_4")
+    trl_sft.let_accelerate_take("flash_attention_4")
+    assert cls(sp_attn_implementation="flash_attention_4").sp_attn_implementation == "flash_attention_4"
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION", "flash_attention_4")
+    assert cls().sp_attn_implementation == "flash_attention_4"
+    with pytest.raises(ValueError, match="Invalid sp_attn_implementation"):
+        cls(sp_attn_implementation="eager")
+
+
+def test_the_peers_table_reads_one_memory_measure_and_labels_the_old_one():
+    from benchmarks.peers.report import table
+
+    def row(system, tps, **extra):
+        return dict(system=system, model="qwen3-8b", seq=65536, gpus=2, gpu="H200", group="g", status="ok",
+                    tokens_per_s_per_gpu=tps, mfu=0.4, commit="c", version="v", **extra)
+
+    rows = [row("seqpar", 3000.0, peak_reserved_gb=131.24, peak_mem_gb=120.0, master_weights="fp32",
+                attention_kernel="flash-attention 4 (CuTe DSL)", settings=dict(precision="bf16-mixed")),
+            row("trl_cp", 2500.0, peak_reserved_gb=60.0, peak_mem_gb=46.3, master_weights="fp32",
+                attention_kernel="cuDNN SDPA", settings=dict(variant="liger")),
+            row("trl_cp", 2000.0, peak_mem_gb=46.3, settings={}),
+            row("torchtitan", 2400.0, peak_mem_gb=32.3, peak_reserved_gb_from_log=147.15,
+                peak_mem_measure="...; torchtitan's logger resets the peak every logged step, so not a peak"),
+            row("torchtitan", 2300.0, peak_mem_gb=32.2, peak_mem_measure="... so not a peak (no torchtitan log kept)")]
+    header, _, *lines = table(rows)
+    assert "peak reserved GB | master weights | attention kernel (profiled)" in header
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines]
+    ours, *peers = cells
+    assert ours[4] == "seqpar" and ours[7] == "1.20x" and ours[10:13] == ["131.2", "fp32", "flash-attention 4 (CuTe DSL)"]
+    by_system = {c[4]: c for c in peers}
+    assert by_system["trl_cp, liger"][10:13] == ["60.0", "fp32", "cuDNN SDPA"]
+    assert by_system["trl_cp, as published"][10:13] == ["46.3 alloc (old)", "-", "-"]
+    from benchmarks.peers.report import kernels_in_timed_steps
+
+    assert not kernels_in_timed_steps(dict(warmup=2, kernels=dict(step=2))) and kernels_in_timed_steps(dict(warmup=2, kernels=dict(step=3)))
+    assert not kernels_in_timed_steps(dict(kernels=dict(step=0, why="not profiled"))) and not kernels_in_timed_steps({})
+    titans = [c for c in peers if c[4] == "torchtitan, as published"]
+    assert [c[10] for c in titans] == ["147.2 (its log)", "32.2 alloc (old, reset by its logger: no peak)"]

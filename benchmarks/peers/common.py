@@ -13,8 +13,30 @@ median of the rest is the step time. tokens/s/GPU = seq / step / GPUs. MFU = tok
 989e12 (H100 / H200 SXM dense bf16, datasheet) with flops_per_token = 6 x N (every parameter but the input
 embedding) + 6 x L x S x (heads x head_dim) (causal attention, forward + backward) -- the formula of
 ``benchmarks/train.py``, for every row; with N packed documents per row (ours' ``--documents N``) a token attends
-only within its document, so S there is the document's length, S / N (the record's ``documents``). Peak memory: ``torch.cuda.max_memory_allocated`` since the first timed
-step, the max over ranks.
+only within its document, so S there is the document's length, S / N (the record's ``documents``).
+
+Memory, read outside every system's code and the same way for all (issue #56). The tables' column is
+``peak_reserved_gb``: the in-process probe ``probe/sitecustomize.py``, which the harness puts on every launched
+process's PYTHONPATH, reads ``torch.cuda.max_memory_reserved()`` after every optimizer step and just before every
+``torch.cuda.reset_peak_memory_stats`` call (torchtitan's logger resets the peak every logged step, which made its
+old column 32.3 GB where it reserved ~147 GB), keeps a running max over the whole run, and the harness takes the
+max over ranks: what the allocator held at its peak, the memory a card must have for the run (CUDA contexts and
+NCCL buffers not included). Beside it the record's ``memory`` holds the device side as the driver sees it (NVML,
+or ``nvidia-smi`` without it: every GPU's used memory every 0.2 s, contexts, NCCL and the allocator's reserve
+included; the whole run and from the last warm-up step's clock line on) and the host side (RSS summed over the
+launcher's process tree every 0.2 s, and each rank's ``ru_maxrss``). ``peak_mem_gb``, the old column
+(``max_memory_allocated`` since the first timed step, max over ranks), stays in every record, labelled
+``peak_mem_measure``; records from before the probe show it in the tables marked as that older measure, and
+torchtitan's old rows show the reserved peak its own logger printed (``peak_reserved_gb_from_log``) where the run's
+log is kept.
+
+Precision: every system trains with bf16 compute and fp32 master weights (ours "bf16-mixed"; the peers' FSDP2 /
+DeepSpeed bf16 mixed precision). The record's ``master_weights`` is read, not assumed: the probe takes the dtype of
+the first parameter the first optimizer updates, at its first step.
+
+Kernels: the probe profiles one training step on rank 0 (``--kernel-step``, by default the last warm-up step, so
+no timed step is slowed) with CUDA activity only and records the kernels by time, the attention kernel they show
+(``attention_kernel``) and whether Liger's or inductor's Triton kernels ran (``kernels``).
 
 Note [The step's physical bound]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -106,7 +128,8 @@ def qwen3_config(seq: int):
 
 
 class StepClock:
-    """CUDA-synchronised step times and the peak memory since the first timed step (Note [One measurement ...])."""
+    """CUDA-synchronised step times and ``max_memory_allocated`` since the first timed step (the old memory column;
+    the tables read the probe's, Note [One measurement for every peer])."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup, self.times, self._t0 = warmup, [], None
@@ -219,7 +242,9 @@ def write_record(out: str, *, system: str, model: str, seq: int, clock: StepCloc
                version=version, status=status, warmup=clock.warmup, steps=len(timed), step_times_s=clock.times,
                step_time_s=step, tokens_per_s_per_gpu=tps,
                mfu=tps * SHAPES[model].flops_per_token(seq, documents) / PEAK_BF16 if tps else None,
-               flops_per_token=SHAPES[model].flops_per_token(seq, documents), documents=documents, peak_mem_gb=peak_gb, losses=losses or [],
+               flops_per_token=SHAPES[model].flops_per_token(seq, documents), documents=documents, peak_mem_gb=peak_gb,
+               peak_mem_measure="max_memory_allocated since the first timed step, max over ranks (StepClock; old measure)",
+               losses=losses or [],
                settings=settings, changes=changes, torch=torch.__version__, alloc_conf=alloc_conf(),
                profiled_step=int(os.environ.get("PEERS_PROFILE_STEP", "0")) or None,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), shape=asdict(SHAPES[model]))

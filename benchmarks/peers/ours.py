@@ -6,9 +6,11 @@ Qwen3-8B-shaped transformers model from its config (``model={"model_type": "qwen
     torchrun --nproc_per_node 4 benchmarks/peers/ours.py --model qwen3-8b --seq 131072 --out $OUT/peers.json
 
 Every strategy option is its default (attention="auto", attention_backend="auto", memory="auto" for the
-datamodule's seq_len) unless --option NAME=VALUE says otherwise (recorded). Precision: "bf16-mixed" for the
-Llama (fp32 master weights with bf16 compute, as torchtitan's FSDP2 mixed precision) and "bf16-true" for the
-Qwen3 model (bf16 weights, as the peers' bf16 transformers model), both changeable with --precision. Data:
+datamodule's seq_len) unless --option NAME=VALUE says otherwise (recorded). Precision: "bf16-mixed" on CUDA for
+every model (fp32 master weights, bf16 compute: what the peers' optimizers update too -- torchtitan's FSDP2 mixed
+precision, accelerate's FSDP2 mixed precision and DeepSpeed's bf16 mode keep fp32 parameters; the harness's probe
+reads each system's from its optimizer into the record's ``master_weights``), changeable with --precision (the
+Qwen3 rows before issue #56 ran "bf16-true": bf16 weights and Adam states). Data:
 the copy task with every token labelled (``LongRangeDataModule(supervise="all")``); ``--documents N`` cuts each
 row into N equal packed documents (``document_ids``, no label across a boundary: :func:`packed_copy_task`). Note [One measurement for every peer].
 """
@@ -147,7 +149,7 @@ def main() -> None:
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
                 "rope_parameters")
         model = {"model_type": "qwen3", **{k: cfg[k] for k in keep}}
-        precision = args.precision or ("bf16-true" if cuda else "32-true")
+        precision = args.precision or ("bf16-mixed" if cuda else "32-true")
     if litgpt:
         module = litgpt_module(args.model, seq=args.seq, tiny=args.tiny, plain=args.plain)
     else:

@@ -5,8 +5,15 @@ torchtitan, trl_cp, deepspeed_alst) of the same model, length, GPU kind and coun
 results file per group: one machine, its runs one after the other; a ratio never mixes machines). A group is named
 by its file: ``20261127-9`` is ``benchmarks/results/20261127-nvidia-h200-x4-peers-9.json`` (date, then the
 group's number that day); the rows carry the GPU kind and the commit. Profiled steps are left out (the profiler slows the step it
-records), and so are A/B runs of ours with options forced against the defaults (``ab`` in the record: docs/benchmarks.md
+records: ``profiled_step``, or the probe's ``kernels.step`` past the warm-up), and so are A/B runs of ours with options forced against the defaults (``ab`` in the record: docs/benchmarks.md
 cites them in its text); failed runs stay in, with their status.
+
+The memory column is one measure for every row (Note [One measurement for every peer]): ``peak_reserved_gb``, the
+probe's reserved peak over the whole run, max over ranks. Records from before the probe do not have it: they show
+their own measure, labelled (:func:`memory_cell`): "alloc (old)" is ``max_memory_allocated`` since the first timed
+step; torchtitan's old rows show the reserved peak its logger printed ("its log") or, with no log kept, say that
+its logger reset the peak. A peer's row names its variant: "as published" or the settings of its own docs that it
+ran (``settings["variant"]``); the attention column is the kernel the probe saw in the profiled step.
 """
 
 from __future__ import annotations
@@ -31,8 +38,14 @@ def records(paths: list[str] | None = None) -> list[dict]:
         group = os.path.basename(path).split("-nvidia")[0] + ("" if path.endswith("-peers.json") else
                                                                "-" + path.rsplit("-", 1)[-1].removesuffix(".json"))
         rows += [dict(r, group=group) for r in json.load(open(path))
-                 if r.get("bench") == "peers" and not r.get("profiled_step") and not r.get("ab")]
+                 if r.get("bench") == "peers" and not r.get("profiled_step") and not r.get("ab") and not kernels_in_timed_steps(r)]
     return rows
+
+
+def kernels_in_timed_steps(r: dict) -> bool:
+    """The probe profiled a timed step (``--kernel-step`` past the warm-up): its step time is the profiler's too."""
+    step = (r.get("kernels") or {}).get("step") or 0
+    return step > r.get("warmup", 2)
 
 
 def _k(seq: int) -> str:
@@ -42,6 +55,37 @@ def _k(seq: int) -> str:
 def _system(r: dict) -> str:
     """The system, and for a row cut into packed documents how many (another workload: attention within documents)."""
     return r["system"] + (f" ({r['documents']} packed documents)" if r.get("documents") else "")
+
+
+def variant(r: dict) -> str:
+    """A peer's settings as run: "as published" (its published config; every record before issue #56) or the settings
+    of its own docs it ran with (torchtitan's compile and full AC, TRL's Liger, ALST's flash-attention)."""
+    return (r.get("settings") or {}).get("variant") or "as published"
+
+
+def _system_cell(r: dict) -> str:
+    return _system(r) + (f", {variant(r)}" if r["system"] in PEERS else "")
+
+
+def memory_cell(r: dict) -> str:
+    """The memory column: the probe's reserved peak, or an older record's own measure, labelled as such."""
+    if r.get("peak_reserved_gb") is not None:
+        return f"{r['peak_reserved_gb']:.1f}"
+    if r.get("peak_reserved_gb_from_log") is not None:
+        return f"{r['peak_reserved_gb_from_log']:.1f} (its log)"
+    if r.get("peak_mem_gb") is None:
+        return "-"
+    if "not a peak" in (r.get("peak_mem_measure") or ""):
+        return f"{r['peak_mem_gb']:.1f} alloc (old, reset by its logger: no peak)"
+    return f"{r['peak_mem_gb']:.1f} alloc (old)"
+
+
+def master_cell(r: dict) -> str:
+    """fp32 / bf16 as the probe read it off the optimizer; for older records of ours, from the precision that ran ("set")."""
+    if r.get("master_weights"):
+        return r["master_weights"]
+    precision = (r.get("settings") or {}).get("precision") if r["system"] == "seqpar" else None
+    return {"bf16-true": "bf16 (set)", "bf16-mixed": "fp32 (set)"}.get(precision, "-")
 
 
 def _settings(r: dict) -> str:
@@ -77,8 +121,9 @@ def group_order(group: str) -> tuple[str, int]:
 def table(rows: list[dict], newest_only: bool = False) -> list[str]:
     """One row per run, grouped by model, length and GPUs, the newest group first; ``newest_only``: only the newest group
     of each (the table of docs/benchmarks.md)."""
-    out = ["| model | S | GPUs | run group | system | version | tokens/s/GPU | vs best peer | MFU | of bound | peak GB | settings | commit |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| model | S | GPUs | run group | system | version | tokens/s/GPU | vs best peer | MFU | of bound | peak reserved GB | "
+           "master weights | attention kernel (profiled) | settings | commit |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"], r.get("group", "-"))  # noqa: E731
     anchored = set()
     keys = sorted(sorted({key(r) for r in rows}, key=lambda k: group_order(k[4]), reverse=True), key=lambda k: k[:4])  # newest first
@@ -95,10 +140,11 @@ def table(rows: list[dict], newest_only: bool = False) -> list[str]:
             if tps:
                 bound = bound_tokens_per_s(SHAPES[r["model"]], r["seq"], r["gpu"], r.get("documents") or 1)
                 cells = [f"{tps:,.0f}", f"{tps / best:.2f}x" if best and r["system"] == "seqpar" else "-", f"{r['mfu']:.3f}",
-                         f"{tps / bound:.2f}" if bound else "-", f"{r['peak_mem_gb']:.1f}"]
+                         f"{tps / bound:.2f}" if bound else "-", memory_cell(r)]
             else:
-                cells = [r["status"].split(":")[0], "-", "-", "-", "-"]
-            out.append(f"| {anchor}{r['model']} | {_k(r['seq'])} | {r['gpus']} x {r['gpu']} | {k[4]} | {_system(r)} | "
+                cells = [r["status"].split(":")[0], "-", "-", "-", memory_cell(r) if r.get("peak_reserved_gb") else "-"]
+            cells += [master_cell(r), r.get("attention_kernel") or "-"]
+            out.append(f"| {anchor}{r['model']} | {_k(r['seq'])} | {r['gpus']} x {r['gpu']} | {k[4]} | {_system_cell(r)} | "
                        f"{r.get('version', '-')} | " + " | ".join(cells) + f" | {_settings(r)} | {r['commit']} |")
             anchor = ""
     return out
@@ -113,7 +159,7 @@ def longest(rows: list[dict]) -> list[str]:
     as a ratio to the best peer's longest of that group, and in brackets the ratio that is sure (ours over the length
     at which that peer failed: its longest lies below it). A failed run whose
     record names a ``defect`` of ours fixed since (a wrong estimate, not a limit of the method) is not a limit."""
-    out = ["| model | GPUs | run group | system | longest S that trained | s per step there | peak GB there | the next length tried | ours / best peer |",
+    out = ["| model | GPUs | run group | system | longest S that trained | s per step there | peak reserved GB there | the next length tried | ours / best peer |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     anchored = set()
     groups: dict[tuple, dict[str, list[dict]]] = {}
@@ -139,9 +185,9 @@ def longest(rows: list[dict]) -> list[str]:
             if system.startswith("seqpar") and ok and peer:  # the lengths that trained; in brackets what is sure: the peer's
                 sure = f" (> {ok / peer[1]['seq']:.2f}x)" if peer[1] else ""  # longest is below the length that failed
                 ratio = f"{ok / peer[0]:.2f}x{sure}"
-            step, peak = there[system].get("step_time_s"), there[system].get("peak_mem_gb")
+            step, peak = there[system].get("step_time_s"), memory_cell(there[system]) if there[system] else "-"
             out.append(f"| {anchor}{model} | {gpus} x {gpu} | {group} | {system} | {f'{ok:,}' if ok else '-'} | "
-                       f"{f'{step:.1f}' if step else '-'} | {f'{peak:.1f}' if peak else '-'} | {next_cell} | {ratio} |")
+                       f"{f'{step:.1f}' if step else '-'} | {peak} | {next_cell} | {ratio} |")
             anchor = ""
     return out
 

@@ -14,6 +14,18 @@ Llama-3.1-8B's files (nothing can be downloaded; the vocabulary is unchanged); r
 preset's ``compile.enable``; ``--ac full`` sets ``activation_checkpoint.mode = "full"``, what torchtitan's docs offer
 when the preset's op-level selective checkpointing runs out of memory (it does at 128K on 4 x H200: the fp32 logits
 of 32K tokens on top of 117.5 GiB); each is listed among the record's changes. Note [One measurement for every peer] in common.py.
+
+torchtitan at its best (issue #56): ``--compile --ac full``, the settings of torchtitan 0.2.2's own long-context
+runs: ``benchmarks/llama3_h100_202412_torchtitan.md`` in the v0.2.2 tree, Table 2, "FSDP + CP + torch.compile +
+Float8. Llama 3.1 8B model. 8 GPUs. Local batch size 1. Full activation checkpointing" (``SOURCES``). Float8 is
+left out: it changes the matmuls' precision, and every system here trains in bf16. ``compile.enable`` compiles
+the preset's ``components = ["model", "loss"]`` (v0.2.2's ``torchtitan/config/job_config.py``, ``Compile``);
+``activation_checkpoint.mode`` is one of selective / full / memory_budget / none (the same file). A run with
+neither flag is the as-published row (``settings["variant"]``). Master weights: the preset's FSDP2 mixed
+precision (``training.mixed_precision_param = "bfloat16"``, reductions in fp32) keeps fp32 parameters, which the
+probe reads off the optimizer. Its logger resets the allocator's peak every logged step
+(``DeviceMemoryMonitor.reset_peak_stats`` in ``torchtitan/components/metrics.py``), so the StepClock's
+``peak_mem_gb`` is no peak here; the harness's probe reads it before every reset.
 """
 
 from __future__ import annotations
@@ -31,6 +43,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import StepClock, write_record  # noqa: E402
 
 PRESET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchtitan_llama3_8b.toml")
+SOURCES = {
+    "preset": "https://github.com/pytorch/torchtitan/blob/v0.2.2/torchtitan/models/llama3/train_configs/llama3_8b.toml",
+    "compile + full AC for long context": "https://github.com/pytorch/torchtitan/blob/v0.2.2/benchmarks/"
+                                          "llama3_h100_202412_torchtitan.md (Table 2: FSDP + CP + torch.compile, full AC)",
+    "compile / activation_checkpoint options": "https://github.com/pytorch/torchtitan/blob/v0.2.2/torchtitan/config/job_config.py",
+    "expandable segments": "https://github.com/pytorch/torchtitan/blob/v0.2.2/run_train.sh",
+}
 
 
 def _toml(d: dict, prefix: str = "") -> str:
@@ -139,7 +158,9 @@ def main() -> None:
     listed = [f"{t}.{k}={v}" for (t, k), v in changes.items() if k != "dump_folder"]
     listed += ["random tokens and a stub tokenizer instead of c4 / Llama-3.1-8B's files (no download); random init"]
     settings = dict(preset=os.path.basename(PRESET), attention="sdpa (preset)", activation_checkpoint=preset["activation_checkpoint"],
-                    compile=preset["compile"]["enable"], fsdp_mixed_precision="bf16 params, fp32 reduce (torchtitan default)")
+                    compile=preset["compile"]["enable"], fsdp_mixed_precision="bf16 params, fp32 reduce (torchtitan default)",
+                    variant=", ".join((["compile"] if args.compile else []) + ([f"{args.ac} AC"] if args.ac != "preset" else []))
+                    or "as published", sources=SOURCES)
     write_record(args.out, system="torchtitan", model="llama3-8b", seq=args.seq, clock=clock, peak_gb=clock.peak_gb(),
                  settings=settings, changes=listed, version=f"torchtitan {torchtitan.__version__}")
     trainer.close()

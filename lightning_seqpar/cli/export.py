@@ -3,6 +3,7 @@
     python -m lightning_seqpar.cli.export CHECKPOINT OUTPUT --format consolidated
     python -m lightning_seqpar.cli.export CHECKPOINT OUTPUT --format hf [--weights safetensors|bin] [--dtype bfloat16] [--overwrite]
     python -m lightning_seqpar.cli.export CHECKPOINT OUTPUT --format lora [--merged MERGED_DIR] [--dtype bfloat16]
+    python -m lightning_seqpar.cli.export CHECKPOINT OUTPUT --format litgpt [--tokenizer DIR] [--dtype bfloat16]
     seqpar export ...                                    (the same, through the console script)
 
 ``CHECKPOINT`` is what the strategy saved: a folder of shards (``save_distributed_checkpoint=True``,
@@ -22,6 +23,9 @@ group and no GPU are needed: the shards are read in one process.
 * ``lora``: a ``CausalLMModule(..., lora=...)`` checkpoint's adapters as a peft adapter folder
   (``PeftModel.save_pretrained``), and with ``--merged`` the model with the adapters merged as a
   plain transformers folder (``lightning_seqpar.hf.export.export_lora``; needs ``peft``).
+* ``litgpt``: a ``LitGPTModule`` checkpoint as a LitGPT folder (``lit_model.pth``, ``model_config.yaml``, the
+  tokenizer files of ``--tokenizer`` or of the LitGPT folder training started from) that ``litgpt generate``
+  and ``litgpt finetune`` read (``lightning_seqpar.training.litgpt.export_litgpt``; needs ``litgpt``).
 
 The ``hf`` folder and the merged LoRA folder also get the tokenizer and the generation config
 (Note [The tokenizer of an export] in ``lightning_seqpar.hf.export``, which writes both folders), so
@@ -80,25 +84,35 @@ def main(args: Sequence[str] | None = None) -> None:
     """``python -m lightning_seqpar.cli.export`` / ``seqpar export``."""
     parser = argparse.ArgumentParser(prog="seqpar export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a folder of shards or a full checkpoint file written under SequenceParallelStrategy")
-    parser.add_argument("output", help="consolidated: the output file; hf: the output folder; lora: the adapter folder")
-    parser.add_argument("--format", choices=("consolidated", "hf", "lora"), default="consolidated")
+    parser.add_argument("output", help="consolidated: the output file; hf, litgpt: the output folder; lora: the adapter folder")
+    parser.add_argument("--format", choices=("consolidated", "hf", "lora", "litgpt"), default="consolidated")
     parser.add_argument("--weights", choices=("safetensors", "bin"), default="safetensors", help="hf only: file format of the weights")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="hf: cast the weights; lora: cast the merged model")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="hf, litgpt: cast the weights; lora: cast the merged model")
     parser.add_argument("--merged", default=None, help="lora only: also write the model with the adapters merged into this folder")
     parser.add_argument("--overwrite", action="store_true", help="hf, lora: replace an output folder that holds weights of "
                         "another export (refused without it: two exports' weights in one folder would mix)")
-    parser.add_argument("--tokenizer", default=None, help="hf, lora --merged: copy this tokenizer folder (or tokenizer.json) "
+    parser.add_argument("--tokenizer", default=None, help="hf, lora --merged, litgpt: copy this tokenizer folder (or tokenizer.json) "
                         "into the export; default: the model's folder, else the datamodule's tokenizer_path")
     ns = parser.parse_args(args)
     if ns.merged is not None and ns.format != "lora":
         parser.error("--merged applies to --format lora only")
-    if ns.tokenizer is not None and not (ns.format == "hf" or ns.merged is not None):
-        parser.error("--tokenizer applies to --format hf and to --format lora with --merged")
+    if ns.tokenizer is not None and not (ns.format in ("hf", "litgpt") or ns.merged is not None):
+        parser.error("--tokenizer applies to --format hf, litgpt and to --format lora with --merged")
     dtype = _DTYPES[ns.dtype] if ns.dtype else None
     if ns.format == "consolidated":
         if ns.dtype is not None or ns.weights != "safetensors":
             parser.error("--dtype and --weights apply to --format hf only")
         print(f"wrote {export_consolidated(ns.checkpoint, ns.output)}")
+        return
+    if ns.format == "litgpt":
+        if ns.weights != "safetensors" or ns.overwrite:
+            parser.error("--weights and --overwrite apply to --format hf and lora only (litgpt refuses a folder that holds weights)")
+        from lightning_seqpar.training.litgpt import TOKENIZER_FILES, export_litgpt
+
+        path = export_litgpt(ns.checkpoint, ns.output, tokenizer=ns.tokenizer, dtype=dtype)
+        missing = not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+        print(f"wrote {path}" + (f" without tokenizer files: `litgpt generate` needs {TOKENIZER_FILES[:3]} "
+                                 "(pass --tokenizer DIR)" if missing else ""))
         return
     if ns.format == "lora":
         if ns.weights != "safetensors":

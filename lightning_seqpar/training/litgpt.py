@@ -12,7 +12,9 @@ adds what a recipe needs around it: the model by LitGPT config name with overrid
 from a LitGPT checkpoint (``lit_model.pth``), the package's exact loss (``global_mean_loss``:
 exact for any split), AdamW with warm-up and cosine, and ``save_litgpt`` writing the weights back
 as a folder ``litgpt generate`` reads (``lit_model.pth``, ``model_config.yaml``, and the tokenizer
-files of the checkpoint it started from).
+files of the checkpoint it started from). ``export_litgpt`` (``seqpar export CKPT OUT --format litgpt``)
+does the same from a checkpoint the strategy saved (a folder of shards or one file), in one process:
+the LitGPT config is rebuilt from the module's saved hyper-parameters (``model``, ``config_overrides``).
 
 litgpt is optional: ``pip install --no-deps litgpt==0.5.13`` (its pins of ``huggingface_hub<1.4``
 and ``jsonargparse<=4.41`` conflict with transformers 5 and the package's CLI; its imports work
@@ -31,9 +33,10 @@ from torch import nn
 
 from lightning_seqpar.checks import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, check_options, option_hints
 from lightning_seqpar.loss.cross_entropy import chunked_cross_entropy_sum, global_mean_loss, token_cross_entropy_sum
+from lightning_seqpar.parallel import checkpoint_io
 from lightning_seqpar.training.module import warmup_cosine
 
-__all__ = ["LitGPTModule", "save_litgpt"]
+__all__ = ["LitGPTModule", "export_litgpt", "save_litgpt"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json", "config.json")
 
@@ -177,3 +180,37 @@ def save_litgpt(state_dict: dict[str, torch.Tensor], config: Any, out: str | Pat
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, out / name)
     return out
+
+
+def export_litgpt(checkpoint: str | Path, output: str | Path, *, tokenizer: str | Path | None = None,
+                  dtype: torch.dtype | None = None) -> Path:
+    """Write a checkpoint of ``LitGPTModule`` (what the strategy saved: a folder of shards or one file) as a LitGPT
+    folder ``litgpt generate OUTPUT`` reads: ``lit_model.pth``, ``model_config.yaml`` (the config the module was built
+    with: its ``model`` and ``config_overrides``) and the tokenizer files of ``tokenizer`` (a folder), else of the
+    LitGPT folder training started from. One process, no GPU."""
+    Config, _ = _litgpt()
+    meta = checkpoint_io.load_meta(checkpoint)
+    hparams = meta.get("hyper_parameters") if isinstance(meta, dict) else None
+    if not isinstance(hparams, dict) or "model" not in hparams:
+        raise ValueError(f"export --format litgpt: {str(checkpoint)!r} has no hyper_parameters['model']: it is not a "
+                         "checkpoint of LitGPTModule")
+    state = checkpoint_io.load_model_state_dict(checkpoint)
+    outside = sorted(k for k in state if not k.startswith("gpt."))
+    if outside:
+        raise ValueError(f"export --format litgpt: {str(checkpoint)!r} holds weights outside LitGPTModule's 'gpt.' "
+                         f"({outside[:3]}): export a checkpoint of LitGPTModule (--format hf for CausalLMModule)")
+    source = Path(hparams["model"])
+    overrides = hparams.get("config_overrides") or {}
+    if (source / "model_config.yaml").is_file():
+        config = Config.from_file(source / "model_config.yaml", **overrides)
+    else:
+        config = Config.from_name(hparams["model"], **overrides)
+        source = None
+    if tokenizer is not None:
+        if not Path(tokenizer).is_dir() or not any((Path(tokenizer) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+            raise ValueError(f"export --format litgpt: --tokenizer {str(tokenizer)!r} is not a folder with tokenizer.json "
+                             "or tokenizer.model")
+        source = Path(tokenizer)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return save_litgpt(state, config, output, source=source)
