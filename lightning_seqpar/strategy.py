@@ -93,7 +93,7 @@ class SequenceParallelStrategy(ConfigOptions, RunPlanning, ModelParallelStrategy
         bf16_adapters: bool = False,
         gather_whole_model: bool = False,
         mlp_chunk_size: int | None = None,
-        compile: bool | dict[str, Any] = False,
+        compile: bool | dict[str, Any] | Literal["auto"] = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
@@ -241,6 +241,7 @@ class SequenceParallelStrategy(ConfigOptions, RunPlanning, ModelParallelStrategy
         self._groups.tie(module, [self._device_mesh, mesh_for_fsdp])  # released with the module (Note [What a run releases])
         self._resolve_auto_attention([*roots, module] if module not in roots else roots)  # heads: the roots', else the module's config
         self._check_options_against_model(roots)
+        self._resolve_compile(roots)  # compile="auto" (Note [Compile by default])
         for root in roots:
             routing = routing_of(root)
             if routing is not None:  # a model of the user's own: one set of initial weights (as DDP), then the check

@@ -181,3 +181,36 @@ def test_seqpar_plan_takes_a_transformers_folder_or_config_and_a_gpu(tmp_path, c
     cli.main(["plan", "--model", "llama3-8b", "--seq", "1M", "--gpus", "4", "--gpu-memory", "H100"])
     (row,) = capsys.readouterr().out.strip().splitlines()[2:]
     assert row.split(" | ")[6].startswith("activation_checkpointing=full, offload_checkpoints")  # 4 x 85.0 GB: more savings
+
+
+def test_compile_auto_is_on_for_the_package_models_on_cuda_only():
+    """Note [Compile by default]: "auto" compiles the package's own blocks on a CUDA device; a transformers model, a
+    user's own model and any CPU run stay eager; True / False / a dict pass through as given."""
+    import sys
+
+    import torch
+
+    from lightning_seqpar.parallel.config import StrategyConfig
+    from lightning_seqpar.planner.planning import RunSite, resolve_compile
+    from lightning_seqpar.training.module import CausalLMModule
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from own_models import build
+
+    package = CausalLMModule(model="tiny")
+    package.configure_model()
+    own = build("llama")
+    cuda, cpu = RunSite(device=torch.device("cuda", 0)), RunSite(device=torch.device("cpu"))
+    auto = StrategyConfig()
+    assert auto.compile == "auto" and auto.compile_kwargs is None  # nothing compiles before it is resolved
+    assert resolve_compile([package], config=auto, site=cuda).compile_kwargs == {}
+    assert resolve_compile([package], config=auto, site=cpu).compile_kwargs is None
+    assert resolve_compile([own], config=auto, site=cuda).compile_kwargs is None
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                                num_attention_heads=4, vocab_size=64))
+    assert resolve_compile([hf], config=auto, site=cuda).compile_kwargs is None
+    for given, kwargs in ((False, None), (True, {}), ({"mode": "max-autotune"}, {"mode": "max-autotune"})):
+        assert resolve_compile([own], config=StrategyConfig(compile=given), site=cpu).compile_kwargs == kwargs
+    with pytest.raises(ValueError, match='compile must be True, False, "auto"'):
+        StrategyConfig(compile="yes")

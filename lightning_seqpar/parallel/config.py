@@ -179,7 +179,8 @@ OPTIONS_DOC = """\
             the MLP's intermediate activations (3.5x the block width) exist for one slice at a
             time (Note [Sequence-tiled MLP]). None: the MLP runs on the whole local sequence.
         compile: ``torch.compile`` each block: True, or a dict of ``torch.compile`` keyword
-            arguments.
+            arguments; "auto" (the default): on for the package's own models on a CUDA device, off elsewhere
+            (Note [Compile by default] in ``lightning_seqpar.planner.planning``); False turns it off.
         save_distributed_checkpoint: each rank writes its shard (a folder) if True; else the full
             state is gathered to rank 0 and written to one file.
         process_group_backend: torch.distributed backend; None picks "gloo" on CPU, "nccl" on CUDA
@@ -246,7 +247,7 @@ class StrategyConfig:
     bf16_adapters: bool = False
     gather_whole_model: bool = False
     mlp_chunk_size: int | None = None
-    compile: bool | dict[str, Any] = False
+    compile: bool | dict[str, Any] | Literal["auto"] = "auto"
     save_distributed_checkpoint: bool = True
     process_group_backend: str | None = None
     timeout: timedelta | float | None = default_pg_timeout
@@ -292,8 +293,9 @@ class StrategyConfig:
 
     @property
     def compile_kwargs(self) -> dict[str, Any] | None:
-        """``torch.compile``'s keyword arguments for each block, None without compile."""
-        if not self.compile:
+        """``torch.compile``'s keyword arguments for each block, None without compile (and for "auto" not yet resolved:
+        the strategy resolves it at setup, ``planning.resolve_compile``)."""
+        if not self.compile or self.compile == "auto":
             return None
         return dict(self.compile) if isinstance(self.compile, dict) else {}
 
@@ -358,8 +360,9 @@ class StrategyConfig:
         if mode is not None and mode not in AC_MODES:
             raise ValueError(f"{name}: activation_checkpointing={mode!r} is not supported; expected one of {AC_MODES} or None")
         check_uncheckpointed_blocks(self.uncheckpointed_blocks, owner=name)
-        if not isinstance(self.compile, (bool, dict)):
-            raise ValueError(f"{name}: compile must be a bool or a dict of torch.compile keyword arguments, got {self.compile!r}")
+        if not isinstance(self.compile, (bool, dict)) and self.compile != "auto":
+            raise ValueError(f"{name}: compile must be True, False, \"auto\" or a dict of torch.compile keyword arguments, "
+                             f"got {self.compile!r}")
         check_offload_checkpoints(self.offload_checkpoints, activation_checkpointing=mode, owner=name)
         if not isinstance(self.offload_params, bool):
             raise ValueError(f"{name}: offload_params must be True or False, got {self.offload_params!r}")
