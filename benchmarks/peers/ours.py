@@ -189,6 +189,8 @@ def main() -> None:
     settings = dict(strategy_kwargs, precision=precision, attention=strategy.attention, kernel=kernel,
                     memory_plan=None if plan is None else str(plan), data="copy task, every token labelled" + (
                         f", {args.documents} packed documents per row" if args.documents else ""))
+    if strategy.compile_kwargs is not None and "compile" not in options:  # compile="auto" resolved on (Note [Compile by default])
+        settings.update(compile=True, compile_auto=True)
     from lightning_seqpar.parallel.config import StrategyConfig
 
     defaults = StrategyConfig()  # an option given at its default value is not fixed: memory="auto" may still set it
