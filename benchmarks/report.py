@@ -469,11 +469,15 @@ def attention_grid(rows: list[dict], seqs: list[int] | None = None) -> str:
 # user gets now): kept in the records and told in docs/benchmarks-history.md, left out of the table.
 HF_FAMILY_SUPERSEDED = {("llama3.2-1b-shaped", label) for label in ("ec47d6c+ac", "ddbfbf9", "d612a18+fa4", "2fad92d+fa4")} | {
     ("qwen3-next-shaped", label) for label in ("8396b70", "36e593f")}
+HF_FAMILY_HISTORY = {("llama3.2-1b-shaped", label) for label in ("3a6f063+kernel", "328d3b1+12steps")}
+"""Shown in docs/benchmarks-history.md's copy of the table only (``hf-family-all``): rows a later run of the same
+machine kind repeats (docs/benchmarks.md shows the newest)."""
 
 
-def hf_family_table(rows: list[dict]) -> str:
+def hf_family_table(rows: list[dict], *, every: bool = False) -> str:
     """hf.py families on one GPU: the latest run of each (model, S, system, our settings, device, commit label); the
-    ratio only against plain transformers of the same commit label (the same machine, warm)."""
+    ratio only against plain transformers of the same commit label (the same machine, warm). ``every``: the rows of
+    ``HF_FAMILY_HISTORY`` too (the history's copy)."""
     def settings(r: dict) -> str:  # our non-default strategy settings, as the row names them
         options = {"attention_backend": r.get("attention_backend"), **(r.get("strategy_options") or {})}
         text = ", ".join(f"{k}={v}" for k, v in options.items() if v is not None)
@@ -484,7 +488,8 @@ def hf_family_table(rows: list[dict]) -> str:
         text += {True: ", fused norms / MLP", False: ", torch norms / MLP"}.get(r.get("fused_kernels"), "")
         return text
 
-    runs = last_by([r for r in rows if r.get("bench") == "hf_family" and (r["model"], r.get("commit")) not in HF_FAMILY_SUPERSEDED],
+    hidden = HF_FAMILY_SUPERSEDED | (set() if every else HF_FAMILY_HISTORY)
+    runs = last_by([r for r in rows if r.get("bench") == "hf_family" and (r["model"], r.get("commit")) not in hidden],
                    lambda r: (r["model"], r["seq"], r["system"], settings(r), r.get("device", "?"), r.get("commit", "?")))
     out = []
     for (model, seq, system, kernel, device, commit), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][4], kv[0][5],
@@ -654,7 +659,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "peers": peers_table, "peers-all": peers_all_table, "peers-longest": peers_longest_table,
     "hf-families-gpus": hf_families_gpus_table,
     "delta-rule": delta_rule_table,
-    "hf-family": hf_family_table, "window": window_table, "finetune-one-gpu": finetune_table,
+    "hf-family": hf_family_table, "hf-family-all": lambda rows: hf_family_table(rows, every=True), "window": window_table, "finetune-one-gpu": finetune_table,
     "attention-grid": attention_grid,
     "suites": suites_table,
     "train": train_table, "longest": longest_table, "attention": attention_table, "scaling": scaling_table,
