@@ -52,6 +52,7 @@ from lightning_seqpar.parallel.resources import RunGroups, free_unreferenced, pr
 from lightning_seqpar.planner.memory import MemoryPlan
 from lightning_seqpar.planner.planning import RunPlanning
 from lightning_seqpar.routing.blocks import find_block_container
+from lightning_seqpar.routing.guard import OutsideAttentionGuard
 from lightning_seqpar.routing.check import broadcast_initial_weights, check_split_matches_whole
 from lightning_seqpar.routing.sdpa import own_model_routing, routed_step, routing_of
 from lightning_seqpar.sharding.batches import check_batch, gather_sequence, shard_batch
@@ -258,6 +259,9 @@ class SequenceParallelStrategy(ConfigOptions, RunPlanning, ModelParallelStrategy
                 offload_checkpoints=self.offload_checkpoints, offload_params=self.offload_params, mlp_chunk_size=self.mlp_chunk_size,
                 gather_whole_model=self.gather_whole_model, compile_kwargs=self.compile_kwargs, param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype)
+        # Note [SDPA outside the package's attention] in lightning_seqpar.routing.guard: their first step watched
+        self._guard = OutsideAttentionGuard([r for r in roots if routing_of(r) is None], sp=dims.sp, owner=owner) \
+            if self.compile_kwargs is None else None
 
     # ----------------------------------------------------------------------------------------- steps
     # Note [Timeouts name themselves] in lightning_seqpar.parallel.collective_failures: the step methods re-raise a
@@ -288,7 +292,7 @@ class SequenceParallelStrategy(ConfigOptions, RunPlanning, ModelParallelStrategy
 
     def _routed(self, args: tuple) -> contextlib.AbstractContextManager[None]:
         """A step of a model with its own SDPA calls (Note [Routing a model's own SDPA calls] in lightning_seqpar.routing.sdpa)."""
-        return routed_step(self._routings, args[0] if args else None)
+        return routed_step(self._routings, args[0] if args else None, getattr(self, "_guard", None))
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -310,3 +310,63 @@ def test_a_routed_block_compiles_as_one_graph():
     install_sdpa_routing(model, list(model.stack), owner="test", blocks_name="stack")
     explained = torch._dynamo.explain(model.stack[0])(torch.randn(2, 16, 32))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def _train_mixed(rank: int, world: int) -> Any:
+    """A model of the user's own whose blocks use the package's Attention, plus one SDPA call of its own after them."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    import lightning as L
+    import torch.nn.functional as F
+
+    from lightning_seqpar import SequenceParallelStrategy
+    from lightning_seqpar.attention import Attention
+    from lightning_seqpar.loss import global_mean_loss, token_cross_entropy_sum
+    from own_models import VOCAB
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.attention = torch.nn.Linear(16, 48), Attention(causal=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = (t.view(*x.shape[:2], 2, 8) for t in self.qkv(x).chunk(3, -1))  # (B, S, H, D)
+            return x + self.attention(q, k, v).flatten(2)
+
+    class Mixed(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.layers, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.ModuleList([Block(), Block()]), torch.nn.Linear(16, VOCAB)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed(input_ids)
+            for block in self.layers:
+                x = block(x)
+            h = x.unsqueeze(1)  # (B, 1, S, 16): a pooling attention over the sequence, outside the blocks
+            return self.head(x + F.scaled_dot_product_attention(h, h, h).squeeze(1))
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return global_mean_loss(*token_cross_entropy_sum(self(batch["input_ids"]), batch["labels"]), self.device_mesh)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=SequenceParallelStrategy(sequence_parallel_size=world),
+                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    try:
+        trainer.fit(Mixed(), train_dataloaders=_loader(_batches(steps=2)))
+    except ValueError as e:
+        return "error", str(e)
+    return "trained", trainer.global_step
+
+
+def test_sdpa_outside_the_package_attention_is_refused_under_the_split():
+    """Note [SDPA outside the package's attention]: a model with the package's Attention in its blocks and one SDPA call
+    of its own elsewhere is refused on its first step over 2 ranks (that call would attend within each shard); on one
+    process it trains."""
+    two = run_distributed(_train_mixed, 2, timeout=TIMEOUT)
+    assert two[0][0] == "error" and "F.scaled_dot_product_attention was called outside the package's attention modules " \
+        "(Attention)" in two[0][1] and "over 2 ranks" in two[0][1], two[0]
+    assert run_distributed(_train_mixed, 1, timeout=TIMEOUT)[0] == ("trained", 2)

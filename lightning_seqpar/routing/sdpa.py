@@ -64,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_seqpar.attention import Attention, LinearAttention
 from lightning_seqpar.attention.recurrent import Recurrence
+from lightning_seqpar.routing.guard import OutsideAttentionGuard
 from lightning_seqpar.sharding.documents import current_documents
 from lightning_seqpar.sharding.layouts import mesh_sizes, sequence_index
 
@@ -365,9 +366,11 @@ def own_model_routing(root: nn.Module, blocks: Sequence[tuple[nn.Module, str]], 
 
 
 @contextmanager
-def routed_step(routings: Sequence[Routing], batch: Any) -> Iterator[None]:
-    """One training / validation / predict step of models with routed SDPA (``Routing.step``), for ``batch``."""
-    if not routings:
+def routed_step(routings: Sequence[Routing], batch: Any, guard: OutsideAttentionGuard | None = None) -> Iterator[None]:
+    """One training / validation / predict step of models with routed SDPA (``Routing.step``), for ``batch``; the
+    first step of models with the package's attention modules under ``guard`` (Note [SDPA outside the package's
+    attention] in ``lightning_seqpar.routing.guard``)."""
+    if not routings and (guard is None or not guard.armed):
         yield
         return
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
@@ -375,4 +378,6 @@ def routed_step(routings: Sequence[Routing], batch: Any) -> Iterator[None]:
     with ExitStack() as stack:
         for routing in routings:
             stack.enter_context(routing.step(local_len))
+        if guard is not None:
+            stack.enter_context(guard.step())
         yield
