@@ -31,7 +31,7 @@ TIMEOUT = 180
         (dict(attention="ring", head_parallel_size=2), "head_parallel_size=2 needs attention='2d'"),
         (dict(load_balance="striped"), "load_balance='striped' is not supported"),
         (dict(activation_checkpointing="some"), "activation_checkpointing='some' is not supported"),
-        (dict(compile="yes"), "compile must be a bool or a dict"),
+        (dict(compile="yes"), "compile must be True, False, \"auto\" or a dict"),
         (dict(timeout="soon"), "timeout must be"),
         (dict(inner_ring_size=0), "inner_ring_size must be a positive int or None"),
         (dict(attention="allgather", inner_ring_size=2), "inner_ring_size is for attention='ring' or '2d'"),
