@@ -86,7 +86,9 @@ SLOW_FIRST = (
     "tests/test_benchmarks_cpu.py::test_train_several_lengths_in_one_process",
     "tests/test_benchmarks_driver.py::test_driver_runs_a_suite_within_its_budget",
     "tests/test_cli.py::test_console_script_two_processes",
-    "tests/test_parity.py::test_training_parity_mlp_tiles_compiled_without_checkpointing",
+    "tests/test_parity.py::test_training_parity_compile",  # Inductor; then the compile pool's other tests of the file,
+    "tests/test_parity.py::test_training_parity_mlp_tiles_compiled_without_checkpointing",  # on the same worker (one pool)
+    "tests/test_parity.py::test_training_parity_offload_params_compiled",
     "tests/test_checkpoint_compile.py::test_parallelize_compiles_checkpointed_and_offloaded_blocks",
     "tests/test_checkpoint_compile.py::test_strategy_trains_compiled_checkpointed_and_offloaded_blocks_like_one_device",
     "tests/test_hf_hybrid.py::test_more_families_train_exactly_under_the_strategy",

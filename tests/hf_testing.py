@@ -191,10 +191,12 @@ def _capture_callback():
 
 
 def train_under_strategy(rank: int, world_size: int, model: Any, data: dict[str, torch.Tensor], *, steps: int = 1,
-                         strategy_kwargs: dict[str, Any] | None = None, **module_kwargs: Any) -> dict[str, Any] | None:
+                         strategy_kwargs: dict[str, Any] | None = None, full_state: bool = False,
+                         **module_kwargs: Any) -> dict[str, Any] | None:
     """Run on every pooled rank: ``steps`` steps of CausalLMModule(model) under SequenceParallelStrategy
     (sp = world size). Returns, on rank 0: full logits of the first step, logged losses, full
-    gradients of the first step, the final full state dict (HF names)."""
+    gradients of the first step and, with ``full_state``, the final full state dict (HF names; gathering it
+    was a sixth of a one-step fit, for the one test that reads it)."""
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LOCAL_RANK", str(rank))
     import lightning as L
@@ -215,11 +217,15 @@ def train_under_strategy(rank: int, world_size: int, model: Any, data: dict[str,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[capture])
     trainer.fit(module, train_dataloaders=loader)
-    state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = None
+    if full_state:  # a collective: every rank takes part
+        state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    return {"logits": capture.logits[0], "losses": capture.losses, "grads": capture.grads,
-            "state": {k.removeprefix("hf."): v for k, v in state.items()}}
+    out = {"logits": capture.logits[0], "losses": capture.losses, "grads": capture.grads}
+    if state is not None:
+        out["state"] = {k.removeprefix("hf."): v for k, v in state.items()}
+    return out
 
 
 def train_each(rank: int, world_size: int, models: list[Any], data: dict[str, torch.Tensor], **kwargs: Any) -> list[Any] | None:

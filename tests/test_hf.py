@@ -91,7 +91,7 @@ def test_save_pretrained_round_trip(models, tmp_path):
     """hf_save_dir: the folder written after 2 steps under the strategy is a plain transformers model with the trained weights."""
     refs, data = models
     out = tmp_path / "trained"
-    result = run_distributed(train_each, 2, [refs["qwen2"][0]], data, steps=2, hf_save_dir=str(out),
+    result = run_distributed(train_each, 2, [refs["qwen2"][0]], data, steps=2, hf_save_dir=str(out), full_state=True,
                              strategy_kwargs={"attention": "ring"}, timeout=TIMEOUT)[0][0]
     assert len(result["losses"]) == 2
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)

@@ -149,14 +149,27 @@ def test_hybrid_models_match_the_unmodified_model(world_size, layout):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """{kind: (folder, reference logits, loss, gradients)} of tests/hf_testing.py's tiny hybrids, one batch."""
-    from hf_testing import batch, reference, save_tiny_model
+def folder(tmp_path_factory):
+    """``folder(kind)``: tests/hf_testing.py's tiny model of ``kind`` saved once for every fixture below that reads it."""
+    from hf_testing import save_tiny_model
 
-    root = tmp_path_factory.mktemp("hf-hybrid")
+    root, paths = tmp_path_factory.mktemp("hf-hybrid"), {}
+
+    def get(kind: str) -> str:
+        if kind not in paths:
+            paths[kind] = save_tiny_model(kind, str(root / kind))
+        return paths[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def saved(folder):
+    """{kind: (folder, reference logits, loss, gradients)} of tests/hf_testing.py's tiny hybrids, one batch."""
+    from hf_testing import batch, reference
+
     data = batch()
-    return {kind: (path, *reference(path, data)) for kind in STRATEGY_KINDS
-            for path in [save_tiny_model(kind, str(root / kind))]}, data
+    return {kind: (path, *reference(path, data)) for kind in STRATEGY_KINDS for path in [folder(kind)]}, data
 
 
 STRATEGY_KINDS = ("lfm2", "bamba", "qwen3_next", "qwen3_5")
@@ -245,15 +258,12 @@ def test_packed_documents_reset_the_state_on_one_device():
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory):
+def packed(folder):
     """{kind: (folder, per-document reference logits, loss, gradients)} and the packed batch of tests/test_hf_documents.py."""
-    from hf_testing import save_tiny_model
     from test_hf_documents import packed_batch, per_document_reference
 
-    root = tmp_path_factory.mktemp("hf-hybrid-docs")
     data = packed_batch()
-    return {kind: (path, *per_document_reference(path, data)) for kind in STRATEGY_KINDS
-            for path in [save_tiny_model(kind, str(root / kind))]}, data
+    return {kind: (path, *per_document_reference(path, data)) for kind in STRATEGY_KINDS for path in [folder(kind)]}, data
 
 
 @pytest.mark.parametrize("world,attention", [(2, "ring"), (4, "allgather")])
@@ -272,9 +282,9 @@ PACKED_36 = ((1, 6, 17, 12), (3, 1, 1, 31))  # S = 36: divisible by 2 x 3 (zigza
 
 
 @pytest.fixture(scope="module")
-def saved_36(tmp_path_factory):
+def saved_36(folder):
     """A plain and a packed batch of 36 tokens, with the references of every hybrid (sp = 3 needs 6 | S)."""
-    from hf_testing import reference, save_tiny_model
+    from hf_testing import reference
 
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 97, (2, 37), generator=g)
@@ -284,9 +294,8 @@ def saved_36(tmp_path_factory):
     labels = torch.where(doc[:, 1:] == doc[:, :-1], plain["input_ids"][:, 1:], -100)
     packed = {"input_ids": plain["input_ids"], "labels": torch.cat([labels, torch.full((2, 1), -100)], dim=1),
               "document_ids": doc, "position_ids": plain["position_ids"]}
-    root = tmp_path_factory.mktemp("hf-hybrid-36")
     kinds = (*STRATEGY_KINDS, *MORE_KINDS)
-    paths = {kind: save_tiny_model(kind, str(root / kind)) for kind in kinds}
+    paths = {kind: folder(kind) for kind in kinds}
     refs_plain = {kind: reference(paths[kind], plain) for kind in STRATEGY_KINDS}
     refs_packed = {kind: _per_document_reference(paths[kind], packed, PACKED_36) for kind in kinds}
     return paths, (plain, refs_plain), (packed, refs_packed)
@@ -360,13 +369,12 @@ def test_more_families_are_replaced_and_reset_at_documents_on_one_device():
 
 
 @pytest.fixture(scope="module")
-def more_saved(tmp_path_factory):
+def more_saved(folder):
     """The tiny models of MORE_KINDS saved, with the references of a plain and of a packed batch."""
-    from hf_testing import batch, reference, save_tiny_model
+    from hf_testing import batch, reference
     from test_hf_documents import packed_batch, per_document_reference
 
-    root = tmp_path_factory.mktemp("hf-hybrid-more")
-    paths = {kind: save_tiny_model(kind, str(root / kind)) for kind in MORE_KINDS}
+    paths = {kind: folder(kind) for kind in MORE_KINDS}
     plain, packed = batch(), packed_batch()
     return paths, {"plain": (plain, {k: reference(p, plain) for k, p in paths.items()}),
                    "packed": (packed, {k: per_document_reference(p, packed) for k, p in paths.items()})}
