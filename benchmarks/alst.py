@@ -3,6 +3,8 @@
     PYTHONPATH=$PWD:/tmp/ds python benchmarks/alst.py --model llama-1b,llama3-8b-lora \
         --seqs 32768,131072,262144,524288 --out $OUT/alst.json
     PYTHONPATH=$PWD:/tmp/ds python benchmarks/alst.py --tiny --seqs 64,128      # CPU smoke run, tiny Llama
+    PYTHONPATH=$PWD:/tmp/site python benchmarks/alst.py --model llama3-8b --recipe offload --seqs 131072   # ALST's own
+    PYTHONPATH=$PWD:/tmp/ds python benchmarks/alst.py --tiny --recipe offload --seqs 64  # its CPU smoke run
 
 (``/tmp/ds``: DeepSpeed installed without ops, ``pip install --no-index --no-deps --target /tmp/ds .whl4/*.whl``.)
 
@@ -46,6 +48,27 @@ at one GPU ZeRO partitions over one rank and would only add the engine's buffers
 op). Liger kernels (ALST uses them for RMSNorm / RoPE / SwiGLU) are not installed: the model runs transformers'
 own modules, as ours does. Attention is transformers' SDPA (flash backend on the GPU; flash-attn is absent).
 
+Note [ALST's offload recipe on one GPU]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``--recipe offload`` is ALST's own one-GPU recipe for a FULL fine-tune, ArcticTraining's
+``projects/sequence-parallelism/run-h200-sp1-llama-8b-liger-offload-tiled-mlp.yml`` (Llama-3.1-8B, "max_length:
+1_200_000 # ok 136.15 GB" on one H200; its H100 twin ``run-h100-sp1-llama-8b.yml``: 500,000), through DeepSpeed's API
+(not through TRL): ``deepspeed.initialize`` with ``zero_optimization: {stage: 3, offload_optimizer: {device: cpu},
+offload_param: {device: cpu}}`` and bf16 (fp32 master weights and Adam states on the host), the optimizer
+``DeepSpeedCPUAdam`` (the recipe's ``cpu_adam``, lr 1e-5; JIT-built on the machine: ninja and a C++ compiler; where the
+build fails, torch's AdamW on the host with ``zero_force_ds_cpu_optimizer: false``, recorded as ``optimizer``), the
+model built under ZeRO-3's partitioned init (``HfDeepSpeedConfig``, as transformers does for a ZeRO-3 run), Liger's
+RoPE / RMSNorm / SwiGLU (the recipe's ``model: type: liger``; ``apply_liger_kernel_to_llama``), tiled MLPs
+(``tiled_mlp_compute: true``), reentrant gradient checkpointing with the checkpointed inputs offloaded to the host
+(``activation_checkpoint_cpu_offload: true``), ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``. Two
+departures, stated in every record (``departures``): the loss is DeepSpeed's ``TiledFusedLogitsLoss`` (ALST's
+tiled logits+loss; ArcticTraining at one GPU calls Liger's fused linear cross entropy, which reads
+``lm_head.weight`` outside ``lm_head``'s forward, where ZeRO-3 has not gathered it: the two hold the same memory,
+one (S / shards, vocab) fp32 tile), and attention is ``--attn`` (the recipe's flash_attention_3 needs Hopper wheels
+the image lacks; SDPA's flash backend or flash-attention 4 stand in). ``--layers N`` builds the same width with N
+layers (the per-layer memory at lengths whose full-depth step is longer than one run). Host memory: the peak RSS
+(``ru_maxrss``, pinned buffers included once touched) and DeepSpeed's offload estimate (~18 bytes a parameter).
+
 For each model and length: the model is built from its config (random init, seed 0, bf16, on the device), trained
 2 optimizer steps at batch 1 on the random tokens of benchmarks/memory_plan.py (same generator, same labels); one
 record per length with the second step's time and tokens/s, ``torch.cuda.max_memory_allocated`` /
@@ -78,6 +101,7 @@ MODELS = {
     # name -> (config dict, LoRA?, record's model name)
     "llama-1b": (LLAMA_1B, False, "hf-llama-3.2-1b-shaped"),
     "llama3-8b-lora": (LLAMA3_8B, True, "hf-llama-3-8b-shaped-lora"),
+    "llama3-8b": (MEMORY_SHAPES["llama-3-8b"], False, "hf-llama-3-8b-shaped"),  # --recipe offload: the full fine-tune
 }
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=4096, tie_word_embeddings=True,
@@ -236,6 +260,111 @@ def run(spec: dict, *, lora: bool, seq: int, steps: int, shard_gb: float, device
         row.update(peak_mem_gb=None)
 
 
+def ds_config(*, torch_optimizer: bool) -> dict:
+    """The recipe's DeepSpeed config (Note [ALST's offload recipe on one GPU]): ZeRO-3, parameters and optimizer on the host."""
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+            "zero_force_ds_cpu_optimizer": not torch_optimizer, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+
+
+def cpu_adam(params, *, lr: float):
+    """The recipe's ``cpu_adam`` (DeepSpeed JIT-builds the op), or None with the reason when it does not build here."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=lr, weight_decay=0.0, adamw_mode=True), None
+    except Exception as error:  # noqa: BLE001 - no compiler / ninja on the machine: recorded, torch AdamW instead
+        return None, error_text(error, 300)
+
+
+def _init_distributed(device: str) -> None:
+    import deepspeed
+
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"), RANK="0",
+                           LOCAL_RANK="0", WORLD_SIZE="1").items():
+        os.environ.setdefault(key, value)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
+
+
+def run_offload(spec: dict, *, seq: int, steps: int, shard_gb: float, device: str, attn: str, row: dict) -> None:
+    """Train ``steps`` steps at ``seq`` tokens with ALST's own one-GPU offload recipe; fills ``row``."""
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    _init_distributed(device)
+    liger = None
+    try:  # the recipe's ``model: type: liger``: Liger's RoPE, RMSNorm and SwiGLU in the transformers Llama
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        if device == "cuda":
+            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False)
+            liger = "rope, rms_norm, swiglu"
+    except ImportError as error:
+        liger = f"not installed ({error})"
+    spec = dict(spec)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    probe = torch.nn.Linear(1, 1)
+    optimizer, why = cpu_adam([probe.weight], lr=1e-5)  # does the op build here? (the real one is made below)
+    conf = ds_config(torch_optimizer=optimizer is None)
+    keep = HfDeepSpeedConfig(conf)  # noqa: F841 - alive while the model is built: transformers builds it under zero.Init
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
+    for layer in model.model.layers:
+        layer.mlp = TiledMLPBlock(layer.mlp, hidden_size=config.hidden_size)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer is not None:
+        optimizer, _ = cpu_adam(params, lr=1e-5)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=conf)
+    vocab = config.vocab_size
+    shards = loss_shards(seq, vocab, shard_gb)
+    row.update(init_s=time.perf_counter() - t0, trainable_params=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params),
+               loss_shards=shards, mlp_shards=math.ceil(seq / config.hidden_size), liger=liger, attention=attn,
+               optimizer=type(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).__name__,
+               cpu_adam_error=why, zero=conf["zero_optimization"], master_weights="fp32 (ZeRO-3 optimizer on the host)",
+               precision="bf16 (DeepSpeed bf16: fp32 master weights and Adam states)",
+               departures=["loss: DeepSpeed TiledFusedLogitsLoss for Liger's fused linear cross entropy",
+                           f"attention: {attn} for flash_attention_3"])
+    if device == "cuda":
+        row.update(model_mem_gb=torch.cuda.memory_allocated() / 1e9)
+        torch.cuda.reset_peak_memory_stats()
+    g = torch.Generator().manual_seed(0)  # benchmarks/memory_plan.py's tokens and labels
+    times: list[float] = []
+    losses: list[float] = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (seq,), generator=g)
+        labels = torch.cat([ids[1:], torch.tensor([-100])])
+        ids, labels = ids[None].to(engine.device), labels[None].to(engine.device)  # (1, S)
+        _sync(device)
+        t0 = time.perf_counter()
+        offload = offload_context()
+        with offload:
+            loss = alst_loss(engine.module, ids, labels, shards=shards)
+            engine.backward(loss)
+        engine.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        del loss
+    stats = offload.stats
+    row.update(step_time_s=times[-1], step_times_s=times, tokens_per_s=seq / times[-1], losses=losses,
+               offload={"offloaded": stats.offloaded_tensors, "kept_on_gpu": stats.kept_last_tensors,
+                        "offloaded_gb": stats.offloaded_bytes / 1e9},
+               offload_host_gb_estimate=offload_host_bytes(spec, seq) / 1e9,
+               zero_host_gb_estimate=18 * row["trainable_params"] / 1e9)
+    if device == "cuda":
+        row.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9)
+    else:
+        row.update(peak_mem_gb=None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-1b", help=f"comma-separated, of {sorted(MODELS)}")
@@ -244,6 +373,11 @@ def main() -> None:
     ap.add_argument("--loss-shard-gb", type=float, default=1.0, help="GiB of fp32 logits per loss tile (ALST: 1)")
     ap.add_argument("--max-minutes", type=float, default=8.0, help="lengths not started by then are recorded as skipped")
     ap.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU (smoke run)")
+    ap.add_argument("--recipe", choices=("pieces", "offload"), default="pieces",
+                    help="pieces: ALST's tiled pieces with torch AdamW on the GPU (Note [ALST on one GPU]); offload: ALST's own "
+                         "full fine-tune recipe, ZeRO-3 with parameters and optimizer on the host (Note [ALST's offload recipe on one GPU])")
+    ap.add_argument("--layers", type=int, default=None, help="--recipe offload: the model's width with this many layers")
+    ap.add_argument("--attn", default="sdpa", help="--recipe offload: transformers' attn_implementation")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=os.environ.get("SEQPAR_COMMIT", "unknown"))
     args = ap.parse_args()
@@ -267,6 +401,13 @@ def main() -> None:
         spec, lora, model_name = MODELS[name]
         if args.tiny:
             spec, model_name = TINY, model_name.replace("-shaped", "-shaped-tiny")
+        if offload and spec.get("tie_word_embeddings"):  # TiledFusedLogitsLoss's in-forward backward meets the embedding's
+            spec = dict(spec, tie_word_embeddings=False)  # gradient of the same ZeRO-3 parameter twice (the 8B is untied)
+        if args.layers:
+            spec, model_name = dict(spec, num_hidden_layers=args.layers), f"{model_name}-{args.layers}-layers"
+        offload = args.recipe == "offload"
+        if offload and lora:
+            raise SystemExit(f"--recipe offload is ALST's full fine-tune recipe; {name!r} is a LoRA run (--recipe pieces)")
         stop: str | None = None
         for seq in (int(s) for s in args.seqs.split(",")):
             row: dict[str, Any] = dict(
@@ -274,7 +415,10 @@ def main() -> None:
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 device_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else None,
                 precision="bf16-true", lora=lora, batch_size=1, steps=args.steps, loss_shard_gb=args.loss_shard_gb,
-                recipe="TiledMLP+TiledFusedLogitsLoss+HF reentrant checkpointing+CheckpointHiddenStatesOffload, torch AdamW",
+                recipe=("ArcticTraining run-h200-sp1-llama-8b-liger-offload-tiled-mlp.yml: ZeRO-3 parameter and optimizer "
+                        "offload, cpu_adam, Liger, TiledMLP, CheckpointHiddenStatesOffload" if offload else
+                        "TiledMLP+TiledFusedLogitsLoss+HF reentrant checkpointing+CheckpointHiddenStatesOffload, torch AdamW"),
+                layers=spec["num_hidden_layers"],
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), deepspeed=deepspeed.__version__,
                 torch=torch.__version__, commit=args.commit)
             host = host_memory_bytes()
@@ -288,7 +432,11 @@ def main() -> None:
                 row.update(error=f"skipped: --max-minutes {args.max_minutes} passed")
             else:
                 try:
-                    run(spec, lora=lora, seq=seq, steps=args.steps, shard_gb=args.loss_shard_gb, device=device, row=row)
+                    if offload:
+                        run_offload(spec, seq=seq, steps=args.steps, shard_gb=args.loss_shard_gb, device=device,
+                                    attn=args.attn, row=row)
+                    else:
+                        run(spec, lora=lora, seq=seq, steps=args.steps, shard_gb=args.loss_shard_gb, device=device, row=row)
                 except Exception as error:  # noqa: BLE001 - an OOM is a result: record it, skip this model's longer lengths
                     oom = isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
                     row.update(error=error_text(error, 600), oom=oom)
@@ -297,7 +445,8 @@ def main() -> None:
                                    peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9)
                     if oom:
                         stop = f"out of memory at S={seq}"
-            row.update(host_maxrss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
+            row.update(host_maxrss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+                       host_memory_gb=host_memory_bytes() / 1e9)
             print(f"[alst] {model_name} S={seq}: " + ", ".join(f"{k}={row[k]}" for k in (
                 "peak_mem_gb", "peak_reserved_gb", "step_time_s", "tokens_per_s", "losses", "offload", "error") if k in row),
                 flush=True)

@@ -27,6 +27,7 @@ import argparse
 import datetime
 import math
 import os
+import resource
 import sys
 import time
 import traceback
@@ -468,7 +469,7 @@ def run_memory(args, seq: int, row: dict) -> None:
     if args.snapshot and cuda:  # every allocation with its Python stack; open the file in https://pytorch.org/memory_viz
         torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
     try:
-        row["global_step"] = _fit(config, data, strategy, steps=args.steps, precision="bf16-true", callbacks=[StopAfter()], cuda=cuda,
+        row["global_step"] = _fit(config, data, strategy, steps=args.steps, precision=args.precision, callbacks=[StopAfter()], cuda=cuda,
                                   lora=lora, loss_chunk=args.loss_chunk, ckpt_path=resume).global_step
         row["resumed_from_step"] = None if resume is None else row["global_step"] - len(times)
     finally:  # the plan is known before the first step, also when a step runs out of memory
@@ -484,7 +485,8 @@ def run_memory(args, seq: int, row: dict) -> None:
                        estimate_host_gb=est.host / 1e9, estimate_gb=est.total / 1e9, estimate_allocated_gb=est.allocated / 1e9,
                        estimate_terms_gb={k: v / 1e9 for k, v in est.terms().items()})
         row.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
-                   peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0)
+                   peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
+                   host_maxrss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
     row.update(step_time_s=times[-1], tokens_per_s=seq / times[-1], losses=losses,
                measured_over_estimate=row["peak_mem_gb"] / row["estimate_allocated_gb"] if row.get("estimate_allocated_gb") else None,
                model_states_gb=kept["start"] / 1e9, kept_gb=(kept["backward"] - kept["start"]) / 1e9,
@@ -497,7 +499,7 @@ def memory(args) -> None:
     name = f"hf-{args.model}-shaped" + (f"-lora{args.lora}" if args.lora else "")
     for seq in (int(s) for s in args.seqs.split(",")):
         row = dict(bench="memory_plan", system=args.system, model=name, seq=seq, gpus=1, device=device, device_memory_gb=total,
-                   precision="bf16-true", lora_rank=args.lora, steps=args.steps, loss_chunk_size=args.loss_chunk if args.system == "seqpar" else None,
+                   precision=args.precision, lora_rank=args.lora, steps=args.steps, loss_chunk_size=args.loss_chunk if args.system == "seqpar" else None,
                    torch=torch.__version__, commit=args.commit, **({"memory": "manual"} if args.memory == "manual" else {}))
         if failed is not None:
             row.update(error=f"skipped: {failed} did not fit")
@@ -532,7 +534,7 @@ OPTIONS: dict[str, dict] = {  # each mode's options and defaults (True / False: 
     # memory: --lora R: rank R on every linear layer (0: full fine-tune); --plan-seq: plan for this length instead; --options
     # "head_chunks=8,offload_params=true"; --snapshot DIR: the CUDA allocator's history (https://pytorch.org/memory_viz)
     "memory": dict(seqs="32768,131072,262144", model="llama-3.2-1b", max_minutes=25.0, memory="auto", lora=0, system="seqpar", ckpt_dir=None,
-                   stop_after=None, plan_seq=None, options="", snapshot=None, steps=2, loss_chunk=8192),
+                   stop_after=None, plan_seq=None, options="", snapshot=None, steps=2, loss_chunk=8192, precision="bf16-true"),
 }
 _INTS = ("stop_after", "plan_seq")
 
