@@ -401,11 +401,11 @@ def main() -> None:
         spec, lora, model_name = MODELS[name]
         if args.tiny:
             spec, model_name = TINY, model_name.replace("-shaped", "-shaped-tiny")
+        offload = args.recipe == "offload"
         if offload and spec.get("tie_word_embeddings"):  # TiledFusedLogitsLoss's in-forward backward meets the embedding's
             spec = dict(spec, tie_word_embeddings=False)  # gradient of the same ZeRO-3 parameter twice (the 8B is untied)
         if args.layers:
             spec, model_name = dict(spec, num_hidden_layers=args.layers), f"{model_name}-{args.layers}-layers"
-        offload = args.recipe == "offload"
         if offload and lora:
             raise SystemExit(f"--recipe offload is ALST's full fine-tune recipe; {name!r} is a LoRA run (--recipe pieces)")
         stop: str | None = None
