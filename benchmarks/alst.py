@@ -287,8 +287,10 @@ def _init_distributed(device: str) -> None:
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
 
 
-def run_offload(spec: dict, *, seq: int, steps: int, shard_gb: float, device: str, attn: str, row: dict) -> None:
-    """Train ``steps`` steps at ``seq`` tokens with ALST's own one-GPU offload recipe; fills ``row``."""
+def run_offload(spec: dict, *, seq: int, steps: int, shard_gb: float, device: str, attn: str, row: dict,
+                inspect=None) -> None:
+    """Train ``steps`` steps at ``seq`` tokens with ALST's own one-GPU offload recipe; fills ``row``. ``inspect``: called
+    with the DeepSpeed engine before the first step (tests read the initial weights there)."""
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
@@ -323,6 +325,8 @@ def run_offload(spec: dict, *, seq: int, steps: int, shard_gb: float, device: st
     else:
         optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=conf)
+    if inspect is not None:
+        inspect(engine)
     vocab = config.vocab_size
     shards = loss_shards(seq, vocab, shard_gb)
     row.update(init_s=time.perf_counter() - t0, trainable_params=sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params),

@@ -521,11 +521,17 @@ _FINETUNE_SYSTEMS = {"seqpar": "**ours** (memory=\"auto\")", "transformers": "tr
                      "alst": "ALST (DeepSpeed 0.19.8, one GPU)"}
 
 
+def _frontier_run(r: dict) -> bool:
+    """A run of the one-GPU frontier (issue #56): ALST's own offload recipe, or ours with fp32 master weights beside it."""
+    return (r.get("bench") == "alst" and str(r.get("recipe", "")).startswith("ArcticTraining")) or (
+        r.get("bench") == "memory_plan" and r.get("precision") == "bf16-mixed")
+
+
 def finetune_table(rows: list[dict]) -> str:
     """hf.py memory (ours with memory="auto", plain transformers + peft) and alst.py on one GPU: the latest run of each
     (device, model, S, system), 2 optimizer steps each; ours with the planner's estimate."""
     runs = last_by([r for r in rows if r.get("bench") in ("memory_plan", "alst") and not r.get("plan_seq") and not r.get("options")
-                    and r.get("memory") != "manual"],
+                    and r.get("memory") != "manual" and not _frontier_run(r)],
                    lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
     order = {"seqpar": 0, "transformers": 1, "alst": 2}
     out = []
@@ -558,6 +564,32 @@ def finetune_table(rows: list[dict]) -> str:
                     f(est, ".1f") if est else "·", options or "·", per_gb, speed, f"{device}, {when(r)}"])
     return table(["model", "S", "system", "tokens/s", "peak GB", "planner estimate GB", "planner's options", "tokens per GB",
                   "tokens/s vs transformers", "device, commit, date"], out)
+
+
+def frontier_table(rows: list[dict]) -> str:
+    """The one-GPU frontier (issue #56): a full fine-tune, ours (memory="auto", bf16-mixed: fp32 master weights) against
+    ALST's own offload recipe (benchmarks/alst.py --recipe offload: ZeRO-3, fp32 masters on the host), same machine;
+    the latest run of each (device, model, S, system). Memory: the allocator's peak reserved (and allocated) GB, the
+    process's peak host RSS."""
+    runs = last_by([r for r in rows if _frontier_run(r)], lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
+    out = []
+    for (device, model, seq, system), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3] != "seqpar")):
+        error = r.get("error")
+        alst = runs.get((device, model, seq, "alst")) if system == "seqpar" else None
+        speed = ratio(_num(r, "tokens_per_s"), _num(alst, "tokens_per_s")) if alst and not alst.get("error") and not error else "·"
+        if system == "seqpar":
+            plan = r.get("plan") or {}
+            how = "memory=\"auto\": " + (", ".join(k if v is True else f"{k}={v}" for k, v in plan.items()
+                                                  if v is True or not isinstance(v, bool) and v not in (None, 1)) or "defaults")
+            label = "**ours**"
+        else:
+            how = f"ZeRO-3 offload, {r.get('optimizer')}, Liger ({r.get('liger')}), TiledMLP, checkpoint offload, {r.get('attention')}"
+            label = f"ALST's recipe (DeepSpeed {r.get('deepspeed')})"
+        tokens = "out of memory" if error and "out of memory" in error else (error[:40] if error else f(_num(r, "tokens_per_s"), ",.0f"))
+        out.append([model.removeprefix("hf-"), seq_k(seq), label, how, "fp32", tokens, speed, f(_num(r, "peak_reserved_gb"), ".1f"),
+                    f(_num(r, "peak_mem_gb"), ".1f"), f(_num(r, "host_maxrss_gb"), ".1f"), f"{device}, {when(r)}"])
+    return table(["model", "S", "system", "settings", "master weights", "tokens/s", "vs ALST", "peak reserved GB",
+                  "peak allocated GB", "host peak GB", "device, commit, date"], out)
 
 
 def delta_rule_table(rows: list[dict]) -> str:
@@ -660,6 +692,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "hf-families-gpus": hf_families_gpus_table,
     "delta-rule": delta_rule_table,
     "hf-family": hf_family_table, "hf-family-all": lambda rows: hf_family_table(rows, every=True), "window": window_table, "finetune-one-gpu": finetune_table,
+    "frontier-one-gpu": frontier_table,
     "attention-grid": attention_grid,
     "suites": suites_table,
     "train": train_table, "longest": longest_table, "attention": attention_table, "scaling": scaling_table,

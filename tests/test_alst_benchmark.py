@@ -108,3 +108,34 @@ def test_tiny_run_writes_records(tmp_path):
         assert len(r["losses"]) == 2 and all(torch.isfinite(torch.tensor(r["losses"])))
         assert r["step_time_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["seq"] / r["step_time_s"])
         assert r["offload"]["marked"] == alst.TINY["num_hidden_layers"]
+
+
+def test_offload_recipe_trains_the_plain_models_loss():
+    """--recipe offload (ZeRO-3, parameters and optimizer on the host, CPU Adam): its first loss is the plain
+    transformers model's on the same initial weights and tokens (bf16), and both steps' losses are finite."""
+    import deepspeed
+
+    spec = dict(alst.TINY, tie_word_embeddings=False)
+    seq, first = 200, {}
+
+    def weights(engine):
+        params = dict(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            first.update({n.replace("mlp.mlp.", "mlp."): p.detach().clone() for n, p in params.items()})
+
+    row: dict = {}
+    alst.run_offload(spec, seq=seq, steps=2, shard_gb=1.0, device="cpu", attn="sdpa", row=row, inspect=weights)
+    assert row["optimizer"] == "DeepSpeedCPUAdam" or row["cpu_adam_error"], row
+    assert row["zero"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in spec.items()})
+    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    assert first and first.keys() == dict(ref.named_parameters()).keys()
+    ref.load_state_dict(first, strict=True)
+    g = torch.Generator().manual_seed(0)  # run_offload's tokens of step 1
+    ids = torch.randint(0, spec["vocab_size"], (seq,), generator=g)[None]
+    with torch.no_grad():
+        logits = ref(input_ids=ids, use_cache=False).logits.float()  # (1, S, V)
+    ref_loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+    assert row["losses"][0] == pytest.approx(float(ref_loss), rel=2e-2)
+    assert all(torch.isfinite(torch.tensor(row["losses"])))

@@ -181,7 +181,7 @@ def _record(**kw):
 
 
 def test_collect_merges_deduplicates_and_validates(tmp_path):
-    import report
+    from benchmarks import report
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps([_record(), _record(seq=262144)]))
@@ -268,7 +268,7 @@ def _attn(system, algorithm, tflops, peak, heads="32/8", gpus=4, seq=1048576, ch
 
 
 def test_attention_grid_table(tmp_path):
-    import report
+    from benchmarks import report
 
     grid_tables = lambda paths, seqs=None: report.attention_grid(report.load(paths), seqs)  # noqa: E731
     old, new = tmp_path / "20261121.json", tmp_path / "20261122.json"
@@ -306,7 +306,7 @@ def test_attention_grid_table(tmp_path):
 
 
 def test_longest_per_config_keeps_the_longest_that_trained():
-    import report
+    from benchmarks import report
 
     def rec(system, seq, *statuses, gpus=4):
         return dict(bench="longest", system=system, model="llama-7b", gpus=gpus, device="H200", seq=seq,
@@ -366,3 +366,23 @@ def test_context_extension_demonstration_runs_end_to_end(tmp_path):
         assert all(0.0 <= a <= 1.0 for a in accuracy.values())
     for files in summary["files"].values():
         assert {os.path.splitext(f)[1] for f in files} == {".json", ".png"} and all(os.path.exists(f) for f in files)
+
+
+def test_the_frontier_table_sets_ours_beside_alsts_recipe():
+    """frontier-one-gpu: ours (bf16-mixed) against ALST's offload recipe on the same device and length, with the
+    speed ratio, reserved / allocated GPU memory and host peak; other one-GPU runs stay in finetune-one-gpu."""
+    from benchmarks import report
+
+    base = dict(model="hf-llama-3-8b-shaped", seq=131072, device="NVIDIA H200", commit="abc1234", date="2026-11-28")
+    ours = dict(base, bench="memory_plan", system="seqpar", precision="bf16-mixed", tokens_per_s=3000.0, peak_reserved_gb=110.0,
+                peak_mem_gb=100.0, host_maxrss_gb=130.0, plan={"offload_params": True, "head_chunks": 1})
+    alst = dict(base, bench="alst", system="alst", recipe="ArcticTraining run-h200-sp1-llama-8b-liger-offload-tiled-mlp.yml",
+                tokens_per_s=1500.0, peak_reserved_gb=120.0, peak_mem_gb=50.0, host_maxrss_gb=250.0, optimizer="DeepSpeedCPUAdam",
+                liger="rope, rms_norm, swiglu", attention="sdpa", deepspeed="0.19.8")
+    pieces = dict(base, bench="alst", system="alst", recipe="TiledMLP+TiledFusedLogitsLoss", tokens_per_s=1.0, peak_mem_gb=1.0)
+    lines = report.frontier_table([ours, alst, pieces]).splitlines()
+    assert len(lines) == 4, lines
+    assert "| **ours** | memory=\"auto\": offload_params | fp32 | 3,000 | 2.00x | 110.0 | 100.0 | 130.0 |" in lines[2]
+    assert "ALST's recipe (DeepSpeed 0.19.8)" in lines[3] and "| 1,500 | · | 120.0 | 50.0 | 250.0 |" in lines[3]
+    finetune = report.finetune_table([ours, alst, pieces])
+    assert "3,000" not in finetune and "1,500" not in finetune and len(finetune.splitlines()) == 3  # only the pieces run

@@ -115,6 +115,13 @@ def test_the_longest_lengths_table_walks_each_system_to_its_first_limit():
         "| qwen3-8b | 4 x H200 | s | trl_cp | 524,288 | - | - | 655,360: oom | - |",
     ]
     assert longest([run("trl_cp", 131072), run("seqpar", 131072)])[2:] == []  # nobody met a limit at 128K: no rows
+    # a run that failed with an error (a kernel that did not load) is not a length's limit: no rows either
+    failed = run("deepspeed_alst", 65536, "error: ModuleNotFoundError: No module named 'cutlass.cute'", flags=["--liger"])
+    assert longest([run("trl_cp", 65536), run("seqpar", 65536), failed])[2:] == []
+    from benchmarks.peers.report import variant
+
+    assert variant(dict(failed, flags=["--liger", "--attn", "flash_attention_4"])) == "liger, attn flash_attention_4"
+    assert variant(dict(failed, flags=[])) == "as published" and variant(dict(failed, settings={"variant": "liger"})) == "liger"
     # a run for the longest (above 128K) shows its run group; a row of packed documents is its own system, not a dense length
     lines = longest([run("trl_cp", 524288), run("seqpar", 655360), run("seqpar", 1048576, documents=16),
                      dict(run("seqpar", 262144), group="r")])  # an older group: below the newest, under its anchor

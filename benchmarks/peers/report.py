@@ -60,7 +60,10 @@ def _system(r: dict) -> str:
 def variant(r: dict) -> str:
     """A peer's settings as run: "as published" (its published config; every record before issue #56) or the settings
     of its own docs it ran with (torchtitan's compile and full AC, TRL's Liger, ALST's flash-attention)."""
-    return (r.get("settings") or {}).get("variant") or "as published"
+    variant = (r.get("settings") or {}).get("variant")
+    if not variant and r.get("flags"):  # a run that failed before its runner wrote its settings: the flags it was given
+        variant = " ".join(r["flags"]).replace(" --", ", ").removeprefix("--")
+    return variant or "as published"
 
 
 def _system_cell(r: dict) -> str:
@@ -204,8 +207,9 @@ def _bounds(systems: dict[str, list[dict]]) -> dict[str, tuple[int | None, dict 
 
 
 def _shown(bounds: dict[str, tuple[int | None, dict | None]]) -> bool:
-    """A run group's rows are a longest-length table row set once a system met a limit or trained above 128K."""
-    return any(stop is not None or (ok or 0) > 131072 for ok, stop in bounds.values())
+    """A run group's rows are a longest-length table row set once a system met a limit (out of memory or time; a run
+    that failed with an error is not a length's limit) or trained above 128K."""
+    return any(stop is not None and str(stop.get("status")).startswith(("oom", "timeout")) or (ok or 0) > 131072 for ok, stop in bounds.values())
 
 
 if __name__ == "__main__":

@@ -626,9 +626,10 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
 # Selective Checkpoint++ block) as liger-kernel's kernels do, so the package as ``pip install`` gives it needs no
 # extra for them: one Llama-3-8B block over 32K tokens on one H200, 204 -> 180 ms (liger-kernel: 184 ms); Llama-3-8B
 # at 64K on 2 x H200 without the ``gpu`` extra, 4,225 -> 4,743 tokens/s/GPU, ahead of torchtitan with its own
-# compile (4,431) on the same machine (docs/benchmarks.md). The cost: the first step compiles (Llama-3-8B on
+# compile (4,431) on the same machine (docs/benchmarks.md); the default itself, in a later lease: 4,754 against
+# 4,517; at 128K on 4 x H200, level with it (3,112 against 3,115). The cost: the first step compiles (Llama-3-8B on
 # 2 x H200: 26 s on a fresh machine, 12 s with warm caches, against 9 s eager; one graph per block class, reused
-# by every block). The default itself, checked on 2 x H200: 4,718 tokens/s/GPU. Off elsewhere: on CPU (Inductor's C++ build
+# by every block). Off elsewhere: on CPU (Inductor's C++ build
 # for a short run), and for transformers models and a user's own model, where it measured no faster (Qwen3-8B
 # at 64K, 3,731 -> 3,734) or was not measured on a GPU. ``compile=False`` turns it off, ``True`` or a dict of
 # ``torch.compile`` arguments turns it on for any model.
