@@ -118,7 +118,8 @@ def test_seqpar_plan_cli_prints_the_table(capsys):
     (["--gpus", "0"], "--gpus"),
     (["--gpus-per-node", "0"], "--gpus-per-node"),
     (["--gpu-memory", "80TB"], "--gpu-memory: expected a size (80GB, 141GB, 75GiB; a bare number is GB) or a GPU name (H100, H200)"),
-    (["--host-memory", "0"], "--host-memory: expected GB > 0"),
+    (["--host-memory", "0"], "--host-memory: expected a size > 0 (250GB, 240GiB; a bare number is GB), got '0'"),
+    (["--host-memory", "1TB"], "--host-memory: expected a size > 0"),
 ])
 def test_seqpar_plan_rejects_bad_arguments_by_name(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -214,3 +215,10 @@ def test_compile_auto_is_on_for_the_package_models_on_cuda_only():
         assert resolve_compile([own], config=StrategyConfig(compile=given), site=cpu).compile_kwargs == kwargs
     with pytest.raises(ValueError, match='compile must be True, False, "auto"'):
         StrategyConfig(compile="yes")
+
+
+def test_host_memory_takes_the_sizes_gpu_memory_takes():
+    from lightning_seqpar.cli.plan import parse_size
+
+    assert parse_size("250GB") == parse_size("250") == 250e9 and parse_size("240GiB") == 240 * 2**30
+    assert parse_size(" 1.5 gb ") == 1.5e9

@@ -299,7 +299,7 @@ def test_long_warmup_warns_and_untrained_validation_logs_zero():
     (["--seq", "3", "--gpus", "4"], r"--seq 3: every length is shorter than the GPU counts 4"),
     (["--seq", "1K", "--gpus", "3"], r"--gpus 3: the sequence of --seq 1024 is split over all 3 GPUs and must be a multiple of 3"),
     (["--seq", "1K", "--gpus", "4", "--precision", "bogus"], r"--precision: 'bogus' is not one of"),
-    (["--seq", "1K", "--gpus", "4", "--host-memory", "nan"], r"--host-memory: expected GB > 0 \(a finite number\), got nan"),
+    (["--seq", "1K", "--gpus", "4", "--host-memory", "nan"], r"--host-memory: expected a size > 0 \(250GB, 240GiB; a bare number is GB\), got 'nan'"),
 ])
 def test_seqpar_plan_refuses_what_it_cannot_plan(argv, match, capsys):
     from lightning_seqpar.cli.plan import plan_main

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ from lightning_seqpar.attention.cost import DeviceProfile
 from lightning_seqpar.planner.memory import PARAM_BYTES, TransformerShape, plan_memory
 from lightning_seqpar.planner.step_plan import GPU_MEMORY, MODELS, MemorySetting, ModelShape, all_linear_lora, table
 
-__all__ = ["memory_main", "parse_gpu_memory", "parse_lengths", "plan_main", "resolve_model"]
+__all__ = ["memory_main", "parse_gpu_memory", "parse_lengths", "parse_size", "plan_main", "resolve_model"]
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -60,6 +59,15 @@ def parse_gpu_memory(text: str) -> tuple[float, str]:
         raise ValueError(f"expected a size (80GB, 141GB, 75GiB; a bare number is GB) or a GPU name ({', '.join(GPU_MEMORY)}), "
                          f"got {text!r}")
     return float(match.group(1)) * (2**30 if match.group(2) == "GIB" else 1e9), "H200"
+
+
+def parse_size(text: str) -> float:
+    """A memory size in bytes: ``250GB`` / ``250`` (10^9 bytes) or ``240GiB`` (2^30 bytes), > 0 and finite. A ValueError
+    naming the forms for anything else."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(GB|GIB)?", str(text).strip().upper())
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"expected a size > 0 (250GB, 240GiB; a bare number is GB), got {text!r}")
+    return float(match.group(1)) * (2**30 if match.group(2) == "GIB" else 1e9)
 
 
 def resolve_model(text: str) -> ModelShape:
@@ -95,20 +103,25 @@ def resolve_model(text: str) -> ModelShape:
 
 
 def _memory_setting(ap: argparse.ArgumentParser, args: argparse.Namespace, gpu_memory: float) -> MemorySetting:
-    if args.host_memory is not None and not (math.isfinite(args.host_memory) and args.host_memory > 0):
-        ap.error(f"--host-memory: expected GB > 0 (a finite number), got {args.host_memory}")
+    host_memory = None
+    if args.host_memory is not None:
+        try:
+            host_memory = parse_size(args.host_memory)
+        except ValueError as error:
+            ap.error(f"--host-memory: {error}")
     if args.precision not in PARAM_BYTES:
         ap.error(f"--precision: {args.precision!r} is not one of the Trainer precisions the planner models: "
                  f"{', '.join(sorted(PARAM_BYTES))}")
     for flag, value in (("--loss-chunk", args.loss_chunk), ("--lora-r", args.lora_r)):
         if value < 0:
             ap.error(f"{flag}: expected an int >= 0, got {value}")
-    return MemorySetting(gpu_memory=gpu_memory, host_memory=None if args.host_memory is None else args.host_memory * 1e9,
+    return MemorySetting(gpu_memory=gpu_memory, host_memory=host_memory,
                          precision=args.precision, loss_chunk_size=args.loss_chunk or None, lora_r=args.lora_r)
 
 
 def _common_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--host-memory", type=float, default=None, help="GB of host memory available per GPU (default: unchecked)")
+    ap.add_argument("--host-memory", default=None, help="host memory available per GPU: 250GB, 240GiB or a bare number of GB "
+                    "(default: unchecked)")
     ap.add_argument("--precision", default="bf16-mixed", help="the Trainer's precision (bf16-mixed, bf16-true, 32-true)")
     ap.add_argument("--loss-chunk", type=int, default=8192, help="CausalLMModule's loss_chunk_size (0: the full logits)")
     ap.add_argument("--lora-r", type=int, default=0, help="LoRA rank on every linear layer (0: full training)")
