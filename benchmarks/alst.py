@@ -216,6 +216,39 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def batches(vocab: int, seq: int, steps: int, device: str, row: dict):
+    """benchmarks/memory_plan.py's tokens and labels, (1, S) each, one pair a step; the device's peak is reset (and the
+    model's memory recorded) before the first."""
+    if device == "cuda":
+        row.update(model_mem_gb=torch.cuda.memory_allocated() / 1e9)
+        torch.cuda.reset_peak_memory_stats()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (seq,), generator=g)
+        labels = torch.cat([ids[1:], torch.tensor([-100])])
+        yield ids[None].to(device), labels[None].to(device)  # (1, S)
+
+
+def timed_steps(step, update, pairs, device: str):
+    """Each (ids, labels) of ``pairs``: ``step`` (forward + backward, returns the loss) under DeepSpeed's checkpoint
+    offload, then ``update``; the seconds and loss of each step and the last step's offload stats."""
+    times: list[float] = []
+    losses: list[float] = []
+    offload = None
+    for ids, labels in pairs:
+        _sync(device)
+        t0 = time.perf_counter()
+        offload = offload_context()
+        with offload:
+            loss = step(ids, labels)
+        update()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        del loss
+    return times, losses, offload.stats
+
+
 def run(spec: dict, *, lora: bool, seq: int, steps: int, shard_gb: float, device: str, row: dict) -> None:
     """Train ``steps`` steps at ``seq`` tokens with ALST's pieces; fills ``row``."""
     dtype = torch.bfloat16
@@ -226,29 +259,16 @@ def run(spec: dict, *, lora: bool, seq: int, steps: int, shard_gb: float, device
     shards = loss_shards(seq, vocab, shard_gb)
     row.update(trainable_params=sum(p.numel() for p in trainable), loss_shards=shards,
                mlp_shards=math.ceil(seq / spec["hidden_size"]))
-    if device == "cuda":
-        row.update(model_mem_gb=torch.cuda.memory_allocated() / 1e9)
-        torch.cuda.reset_peak_memory_stats()
-    g = torch.Generator().manual_seed(0)  # benchmarks/memory_plan.py's tokens and labels
-    times: list[float] = []
-    losses: list[float] = []
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (seq,), generator=g)
-        labels = torch.cat([ids[1:], torch.tensor([-100])])
-        ids, labels = ids[None].to(device), labels[None].to(device)  # (1, S)
-        _sync(device)
-        t0 = time.perf_counter()
-        offload = offload_context()
-        with offload:
-            loss = alst_loss(model, ids, labels, shards=shards)
-            loss.backward()
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = alst_loss(model, ids, labels, shards=shards)
+        loss.backward()
+        return loss
+
+    def update() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-        del loss
-    stats = offload.stats
+
+    times, losses, stats = timed_steps(step, update, batches(vocab, seq, steps, device, row), device)
     row.update(step_time_s=times[-1], tokens_per_s=seq / times[-1], losses=losses,
                offload={"marked": stats.marked_tensors, "offloaded": stats.offloaded_tensors,
                         "kept_on_gpu": stats.kept_last_tensors, "skipped": stats.skipped_marked_tensors,
@@ -336,28 +356,12 @@ def run_offload(spec: dict, *, seq: int, steps: int, shard_gb: float, device: st
                precision="bf16 (DeepSpeed bf16: fp32 master weights and Adam states)",
                departures=["loss: DeepSpeed TiledFusedLogitsLoss for Liger's fused linear cross entropy",
                            f"attention: {attn} for flash_attention_3"])
-    if device == "cuda":
-        row.update(model_mem_gb=torch.cuda.memory_allocated() / 1e9)
-        torch.cuda.reset_peak_memory_stats()
-    g = torch.Generator().manual_seed(0)  # benchmarks/memory_plan.py's tokens and labels
-    times: list[float] = []
-    losses: list[float] = []
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (seq,), generator=g)
-        labels = torch.cat([ids[1:], torch.tensor([-100])])
-        ids, labels = ids[None].to(engine.device), labels[None].to(engine.device)  # (1, S)
-        _sync(device)
-        t0 = time.perf_counter()
-        offload = offload_context()
-        with offload:
-            loss = alst_loss(engine.module, ids, labels, shards=shards)
-            engine.backward(loss)
-        engine.step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-        del loss
-    stats = offload.stats
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = alst_loss(engine.module, ids, labels, shards=shards)
+        engine.backward(loss)
+        return loss
+
+    times, losses, stats = timed_steps(step, engine.step, batches(vocab, seq, steps, device, row), device)
     row.update(step_time_s=times[-1], step_times_s=times, tokens_per_s=seq / times[-1], losses=losses,
                offload={"offloaded": stats.offloaded_tensors, "kept_on_gpu": stats.kept_last_tensors,
                         "offloaded_gb": stats.offloaded_bytes / 1e9},
