@@ -98,12 +98,19 @@ def test_the_wheel_ships_the_recipes_and_runs_one_by_name_outside_the_repository
     away = tmp_path / "elsewhere"
     away.mkdir()
     env = {**env, "PATH": f"{bindir}{os.pathsep}{env.get('PATH', '')}"}
-    # one interpreter for the package's location, `seqpar recipes` and `seqpar recipes cp` (each start imports torch)
-    listing = _run([python, "-c", "from lightning_seqpar.cli import seqpar as c; print(c.__file__); print(c.RECIPES_DIR); "
-                    "c.main(['recipes']); c.main(['recipes', 'cp', 'quickstart', 'mine.yaml'])"], away, env)
+    # one interpreter (each start imports torch and Lightning: 8 CPU-s) for the package's location, `seqpar recipes`,
+    # `seqpar recipes cp` and then the installed console script itself (the file pip wrote, run as its shebang's
+    # interpreter runs it: `seqpar fit --config quickstart --print_config`, which prints and exits)
+    script = bindir / "seqpar"
+    assert script.read_text().startswith(f"#!{python}"), script.read_text()  # the venv's interpreter runs it
+    out = _run([python, "-c", "import runpy, sys; from lightning_seqpar.cli import seqpar as c; print(c.__file__); "
+                "print(c.RECIPES_DIR); c.main(['recipes']); c.main(['recipes', 'cp', 'quickstart', 'mine.yaml']); "
+                "print('--- print_config', flush=True); "
+                f"sys.argv = [{str(script)!r}, 'fit', '--config', 'quickstart', '--print_config']; "
+                f"runpy.run_path({str(script)!r}, run_name='__main__')"], away, env)
+    listing, _, config = out.partition("--- print_config\n")
     where = "\n".join(listing.splitlines()[:2])
     assert str(env_dir) in where and str(ROOT) not in where, where  # the wheel's package, not this tree's
     assert "quickstart " in listing and "quickstart_gpu" in listing, listing
     assert (away / "mine.yaml").read_text() == (ROOT / "recipes" / "quickstart.yaml").read_text()
-    config = _run([bindir / "seqpar", "fit", "--config", "quickstart", "--print_config"], away, env)
     assert "lightning_seqpar.SequenceParallelStrategy" in config and "sequence_parallel_size: 2" in config, config
