@@ -586,7 +586,8 @@ def frontier_table(rows: list[dict]) -> str:
             how = f"ZeRO-3 offload, {r.get('optimizer')}, Liger ({r.get('liger')}), TiledMLP, checkpoint offload, {r.get('attention')}"
             label = f"ALST's recipe (DeepSpeed {r.get('deepspeed')})"
         tokens = "out of memory" if error and "out of memory" in error else (error[:40] if error else f(_num(r, "tokens_per_s"), ",.0f"))
-        out.append([model.removeprefix("hf-"), seq_k(seq), label, how, "fp32", tokens, speed, f(_num(r, "peak_reserved_gb"), ".1f"),
+        anchor = "" if out else '<a id="frontier-one-gpu"></a>'  # the README links to the table's first row
+        out.append([anchor + model.removeprefix("hf-"), seq_k(seq), label, how, "fp32", tokens, speed, f(_num(r, "peak_reserved_gb"), ".1f"),
                     f(_num(r, "peak_mem_gb"), ".1f"), f(_num(r, "host_maxrss_gb"), ".1f"), f"{device}, {when(r)}"])
     return table(["model", "S", "system", "settings", "master weights", "tokens/s", "vs ALST", "peak reserved GB",
                   "peak allocated GB", "host peak GB", "device, commit, date"], out)
