@@ -287,14 +287,15 @@ def ds_config(*, torch_optimizer: bool) -> dict:
             "zero_force_ds_cpu_optimizer": not torch_optimizer, "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
 
 
-def cpu_adam(params, *, lr: float):
-    """The recipe's ``cpu_adam`` (DeepSpeed JIT-builds the op), or None with the reason when it does not build here."""
+def cpu_adam_error() -> str | None:
+    """None where the recipe's ``cpu_adam`` op builds (DeepSpeed JIT-builds it once), else why not."""
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
 
-        return DeepSpeedCPUAdam(params, lr=lr, weight_decay=0.0, adamw_mode=True), None
+        CPUAdamBuilder().load()
+        return None
     except Exception as error:  # noqa: BLE001 - no compiler / ninja on the machine: recorded, torch AdamW instead
-        return None, error_text(error, 300)
+        return error_text(error, 300)
 
 
 def _init_distributed(device: str) -> None:
@@ -324,13 +325,14 @@ def run_offload(spec: dict, *, seq: int, steps: int, shard_gb: float, device: st
             apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                         fused_linear_cross_entropy=False)
             liger = "rope, rms_norm, swiglu"
+        else:
+            liger = "not applied on the CPU (Triton kernels)"
     except ImportError as error:
         liger = f"not installed ({error})"
     spec = dict(spec)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    probe = torch.nn.Linear(1, 1)
-    optimizer, why = cpu_adam([probe.weight], lr=1e-5)  # does the op build here? (the real one is made below)
-    conf = ds_config(torch_optimizer=optimizer is None)
+    why = cpu_adam_error()
+    conf = ds_config(torch_optimizer=why is not None)
     keep = HfDeepSpeedConfig(conf)  # noqa: F841 - alive while the model is built: transformers builds it under zero.Init
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -340,8 +342,10 @@ def run_offload(spec: dict, *, seq: int, steps: int, shard_gb: float, device: st
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    if optimizer is not None:
-        optimizer, _ = cpu_adam(params, lr=1e-5)
+    if why is None:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(params, lr=1e-5, weight_decay=0.0, adamw_mode=True)
     else:
         optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=conf)
