@@ -183,6 +183,55 @@ def idle_gaps(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | N
                 comm_on_compute=ranked(serial))
 
 
+_BACKWARD = re.compile(r"bwd|bprop|backward|dq_dk_dv|dkdv|_bwd")
+_PARTS = (  # the "other" category of CATEGORIES, split (the first match on the lower-case kernel name)
+    ("fused (Liger / Inductor)", r"^triton_|_rms_norm_|_swiglu_|_triton_rope|liger_|_geglu_|_layer_norm_|element_mul_kernel|fused_linear_cross"),
+    ("optimizer", r"multi_tensor_apply|adam|fused_sgd"),
+    ("element-wise & reductions (ATen)", r"at::native|elementwise|reduce_kernel|vectorized|index|scatter|gather|softmax|cross_entropy|nll_loss|embedding"),
+)
+
+
+def part(name: str) -> str:
+    """The row of :func:`where_the_step_goes` for one kernel: attention forward / backward, gemm, comm, copy, or a
+    part of "other" (fused, optimizer, element-wise, else "other")."""
+    cat = category(name)
+    low = name.lower()
+    if cat == "attention":
+        return "attention backward" if _BACKWARD.search(low) else "attention forward"
+    if cat != "other":
+        return cat
+    return next((label for label, pattern in _PARTS if re.search(pattern, low)), "other")
+
+
+def where_the_step_goes(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | None = None) -> dict[str, Any]:
+    """Note [Where the step goes]: one profiled step's kernel time by part (summed over every stream) beside its compute
+    stream's idle time by cause (:func:`idle_gaps`), in seconds.
+
+    ``parts_s``: attention forward / backward, gemm, comm, copy, fused (Liger / Inductor), optimizer, element-wise &
+    reductions (ATen), other. ``comm_s`` splits communication: ``overlapped`` (its kernels' time, all streams) and
+    ``waited`` (the compute stream idle while waiting for another stream: exposed communication where that stream
+    is a collective's), ``on_compute_stream`` (collectives that run on the compute stream: nothing overlaps them).
+    ``idle_s``: host (the GPU ran dry: launch-bound Python), wait, edges. The same function reads every system's
+    trace, so a row of ours and a peer's split the step the same way."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    parts: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat", "") in _KERNEL_CATS:
+            k = part(str(e.get("name", "")))
+            parts[k] = parts.get(k, 0.0) + float(e.get("dur", 0.0)) / 1e6
+            calls[k] = calls.get(k, 0) + 1
+    gaps = idle_gaps(events, step_s=step_s, top=1 << 30)
+    waited_comm = sum(w["seconds"] for w in gaps["wait"] if w["cause"].startswith("[comm]"))
+    return dict(
+        step_s=step_s, parts_s={k: round(v, 6) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}, calls=calls,
+        busy_s=round(gaps["busy_s"], 6),
+        comm_s=dict(kernels=round(parts.get("comm", 0.0), 6), waited=round(gaps["wait_s"], 6),
+                    waited_on_comm=round(waited_comm, 6), on_compute_stream=round(gaps["comm_on_compute_s"], 6)),
+        idle_s=dict(host=round(gaps["host_s"], 6), wait=round(gaps["wait_s"], 6), edge=round(gaps["edge_s"], 6)),
+        top_waits=gaps["wait"][:5], top_host=gaps["host"][:5])
+
+
 def format_gaps(g: dict[str, Any]) -> str:
     lines = [f"compute stream {g['compute_stream']}: busy {g['busy_s']:.3f} s; idle in {g['gaps']} gaps: "
              f"host {g['host_s']:.3f} s, wait {g['wait_s']:.3f} s; edges {g['edge_s']:.3f} s"]

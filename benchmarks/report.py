@@ -681,6 +681,12 @@ def peers_longest_table(rows: list[dict]) -> str:
     return "\n".join(module.longest(module.records()))
 
 
+def peers_where_table(rows: list[dict]) -> str:
+    """Where each system's profiled step goes, side by side (``benchmarks/peers/report.py``: ``where_table``)."""
+    module = _peers_report()
+    return "\n".join(module.where_table(module.records()))
+
+
 def own_model_table(rows: list[dict]) -> str:
     """A model of the user's own (LitGPT) against the package's model and plain LitGPT (``benchmarks/peers/report.py``)."""
     module = _peers_report()
@@ -689,7 +695,7 @@ def own_model_table(rows: list[dict]) -> str:
 
 TABLES: dict[str, Callable[[list[dict]], str]] = {
     "own-model": own_model_table,
-    "peers": peers_table, "peers-all": peers_all_table, "peers-longest": peers_longest_table,
+    "peers": peers_table, "peers-all": peers_all_table, "peers-longest": peers_longest_table, "peers-where": peers_where_table,
     "hf-families-gpus": hf_families_gpus_table,
     "delta-rule": delta_rule_table,
     "hf-family": hf_family_table, "hf-family-all": lambda rows: hf_family_table(rows, every=True), "window": window_table, "finetune-one-gpu": finetune_table,

@@ -262,6 +262,37 @@ def test_profile_idle_gaps_classified():
     assert "host 0.000 s" in format_gaps(g)
 
 
+def test_where_the_step_goes_splits_kernels_and_charges_waits_to_communication():
+    """profile_summary.where_the_step_goes (Note [Where the step goes]): kernel time by part over every stream
+    (attention split into forward / backward, Liger / Inductor kernels apart from ATen's element-wise), and the
+    compute stream's idle time, the part spent waiting on a collective counted as exposed communication."""
+    from profile_summary import part, where_the_step_goes
+
+    assert part("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention backward"
+    assert part("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7") == "attention forward"
+    assert part("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90") == "attention backward"
+    assert part("triton_poi_fused__unsafe_view_mul_silu_2") == "fused (Liger / Inductor)"
+    assert part("_rms_norm_backward_kernel") == "fused (Liger / Inductor)"
+    assert part("void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>>") == "element-wise & reductions (ATen)"
+    assert part("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimizer"
+    assert part("Memcpy DtoD (Device -> Device)") == "copy" and part("ncclDevKernel_SendRecv") == "comm"
+
+    def k(name, ts, dur, stream, cat="kernel"):
+        return dict(ph="X", cat=cat, name=name, pid=0, tid=stream, ts=ts, dur=dur, args=dict(stream=stream, correlation=ts))
+
+    events = [k("cudnn_sdpa_flash_fprop", 0, 300, 7), k("nvjet_tst_192x192", 300, 200, 7),
+              k("ncclDevKernel_SendRecv", 400, 250, 20),  # overlaps the gemm by 100 us, then the compute stream waits 150 us
+              k("cudnn_sdpa_flash_bprop", 650, 600, 7), k("triton_poi_fused_mul_silu", 1250, 50, 7),
+              k("Memcpy DtoD (Device -> Device)", 1300, 20, 7, cat="gpu_memcpy")]
+    w = where_the_step_goes({"traceEvents": events}, step_s=1400e-6)
+    assert w["parts_s"]["attention forward"] == pytest.approx(300e-6) and w["parts_s"]["attention backward"] == pytest.approx(600e-6)
+    assert w["parts_s"]["gemm"] == pytest.approx(200e-6) and w["parts_s"]["comm"] == pytest.approx(250e-6)
+    assert w["parts_s"]["fused (Liger / Inductor)"] == pytest.approx(50e-6) and w["parts_s"]["copy"] == pytest.approx(20e-6)
+    assert w["comm_s"]["waited_on_comm"] == pytest.approx(150e-6) and w["idle_s"]["wait"] == pytest.approx(150e-6)
+    assert w["busy_s"] == pytest.approx(1170e-6) and w["idle_s"]["edge"] == pytest.approx(80e-6)
+    assert w["calls"]["attention forward"] == 1 and w["top_waits"][0]["cause"].startswith("[comm] ncclDevKernel_SendRecv")
+
+
 def _attn(system, algorithm, tflops, peak, heads="32/8", gpus=4, seq=1048576, chunks=1, error=None):
     return dict(bench="attention", system=system, algorithm=algorithm, heads=heads, seq=seq, gpus=gpus, backend="cudnn",
                 head_chunks=chunks, tflops_per_gpu=tflops, peak_mem_gb=peak, error=error)

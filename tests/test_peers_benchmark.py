@@ -295,6 +295,14 @@ def test_a_peers_record_carries_the_probe_and_the_poller(tmp_path):
             max_current_reserved_gb=90.0, resets_seen=resets, host_maxrss_gb=12.5, kernels=kernels if rank == 0 else None)))
     probed = probe_results(str(tmp_path))
     assert probed["peak_reserved_gb"] == 131.2 and probed["master_weights"] == "fp32" and probed["kernels"] == kernels
+    # rank 0's timeline of the profiled step, when the probe exported one: split by part (Note [Where the step goes])
+    (tmp_path / "trace-0.json").write_text(json.dumps({"traceEvents": [dict(
+        ph="X", cat="kernel", name="nvjet_tst_192x192", pid=0, tid=7, ts=0, dur=100, args=dict(stream=7))]}))
+    where = probe_results(str(tmp_path))["kernels"]["where"]
+    assert where["parts_s"] == {"gemm": 1e-4} and where["busy_s"] == 1e-4
+    (tmp_path / "trace-0.json").write_text("{")
+    assert probe_results(str(tmp_path))["kernels"]["where"]["why"].startswith("trace not read")
+    (tmp_path / "trace-0.json").unlink()
     assert probed["attention_kernel"] == "flash-attention 4 (CuTe DSL)" and probed["probe"]["host_maxrss_gb_sum"] == 25.0
     polled = dict(device=dict(source="nvml (nvidia-ml-py)", peak_gb=140.1), host=dict(peak_rss_gb=30.0))
     row = merge_measures(dict(system="torchtitan", peak_mem_gb=32.3), probed, polled, ["--compile"])
@@ -396,3 +404,25 @@ def test_the_peers_table_reads_one_memory_measure_and_labels_the_old_one():
     assert not kernels_in_timed_steps(dict(kernels=dict(step=0, why="not profiled"))) and not kernels_in_timed_steps({})
     titans = [c for c in peers if c[4] == "torchtitan, as published"]
     assert [c[10] for c in titans] == ["147.2 (its log)", "32.2 alloc (old, reset by its logger: no peak)"]
+
+
+def test_the_where_table_sets_each_systems_profiled_step_side_by_side():
+    """Issue #56 item 2: the newest group's profiled steps split by part, one row per system, with the bound's seconds."""
+    from benchmarks.peers.report import WHERE_PARTS, where_table
+
+    def row(system, group, attention_s, waited):
+        where = dict(step_s=10.6, parts_s={"attention backward": attention_s, "gemm": 2.3}, busy_s=10.0,
+                     comm_s=dict(kernels=1.1, waited=waited, waited_on_comm=waited, on_compute_stream=0.0),
+                     idle_s=dict(host=0.05, wait=waited, edge=0.0))
+        return dict(system=system, model="llama3-8b", seq=131072, gpus=4, gpu="H200", group=group, commit="c",
+                    settings={}, kernels=dict(step=2, where=where))
+
+    rows = [row("torchtitan", "20261128", 5.4, 0.3), row("seqpar", "20261128", 5.5, 0.1), row("seqpar", "20261127", 9.9, 9.9),
+            dict(system="trl_cp", model="llama3-8b", seq=131072, gpus=4, gpu="H200", group="20261128", kernels=dict(step=2))]
+    header, _, *lines = where_table(rows)
+    assert header.count("|") == 12 + len(WHERE_PARTS)
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines]
+    assert [c[4] for c in cells] == ["seqpar", "torchtitan, as published"]  # the newest group only; no split, no row
+    backward, gemm = WHERE_PARTS.index("attention backward"), WHERE_PARTS.index("gemm")
+    assert cells[0][6 + backward] == "5.50" and cells[0][6 + gemm] == "2.30" and cells[1][6 + backward] == "5.40"
+    assert cells[0][-4:-1] == ["0.10", "0.05", "8.61"]  # waited on comm, host idle, the bound's seconds (32K tokens at 3,808/s)

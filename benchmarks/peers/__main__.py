@@ -191,6 +191,20 @@ def warmup_of(flags: list[str]) -> int:
     return 2
 
 
+def step_split(trace: str, step_s: float | None) -> dict:
+    """The profiled step's timeline split by part and idle cause (Note [Where the step goes]), or why not."""
+    try:
+        from benchmarks.profile_summary import where_the_step_goes
+    except ImportError:  # loaded by path (the tests)
+        sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+        from benchmarks.profile_summary import where_the_step_goes
+    try:
+        with open(trace) as f:
+            return where_the_step_goes(json.load(f), step_s=step_s)
+    except (OSError, ValueError, KeyError) as e:
+        return dict(why=f"trace not read: {type(e).__name__}: {e}")
+
+
 def probe_results(directory: str) -> dict:
     """The in-process probe's per-rank files (probe/sitecustomize.py) as the record's fields: the reserved and
     allocated peaks (max over ranks), the master weights' dtype and the profiled step's kernels (rank 0)."""
@@ -205,6 +219,9 @@ def probe_results(directory: str) -> dict:
         return {}
     first = min(ranks, key=lambda r: r.get("rank", 0))
     kernels = next((r["kernels"] for r in ranks if r.get("kernels")), None)
+    trace = os.path.join(directory, f"trace-{(kernels or {}).get('rank', 0)}.json")
+    if kernels and os.path.isfile(trace):
+        kernels = dict(kernels, where=step_split(trace, kernels.get("window_s")))
     peak = lambda key: round(max(r.get(key) or 0 for r in ranks), 2)  # noqa: E731
     return dict(
         peak_reserved_gb=peak("peak_reserved_gb"), master_weights=first.get("master_weights"), kernels=kernels,

@@ -153,6 +153,34 @@ def table(rows: list[dict], newest_only: bool = False) -> list[str]:
     return out
 
 
+WHERE_PARTS = ("attention forward", "attention backward", "gemm", "fused (Liger / Inductor)",
+               "element-wise & reductions (ATen)", "optimizer", "copy", "other")
+
+
+def where_table(rows: list[dict]) -> list[str]:
+    """Where each system's profiled step goes (issue #56 item 2; Note [Where the step goes] in benchmarks/profile_summary.py),
+    the newest group of each model, length and GPUs whose records carry the split: seconds of kernel time by part (the
+    profiled step on rank 0, every stream), the communication kernels' time, the compute stream's idle time waiting on
+    them (exposed communication) and launch-bound (host) idle, beside the step's physical bound."""
+    have = [r for r in rows if ((r.get("kernels") or {}).get("where") or {}).get("parts_s")]
+    out = ["| model | S | GPUs | run group | system | profiled step s | " + " | ".join(WHERE_PARTS) +
+           " | comm kernels (overlapped or not) | waited on comm | host idle | bound s | commit |",
+           "| --- " * (11 + len(WHERE_PARTS)) + "|"]
+    key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"])  # noqa: E731
+    for k in sorted({key(r) for r in have}):
+        newest = max((r["group"] for r in have if key(r) == k), key=group_order)
+        for r in sorted((r for r in have if key(r) == k and r["group"] == newest), key=lambda r: (r["system"] != "seqpar", _system_cell(r))):
+            w = r["kernels"]["where"]
+            bound = bound_tokens_per_s(SHAPES[r["model"]], r["seq"], r["gpu"], r.get("documents") or 1)
+            cells = [f"{w['step_s']:.2f}" if w.get("step_s") else "-"]
+            cells += [f"{w['parts_s'].get(p, 0.0):.2f}" for p in WHERE_PARTS]
+            cells += [f"{w['comm_s']['kernels']:.2f}", f"{w['comm_s']['waited_on_comm']:.2f}", f"{w['idle_s']['host']:.2f}",
+                      f"{r['seq'] / (r['gpus'] * bound):.2f}" if bound else "-"]
+            out.append(f"| {r['model']} | {_k(r['seq'])} | {r['gpus']} x {r['gpu']} | {r['group']} | {_system_cell(r)} | "
+                       + " | ".join(cells) + f" | {r['commit']} |")
+    return out
+
+
 def longest(rows: list[dict]) -> list[str]:
     """The longest length each system trained, per model, GPUs and run group (issue #39: 2 optimizer steps within one
     10-minute run): its largest "ok" length and what stopped the next length it tried ("oom", "timeout", an error),

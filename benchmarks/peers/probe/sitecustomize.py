@@ -168,9 +168,11 @@ class Probe:
         profiler = self.torch.profiler
         self._prof = profiler.profile(activities=[profiler.ProfilerActivity.CUDA])
         self._prof.__enter__()
+        self._t_profile = time.perf_counter()
 
     def _stop_profile(self) -> None:
         self.torch.cuda.synchronize()
+        window_s = time.perf_counter() - self._t_profile
         self._prof.__exit__(None, None, None)
         rows = []
         for e in self._prof.key_averages():
@@ -179,7 +181,10 @@ class Probe:
             if us:
                 rows.append((e.key, e.count, us / 1e3))
         self.kernels = dict(summarize(rows), step=self.kernel_step, rank=self.rank,
+                            window_s=round(window_s, 4),
                             window="end of optimizer step k-1 to end of optimizer step k, rank 0, CUDA activity only")
+        if self.dir:  # the timeline, for the harness's split of the step (benchmarks/profile_summary.py: where_the_step_goes)
+            self._prof.export_chrome_trace(os.path.join(self.dir, f"trace-{self.rank}.json"))
         self._prof = None
 
     # ---- the record --------------------------------------------------------------------------------------
