@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_seqpar.attention import Attention
-from lightning_seqpar.hf.features import attention_features, attention_kwargs, is_attention_layer, layer_name
+from lightning_seqpar.hf.features import attention_features, attention_kwargs, is_attention_layer, layer_name, layer_type_of
 from lightning_seqpar.hf.hybrid import HYBRID_MIXERS, apply_hf_hybrid, is_hybrid_twin
 from lightning_seqpar.hf.rope import install_global_length_rotary
 from lightning_seqpar.hf.support import check_sharded_layer, refuse_token_mixers, refuse_unseen_position_features
@@ -105,6 +105,28 @@ def seqpar_attention_mask(*args: Any, attention_mask: Tensor | None = None, **kw
 # vanish). Exact, at the cost of attending over the wider width.
 
 
+# Note [One graph for every layer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under torch.compile every decoder layer of a model is one code object, compiled once and reused, as long as
+# nothing the layer's forward reads differs between layers: Dynamo guards on every constant it reads. A
+# transformers attention layer's ``layer_idx`` differs in each, so reading it per call (to name the layer in an
+# error, or to look up ``config.layer_types[layer_idx]``) recompiled the layer for each index, and past the
+# recompile limit (8) the remaining layers ran eagerly: on Qwen3-8B at 64K on 2 x H200, ``compile=True`` left
+# 1.25 s of un-fused element-wise kernels per step, as without it. So the forward reads ``seqpar_layer_type``
+# (the layer's entry of ``config.layer_types``, set by ``apply_hf_attention``; the same string for layers of one
+# type, so one graph per type) and formats the layer's name only into an error it raises.
+
+
+class _LazyName:
+    """``layer_name(module)``, formatted when an error message is: reading the index is off the traced path."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __format__(self, spec: str) -> str:
+        return format(layer_name(self.module), spec)
+
+
 def seqpar_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -132,7 +154,7 @@ def seqpar_attention_forward(
         strategy]), from local metadata before any communication.
     """
     attention = getattr(module, "seqpar_attention", None)
-    name = layer_name(module)
+    name = _LazyName(module)  # formatted only into an error (Note [One graph for every layer])
     if not isinstance(attention, Attention):
         raise ValueError(
             f"{name} runs attn_implementation={ATTN_IMPLEMENTATION!r} but has no `seqpar_attention` child: call "
@@ -237,6 +259,7 @@ def apply_hf_attention(model: nn.Module, *, max_seq_len: int | None = None) -> i
         )
     apply_hf_hybrid(model)  # Note [Hybrid models under the strategy]: the recurrent mixers' sequence-parallel twins
     for _, layer in layers:
+        layer.seqpar_layer_type = layer_type_of(layer)  # read per call without the layer's index (Note [One graph for every layer])
         child = getattr(layer, "seqpar_attention", None)
         if isinstance(child, Attention):  # applied before: keep its mesh configuration, follow the layer's scale
             child.scale = float(layer.scaling)

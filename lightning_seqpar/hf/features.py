@@ -99,8 +99,17 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _layer_type(module: nn.Module) -> tuple[str | None, str]:
-    """(config.layer_types[layer_idx], its field name) or (None, "")."""
+def layer_type_of(module: nn.Module) -> str | None:
+    """``config.layer_types[module.layer_idx]``, or None (no such list, or no index in it)."""
+    return _layer_type(module, fresh=True)[0]
+
+
+def _layer_type(module: nn.Module, fresh: bool = False) -> tuple[str | None, str]:
+    """(config.layer_types[layer_idx], its field name) or (None, ""). A layer that ``apply_hf_attention`` prepared
+    answers from its ``seqpar_layer_type``, without reading its index (Note [One graph for every layer])."""
+    if not fresh and hasattr(module, "seqpar_layer_type"):
+        layer_type = module.seqpar_layer_type
+        return layer_type, (f"this layer's entry of config.layer_types, {layer_type!r}" if layer_type is not None else "")
     config = getattr(module, "config", None)
     layer_idx = getattr(module, "layer_idx", None)
     layer_types = getattr(config, "layer_types", None)
