@@ -201,18 +201,25 @@ def test_an_offloaded_block_compiled_outside_its_checkpoint_still_trains_exactly
                     reason="needs transformers")
 def test_a_transformers_llama_compiles_checkpointed_with_packed_documents():
     """A Hugging Face Llama with the package's attention (``apply_hf_attention``), blocks checkpointed with Selective
-    Checkpoint++ and compiled: no graph break, eager's logits and gradients with packed documents."""
+    Checkpoint++ and compiled: no graph break, one graph for its three layers (Note [One graph for every layer]: no
+    recompile per ``layer_idx``), eager's logits and gradients with packed documents."""
+    import torch._dynamo
     import transformers
     from hf_testing import tiny_config
+    from torch._dynamo.utils import counters
 
     from lightning_seqpar.hf import apply_hf_attention
 
+    torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
-    plain = transformers.LlamaForCausalLM(tiny_config("llama")).float()
+    config = tiny_config("llama")
+    config.num_hidden_layers = 3
+    plain = transformers.LlamaForCausalLM(config).float()
     apply_hf_attention(plain)
     apply_ac(plain, "selective++")
     compiled = copy.deepcopy(plain)
-    assert apply_compile(compiled, BACKEND) == 2
+    assert apply_compile(compiled, BACKEND) == 3
     ids = torch.randint(0, 97, (B, 32), generator=torch.Generator().manual_seed(1))
     documents = PackedDocuments.from_lengths([[10, 22], [16, 16]])
 
@@ -226,6 +233,7 @@ def test_a_transformers_llama_compiles_checkpointed_with_packed_documents():
     for _ in range(2):
         _assert_same(step(compiled), step(plain), "transformers Llama, compiled vs eager")
     assert _breaks() == {}
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # 3 before: one per layer_idx
 
 
 def _ring_worker(rank: int, world_size: int, mode: str) -> None:

@@ -629,10 +629,13 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
 # compile (4,431) on the same machine (docs/benchmarks.md); the default itself, in a later lease: 4,754 against
 # 4,517; at 128K on 4 x H200, level with it (3,112 against 3,115). The cost: the first step compiles (Llama-3-8B on
 # 2 x H200: 26 s on a fresh machine, 12 s with warm caches, against 9 s eager; one graph per block class, reused
-# by every block). Off elsewhere: on CPU (Inductor's C++ build
-# for a short run), and for transformers models and a user's own model, where it measured no faster (Qwen3-8B
-# at 64K, 3,731 -> 3,734) or was not measured on a GPU. ``compile=False`` turns it off, ``True`` or a dict of
-# ``torch.compile`` arguments turns it on for any model.
+# by every block). Off elsewhere: on CPU (Inductor's C++ build for a short run), for a user's own model (not
+# measured on a GPU) and for transformers models. For those ``compile=True`` compiled no layer before Note [One
+# graph for every layer] (3,731 -> 3,734 "measured no faster"); now it is 1.16x (Qwen3-8B at 64K on 2 x H200,
+# 3,780 -> 4,384, first step 24 s against 10 s), but its layers hold one more hidden state per token than the
+# planner counts (137.7 GB allocated against 130.2 planned, eager 128.0), so "auto" turns it on for them once the
+# planner does. ``compile=False`` turns it off, ``True`` or a dict of ``torch.compile`` arguments turns it on for
+# any model.
 
 
 def resolve_compile(roots: Sequence[nn.Module], *, config: StrategyConfig, site: RunSite) -> StrategyConfig:
