@@ -952,3 +952,38 @@ def test_head_parallel_size_auto_chooses_the_mesh_with_its_memory(monkeypatch):
     step = plan_step(ModelShape.from_transformer_shape("70b", planning.model_shape_of(module, owner="t")),
                      seq_len=4194304, gpus=64, profile=DeviceProfile.h200(gpus_per_node=8))
     assert step.plan.head_parallel_size == 1 and step.memory.options.activation_checkpointing == "selective++"
+
+
+def test_compiled_transformers_layers_keep_one_more_hidden_state(monkeypatch):
+    """Note [Memory per token]: a transformers model compiled (compile=True) keeps one more hidden state per token in every
+    Selective Checkpoint++ layer (Qwen3-8B at 64K on 2 x H200: 137.7 GB allocated compiled, 128.0 eager, 130.2 planned).
+    The strategy's planner counts it for a transformers model compiled, not under compile="auto" (eager there), and not
+    for the package's own models (measured no larger compiled)."""
+    import lightning_seqpar.planner.planning as planning
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.parallel.config import StrategyConfig
+    from lightning_seqpar.parallel.mesh import ParallelDims
+
+    pytest.importorskip("transformers")
+    estimates = [estimate_memory(model_shape=replace(QWEN3_8B, compiled_transformers_layers=c), seq_len=64 * K, sp=2,
+                                 attention="ulysses", loss_chunk_size=8192, precision="bf16-mixed") for c in (False, True)]
+    assert estimates[1].total - estimates[0].total == 36 * 32 * K * 4096 * 2  # d e per local token and layer
+    monkeypatch.setattr(planning, "available_backends", lambda device, dtype, head_dim: ["cudnn"])
+    monkeypatch.setattr(planning.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(planning, "host_memory_bytes", lambda: 256 * 2**30)
+    cfg = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 65536}
+    site = planning.RunSite(device=torch.device("cuda", 0), precision="bf16-mixed", gpus_per_node=2)
+
+    def plan(module, compile):
+        config = StrategyConfig(sequence_parallel_size=2, memory="auto", expected_seq_len=64 * K, compile=compile)
+        return planning.plan_memory_options(module, config=config, length=planning.PlannedLength(64 * K, "expected_seq_len"),
+                                            site=site, dims=ParallelDims(cp=2, world_size=2), device_memory=150.10988032e9, owner="t")
+
+    qwen3 = CausalLMModule(cfg, loss_chunk_size=8192)
+    eager, compiled = plan(qwen3, "auto"), plan(qwen3, True)
+    assert eager.estimate.total == pytest.approx(130.2e9, rel=1e-3) and not eager.options.offload_checkpoints  # the run's plan
+    # compiled, the same options come to 139.9 GB, over the 135.1 GB budget: the planner offloads the checkpoints
+    assert compiled.options.offload_checkpoints and compiled.estimate.total <= 0.9 * 150.10988032e9
+    llama = CausalLMModule(model="llama3-8b", loss_chunk_size=8192)
+    assert plan(llama, True).estimate.total == plan(llama, "auto").estimate.total

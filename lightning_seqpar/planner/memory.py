@@ -68,6 +68,11 @@ ranks (the ring's travelling K/V, all-gather's full K/V). ``activation_checkpoin
 keeps only x per layer and adds the attention output to the recompute; ``None`` keeps the whole
 recompute state per layer.
 
+A transformers model's decoder layers compiled (``compile=True``; ``TransformerShape.compiled_transformers_layers``)
+keep one more hidden state, d e, per token in every Selective Checkpoint++ layer: Qwen3-8B at 64K on 2 x H200 under
+Ulysses allocated 137.7 GB compiled against 128.0 eager (estimate 130.2): 9.7 GB = 36 layers x 32,768 tokens x
+8,220 B, d e = 8,192. The package's own Llama compiled keeps no more than eager (134.5 GB against 132.2 estimated).
+
 Only dense decoders are modelled: a config with experts (``num_local_experts`` and the like) or with
 recurrent / convolution layers (``layer_types`` other than attention, Mamba / LRU / conv fields) is
 refused by name (``TransformerShape.from_config``), since their memory per token differs; sliding-
@@ -482,6 +487,7 @@ def estimate_memory(
     head_out = Hq * D * e if algorithm in ("ulysses", "2d") else 0  # unchecked: the attention's output in both layouts
     if mode == "selective++":
         saved_token = kept_on_device + attn_out + head_all_to_alls
+        saved_token += x if m.compiled_transformers_layers else 0  # Note [Memory per token]: measured, compiled
         recompute_extra = 0
     elif mode == "full":
         saved_token = kept_on_device

@@ -39,6 +39,9 @@ class TransformerShape:
     fused_elementwise: bool = False
     """RMSNorm, RoPE and SwiGLU run as fused kernels that keep no fp32 copies (the package's Llama on a GPU with
     liger-kernel: Note [Fused element-wise kernels] in lightning_seqpar.models.fused; Note [Memory per token])."""
+    compiled_transformers_layers: bool = False
+    """A transformers model's decoder layers run compiled (``compile=True``): a Selective Checkpoint++ layer then keeps
+    one more hidden state per token (Note [Memory per token])."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

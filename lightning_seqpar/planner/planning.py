@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -532,6 +533,9 @@ def _memory_planner(module: nn.Module | None, *, config: StrategyConfig, length:
     but the default) fixed, and those the run's other settings exclude. Raises a ``ValueError`` naming the model when
     its shape cannot be read."""
     shape = model_shape_of(module, owner=owner)
+    transformers = sys.modules.get("transformers")
+    if config.compile not in ("auto", False) and transformers is not None and isinstance(getattr(module, "config", None), transformers.PretrainedConfig):
+        shape = replace(shape, compiled_transformers_layers=True)  # Note [Memory per token]: compiled layers keep more
     defaults = StrategyConfig()
     fixed: dict[str, Any] = {name: getattr(config, name) for name in MEMORY_OPTIONS if getattr(config, name) != getattr(defaults, name)}
     if config.activation_checkpointing is None:  # offload needs checkpointed blocks
@@ -632,9 +636,10 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
 # by every block). Off elsewhere: on CPU (Inductor's C++ build for a short run), for a user's own model (not
 # measured on a GPU) and for transformers models. For those ``compile=True`` compiled no layer before Note [One
 # graph for every layer] (3,731 -> 3,734 "measured no faster"); now it is 1.16x (Qwen3-8B at 64K on 2 x H200,
-# 3,780 -> 4,384, first step 24 s against 10 s), but its layers hold one more hidden state per token than the
-# planner counts (137.7 GB allocated against 130.2 planned, eager 128.0), so "auto" turns it on for them once the
-# planner does. ``compile=False`` turns it off, ``True`` or a dict of ``torch.compile`` arguments turns it on for
+# 3,780 -> 4,384, first step 24 s against 10 s), and its layers hold one more hidden state per token (137.7 GB
+# allocated against 128.0 eager), which the planner now counts for a transformers model under ``compile=True``
+# (Note [Memory per token]). With it the planner offloads that run's checkpoints (139.9 GB over its 135.1 GB
+# budget), a plan not yet measured compiled; "auto" turns compile on for transformers models once it is. ``compile=False`` turns it off, ``True`` or a dict of ``torch.compile`` arguments turns it on for
 # any model.
 
 
