@@ -71,7 +71,7 @@ recompute state per layer.
 A transformers model's decoder layers compiled (``compile=True``; ``TransformerShape.compiled_transformers_layers``)
 keep one more hidden state, d e, per token in every Selective Checkpoint++ layer: Qwen3-8B at 64K on 2 x H200 under
 Ulysses allocated 137.7 GB compiled against 128.0 eager (estimate 130.2): 9.7 GB = 36 layers x 32,768 tokens x
-8,220 B, d e = 8,192. The package's own Llama compiled keeps no more than eager (134.5 GB against 132.2 estimated).
+8,220 B, d e = 8,192. The package's own Llama compiled stays near its estimate (134.5 GB allocated against 132.2).
 
 Only dense decoders are modelled: a config with experts (``num_local_experts`` and the like) or with
 recurrent / convolution layers (``layer_types`` other than attention, Mamba / LRU / conv fields) is
