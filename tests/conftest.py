@@ -137,6 +137,18 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each test and its fixtures' teardown, what is left alive is frozen as well, once a collection has freed
+    the test's cycles: the modules that tests import (transformers' model files, torch's and Lightning's submodules)
+    and the fixtures kept for later tests, which each collection of the later tests (the strategy runs two per fit)
+    scanned again. The pools' workers do the same after each task (Note [Frozen between tasks] in dist_utils)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def nccl_world() -> int:
     """The NCCL world of a ``torchrun --nproc_per_node=N -m pytest`` run (GPU tests); skips elsewhere."""
