@@ -208,9 +208,10 @@ def where_the_step_goes(trace: dict[str, Any] | list[dict[str, Any]], *, step_s:
     stream's idle time by cause (:func:`idle_gaps`), in seconds.
 
     ``parts_s``: attention forward / backward, gemm, comm, copy, fused (Liger / Inductor), optimizer, element-wise &
-    reductions (ATen), other. ``comm_s`` splits communication: ``overlapped`` (its kernels' time, all streams) and
-    ``waited`` (the compute stream idle while waiting for another stream: exposed communication where that stream
-    is a collective's), ``on_compute_stream`` (collectives that run on the compute stream: nothing overlaps them).
+    reductions (ATen), other. ``comm_s`` splits communication: ``kernels`` (its kernels' time, all streams, overlapped or
+    not), ``waited`` (the compute stream idle while waiting for another stream), ``waited_on_comm`` (the part of it
+    spent on a collective's stream: exposed communication), ``on_compute_stream`` (collectives that run on the
+    compute stream: nothing overlaps them).
     ``idle_s``: host (the GPU ran dry: launch-bound Python), wait, edges. The same function reads every system's
     trace, so a row of ours and a peer's split the step the same way."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
