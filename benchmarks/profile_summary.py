@@ -203,6 +203,10 @@ def part(name: str) -> str:
     return next((label for label, pattern in _PARTS if re.search(pattern, low)), "other")
 
 
+_NAMED_PARTS = ("copy", "element-wise & reductions (ATen)", "other")
+"""The parts whose five largest kernels a split names (``top_kernels``): the small kernels a system could still remove."""
+
+
 def where_the_step_goes(trace: dict[str, Any] | list[dict[str, Any]], *, step_s: float | None = None) -> dict[str, Any]:
     """Note [Where the step goes]: one profiled step's kernel time by part (summed over every stream) beside its compute
     stream's idle time by cause (:func:`idle_gaps`), in seconds.
@@ -213,15 +217,25 @@ def where_the_step_goes(trace: dict[str, Any] | list[dict[str, Any]], *, step_s:
     spent on a collective's stream: exposed communication), ``on_compute_stream`` (collectives that run on the
     compute stream: nothing overlaps them).
     ``idle_s``: host (the GPU ran dry: launch-bound Python), wait, edges. The same function reads every system's
-    trace, so a row of ours and a peer's split the step the same way."""
+    trace, so a row of ours and a peer's split the step the same way. ``top_kernels``: the five largest kernels of
+    each of :data:`_NAMED_PARTS` (name, seconds, calls)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     parts: dict[str, float] = {}
     calls: dict[str, int] = {}
+    by_name: dict[tuple[str, str], list] = {}  # (part, kernel) -> [seconds, calls]
     for e in events:
         if e.get("ph") == "X" and e.get("cat", "") in _KERNEL_CATS:
-            k = part(str(e.get("name", "")))
+            name = str(e.get("name", ""))
+            k = part(name)
             parts[k] = parts.get(k, 0.0) + float(e.get("dur", 0.0)) / 1e6
             calls[k] = calls.get(k, 0) + 1
+            if k in _NAMED_PARTS:
+                entry = by_name.setdefault((k, name), [0.0, 0])
+                entry[0] += float(e.get("dur", 0.0)) / 1e6
+                entry[1] += 1
+    top_kernels = {k: [dict(name=n[:160], seconds=round(sec, 6), calls=c)
+                       for (kk, n), (sec, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0]) if kk == k][:5]
+                   for k in _NAMED_PARTS if k in parts}
     gaps = idle_gaps(events, step_s=step_s, top=1 << 30)
     waited_comm = sum(w["seconds"] for w in gaps["wait"] if w["cause"].startswith("[comm]"))
     return dict(
@@ -230,7 +244,7 @@ def where_the_step_goes(trace: dict[str, Any] | list[dict[str, Any]], *, step_s:
         comm_s=dict(kernels=round(parts.get("comm", 0.0), 6), waited=round(gaps["wait_s"], 6),
                     waited_on_comm=round(waited_comm, 6), on_compute_stream=round(gaps["comm_on_compute_s"], 6)),
         idle_s=dict(host=round(gaps["host_s"], 6), wait=round(gaps["wait_s"], 6), edge=round(gaps["edge_s"], 6)),
-        top_waits=gaps["wait"][:5], top_host=gaps["host"][:5])
+        top_waits=gaps["wait"][:5], top_host=gaps["host"][:5], top_kernels=top_kernels)
 
 
 def format_gaps(g: dict[str, Any]) -> str:

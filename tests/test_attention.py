@@ -254,3 +254,21 @@ def test_ulysses_layout_copies_put_zigzag_shards_in_global_order(P):
         back = torch.empty_like(src)
         _to_ranks(back, gathered, zigzag)
         assert torch.equal(back, src)
+
+
+def test_ulysses_wide_copies_move_the_same_bytes():
+    """Note [Wide copies]: a strided bf16 copy done as int64 words writes bit for bit what copy_ writes (NaN payloads
+    included), and a row that is not whole words (D = 3) or an unaligned view takes the plain copy."""
+    from lightning_seqpar.attention.ulysses import _copy, _wide
+
+    bits = torch.randint(-2**15, 2**15, (4, 6, 2, 8), dtype=torch.int16)
+    src = bits.view(torch.bfloat16)  # every bit pattern, NaNs and subnormals among them
+    dst = torch.empty(6, 4, 2, 8, dtype=torch.bfloat16)
+    assert _wide(dst.transpose(0, 1)) is not None and _wide(src[:, :, 1]) is not None
+    _copy(dst.transpose(0, 1), src)
+    assert torch.equal(dst.transpose(0, 1).view(torch.int16), bits)
+    odd = torch.randn(4, 6, 3).to(torch.bfloat16)
+    assert _wide(odd) is None and _wide(src[..., 1:5]) is None  # 6-byte rows; an offset of one element
+    out = torch.empty(6, 4, 3, dtype=torch.bfloat16)
+    _copy(out.transpose(0, 1), odd)
+    assert torch.equal(out.transpose(0, 1), odd)

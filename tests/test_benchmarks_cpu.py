@@ -291,6 +291,7 @@ def test_where_the_step_goes_splits_kernels_and_charges_waits_to_communication()
     assert w["comm_s"]["waited_on_comm"] == pytest.approx(150e-6) and w["idle_s"]["wait"] == pytest.approx(150e-6)
     assert w["busy_s"] == pytest.approx(1170e-6) and w["idle_s"]["edge"] == pytest.approx(80e-6)
     assert w["calls"]["attention forward"] == 1 and w["top_waits"][0]["cause"].startswith("[comm] ncclDevKernel_SendRecv")
+    assert w["top_kernels"] == {"copy": [dict(name="Memcpy DtoD (Device -> Device)", seconds=pytest.approx(20e-6), calls=1)]}
 
 
 def _attn(system, algorithm, tflops, peak, heads="32/8", gpus=4, seq=1048576, chunks=1, error=None):

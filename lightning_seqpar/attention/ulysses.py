@@ -54,6 +54,17 @@ atomic index_add: 0.11 s of the 10 s step above). The reversed halves are copied
 is not a view in torch, and copying through it cost a second copy of half the traffic (1,024 ``flip`` kernels,
 38 ms of a 7.1 s step, 2 x H200, Llama-3-8B at 64K). Zigzag stays the default split under Ulysses:
 packed documents need it (their per-document zigzag), and here it costs nothing.
+
+Note [Wide copies]
+~~~~~~~~~~~~~~~~~~
+Every layout copy above moves rows of h x D contiguous elements between strided places (a stage's heads of each
+token, a rank's piece of the sequence), so torch runs them with its generic strided copy kernel, one 2-byte bf16
+element per thread step: 3,584 such copies took 130 ms of a 6.9 s step (2 x H200, Llama-3-8B at 64K, 2026-11-28),
+several times the time the same bytes take in a contiguous copy. A copy does no arithmetic, so it may move any
+same-sized words: ``_copy`` reinterprets both sides as 8-byte words (``Tensor.view(torch.int64)``, a view when the last
+dimension is contiguous and every other stride and the offset are whole words; D = 128 bf16 is 32 words) and copies
+those: a quarter of the elements, each a wider load, bit for bit the same bytes. Other tensors (an odd row length,
+an unaligned view) take the plain copy.
 """
 
 from __future__ import annotations
@@ -108,30 +119,52 @@ def ulysses_stages(h_kv_local: int, limit: int | None = None) -> int:
     return max(n for n in range(1, min(limit, h_kv_local) + 1) if h_kv_local % n == 0)
 
 
+_WORD = 8  # bytes: Note [Wide copies]
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as int64 words (a view), or None when its rows or strides are not whole words (Note [Wide copies])."""
+    size = t.element_size()
+    if size >= _WORD or t.dim() == 0 or t.stride(-1) != 1 or (t.shape[-1] * size) % _WORD:
+        return None
+    if (t.storage_offset() * size) % _WORD or any((st * size) % _WORD for st in t.stride()[:-1]):
+        return None
+    return t.view(torch.int64)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for tensors of one dtype and shape, as 8-byte words where both allow it (Note [Wide copies])."""
+    wide_dst, wide_src = (_wide(dst), _wide(src)) if dst.dtype == src.dtype else (None, None)
+    if wide_dst is not None and wide_src is not None:
+        wide_dst.copy_(wide_src)
+    else:
+        dst.copy_(src)
+
+
 def _to_gathered(dst: torch.Tensor, src: torch.Tensor, zigzag: bool) -> None:
     """``dst`` [B, P * S, h, D] (global order) <- ``src`` [P, B, S, h, D] (rank p's tokens at p); one copy."""
     P, B, S, h, D = src.shape
     if not zigzag:
-        dst.view(B, P, S, h, D).copy_(src.permute(1, 0, 2, 3, 4))
+        _copy(dst.view(B, P, S, h, D), src.permute(1, 0, 2, 3, 4))
         return
     halves = src.view(P, B, 2, S // 2, h, D)
     d = dst.view(B, 2 * P, S // 2, h, D)
-    d[:, :P].copy_(halves[:, :, 0].permute(1, 0, 2, 3, 4))
+    _copy(d[:, :P], halves[:, :, 0].permute(1, 0, 2, 3, 4))
     for p in range(P):  # the second halves in reverse rank order: a copy each (flip() would copy twice)
-        d[:, 2 * P - 1 - p].copy_(halves[p, :, 1])
+        _copy(d[:, 2 * P - 1 - p], halves[p, :, 1])
 
 
 def _to_ranks(dst: torch.Tensor, src: torch.Tensor, zigzag: bool) -> None:
     """``dst`` [P, B, S, h, D] (rank p's tokens at p) <- ``src`` [B, P * S, h, D] (global order); inverse of ``_to_gathered``."""
     P, B, S, h, D = dst.shape
     if not zigzag:
-        dst.copy_(src.view(B, P, S, h, D).permute(1, 0, 2, 3, 4))
+        _copy(dst, src.view(B, P, S, h, D).permute(1, 0, 2, 3, 4))
         return
     s = src.view(B, 2 * P, S // 2, h, D)
     halves = dst.view(P, B, 2, S // 2, h, D)
-    halves[:, :, 0].copy_(s[:, :P].permute(1, 0, 2, 3, 4))
+    _copy(halves[:, :, 0], s[:, :P].permute(1, 0, 2, 3, 4))
     for p in range(P):  # as _to_gathered: no flip()
-        halves[p, :, 1].copy_(s[:, 2 * P - 1 - p])
+        _copy(halves[p, :, 1], s[:, 2 * P - 1 - p])
 
 
 def _post(send: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, object]:
@@ -160,15 +193,15 @@ def overlapped_forward(q, k, v, *, group, stages: int, zigzag: bool, local_forwa
 
     def post_inputs(c):
         send = q.new_empty((P, B, S, hq + 2 * hk, D))
-        send[..., :hq, :].copy_(_stage_heads(q, P, n, c))
-        send[..., hq:hq + hk, :].copy_(_stage_heads(k, P, n, c))
-        send[..., hq + hk:, :].copy_(_stage_heads(v, P, n, c))
+        _copy(send[..., :hq, :], _stage_heads(q, P, n, c))
+        _copy(send[..., hq:hq + hk, :], _stage_heads(k, P, n, c))
+        _copy(send[..., hq + hk:, :], _stage_heads(v, P, n, c))
         return _post(send, group)
 
     def finish_output(c, posted):
         recv, _, work = posted
         work.wait()
-        _stage_heads(out, P, n, c).copy_(recv)
+        _copy(_stage_heads(out, P, n, c), recv)
 
     qh, oh = q.new_empty((n, B, P * S, hq, D)), q.new_empty((n, B, P * S, hq, Dv))
     kh, vh = k.new_empty((n, B, P * S, hk, D)), v.new_empty((n, B, P * S, hk, D))
@@ -207,15 +240,15 @@ def overlapped_backward(dout, qh, kh, vh, oh, lse, *, group, zigzag: bool, local
 
     def post_dout(c):
         send = dout.new_empty((P, B, S, hq, Dv))
-        send.copy_(_stage_heads(dout, P, n, c))
+        _copy(send, _stage_heads(dout, P, n, c))
         return _post(send, group)
 
     def finish_grads(c, posted):
         recv, _, work = posted
         work.wait()
-        _stage_heads(dq, P, n, c).copy_(recv[..., :hq, :])
-        _stage_heads(dk, P, n, c).copy_(recv[..., hq:hq + hk, :])
-        _stage_heads(dv, P, n, c).copy_(recv[..., hq + hk:, :])
+        _copy(_stage_heads(dq, P, n, c), recv[..., :hq, :])
+        _copy(_stage_heads(dk, P, n, c), recv[..., hq:hq + hk, :])
+        _copy(_stage_heads(dv, P, n, c), recv[..., hq + hk:, :])
 
     dq = qh.new_empty((B, S, Hq, D))
     dk, dv = kh.new_empty((B, S, hk * P * n, D)), vh.new_empty((B, S, hk * P * n, D))
