@@ -199,10 +199,12 @@ def test_an_offloaded_block_compiled_outside_its_checkpoint_still_trains_exactly
 
 @pytest.mark.skipif("transformers" not in sys.modules and __import__("importlib").util.find_spec("transformers") is None,
                     reason="needs transformers")
-def test_a_transformers_llama_compiles_checkpointed_with_packed_documents():
-    """A Hugging Face Llama with the package's attention (``apply_hf_attention``), blocks checkpointed with Selective
-    Checkpoint++ and compiled: no graph break, one graph for its three layers (Note [One graph for every layer]: no
-    recompile per ``layer_idx``), eager's logits and gradients with packed documents."""
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_transformers_llama_compiles_checkpointed_with_packed_documents(family):
+    """A Hugging Face Llama (and Qwen3: the families compile="auto" compiles, Note [Compile by default]) with the
+    package's attention (``apply_hf_attention``), blocks checkpointed with Selective Checkpoint++ and compiled: no graph
+    break, one graph for its three layers (Note [One graph for every layer]: no recompile per ``layer_idx``), eager's
+    logits and gradients with packed documents."""
     import torch._dynamo
     import transformers
     from hf_testing import tiny_config
@@ -213,9 +215,8 @@ def test_a_transformers_llama_compiles_checkpointed_with_packed_documents():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    config = tiny_config("llama")
-    config.num_hidden_layers = 3
-    plain = transformers.LlamaForCausalLM(config).float()
+    config = tiny_config(family, num_hidden_layers=3)
+    plain = transformers.AutoModelForCausalLM.from_config(config).float()
     apply_hf_attention(plain)
     apply_ac(plain, "selective++")
     compiled = copy.deepcopy(plain)
@@ -231,7 +232,7 @@ def test_a_transformers_llama_compiles_checkpointed_with_packed_documents():
         return [logits.detach()] + [p.grad.clone() for p in model.parameters()]
 
     for _ in range(2):
-        _assert_same(step(compiled), step(plain), "transformers Llama, compiled vs eager")
+        _assert_same(step(compiled), step(plain), f"transformers {family}, compiled vs eager")
     assert _breaks() == {}
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # 3 before: one per layer_idx
 

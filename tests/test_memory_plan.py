@@ -957,8 +957,9 @@ def test_head_parallel_size_auto_chooses_the_mesh_with_its_memory(monkeypatch):
 def test_compiled_transformers_layers_keep_one_more_hidden_state(monkeypatch):
     """Note [Memory per token]: a transformers model compiled (compile=True) keeps one more hidden state per token in every
     Selective Checkpoint++ layer (Qwen3-8B at 64K on 2 x H200: 137.7 GB allocated compiled, 128.0 eager, 130.2 planned).
-    The strategy's planner counts it for a transformers model compiled, not under compile="auto" (eager there), and not
-    for the package's own models (measured no larger compiled)."""
+    The strategy's planner counts it for a transformers model compiled: compile=True, or "auto" on a CUDA device for a
+    family it compiles (Note [Compile by default]), not with LoRA there nor under compile=False, and not for the
+    package's own models (measured no larger compiled)."""
     import lightning_seqpar.planner.planning as planning
     from lightning_seqpar import CausalLMModule
     from lightning_seqpar.parallel.config import StrategyConfig
@@ -981,9 +982,12 @@ def test_compiled_transformers_layers_keep_one_more_hidden_state(monkeypatch):
                                             site=site, dims=ParallelDims(cp=2, world_size=2), device_memory=150.10988032e9, owner="t")
 
     qwen3 = CausalLMModule(cfg, loss_chunk_size=8192)
-    eager, compiled = plan(qwen3, "auto"), plan(qwen3, True)
+    eager, compiled = plan(qwen3, False), plan(qwen3, True)
     assert eager.estimate.total == pytest.approx(130.2e9, rel=1e-3) and not eager.options.offload_checkpoints  # the run's plan
     # compiled, the same options come to 139.9 GB, over the 135.1 GB budget: the planner offloads the checkpoints
     assert compiled.options.offload_checkpoints and compiled.estimate.total <= 0.9 * 150.10988032e9
+    assert plan(qwen3, "auto").estimate.total == compiled.estimate.total  # "auto" compiles Qwen3 on a CUDA device
+    lora = CausalLMModule(cfg, loss_chunk_size=8192, lora={"r": 8, "target_modules": "all-linear"})
+    assert plan(lora, "auto").estimate.total == plan(lora, False).estimate.total < plan(lora, True).estimate.total  # eager
     llama = CausalLMModule(model="llama3-8b", loss_chunk_size=8192)
     assert plan(llama, True).estimate.total == plan(llama, "auto").estimate.total

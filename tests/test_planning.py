@@ -184,9 +184,10 @@ def test_seqpar_plan_takes_a_transformers_folder_or_config_and_a_gpu(tmp_path, c
     assert row.split(" | ")[6].startswith("activation_checkpointing=full, offload_checkpoints")  # 4 x 85.0 GB: more savings
 
 
-def test_compile_auto_is_on_for_the_package_models_on_cuda_only():
-    """Note [Compile by default]: "auto" compiles the package's own blocks on a CUDA device; a transformers model, a
-    user's own model and any CPU run stay eager; True / False / a dict pass through as given."""
+def test_compile_auto_is_on_for_the_package_models_and_measured_transformers_families_on_cuda_only():
+    """Note [Compile by default]: "auto" compiles the package's own blocks and the transformers families of
+    COMPILED_TRANSFORMERS (without LoRA) on a CUDA device; other transformers models, a user's own model and any CPU run
+    stay eager; True / False / a dict pass through as given."""
     import sys
 
     import torch
@@ -208,9 +209,15 @@ def test_compile_auto_is_on_for_the_package_models_on_cuda_only():
     assert resolve_compile([package], config=auto, site=cpu).compile_kwargs is None
     assert resolve_compile([own], config=auto, site=cuda).compile_kwargs is None
     transformers = pytest.importorskip("transformers")
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                                num_attention_heads=4, vocab_size=64))
-    assert resolve_compile([hf], config=auto, site=cuda).compile_kwargs is None
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    assert resolve_compile([hf], config=auto, site=cuda).compile_kwargs == {}  # a family "auto" compiles (COMPILED_TRANSFORMERS)
+    assert resolve_compile([hf], config=auto, site=cpu).compile_kwargs is None
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**small))
+    assert resolve_compile([mistral], config=auto, site=cuda).compile_kwargs is None  # not measured compiled: eager
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert resolve_compile([lora], config=auto, site=cuda).compile_kwargs is None  # peft's layers in the block: eager
     for given, kwargs in ((False, None), (True, {}), ({"mode": "max-autotune"}, {"mode": "max-autotune"})):
         assert resolve_compile([own], config=StrategyConfig(compile=given), site=cpu).compile_kwargs == kwargs
     with pytest.raises(ValueError, match='compile must be True, False, "auto"'):
