@@ -66,15 +66,17 @@ tiled logits+loss; ArcticTraining at one GPU calls Liger's fused linear cross en
 ``lm_head.weight`` outside ``lm_head``'s forward, where ZeRO-3 has not gathered it: the two hold the same memory,
 one (S / shards, vocab) fp32 tile), and attention is ``--attn`` (the recipe's flash_attention_3 needs Hopper wheels
 the image lacks; SDPA's flash backend or flash-attention 4 stand in). ``--layers N`` builds the same width with N
-layers (the per-layer memory at lengths whose full-depth step is longer than one run). Host memory: the peak RSS
-(``ru_maxrss``, pinned buffers included once touched) and DeepSpeed's offload estimate (~18 bytes a parameter).
+layers (the per-layer memory at lengths whose full-depth step is longer than one run; the record adds the full
+depth's host estimate, ``full_depth_*``). Host memory: the peak RSS (``ru_maxrss``, pinned buffers included once
+touched) and DeepSpeed's offload estimate (~18 bytes a parameter).
 
 For each model and length: the model is built from its config (random init, seed 0, bf16, on the device), trained
 2 optimizer steps at batch 1 on the random tokens of benchmarks/memory_plan.py (same generator, same labels); one
 record per length with the second step's time and tokens/s, ``torch.cuda.max_memory_allocated`` /
 ``max_memory_reserved`` over both steps, the losses, the host peak RSS, the offload counts, or the error. A CUDA
 out-of-memory error stops that model's longer lengths (recorded as skipped); lengths not started before
---max-minutes are recorded as skipped.
+--max-minutes are recorded as skipped. A length that exhausts the host's memory is recorded as "host out of memory"
+(``host_oom``) and ends the process with exit code 4 (Note [The host-memory watchdog] in benchmarks/driver.py).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from driver import error_text, record_and_release
+from driver import HostMemoryWatchdog, error_text, host_oom_exit, record_and_release
 from hf import LLAMA3_8B, MEMORY_SHAPES
 
 LLAMA_1B = MEMORY_SHAPES["llama-3.2-1b"]
@@ -209,6 +211,16 @@ def host_memory_bytes() -> int:
 def offload_host_bytes(spec: dict, seq: int) -> int:
     """Pinned host memory the checkpoint offload takes at ``seq``: every layer input but the last, (1, S, H) bf16."""
     return (spec["num_hidden_layers"] - 1) * seq * spec["hidden_size"] * 2
+
+
+def full_depth_host(spec: dict, seq: int) -> dict:
+    """``--layers N``: the host memory the recipe would take at full depth (``spec``'s own layers): ZeRO-3's ~18 bytes
+    a parameter (:class:`~lightning_seqpar.planner.memory.TransformerShape`'s count) and the offloaded checkpoints."""
+    from lightning_seqpar.planner.memory import TransformerShape
+
+    params = TransformerShape.from_config(spec).params
+    return dict(full_depth_layers=spec["num_hidden_layers"], full_depth_zero_host_gb_estimate=18 * params / 1e9,
+                full_depth_offload_host_gb_estimate=offload_host_bytes(spec, seq) / 1e9)
 
 
 def _sync(device: str) -> None:
@@ -405,6 +417,11 @@ def main() -> None:
 
     device = "cpu" if args.tiny else "cuda"
     start = time.monotonic()
+
+    def say(row: dict) -> None:
+        print(f"[alst] {row['model']} S={row['seq']}: " + ", ".join(f"{k}={row[k]}" for k in (
+            "peak_mem_gb", "peak_reserved_gb", "step_time_s", "tokens_per_s", "losses", "offload", "error") if k in row), flush=True)
+
     names = args.model.split(",")
     for name in names:
         if name not in MODELS:
@@ -416,6 +433,7 @@ def main() -> None:
         offload = args.recipe == "offload"
         if offload and spec.get("tie_word_embeddings"):  # TiledFusedLogitsLoss's in-forward backward meets the embedding's
             spec = dict(spec, tie_word_embeddings=False)  # gradient of the same ZeRO-3 parameter twice (the 8B is untied)
+        full_spec = spec
         if args.layers:
             spec, model_name = dict(spec, num_hidden_layers=args.layers), f"{model_name}-{args.layers}-layers"
         if offload and lora:
@@ -430,7 +448,7 @@ def main() -> None:
                 recipe=("ArcticTraining run-h200-sp1-llama-8b-liger-offload-tiled-mlp.yml: ZeRO-3 parameter and optimizer "
                         "offload, cpu_adam, Liger, TiledMLP, CheckpointHiddenStatesOffload" if offload else
                         "TiledMLP+TiledFusedLogitsLoss+HF reentrant checkpointing+CheckpointHiddenStatesOffload, torch AdamW"),
-                layers=spec["num_hidden_layers"],
+                layers=spec["num_hidden_layers"], **(full_depth_host(full_spec, seq) if args.layers else {}),
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), deepspeed=deepspeed.__version__,
                 torch=torch.__version__, commit=args.commit)
             host = host_memory_bytes()
@@ -443,12 +461,13 @@ def main() -> None:
             elif time.monotonic() - start > 60 * args.max_minutes:
                 row.update(error=f"skipped: --max-minutes {args.max_minutes} passed")
             else:
-                try:
-                    if offload:
-                        run_offload(spec, seq=seq, steps=args.steps, shard_gb=args.loss_shard_gb, device=device,
-                                    attn=args.attn, row=row)
-                    else:
-                        run(spec, lora=lora, seq=seq, steps=args.steps, shard_gb=args.loss_shard_gb, device=device, row=row)
+                try:  # a host out of memory leaves this row, not a SIGKILL (Note [The host-memory watchdog] in driver.py)
+                    with HostMemoryWatchdog(host_oom_exit(row, args.out, say=say)):
+                        if offload:
+                            run_offload(spec, seq=seq, steps=args.steps, shard_gb=args.loss_shard_gb, device=device,
+                                        attn=args.attn, row=row)
+                        else:
+                            run(spec, lora=lora, seq=seq, steps=args.steps, shard_gb=args.loss_shard_gb, device=device, row=row)
                 except Exception as error:  # noqa: BLE001 - an OOM is a result: record it, skip this model's longer lengths
                     oom = isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
                     row.update(error=error_text(error, 600), oom=oom)
@@ -459,9 +478,7 @@ def main() -> None:
                         stop = f"out of memory at S={seq}"
             row.update(host_maxrss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
                        host_memory_gb=host_memory_bytes() / 1e9)
-            print(f"[alst] {model_name} S={seq}: " + ", ".join(f"{k}={row[k]}" for k in (
-                "peak_mem_gb", "peak_reserved_gb", "step_time_s", "tokens_per_s", "losses", "offload", "error") if k in row),
-                flush=True)
+            say(row)
             record_and_release(args.out, row)
 
 

@@ -40,6 +40,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
 PEAK_BF16 = 989e12  # H100 / H200 SXM dense bf16 (datasheet): the denominator of every MFU
 OOM_EXIT = 3  # the exit code of a rank that ran out of GPU memory (longest.py tells it from other failures)
+HOST_OOM_EXIT = 4  # the exit code of a run the host-memory watchdog ended (Note [The host-memory watchdog])
 
 
 def runner_args(ap: argparse.ArgumentParser, *, device: bool = True) -> argparse.ArgumentParser:
@@ -437,6 +439,118 @@ def exit_oom(rank: Any, exc: BaseException) -> None:
     sys.stderr.flush()
     os._exit(OOM_EXIT)
 
+
+
+# Note [The host-memory watchdog]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A run that exhausts the host's memory (pinned offloaded checkpoints, ZeRO-3's host states) is ended by the kernel's
+# OOM killer with SIGKILL: no Python runs, the length leaves no record, and a table cannot tell "did not fit in the
+# host" from a crash. So the one-GPU runners (alst.py, hf.py memory) run each length under ``HostMemoryWatchdog``: a
+# daemon thread that reads /proc/meminfo every ``interval_s`` (0.15 s) and, once MemAvailable falls below the floor
+# (min(8 GB, 3% of MemTotal) by default), calls ``on_low`` once with the line "host out of memory: MemAvailable X GB
+# of Y GB at process RSS Z GB (peak RSS W GB)". The runners' ``on_low`` (:func:`host_oom_exit`) makes the run's row
+# an error row (``error`` that line, ``host_oom`` true, the GPU peaks so far), appends it to the records as
+# ``record_and_release`` would, prints it, and ends the process with ``os._exit(HOST_OOM_EXIT)`` (4): the run cannot
+# go on safely, and an exception raised into the main thread would need memory to unwind. The floor is a margin, not
+# a guarantee: memory taken faster than the floor per interval can still meet the OOM killer first. MemAvailable is
+# the machine's (a cgroup limit below it is not watched); where /proc/meminfo is absent the watchdog does nothing.
+
+
+def read_meminfo(path: str = "/proc/meminfo") -> dict[str, float] | None:
+    """MemTotal and MemAvailable of ``path``, bytes; None where it is absent or lacks them (not Linux)."""
+    try:
+        with open(path) as fh:
+            info = {k: float(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in fh)
+                    if k in ("MemTotal", "MemAvailable")}
+    except (OSError, ValueError, IndexError):
+        return None
+    return info if len(info) == 2 else None
+
+
+def process_rss_bytes() -> tuple[float, float]:
+    """(RSS, peak RSS) of this process, bytes: VmRSS / VmHWM of /proc/self/status, else ru_maxrss for both."""
+    try:
+        with open("/proc/self/status") as fh:
+            status = {k: float(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in fh) if k in ("VmRSS", "VmHWM")}
+        return status["VmRSS"], status["VmHWM"]
+    except (OSError, ValueError, IndexError, KeyError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+        return peak, peak
+
+
+class HostMemoryWatchdog:
+    """``with HostMemoryWatchdog(on_low):`` around a run: ``on_low(line)`` once MemAvailable falls below the floor
+    (Note [The host-memory watchdog]). ``read``: the /proc/meminfo reader (tests pass their own); ``fired``: the line,
+    once it fired."""
+
+    def __init__(self, on_low: Callable[[str], None], *, floor_gb: float = 8.0, floor_fraction: float = 0.03,
+                 interval_s: float = 0.15, read: Callable[[], dict[str, float] | None] = read_meminfo) -> None:
+        if floor_gb < 0 or not 0 <= floor_fraction < 1 or interval_s <= 0:
+            raise ValueError(f"HostMemoryWatchdog: floor_gb >= 0, 0 <= floor_fraction < 1 and interval_s > 0, got {floor_gb}, "
+                             f"{floor_fraction}, {interval_s}")
+        self.on_low, self.floor_gb, self.floor_fraction, self.interval_s, self.read = on_low, floor_gb, floor_fraction, interval_s, read
+        self.fired: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> str | None:
+        """One reading: the host-out-of-memory line when MemAvailable is below the floor, else None (also without
+        /proc/meminfo)."""
+        info = self.read()
+        if info is None:
+            return None
+        total, available = info["MemTotal"], info["MemAvailable"]
+        if available >= min(self.floor_gb * 1e9, self.floor_fraction * total):
+            return None
+        rss, peak = process_rss_bytes()
+        return (f"host out of memory: MemAvailable {available / 1e9:.1f} GB of {total / 1e9:.1f} GB at process RSS "
+                f"{rss / 1e9:.1f} GB (peak RSS {peak / 1e9:.1f} GB)")
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            line = self.check()
+            if line is not None:
+                self.fired = line
+                self.on_low(line)
+                return
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> HostMemoryWatchdog:
+        if self.read() is not None:  # no /proc/meminfo: nothing to watch
+            self._thread = threading.Thread(target=self._watch, name="host-memory-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()  # an on_low that is writing the record ends the process before this returns
+
+
+def gpu_peaks() -> dict[str, float]:
+    """``peak_mem_gb`` / ``peak_reserved_gb`` of the current CUDA device (allocator peaks), {} where CUDA is not in use."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9, "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
+
+
+def host_oom_exit(row: dict, path: str | None, *, say: Callable[[dict], None], code: int = HOST_OOM_EXIT,
+                  end: Callable[[int], Any] = os._exit) -> Callable[[str], None]:
+    """A runner's ``on_low`` for :class:`HostMemoryWatchdog`: ``row`` becomes the run's error row (``error`` the line,
+    ``host_oom``, the GPU peaks so far, the host peak RSS), appended to ``path`` (when given), shown with ``say``; then
+    the process ends with ``code`` (``end``: tests pass their own)."""
+    def on_low(line: str) -> None:
+        row.update(error=line, host_oom=True, oom=False, host_maxrss_gb=process_rss_bytes()[1] / 1e9, **gpu_peaks())
+        if path:
+            append_records(path, row)
+        say(row)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        end(code)
+
+    return on_low
 
 def trainer(strategy: Any, *, steps: int, precision: str, callbacks: list, cuda: bool) -> Any:
     """A benchmark's Lightning Trainer: ``steps`` optimizer steps on the devices of this node (torchrun's

@@ -18,7 +18,10 @@ memory    One GPU (issue #22): ``memory="auto"`` (``--memory manual``: --options
           and estimate against the measured peak, what the last step keeps for its backward (Note [Memory per token]);
           or --system transformers (+ peft): bf16 weights, SDPA, non-reentrant checkpointing. Shortest length first; once
           one does not fit, the longer ones are skipped. A step longer than a 10-minute run: ``--ckpt-dir DIR
-          --stop-after 1`` saves after this run's step and the next run resumes (stop a run with ``timeout -s KILL``).
+          --stop-after 1`` saves after this run's step and the next run resumes (stop a run with ``timeout -s KILL``);
+          or ``--layers N``, the same width with N layers, and the planner's estimate for the full depth (Note [The
+          longest by memory]). A length that exhausts the host's memory is recorded as "host out of memory" and ends
+          the process with exit code 4 (Note [The host-memory watchdog] in benchmarks/driver.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import resource
 import sys
 import time
 import traceback
+from dataclasses import asdict, replace
 
 import lightning as L
 import torch
@@ -39,10 +43,14 @@ import torch.distributed as dist
 from lightning_seqpar import CausalLMModule, SequenceParallelStrategy
 from lightning_seqpar.attention.local import auto_backends_run, fa4_interface
 from lightning_seqpar.models.fused import fused_kernels_on
+from lightning_seqpar.parallel.config import MEMORY_OPTIONS
+from lightning_seqpar.planner.memory import DEFAULT_MARGIN, MemoryOptions, MemoryPlanError, estimate_memory, plan_memory
+from lightning_seqpar.planner.planning import device_memory_bytes, host_memory_bytes, model_shape_of
+from lightning_seqpar.planner.step_plan import all_linear_lora
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from driver import (PEAK_BF16, append_records, error_text, held_gb, is_oom, max_over_ranks, mode_of, record_and_release,  # noqa: E402
-                    runner_args, step_timer, trainer)
+from driver import (PEAK_BF16, HostMemoryWatchdog, append_records, error_text, held_gb, host_oom_exit, is_oom,  # noqa: E402
+                    max_over_ranks, mode_of, record_and_release, runner_args, step_timer, trainer)
 from profile_summary import profiler_callback  # noqa: E402
 
 LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -431,6 +439,76 @@ def _options(text: str) -> dict:
     return out
 
 
+PLAN_KEYS = ("activation_checkpointing", "offload_checkpoints", "head_chunks", "mlp_chunk_size", "offload_params", "bf16_adapters")
+"""The planner's options a record's ``plan`` names."""
+
+
+def _memory_spec(args) -> dict:
+    """The config fields of ``--model``, with ``--layers N`` its width at N layers."""
+    spec = dict(MEMORY_SHAPES[args.model])
+    return spec if args.layers is None else dict(spec, num_hidden_layers=args.layers)
+
+
+# Note [The longest by memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# At the longest lengths a full-depth step takes longer than one 10-minute run. ``--layers N`` trains the same width
+# with N layers at that length: its peak and what each layer keeps (``kept_bytes_per_token_per_layer``) are measured,
+# and the record adds the planner's estimate for the full depth (the shape's own ``num_hidden_layers``) at the same
+# length, precision, loss chunk and LoRA, with the options this run ran with (``full_depth_estimate_gb`` /
+# ``_allocated_gb`` / ``_host_gb``, and whether they fit the planner's budget of the device and of the host's
+# MemAvailable when the run began, ``full_depth_fits``), and what the planner itself picks for the full depth there
+# (``full_depth_plan``: its options, or its refusal in ``full_depth_refusal`` with the longest length it would fit).
+# The estimate is the package's (``estimate_memory`` / ``plan_memory``) with the inputs the strategy gave it for the
+# N-layer run: the N-layer shape as the strategy read it (``model_shape_of``) with the full depth's layer count, LoRA
+# as ``seqpar memory`` counts ``target_modules="all-linear"``. ``full_depth_inputs_match`` checks those inputs: the
+# same call for N layers gives the strategy's own estimate (checked where the strategy planned, on a CUDA device).
+# The planner plans the N-layer run for N layers (4 Llama-3-8B layers at 256K need no offload_params; 32 do), so to
+# check its full-depth plan give the N-layer run that plan's options (``--options offload_checkpoints=true,
+# offload_params=true``, from ``full_depth_plan`` or ``seqpar memory``): fixed, they are the options of both estimates.
+
+
+def _changes(options: MemoryOptions) -> dict:
+    """The fields of a ``MemoryOptions`` that differ from its defaults ({}: the defaults)."""
+    defaults = asdict(type(options)())
+    return {k: v for k, v in asdict(options).items() if v != defaults[k]}
+
+
+def full_depth(args, strategy, seq: int, host_memory: float) -> dict:
+    """``--layers N`` (Note [The longest by memory]): the planner's estimate and choice for the full-depth model after an
+    N-layer run under ``strategy``; ``host_memory``: MemAvailable when the run began (what the strategy planned with)."""
+    module, plan = strategy.lightning_module, strategy.memory_plan
+    shape = model_shape_of(module, owner="hf.py memory")  # the N-layer shape the strategy planned for
+    full = replace(shape, num_layers=MEMORY_SHAPES[args.model]["num_hidden_layers"])
+    options = plan.options if plan is not None else MemoryOptions(**{n: getattr(strategy.config, n) for n in MEMORY_OPTIONS})
+    attention = plan.attention if plan is not None and plan.attention else strategy.config.initial_attention
+
+    def common(shape) -> dict:
+        trainable, targets = all_linear_lora(shape, args.lora)
+        return dict(model_shape=shape, seq_len=args.plan_seq or seq, precision=args.precision, batch_size=1,
+                    loss_chunk_size=module.loss_chunk_size, trainable_params=trainable, lora_targets=targets, attention=attention)
+
+    est = estimate_memory(options=options, **common(full))
+    device_memory = plan.device_memory if plan is not None else (
+        device_memory_bytes(torch.device("cuda")) if torch.cuda.is_available() else None)
+    row = dict(full_depth_layers=full.num_layers, full_depth_options=_changes(options), full_depth_estimate_gb=est.total / 1e9,
+               full_depth_estimate_allocated_gb=est.allocated / 1e9, full_depth_estimate_host_gb=est.host / 1e9,
+               full_depth_host_memory_gb=host_memory / 1e9, full_depth_plan=None,
+               full_depth_inputs_match=None if plan is None else estimate_memory(options=options, **common(shape)) == plan.estimate)
+    if device_memory is None:
+        return dict(row, full_depth_refusal="not planned: no CUDA device")
+    budget = 1 - DEFAULT_MARGIN  # plan_memory's
+    row["full_depth_fits"] = {"device": est.total <= budget * device_memory, "host": est.host <= budget * host_memory}
+    fixed = {k: v for k, v in _options(args.options).items() if k in MEMORY_OPTIONS}  # the strategy's: those given
+    try:
+        chosen = plan_memory(device_memory=device_memory, host_memory=host_memory, fixed=fixed, owner="hf.py memory",
+                             **common(full))
+        row.update(full_depth_plan=_changes(chosen.options), full_depth_plan_estimate_gb=chosen.estimate.total / 1e9,
+                   full_depth_plan_host_gb=chosen.estimate.host / 1e9)
+    except MemoryPlanError as error:
+        row.update(full_depth_refusal=str(error), full_depth_longest_seq=error.longest_seq_len)
+    return row
+
+
 def run_memory(args, seq: int, row: dict) -> None:
     """Ours with memory="auto": ``args.steps`` steps at ``seq`` tokens; fills ``row`` (the plan first, so that it is kept
     when a step fails). ``--ckpt-dir``: resume from DIR/last.ckpt when it exists and, with ``--stop-after n``, stop
@@ -438,8 +516,9 @@ def run_memory(args, seq: int, row: dict) -> None:
     ``seq``; ``--options``: strategy options by hand (the planner plans the rest); ``--snapshot DIR``: the CUDA allocator's
     history (every allocation alive at the peak with its Python stack: how Note [Memory per token] was checked)."""
     cuda = torch.cuda.is_available()
-    config = _config(MEMORY_SHAPES[args.model])
+    config = _config(_memory_spec(args))
     times, losses, kept = [], [], {}
+    host_memory = host_memory_bytes()  # MemAvailable as the strategy plans with it (--layers: the full depth's plan too)
 
     class StopAfter(type(step_timer(times, losses, warmup=-1, cuda=cuda))):  # every step timed; what the last one keeps
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -480,10 +559,14 @@ def run_memory(args, seq: int, row: dict) -> None:
         plan = strategy.memory_plan
         if plan is not None:
             est = plan.estimate
-            row.update(plan={k: getattr(plan.options, k) for k in ("activation_checkpointing", "offload_checkpoints", "head_chunks",
-                                                                   "mlp_chunk_size", "offload_params", "bf16_adapters")},
+            row.update(plan={k: getattr(plan.options, k) for k in PLAN_KEYS},
                        estimate_host_gb=est.host / 1e9, estimate_gb=est.total / 1e9, estimate_allocated_gb=est.allocated / 1e9,
                        estimate_terms_gb={k: v / 1e9 for k, v in est.terms().items()})
+        if args.layers is not None and strategy.lightning_module is not None:
+            try:
+                row.update(full_depth(args, strategy, seq, host_memory))
+            except Exception as error:  # noqa: BLE001 - recorded; never in place of the step's own error
+                row.update(full_depth_error=error_text(error, 600))
         row.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
                    peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
                    host_maxrss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
@@ -496,9 +579,16 @@ def run_memory(args, seq: int, row: dict) -> None:
 def memory(args) -> None:
     start, failed, cuda = time.monotonic(), None, torch.cuda.is_available()
     device, total = (torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / 1e9) if cuda else ("cpu", 0.0)
-    name = f"hf-{args.model}-shaped" + (f"-lora{args.lora}" if args.lora else "")
+    name = f"hf-{args.model}-shaped" + (f"-lora{args.lora}" if args.lora else "") + (f"-{args.layers}-layers" if args.layers else "")
+    layers = _memory_spec(args)["num_hidden_layers"]
+
+    def say(row: dict) -> None:
+        print(f"[hf] memory {args.system} {name} S={row['seq']}: " + ", ".join(f"{k}={row[k]}" for k in (
+              "plan", "estimate_allocated_gb", "full_depth_estimate_gb", "peak_mem_gb", "peak_reserved_gb", "tokens_per_s", "error")
+              if k in row), flush=True)
+
     for seq in (int(s) for s in args.seqs.split(",")):
-        row = dict(bench="memory_plan", system=args.system, model=name, seq=seq, gpus=1, device=device, device_memory_gb=total,
+        row = dict(bench="memory_plan", system=args.system, model=name, seq=seq, layers=layers, gpus=1, device=device, device_memory_gb=total,
                    precision=args.precision, lora_rank=args.lora, steps=args.steps, loss_chunk_size=args.loss_chunk if args.system == "seqpar" else None,
                    torch=torch.__version__, commit=args.commit, **({"memory": "manual"} if args.memory == "manual" else {}))
         if failed is not None:
@@ -506,19 +596,19 @@ def memory(args) -> None:
         elif time.monotonic() - start > 60 * args.max_minutes:
             row.update(error=f"skipped: --max-minutes {args.max_minutes} passed")
         else:
-            try:
-                if args.system == "seqpar":
-                    row.update(plan_seq=args.plan_seq, options=_options(args.options))
-                    run_memory(args, seq, row)
-                else:
-                    lora = {"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"} if args.lora else None
-                    run_plain(_config(MEMORY_SHAPES[args.model]), seq, row, lora=lora, steps=args.steps, bf16=True, autocast=False, fused=False,
-                              checkpointing={"use_reentrant": False}, last=True)
+            try:  # a host out of memory leaves this row, not a SIGKILL (Note [The host-memory watchdog] in driver.py)
+                with HostMemoryWatchdog(host_oom_exit(row, args.out, say=say)):
+                    if args.system == "seqpar":
+                        row.update(plan_seq=args.plan_seq, options=_options(args.options))
+                        run_memory(args, seq, row)
+                    else:
+                        lora = {"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"} if args.lora else None
+                        run_plain(_config(_memory_spec(args)), seq, row, lora=lora, steps=args.steps, bf16=True, autocast=False,
+                                  fused=False, checkpointing={"use_reentrant": False}, last=True)
             except Exception as error:  # noqa: BLE001 - an OOM or the planner's refusal is a result: record it, go on
                 row.update(error=error_text(error, 600), oom=isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error))
                 failed = seq
-        print(f"[hf] memory {args.system} {name} S={seq}: " + ", ".join(f"{k}={row[k]}" for k in ("plan", "estimate_allocated_gb", "peak_mem_gb",
-              "peak_reserved_gb", "tokens_per_s", "error") if k in row), flush=True)
+        say(row)
         record_and_release(args.out, row)
 
 
@@ -532,11 +622,12 @@ OPTIONS: dict[str, dict] = {  # each mode's options and defaults (True / False: 
                      docs=0, attention_backend="auto", activation_checkpointing=None, memory=None, timeout=600.0, profile=None),
     "finetune": dict(seq=131072, steps=3, warmup=1, algorithm="ring", loss_chunk=8192, model="hf-llama3-8b", documents=False, mean_doc=16384),
     # memory: --lora R: rank R on every linear layer (0: full fine-tune); --plan-seq: plan for this length instead; --options
-    # "head_chunks=8,offload_params=true"; --snapshot DIR: the CUDA allocator's history (https://pytorch.org/memory_viz)
+    # "head_chunks=8,offload_params=true"; --snapshot DIR: the CUDA allocator's history (https://pytorch.org/memory_viz); --layers N:
+    # the model's width with N layers, and the planner's estimate for its full depth (Note [The longest by memory])
     "memory": dict(seqs="32768,131072,262144", model="llama-3.2-1b", max_minutes=25.0, memory="auto", lora=0, system="seqpar", ckpt_dir=None,
-                   stop_after=None, plan_seq=None, options="", snapshot=None, steps=2, loss_chunk=8192, precision="bf16-true"),
+                   stop_after=None, plan_seq=None, options="", snapshot=None, steps=2, loss_chunk=8192, precision="bf16-true", layers=None),
 }
-_INTS = ("stop_after", "plan_seq")
+_INTS = ("stop_after", "plan_seq", "layers")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -553,6 +644,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"unknown shape or system {unknown}; shapes: {', '.join(SHAPES)}; systems: seqpar, transformers")
     if args.steps < 1 or getattr(args, "warmup", 0) < 0 or mode == "memory" and args.model not in MEMORY_SHAPES:
         ap.error(f"--steps must be >= 1, --warmup >= 0 and --model one of {', '.join(MEMORY_SHAPES)}")
+    if getattr(args, "layers", None) is not None and args.layers < 1:
+        ap.error(f"--layers must be a positive number of decoder layers, got {args.layers}")
     {"families": families, "finetune": finetune, "memory": memory}[mode](args)
 
 

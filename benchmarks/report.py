@@ -521,10 +521,28 @@ _FINETUNE_SYSTEMS = {"seqpar": "**ours** (memory=\"auto\")", "transformers": "tr
                      "alst": "ALST (DeepSpeed 0.19.8, one GPU)"}
 
 
+def _failure(error: str) -> str:
+    """A failed run's cell: "host out of memory" (Note [The host-memory watchdog] in benchmarks/driver.py), "out of
+    memory" (the GPU's), or the error's start."""
+    return ("host out of memory" if error.startswith("host out of memory") else "out of memory" if "out of memory" in error
+            else error[:40])
+
+
 def _frontier_run(r: dict) -> bool:
     """A run of the one-GPU frontier (issue #56): ALST's own offload recipe, or ours with fp32 master weights beside it."""
     return (r.get("bench") == "alst" and str(r.get("recipe", "")).startswith("ArcticTraining")) or (
         r.get("bench") == "memory_plan" and r.get("precision") == "bf16-mixed")
+
+
+_LAYERS_SUFFIX = re.compile(r"-(\d+)-layers$")
+
+
+def _fewer_layers(r: dict) -> bool:
+    """A run of a model's width with fewer layers than its own (``--layers N`` of alst.py and hf.py memory: the model's
+    name ends in ``-N-layers``): not a full-depth figure."""
+    full, layers = r.get("full_depth_layers"), r.get("layers")
+    return bool(_LAYERS_SUFFIX.search(str(r.get("model", "")))) or (
+        isinstance(full, int) and isinstance(layers, int) and layers < full)
 
 
 def finetune_table(rows: list[dict]) -> str:
@@ -546,7 +564,7 @@ def finetune_table(rows: list[dict]) -> str:
         options = ", ".join(k if v is True else f"{k}={v}" for k, v in plan.items()
                             if v is True or not isinstance(v, bool) and v not in (None, 1, "selective++")) or (
             "defaults" if plan else "")
-        tokens = "out of memory" if error and "out of memory" in error else (error[:40] if error else f(_num(r, "tokens_per_s"), ",.0f"))
+        tokens = _failure(error) if error else f(_num(r, "tokens_per_s"), ",.0f")
         done, steps = r.get("global_step"), r.get("steps")
         if not error and done is not None and steps and done < steps:  # a run split over several 10-minute runs, not finished
             tokens += f" ({done} of {steps} steps)"
@@ -571,7 +589,8 @@ def frontier_table(rows: list[dict]) -> str:
     ALST's own offload recipe (benchmarks/alst.py --recipe offload: ZeRO-3, fp32 masters on the host), same machine;
     the latest run of each (device, model, S, system). Memory: the allocator's peak reserved (and allocated) GB, the
     process's peak host RSS."""
-    runs = last_by([r for r in rows if _frontier_run(r)], lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
+    runs = last_by([r for r in rows if _frontier_run(r) and not _fewer_layers(r)],
+                   lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
     out = []
     for (device, model, seq, system), r in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3] != "seqpar")):
         error = r.get("error")
@@ -585,12 +604,71 @@ def frontier_table(rows: list[dict]) -> str:
         else:
             how = f"ZeRO-3 offload, {r.get('optimizer')}, Liger ({r.get('liger')}), TiledMLP, checkpoint offload, {r.get('attention')}"
             label = f"ALST's recipe (DeepSpeed {r.get('deepspeed')})"
-        tokens = "out of memory" if error and "out of memory" in error else (error[:40] if error else f(_num(r, "tokens_per_s"), ",.0f"))
+        tokens = _failure(error) if error else f(_num(r, "tokens_per_s"), ",.0f")
         anchor = "" if out else '<a id="frontier-one-gpu"></a>'  # the README links to the table's first row
         out.append([anchor + model.removeprefix("hf-"), seq_k(seq), label, how, "fp32", tokens, speed, f(_num(r, "peak_reserved_gb"), ".1f"),
                     f(_num(r, "peak_mem_gb"), ".1f"), f(_num(r, "host_maxrss_gb"), ".1f"), f"{device}, {when(r)}"])
     return table(["model", "S", "system", "settings", "master weights", "tokens/s", "vs ALST", "peak reserved GB",
                   "peak allocated GB", "host peak GB", "device, commit, date"], out)
+
+
+def frontier_layers_table(rows: list[dict]) -> str:
+    """The longest by memory (issue #56): the frontier's runs of a model's width with fewer layers (``--layers N``, where
+    a full-depth step is longer than one 10-minute run), the latest of each (device, model, S, system). GB per layer:
+    the difference of two depths' peak allocated at the same S where both ran, else (ours) what each layer keeps for
+    its backward (``kept_bytes_per_token_per_layer`` x S). The planner's estimates, GPU / host GB: ours for the N-layer
+    run and for the full depth with the options the N-layer run ran with (Note [The longest by memory] in
+    benchmarks/hf.py), and whether those fit the planner's budget of the device and the host; ALST's full depth: its
+    recipe's host memory (ZeRO-3's ~18 bytes a parameter and the offloaded checkpoints) against the host's."""
+    runs = last_by([r for r in rows if _frontier_run(r) and _fewer_layers(r)],
+                   lambda r: (r.get("device", "?"), r["model"], r["seq"], r["system"]))
+
+    def width(model: str) -> str:
+        return _LAYERS_SUFFIX.sub("", model).removeprefix("hf-")
+
+    def per_layer(r: dict) -> str:
+        key = (r.get("device", "?"), width(r["model"]), r["seq"], r["system"])
+        other = [o for o in runs.values() if o is not r and not o.get("error") and o.get("layers") != r.get("layers")
+                 and (o.get("device", "?"), width(o["model"]), o["seq"], o["system"]) == key]
+        if not r.get("error") and other and _num(r, "peak_mem_gb") is not None and _num(other[0], "peak_mem_gb") is not None:
+            return f"{(r['peak_mem_gb'] - other[0]['peak_mem_gb']) / (r['layers'] - other[0]['layers']):.2f} (two depths)"
+        kept = _num(r, "kept_bytes_per_token_per_layer")
+        return f"{kept * r['seq'] / 1e9:.2f} (kept)" if kept and not r.get("error") else "·"
+
+    def pair(a: float | None, b: float | None) -> str:
+        return "·" if a is None else f"{a:.1f} / {f(b, '.1f')}"
+
+    out = []
+    for (device, model, seq, system), r in sorted(runs.items(), key=lambda kv: (kv[0][0], width(kv[0][1]), kv[0][2],
+                                                                                  kv[1].get("layers") or 0, kv[0][3] != "seqpar")):
+        error = r.get("error")
+        full_layers = r.get("full_depth_layers")
+        if system == "seqpar":
+            label = "**ours**"
+            estimate = pair(_num(r, "estimate_gb"), _num(r, "estimate_host_gb"))
+            full = pair(_num(r, "full_depth_estimate_gb"), _num(r, "full_depth_estimate_host_gb"))
+            fits = r.get("full_depth_fits") or {}
+            fit = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in fits.items()) or "·"
+            chosen = r.get("full_depth_plan")
+            if chosen is not None:
+                fit += "; planner: " + (", ".join(k if v is True else f"{k}={v}" for k, v in chosen.items()) or "defaults")
+            elif r.get("full_depth_refusal"):
+                longest = r.get("full_depth_longest_seq")
+                fit += "; planner refuses" + (f" (longest {seq_k(longest)})" if longest else "")
+        else:
+            label = f"ALST's recipe (DeepSpeed {r.get('deepspeed')})"
+            estimate = "·"
+            host = sum(_num(r, k) or 0.0 for k in ("full_depth_zero_host_gb_estimate", "full_depth_offload_host_gb_estimate"))
+            full = f"· / {host:.1f}" if host else "·"
+            total = _num(r, "host_memory_gb")
+            fit = f"host {'yes' if host <= total else 'no'} (of {total:.0f})" if host and total else "·"
+        out.append([width(model), f"{r.get('layers', '?')} of {full_layers or '?'}", seq_k(seq), label,
+                    _failure(error) if error else f(_num(r, "tokens_per_s"), ",.0f"), f(_num(r, "peak_reserved_gb"), ".1f"),
+                    f(_num(r, "peak_mem_gb"), ".1f"), f(_num(r, "host_maxrss_gb"), ".1f"), per_layer(r), estimate, full, fit,
+                    f"{device}, {when(r)}"])
+    return table(["model (width)", "layers run", "S", "system", "tokens/s", "peak reserved GB", "peak allocated GB", "host peak GB",
+                  "GB per layer", "planner, N layers: GPU / host GB", "full depth: GPU / host GB", "full depth fits",
+                  "device, commit, date"], out)
 
 
 def delta_rule_table(rows: list[dict]) -> str:
@@ -699,7 +777,7 @@ TABLES: dict[str, Callable[[list[dict]], str]] = {
     "hf-families-gpus": hf_families_gpus_table,
     "delta-rule": delta_rule_table,
     "hf-family": hf_family_table, "hf-family-all": lambda rows: hf_family_table(rows, every=True), "window": window_table, "finetune-one-gpu": finetune_table,
-    "frontier-one-gpu": frontier_table,
+    "frontier-one-gpu": frontier_table, "frontier-layers": frontier_layers_table,
     "attention-grid": attention_grid,
     "suites": suites_table,
     "train": train_table, "longest": longest_table, "attention": attention_table, "scaling": scaling_table,

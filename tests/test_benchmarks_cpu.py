@@ -418,3 +418,65 @@ def test_the_frontier_table_sets_ours_beside_alsts_recipe():
     assert "ALST's recipe (DeepSpeed 0.19.8)" in lines[3] and "| 1,500 | · | 120.0 | 50.0 | 250.0 |" in lines[3]
     finetune = report.finetune_table([ours, alst, pieces])
     assert "3,000" not in finetune and "1,500" not in finetune and len(finetune.splitlines()) == 3  # only the pieces run
+
+
+def test_the_frontier_tables_keep_fewer_layer_runs_apart_and_show_a_host_out_of_memory():
+    """frontier-one-gpu: full depth only, S in order (256K after 128K), "vs ALST" within one (device, model, S), and a run
+    the host-memory watchdog ended reads "host out of memory" (also in finetune-one-gpu); frontier-layers: the runs of
+    fewer layers, with the memory a layer adds and the planner's full-depth estimate."""
+    from benchmarks import report
+
+    base = dict(model="hf-llama-3-8b-shaped", device="NVIDIA H200", commit="abc1234", _file="20261201-nvidia-h200-x2.json")
+    ours = dict(base, bench="memory_plan", system="seqpar", precision="bf16-mixed", plan={"offload_params": True})
+    alst = dict(base, bench="alst", system="alst", recipe="ArcticTraining run-h200-sp1", deepspeed="0.19.8")
+    oom = "host out of memory: MemAvailable 7.9 GB of 270.0 GB at process RSS 255.0 GB (peak RSS 256.1 GB)"
+    rows = [dict(ours, seq=262144, tokens_per_s=1400.0, peak_mem_gb=127.0), dict(alst, seq=262144, error=oom, host_oom=True),
+            dict(ours, seq=131072, tokens_per_s=3000.0, peak_mem_gb=100.0), dict(alst, seq=131072, tokens_per_s=1500.0),
+            dict(ours, model="hf-llama-3-8b-shaped-4-layers", seq=1048576, layers=4, tokens_per_s=900.0, peak_mem_gb=60.0,
+                 peak_reserved_gb=62.0, host_maxrss_gb=150.0, kept_bytes_per_token_per_layer=8192.0, estimate_gb=61.0,
+                 estimate_host_gb=140.0, full_depth_layers=32, full_depth_estimate_gb=130.0, full_depth_estimate_host_gb=240.0,
+                 full_depth_fits={"device": True, "host": False}, full_depth_refusal="...", full_depth_longest_seq=786432),
+            dict(alst, model="hf-llama-3-8b-shaped-4-layers", seq=1048576, layers=4, full_depth_layers=32, tokens_per_s=500.0,
+                 peak_mem_gb=30.0, full_depth_zero_host_gb_estimate=144.5, full_depth_offload_host_gb_estimate=260.0,
+                 host_memory_gb=270.0),
+            dict(alst, model="hf-llama-3-8b-shaped-2-layers", seq=1048576, layers=2, full_depth_layers=32, tokens_per_s=800.0,
+                 peak_mem_gb=20.0)]
+    lines = report.frontier_table(rows).splitlines()[2:]
+    assert [x.split(" | ")[1] for x in lines] == ["128K", "128K", "256K", "256K"], lines
+    assert "| 3,000 | 2.00x |" in lines[0] and "| 1,400 | · |" in lines[2] and "| host out of memory | · |" in lines[3]
+    assert "layers" not in report.frontier_table(rows) and "1M" not in report.frontier_table(rows)
+    finetune = report.finetune_table([dict(alst, recipe="TiledMLP", seq=262144, error=oom)])
+    assert "| host out of memory |" in finetune
+    layers = report.frontier_layers_table(rows).splitlines()
+    assert len(layers) == 5 and all("| llama-3-8b-shaped |" in x for x in layers[2:]), layers
+    ours_row = next(x for x in layers if "**ours**" in x)
+    assert "| 4 of 32 | 1M | **ours** | 900 | 62.0 | 60.0 | 150.0 | 8.59 (kept) | 61.0 / 140.0 | 130.0 / 240.0 |" in ours_row
+    assert "device yes, host no; planner refuses (longest 768K)" in ours_row
+    alst4 = next(x for x in layers if "| 4 of 32 |" in x and "ALST" in x)
+    assert "| 5.00 (two depths) |" in alst4 and "| · / 404.5 | host no (of 270) |" in alst4  # (30 - 20) / (4 - 2) GB a layer
+    assert [x.split(" | ")[1] for x in layers[2:]] == ["2 of 32", "4 of 32", "4 of 32"]
+
+
+def test_memory_layers_records_the_full_depth_estimate(tmp_path, monkeypatch):
+    """hf.py memory --layers N (Note [The longest by memory]): the model's width with N layers (the record's ``layers``
+    and a ``-N-layers`` name), and the planner's estimate for the full depth with the options the N-layer run planned
+    (here planned on the CPU for a device of 150 GB), larger than the N-layer one; the same inputs give the strategy's
+    own N-layer estimate."""
+    import dataclasses
+
+    import hf
+
+    from lightning_seqpar import SequenceParallelStrategy
+    from lightning_seqpar.planner.memory import MemoryOptions
+
+    monkeypatch.setattr(SequenceParallelStrategy, "_device_memory_bytes", lambda self, device: int(150e9))
+    out = tmp_path / "memory.json"
+    hf.main(["memory", "--model", "tiny", "--seqs", "64", "--layers", "1", "--steps", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["model"] == "hf-tiny-shaped-1-layers" and row["layers"] == 1 and "error" not in row, row
+    assert row["full_depth_layers"] == hf.MEMORY_SHAPES["tiny"]["num_hidden_layers"] == 2 and row["full_depth_inputs_match"] is True
+    assert row["full_depth_estimate_allocated_gb"] > row["estimate_allocated_gb"] and row["full_depth_estimate_gb"] > row["estimate_gb"]
+    assert row["full_depth_fits"] == {"device": True, "host": True} and isinstance(row["full_depth_plan"], dict)
+    ran = {**dataclasses.asdict(MemoryOptions()), **row["full_depth_options"]}  # the N-layer run's options, in full
+    assert {k: ran[k] for k in row["plan"]} == row["plan"]
+    assert row["kept_bytes_per_token_per_layer"] is not None and row["full_depth_estimate_host_gb"] == 0.0

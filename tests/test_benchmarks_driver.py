@@ -244,3 +244,48 @@ def test_table_selection_rules():
     ]
     t = report.longest_table(longest)
     assert "**4,096**" in t and "| 4.00x |" in t  # a later OOM at a longer S does not hide what trained
+
+
+def test_host_memory_watchdog_fires_once_and_writes_the_error_row(tmp_path, capsys):
+    """Note [The host-memory watchdog]: with MemAvailable under the floor (min(8 GB, 3% of MemTotal)) the watchdog calls
+    its callback once with the host-out-of-memory line; host_oom_exit appends the row as an error row, says it and ends
+    the process with HOST_OOM_EXIT (here a fake end); without /proc/meminfo nothing runs."""
+    readings = iter([{"MemTotal": 270e9, "MemAvailable": 100e9}, {"MemTotal": 270e9, "MemAvailable": 9e9}])
+    low = {"MemTotal": 270e9, "MemAvailable": 5e9}
+    fired: list[str] = []
+    with driver.HostMemoryWatchdog(fired.append, interval_s=0.01, read=lambda: next(readings, low)) as watchdog:
+        for _ in range(200):
+            if fired:
+                break
+            driver.time.sleep(0.01)
+    assert len(fired) == 1 and watchdog.fired == fired[0], fired
+    assert re.fullmatch(r"host out of memory: MemAvailable 5\.0 GB of 270\.0 GB at process RSS \d+\.\d GB \(peak RSS \d+\.\d GB\)",
+                        fired[0]), fired
+    small = driver.HostMemoryWatchdog(fired.append, read=lambda: {"MemTotal": 100e9, "MemAvailable": 3.5e9})
+    assert small.check() is None and small.floor_gb == 8.0  # 3% of 100 GB: 3 GB is the floor there
+    with driver.HostMemoryWatchdog(fired.append, read=lambda: None) as absent:
+        assert absent._thread is None  # no /proc/meminfo: a no-op
+    out, ended = tmp_path / "rows.json", []
+    row = {"bench": "alst", "system": "alst", "model": "m", "seq": 262144, "gpus": 1}
+    on_low = driver.host_oom_exit(row, str(out), say=lambda r: print("[alst]", r["error"]), end=ended.append)
+    on_low(fired[0])
+    written = json.load(open(out))
+    assert driver.HOST_OOM_EXIT == 4 and ended == [4] and len(written) == 1
+    assert written[0]["error"] == fired[0] and written[0]["host_oom"] is True and written[0]["host_maxrss_gb"] > 0
+    assert report.problems(written[0]) == [] and fired[0] in capsys.readouterr().out
+
+
+def test_host_memory_watchdog_ends_the_process_with_its_exit_code(tmp_path):
+    """The real end: os._exit(HOST_OOM_EXIT) from the watchdog's thread while the main thread runs, the row written."""
+    import subprocess
+
+    out = tmp_path / "rows.json"
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import driver; "
+            "row = dict(bench='memory_plan', system='seqpar', model='m', seq=8, gpus=1); "
+            "on_low = driver.host_oom_exit(row, sys.argv[2], say=lambda r: print('[hf]', r['error'])); "
+            "w = driver.HostMemoryWatchdog(on_low, interval_s=0.01, read=lambda: dict(MemTotal=64e9, MemAvailable=1e9))\n"
+            "with w: time.sleep(30)\nprint('not ended')")
+    done = subprocess.run([sys.executable, "-c", code, BENCHMARKS, str(out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == driver.HOST_OOM_EXIT, done.stdout + done.stderr
+    assert "[hf] host out of memory: MemAvailable 1.0 GB of 64.0 GB" in done.stdout and "not ended" not in done.stdout
+    assert json.load(open(out))[0]["host_oom"] is True
