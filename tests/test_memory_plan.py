@@ -987,6 +987,20 @@ def test_compiled_transformers_layers_keep_one_more_hidden_state(monkeypatch):
     # compiled, the same options come to 139.9 GB, over the 135.1 GB budget: the planner offloads the checkpoints
     assert compiled.options.offload_checkpoints and compiled.estimate.total <= 0.9 * 150.10988032e9
     assert plan(qwen3, "auto").estimate.total == compiled.estimate.total  # "auto" compiles Qwen3 on a CUDA device
+    # Note [Compile by default]: "auto" compiles where the plan keeps the measured regime (selective++, parameters on
+    # the GPU); Llama-3-8B at 256K on one H200 does not fit so: planned eager, compile off (compiled with full
+    # checkpointing and offloaded parameters it ran 12% over the estimate)
+    auto = StrategyConfig(sequence_parallel_size=2, memory="auto", expected_seq_len=64 * K)
+    chosen, compiles = planning.plan_memory_and_compile(qwen3, config=auto, length=planning.PlannedLength(64 * K, "expected_seq_len"),
+                                                        site=site, dims=ParallelDims(cp=2, world_size=2), device_memory=150.10988032e9, owner="t")
+    assert compiles is True and chosen.options.offload_checkpoints and chosen.estimate.total == compiled.estimate.total
+    llama_hf = CausalLMModule(dict(cfg, model_type="llama", num_hidden_layers=32, intermediate_size=14336, vocab_size=128256,
+                                   max_position_embeddings=262144), loss_chunk_size=8192)
+    one = planning.RunSite(device=torch.device("cuda", 0), precision="bf16-mixed", gpus_per_node=1)
+    chosen, compiles = planning.plan_memory_and_compile(
+        llama_hf, config=StrategyConfig(memory="auto", expected_seq_len=256 * K), length=planning.PlannedLength(256 * K, "expected_seq_len"),
+        site=one, dims=ParallelDims(world_size=1), device_memory=150.10988032e9, owner="t")
+    assert compiles is False and chosen.options.offload_params and chosen.options.activation_checkpointing == "selective++"
     lora = CausalLMModule(cfg, loss_chunk_size=8192, lora={"r": 8, "target_modules": "all-linear"})
     assert plan(lora, "auto").estimate.total == plan(lora, False).estimate.total < plan(lora, True).estimate.total  # eager
     llama = CausalLMModule(model="llama3-8b", loss_chunk_size=8192)

@@ -19,6 +19,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -510,10 +511,47 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
     (not a CUDA device) or memory="manual". The options the user set (any value but the default) are fixed;
     ``group_backend``: the process group's backend where it exists already (offload_params needs a CPU one). Raises the
     planner's ``ValueError`` when nothing fits, and one naming the model when its shape cannot be read."""
+    return plan_memory_and_compile(module, config=config, length=length, site=site, dims=dims, device_memory=device_memory,
+                                   owner=owner, group_backend=group_backend)[0]
+
+
+def plan_memory_and_compile(module: nn.Module | None, *, config: StrategyConfig, length: PlannedLength, site: RunSite,
+                            dims: ParallelDims, device_memory: int | None, owner: str,
+                            group_backend: str | None = None) -> tuple[MemoryPlan | None, bool | None]:
+    """:func:`plan_memory_options` and, for ``compile="auto"`` on a transformers family it compiles
+    (:func:`compiles_transformers_layers`), whether to compile (None: not the planner's to say): compiled where the
+    plan keeps the regime it was measured in, Selective Checkpoint++ with the parameters on the GPU, counting the
+    compiled layers' memory; else eager, planned as such (Note [Compile by default])."""
     if config.memory == "manual" or device_memory is None:
-        return None
+        return None, None
+    plan = partial(_plan_options, module, length=length, site=site, dims=dims, device_memory=device_memory, owner=owner,
+                   group_backend=group_backend)
+    if config.compile != "auto" or not compiles_transformers_layers(module, config=config, site=site):
+        chosen = plan(config=config)
+        if chosen is not None and compiles_transformers_layers(module, config=config, site=site) and (
+                chosen.options.activation_checkpointing != "selective++" or chosen.options.offload_params):
+            rank_zero_warn(f"{owner}: compile=True with {chosen.describe()}: compiled transformers layers were measured "
+                           "with Selective Checkpoint++ and the parameters on the GPU only; with full checkpointing and "
+                           "offloaded parameters one ran 12% over this estimate (144.5 GB against 128.6, Llama-3-8B at "
+                           "256K on one H200) and out of memory. compile=False (or 'auto') plans it eager "
+                           "(Note [Compile by default])")
+        return chosen, None
+    if config.activation_checkpointing == "selective++" and not config.offload_params:
+        try:
+            return plan(config=replace(config, compile=True), measured_regime=True), True
+        except ValueError:
+            pass  # compiled does not fit where it was measured: eager, with whatever the planner picks
+    return plan(config=replace(config, compile=False)), False
+
+
+def _plan_options(module: nn.Module | None, *, config: StrategyConfig, length: PlannedLength, site: RunSite,
+                  dims: ParallelDims, device_memory: int, owner: str, group_backend: str | None,
+                  measured_regime: bool = False) -> MemoryPlan:
+    """The planner's options for ``config`` (``measured_regime``: Selective Checkpoint++ and the parameters on the GPU
+    fixed, where compiled transformers layers were measured)."""
     plan_for = _memory_planner(module, config=config, length=length, site=site, dims=dims, device_memory=device_memory,
-                               owner=owner, group_backend=group_backend)
+                               owner=owner, group_backend=group_backend,
+                               extra_fixed={"activation_checkpointing": "selective++", "offload_params": False} if measured_regime else None)
     # attention="auto": the algorithm setup then resolves is planned with the memory (its memory differs: Ulysses holds
     # whole-sequence heads), Note [Attention and memory chosen together] in lightning_seqpar.planner.memory
     shape = model_shape_of(module, owner=owner)
@@ -526,8 +564,8 @@ def plan_memory_options(module: nn.Module | None, *, config: StrategyConfig, len
 
 
 def _memory_planner(module: nn.Module | None, *, config: StrategyConfig, length: PlannedLength, site: RunSite,
-                    dims: ParallelDims, device_memory: float, owner: str,
-                    group_backend: str | None = None) -> Callable[[str, int], MemoryPlan]:
+                    dims: ParallelDims, device_memory: float, owner: str, group_backend: str | None = None,
+                    extra_fixed: Mapping[str, Any] | None = None) -> Callable[[str, int], MemoryPlan]:
     """``plan_memory`` for the LightningModule's model on this device and ``length`` (``dims``: its sp and data-parallel
     sizes), as a function of the attention algorithm and the head-parallel size: the options the user set (any value
     but the default) fixed, and those the run's other settings exclude. Raises a ``ValueError`` naming the model when
@@ -544,6 +582,8 @@ def _memory_planner(module: nn.Module | None, *, config: StrategyConfig, length:
         fixed.setdefault("offload_params", False)
     if dims.world_size != 1:  # one rank only (Note [One rank: one gather per step]); with replicas too, though unsharded
         fixed.setdefault("gather_whole_model", False)
+    for name, value in (extra_fixed or {}).items():
+        fixed.setdefault(name, value)
     lora = getattr(module, "_lora_config", None)
 
     def plan_for(algorithm: str, head_parallel_size: int) -> MemoryPlan:
@@ -604,8 +644,8 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
     if length is None:
         return RunMemory(config, later=True)
     try:
-        plan = plan_memory_options(module, config=config, length=length, site=site, dims=dims, device_memory=memory,
-                                   owner=owner, group_backend=group_backend)
+        plan, compiled = plan_memory_and_compile(module, config=config, length=length, site=site, dims=dims, device_memory=memory,
+                                                 owner=owner, group_backend=group_backend)
     except ValueError as error:
         if not default:
             raise
@@ -613,8 +653,10 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
                        "refuses such a run; memory='manual' plans nothing)")
         return as_given
     assert plan is not None
-    planned = replace(config, **{name: getattr(plan.options, name) for name in MEMORY_OPTIONS})
-    rank_zero_info(f"{owner}: {plan.describe()} ({length.name})")
+    planned = replace(config, **{name: getattr(plan.options, name) for name in MEMORY_OPTIONS},
+                      **({} if compiled is None else {"compile": compiled}))
+    rank_zero_info(f"{owner}: {plan.describe()} ({length.name})" + (
+        "" if compiled is None else f"; compile='auto' -> {compiled} for its transformers layers (Note [Compile by default])"))
     return RunMemory(planned, plan)
 
 
@@ -643,7 +685,12 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
 # three earlier leases. So "auto" also compiles the dense transformers families it was measured or tested on
 # (``COMPILED_TRANSFORMERS``: Qwen3 on a GPU; Llama, the same layer without the q/k norms, one graph for every layer
 # on the CPU), without LoRA (peft's layers in the block: not measured), and the planner counts their extra hidden
-# state under "auto" as under ``True``. Other transformers families (MoE, hybrid, sliding-window, sinks) stay eager.
+# state under "auto" as under ``True``, in the regime it was measured in: the planner first plans them compiled with
+# Selective Checkpoint++ and the parameters on the GPU (offloaded checkpoints, head and MLP chunks allowed) and
+# compiles where that fits; where it does not, it plans them eager (``plan_memory_and_compile``). Outside that regime
+# the compiled layers' memory is not what the planner counts: Llama-3-8B at 256K on one H200, compiled with full
+# checkpointing and offloaded parameters, peaked at 144.5 GB allocated against 128.6 planned and ran out of memory
+# (c9fe071), so ``compile=True`` there warns. Other transformers families (MoE, hybrid, sliding-window, sinks) stay eager.
 # ``compile=False`` turns it off, ``True`` or a dict of ``torch.compile`` arguments turns it on for any model.
 
 
@@ -680,7 +727,9 @@ def resolve_compile(roots: Sequence[nn.Module], *, config: StrategyConfig, site:
     if config.compile != "auto":
         return config
     blocks = [getattr(parent, name) for root in roots for parent, name in find_blocks(root)]
-    return replace(config, compile=site.device.type == "cuda" and bool(blocks) and all(map(_compiled_by_default, blocks)))
+    own = bool(blocks) and all(type(b).__module__.startswith("lightning_seqpar.models.") for b in blocks)
+    measured = config.activation_checkpointing == "selective++" and not config.offload_params  # transformers layers
+    return replace(config, compile=site.device.type == "cuda" and bool(blocks) and (own or measured and all(map(_compiled_by_default, blocks))))
 
 
 class RunPlanning:
