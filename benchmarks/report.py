@@ -663,7 +663,8 @@ def frontier_layers_table(rows: list[dict]) -> str:
             total = _num(r, "host_memory_gb")
             fit = f"host {'yes' if host <= total else 'no'} (of {total:.0f})" if host and total else "·"
         out.append([width(model), f"{r.get('layers', '?')} of {full_layers or '?'}", seq_k(seq), label,
-                    _failure(error) if error else f(_num(r, "tokens_per_s"), ",.0f"), f(_num(r, "peak_reserved_gb"), ".1f"),
+                    _failure(error) if error else f(_num(r, "tokens_per_s"), ",.0f") + (" (first step)" if r.get("steps") == 1 else ""),
+                    f(_num(r, "peak_reserved_gb"), ".1f"),
                     f(_num(r, "peak_mem_gb"), ".1f"), f(_num(r, "host_maxrss_gb"), ".1f"), per_layer(r), estimate, full, fit,
                     f"{device}, {when(r)}"])
     return table(["model (width)", "layers run", "S", "system", "tokens/s", "peak reserved GB", "peak allocated GB", "host peak GB",
