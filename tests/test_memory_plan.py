@@ -994,6 +994,9 @@ def test_compiled_transformers_layers_keep_one_more_hidden_state(monkeypatch):
     chosen, compiles = planning.plan_memory_and_compile(qwen3, config=auto, length=planning.PlannedLength(64 * K, "expected_seq_len"),
                                                         site=site, dims=ParallelDims(cp=2, world_size=2), device_memory=150.10988032e9, owner="t")
     assert compiles is True and chosen.options.offload_checkpoints and chosen.estimate.total == compiled.estimate.total
+    run = planning.plan_run_memory(qwen3, config=auto, site=site, dims=ParallelDims(cp=2, world_size=2), owner="t",
+                                   device_memory=lambda: 150.10988032e9, trainer=None, in_setup=False)
+    assert run.config.compile is True and run.config.compile_kwargs == {} and run.config.offload_checkpoints  # what setup runs
     llama_hf = CausalLMModule(dict(cfg, model_type="llama", num_hidden_layers=32, intermediate_size=14336, vocab_size=128256,
                                    max_position_embeddings=262144), loss_chunk_size=8192)
     one = planning.RunSite(device=torch.device("cuda", 0), precision="bf16-mixed", gpus_per_node=1)
