@@ -179,8 +179,10 @@ OPTIONS_DOC = """\
             the MLP's intermediate activations (3.5x the block width) exist for one slice at a
             time (Note [Sequence-tiled MLP]). None: the MLP runs on the whole local sequence.
         compile: ``torch.compile`` each block: True, or a dict of ``torch.compile`` keyword
-            arguments; "auto" (the default): on for the package's own models on a CUDA device, off elsewhere
-            (Note [Compile by default] in ``lightning_seqpar.planner.planning``); False turns it off.
+            arguments; "auto" (the default): on for the package's own models on a CUDA device, and for the
+            Llama and Qwen3 families of transformers there where the memory plan keeps Selective Checkpoint++
+            with the parameters on the GPU; off elsewhere (Note [Compile by default] in
+            ``lightning_seqpar.planner.planning``); False turns it off.
         save_distributed_checkpoint: each rank writes its shard (a folder) if True; else the full
             state is gathered to rank 0 and written to one file.
         process_group_backend: torch.distributed backend; None picks "gloo" on CPU, "nccl" on CUDA
