@@ -526,9 +526,10 @@ def plan_memory_and_compile(module: nn.Module | None, *, config: StrategyConfig,
         return None, None
     plan = partial(_plan_options, module, length=length, site=site, dims=dims, device_memory=device_memory, owner=owner,
                    group_backend=group_backend)
-    if config.compile != "auto" or not compiles_transformers_layers(module, config=config, site=site):
+    compiled = compiles_transformers_layers(module, config=config, site=site)
+    if config.compile != "auto" or not compiled:
         chosen = plan(config=config)
-        if chosen is not None and compiles_transformers_layers(module, config=config, site=site) and (
+        if compiled and (
                 chosen.options.activation_checkpointing != "selective++" or chosen.options.offload_params):
             rank_zero_warn(f"{owner}: compile=True with {chosen.describe()}: compiled transformers layers were measured "
                            "with Selective Checkpoint++ and the parameters on the GPU only; with full checkpointing and "
@@ -698,12 +699,9 @@ def plan_run_memory(module: nn.Module | None, *, config: StrategyConfig, site: R
 COMPILED_TRANSFORMERS = ("llama", "qwen3")
 
 
-def _compiled_by_default(block: nn.Module) -> bool:
-    """A block ``compile="auto"`` compiles on a CUDA device (Note [Compile by default]): the package's own, or a decoder
-    layer of ``COMPILED_TRANSFORMERS`` without peft's layers in it."""
+def _compiled_transformers_layer(block: nn.Module) -> bool:
+    """A decoder layer of ``COMPILED_TRANSFORMERS`` without peft's layers in it (Note [Compile by default])."""
     where = type(block).__module__
-    if where.startswith("lightning_seqpar.models."):
-        return True
     return any(where == f"transformers.models.{t}.modeling_{t}" for t in COMPILED_TRANSFORMERS) and not any(
         type(m).__module__.startswith("peft.") for m in block.modules())
 
@@ -729,7 +727,7 @@ def resolve_compile(roots: Sequence[nn.Module], *, config: StrategyConfig, site:
     blocks = [getattr(parent, name) for root in roots for parent, name in find_blocks(root)]
     own = bool(blocks) and all(type(b).__module__.startswith("lightning_seqpar.models.") for b in blocks)
     measured = config.activation_checkpointing == "selective++" and not config.offload_params  # transformers layers
-    return replace(config, compile=site.device.type == "cuda" and bool(blocks) and (own or measured and all(map(_compiled_by_default, blocks))))
+    return replace(config, compile=site.device.type == "cuda" and bool(blocks) and (own or measured and all(map(_compiled_transformers_layer, blocks))))
 
 
 class RunPlanning:
