@@ -258,6 +258,10 @@ def timed_steps(step, update, pairs, device: str):
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
         del loss
+        # each step as it ends: a run stopped later by a call's time limit keeps what it measured
+        peak = f", peak allocated {torch.cuda.max_memory_allocated() / 1e9:.1f} GB" if device == "cuda" else ""
+        print(f"[alst] step {len(times)}: {times[-1]:.1f} s, loss {losses[-1]:.4f}{peak}, "
+              f"host max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.1f} GB", flush=True)
     return times, losses, offload.stats
 
 
