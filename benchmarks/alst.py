@@ -241,9 +241,10 @@ def batches(vocab: int, seq: int, steps: int, device: str, row: dict):
         yield ids[None].to(device), labels[None].to(device)  # (1, S)
 
 
-def timed_steps(step, update, pairs, device: str):
+def timed_steps(step, update, pairs, device: str, row: dict | None = None):
     """Each (ids, labels) of ``pairs``: ``step`` (forward + backward, returns the loss) under DeepSpeed's checkpoint
-    offload, then ``update``; the seconds and loss of each step and the last step's offload stats."""
+    offload, then ``update``; the seconds and loss of each step and the last step's offload stats. ``row`` gets the
+    steps so far after each one (``steps_done``), so that a later step's host out of memory keeps them."""
     times: list[float] = []
     losses: list[float] = []
     offload = None
@@ -260,8 +261,10 @@ def timed_steps(step, update, pairs, device: str):
         del loss
         # each step as it ends: a run stopped later by a call's time limit keeps what it measured
         peak = f", peak allocated {torch.cuda.max_memory_allocated() / 1e9:.1f} GB" if device == "cuda" else ""
-        print(f"[alst] step {len(times)}: {times[-1]:.1f} s, loss {losses[-1]:.4f}{peak}, "
-              f"host max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.1f} GB", flush=True)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+        print(f"[alst] step {len(times)}: {times[-1]:.1f} s, loss {losses[-1]:.4f}{peak}, host max RSS {rss:.1f} GB", flush=True)
+        if row is not None:
+            row.update(steps_done=len(times), step_times_s=list(times), losses=list(losses), host_maxrss_gb_after_step=rss)
     return times, losses, offload.stats
 
 
@@ -284,7 +287,7 @@ def run(spec: dict, *, lora: bool, seq: int, steps: int, shard_gb: float, device
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    times, losses, stats = timed_steps(step, update, batches(vocab, seq, steps, device, row), device)
+    times, losses, stats = timed_steps(step, update, batches(vocab, seq, steps, device, row), device, row)
     row.update(step_time_s=times[-1], tokens_per_s=seq / times[-1], losses=losses,
                offload={"marked": stats.marked_tensors, "offloaded": stats.offloaded_tensors,
                         "kept_on_gpu": stats.kept_last_tensors, "skipped": stats.skipped_marked_tensors,
@@ -381,7 +384,7 @@ def run_offload(spec: dict, *, seq: int, steps: int, shard_gb: float, device: st
         engine.backward(loss)
         return loss
 
-    times, losses, stats = timed_steps(step, engine.step, batches(vocab, seq, steps, device, row), device)
+    times, losses, stats = timed_steps(step, engine.step, batches(vocab, seq, steps, device, row), device, row)
     row.update(step_time_s=times[-1], step_times_s=times, tokens_per_s=seq / times[-1], losses=losses,
                offload={"offloaded": stats.offloaded_tensors, "kept_on_gpu": stats.kept_last_tensors,
                         "offloaded_gb": stats.offloaded_bytes / 1e9},
