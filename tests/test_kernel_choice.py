@@ -93,8 +93,23 @@ def test_models_say_whether_cudnn_is_exact_for_them():
     full = {"llama": True, "qwen3": True, "mistral": True, "gemma3_text": True,  # RoPE over the whole head
             "qwen3_next": False, "bamba": False, "phi": False, "gpt_neox": False,  # partial rotary (and hybrids)
             "deepseek_v3": False, "llama4_text": False, "gpt2": False}  # latent attention, NoPE layers, learned positions
-    got = {arch: HFCausalLM(hf_support.build_tiny_model(arch)).cudnn_attention_exact for arch in full}
+    tiny = {arch: hf_support.build_tiny_model(arch) for arch in full}
+    got = {arch: HFCausalLM(model).cudnn_attention_exact for arch, model in tiny.items()}
     assert got == full
+    # the planner reads the same answer from the config alone, before the model is built
+    from torch import nn
+
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.models.registry import cudnn_attention_exact
+
+    def holding(config):
+        holder = nn.Module()
+        holder.config = config
+        return holder
+
+    assert {arch: cudnn_attention_exact(holding(model.config)) for arch, model in tiny.items()} == full
+    assert cudnn_attention_exact(CausalLMModule(model="tiny")) and cudnn_attention_exact(model)
+    assert not cudnn_attention_exact(holding(None)) and not cudnn_attention_exact(None)
     hf = HFCausalLM(hf_support.build_tiny_model("qwen3_next"))
     apply_attention(hf, None, attention="ring")
     assert not any(m.cudnn_exact for m in hf.modules() if hasattr(m, "cudnn_exact"))

@@ -888,13 +888,14 @@ def test_the_strategy_plans_memory_and_resolves_attention_as_one_choice(monkeypa
     """Under the strategy's own functions (plan_memory_options before the process group, resolve_auto_attention in setup)
     on a 4 x H200 site with flash-attention 4 (faked on this CPU): the Qwen3-8B shape at 640K plans the ring's memory
     and setup runs the ring; the cost model alone would run Ulysses, whose memory needs attention recomputed."""
+    import lightning_seqpar.attention.local as local
     import lightning_seqpar.planner.planning as planning
     from lightning_seqpar import CausalLMModule
     from lightning_seqpar.models import Llama, LlamaConfig
     from lightning_seqpar.parallel.config import StrategyConfig
     from lightning_seqpar.parallel.mesh import ParallelDims
 
-    monkeypatch.setattr(planning, "available_backends", lambda device, dtype, head_dim: ["fa4"])
+    monkeypatch.setattr(local, "available_backends", lambda device, dtype, head_dim: ["fa4"])
     monkeypatch.setattr(planning.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(planning, "host_memory_bytes", lambda: 512 * 2**30)
     cfg = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
@@ -912,6 +913,39 @@ def test_the_strategy_plans_memory_and_resolves_attention_as_one_choice(monkeypa
     assert planning.resolve_auto_attention(roots, **kw).attention == "ulysses"  # the cost model's pick alone
     resolved = planning.resolve_auto_attention(roots, **kw, planned=plan.attention)
     assert resolved.attention == "ring" and resolved.plan.label == "ring"
+
+
+def test_the_attention_plan_models_the_kernel_auto_runs(monkeypatch):
+    """attention="auto" is planned with the rates of the local kernel attention_backend="auto" will run: cuDNN where
+    the model says its backward is exact (Note [Choosing the local kernel]), else torch's flash-attention-2. On a faked
+    4 x H200 without flash-attention 4, Llama-3-8B at 128K: the package's Llama (cuDNN) plans Ulysses, as the run's
+    kernel is; a model cuDNN is not exact for plans the ring with flash-attention-2's rates. (Measured 2026-11-28 on
+    4 x H200 at 905e000: the default install ran the ring, planned with flash-attention-2's rates, at 3,123
+    tokens/s/GPU, Ulysses 3,166: Note [Choosing attention automatically].)"""
+    import lightning_seqpar.attention.local as local
+    import lightning_seqpar.planner.planning as planning
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.parallel.config import StrategyConfig
+    from lightning_seqpar.parallel.mesh import ParallelDims
+
+    monkeypatch.setattr(local, "available_backends", lambda device, dtype, head_dim: ("flash", "cudnn", "efficient", "math"))
+    monkeypatch.setattr(planning.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    config = StrategyConfig(sequence_parallel_size=4, expected_seq_len=131072)
+    site = planning.RunSite(device=torch.device("cuda", 0), precision="bf16-mixed", gpus_per_node=4)
+    kw = dict(config=config, site=site, sp=4, head_parallel_size=1, placement=None, layout="zigzag", inner_ring_size=None,
+              owner="t")
+    llama = CausalLMModule(model="llama3-8b")
+    assert planning.cudnn_attention_exact(llama)
+    dims = ParallelDims(cp=4, world_size=4)
+    resolved = planning.resolve_auto_attention([llama], config=config, site=site, dims=dims, layout="zigzag",
+                                               inner_ring_size=None, owner="t")
+    assert resolved.attention == "ulysses"  # heads and cuDNN read from the config, before the model is built
+    ulysses = planning.plan_attention((32, 8, 128), **kw, cudnn_exact=True)
+    ring = planning.plan_attention((32, 8, 128), **kw, cudnn_exact=False)
+    assert ulysses.algorithm == "ulysses" and ring.algorithm == "ring"
+    assert ring.est_time_s > 1.5 * ulysses.est_time_s  # flash-attention-2's rates: the kernel the run would take
+    # a fixed kernel is planned as given
+    assert planning.plan_attention((32, 8, 128), **{**kw, "config": replace(config, attention_backend="cudnn")}).algorithm == "ulysses"
 
 
 def test_head_parallel_size_auto_chooses_the_mesh_with_its_memory(monkeypatch):
@@ -960,6 +994,7 @@ def test_compiled_transformers_layers_keep_one_more_hidden_state(monkeypatch):
     The strategy's planner counts it for a transformers model compiled: compile=True, or "auto" on a CUDA device for a
     family it compiles (Note [Compile by default]), not with LoRA there nor under compile=False, and not for the
     package's own models (measured no larger compiled)."""
+    import lightning_seqpar.attention.local as local
     import lightning_seqpar.planner.planning as planning
     from lightning_seqpar import CausalLMModule
     from lightning_seqpar.parallel.config import StrategyConfig
@@ -969,7 +1004,7 @@ def test_compiled_transformers_layers_keep_one_more_hidden_state(monkeypatch):
     estimates = [estimate_memory(model_shape=replace(QWEN3_8B, compiled_transformers_layers=c), seq_len=64 * K, sp=2,
                                  attention="ulysses", loss_chunk_size=8192, precision="bf16-mixed") for c in (False, True)]
     assert estimates[1].total - estimates[0].total == 36 * 32 * K * 4096 * 2  # d e per local token and layer
-    monkeypatch.setattr(planning, "available_backends", lambda device, dtype, head_dim: ["cudnn"])
+    monkeypatch.setattr(local, "available_backends", lambda device, dtype, head_dim: ["cudnn"])
     monkeypatch.setattr(planning.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(planning, "host_memory_bytes", lambda: 256 * 2**30)
     cfg = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,

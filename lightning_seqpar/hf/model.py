@@ -20,6 +20,7 @@ from lightning_seqpar.hf.moe import RouterAux, RouterStats, router_aux, router_a
 from lightning_seqpar.hf.hybrid import is_hybrid_twin
 from lightning_seqpar.hf.lora import PEFT_HEAD, is_peft_model
 from lightning_seqpar.hf.support import check_sharded_layer
+from lightning_seqpar.models.registry import rotates_whole_head
 from lightning_seqpar.parallel.parallelize import config_value
 
 if TYPE_CHECKING:
@@ -95,23 +96,11 @@ def build_hf_causal_lm(source: Any, *, dtype: torch.dtype | None = None,
 
 def _full_rotary(model: nn.Module) -> bool:
     """A transformers model whose every attention layer rotates the whole head (what cuDNN's backward was measured
-    exact on: Note [Choosing the local kernel]). Read from the config: no partial rotary factor below 1 (top level
-    or in any rope_parameters), no rotary_dim / qk_rope_head_dim (a rotated part of the head), no NoPE layers; and
-    a rotary embedding module exists."""
-    config = model.config
-    config = getattr(config, "text_config", None) or config
+    exact on: Note [Choosing the local kernel]): a rotary embedding module exists and the config says the whole head
+    (:func:`lightning_seqpar.models.registry.rotates_whole_head`)."""
     if not any("Rotary" in type(m).__name__ for m in model.modules()):
         return False  # learned or no positions: not what was measured
-    factors = [getattr(config, "partial_rotary_factor", 1.0)]
-    params = getattr(config, "rope_parameters", None) or {}
-    for value in [params, *(v for v in params.values() if isinstance(v, Mapping))] if isinstance(params, Mapping) else []:
-        factors.append(value.get("partial_rotary_factor", 1.0))
-    if any(f is not None and float(f) < 1.0 for f in factors):
-        return False
-    if any(getattr(config, field, None) for field in ("rotary_dim", "qk_rope_head_dim", "rotary_emb_base_dim")):
-        return False
-    no_rope = getattr(config, "no_rope_layers", None)
-    return not (isinstance(no_rope, (list, tuple)) and 0 in no_rope)
+    return rotates_whole_head(model.config)
 
 
 class HFCausalLM(nn.Module):

@@ -21,6 +21,10 @@ dict keys or attribute names:
   cannot check head counts in setup, and the attention op checks them at its first call.
 * ``ModelFamily.linear_attention`` says that a family's token mixer is linear attention (LASP):
   the strategy reads it to plan ``attention="auto"`` before the model is built.
+* :func:`cudnn_attention_exact` says whether ``attention_backend="auto"`` may run cuDNN for a model
+  (Note [Choosing the local kernel]), also before it is built: the planner models the kernel that
+  will run (a cost model of the wrong kernel picks the wrong algorithm: Note [Choosing attention
+  automatically]).
 """
 
 from __future__ import annotations
@@ -47,9 +51,11 @@ __all__ = [
     "ModelFamily",
     "attention_heads",
     "build_model",
+    "cudnn_attention_exact",
     "family_of",
     "is_named_config",
     "resolve_config",
+    "rotates_whole_head",
 ]
 
 ModelConfig = LlamaConfig | TransNormerConfig | GPTConfig
@@ -168,3 +174,50 @@ def attention_heads(model: nn.Module | None, *, complete: bool = False) -> Atten
         if not complete or (heads[2] is not None and heads[0] % heads[1] == 0):
             return heads
     return None
+
+
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def rotates_whole_head(config: Any) -> bool:
+    """A transformers config (or the text config of a multimodal one) whose rotary embedding, if any, turns the whole
+    head on every attention layer, read from its fields: no partial rotary factor below 1 (top level or in any
+    ``rope_parameters``), no ``rotary_dim`` / ``qk_rope_head_dim`` (a rotated part of the head), no NoPE layers.
+    Whether a rotary embedding exists at all is the built model's to say (``HFCausalLM.cudnn_attention_exact``)."""
+    config = getattr(config, "text_config", None) or config
+    factors = [getattr(config, "partial_rotary_factor", 1.0)]
+    params = getattr(config, "rope_parameters", None) or {}
+    for value in [params, *(v for v in params.values() if isinstance(v, Mapping))] if isinstance(params, Mapping) else []:
+        factors.append(value.get("partial_rotary_factor", 1.0))
+    if any(f is not None and float(f) < 1.0 for f in factors):
+        return False
+    if any(getattr(config, field, None) for field in ("rotary_dim", "qk_rope_head_dim", "rotary_emb_base_dim")):
+        return False
+    no_rope = getattr(config, "no_rope_layers", None)
+    return not (isinstance(no_rope, (list, tuple)) and 0 in no_rope)
+
+
+def cudnn_attention_exact(model: Any) -> bool:
+    """Whether ``attention_backend="auto"`` may run cuDNN for ``model`` (its backward exact for the model: Note [Choosing
+    the local kernel]), also before the model is built: the ``cudnn_attention_exact`` of ``model`` or of a child (what
+    a built model says: the strategy installs attention with it), else read from ``model.config``: a family's model
+    class's, or a transformers config with rotary positions (``rope_parameters`` / ``rope_theta``) over the whole head
+    (:func:`rotates_whole_head`) and attention layers only. False when none says."""
+    if model is None:
+        return False
+    for module in (model, *(model.children() if isinstance(model, nn.Module) else ())):
+        exact = getattr(module, "cudnn_attention_exact", None)
+        if isinstance(exact, bool):
+            return exact
+    config = getattr(model, "config", None)
+    family = family_of(config)
+    if family is not None:
+        return getattr(family.model_class, "cudnn_attention_exact", False) is True
+    if _hf_heads(config) is None:
+        return False
+    text = getattr(config, "text_config", None) or config
+    if isinstance(text, Mapping):
+        text = SimpleNamespace(**{k: v for k, v in text.items() if isinstance(k, str)})
+    rotary = getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None)
+    layers = getattr(text, "layer_types", None) or ()
+    return bool(rotary) and rotates_whole_head(text) and all(t in _ATTENTION_LAYERS for t in layers)

@@ -36,7 +36,11 @@ from lightning_seqpar.attention.cost import (
     choose_attention,
 )
 from lightning_seqpar.attention.local import available_backends, resolve_backend
-from lightning_seqpar.models.registry import attention_heads, family_of
+from lightning_seqpar.models.registry import (
+    attention_heads,
+    cudnn_attention_exact,
+    family_of,
+)
 from lightning_seqpar.parallel.config import MEMORY_OPTIONS, StrategyConfig, serves_cpu
 from lightning_seqpar.parallel.mesh import ParallelDims
 from lightning_seqpar.parallel.parallelize import find_blocks, uses_linear_attention
@@ -67,7 +71,12 @@ from lightning_seqpar.planner.memory import (
 # where the cost model's Ulysses ran 4,536). Across nodes (sp > devices per node) it also picks the rank order of the
 # mesh (placement="auto": head-first or context-first, decided with hp when the mesh is built)
 # and, unless inner_ring_size is set, the inner ring size; on one node no double ring is
-# weighed (it only pays off when the outer hops cross nodes).
+# weighed (it only pays off when the outer hops cross nodes). The cost model's rates are the
+# local kernel's that attention_backend="auto" will run, cuDNN where the model says its backward
+# is exact (registry.cudnn_attention_exact, read from the config before the model is built):
+# planned with flash-attention-2's rates instead, the default install ran Llama-3-8B at 128K on
+# 4 x H200 with the ring, 3,123 tokens/s/GPU, where Ulysses on the same cuDNN ran 3,166
+# (2026-11-28, 905e000; benchmarks/results/20261128-nvidia-h200-x4-peers-2).
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,17 +138,19 @@ def auto_candidates(config: StrategyConfig, *, inner_ring_size: int | None) -> t
 
 def plan_attention(shape: tuple[int, int, int] | None, *, config: StrategyConfig, site: RunSite, sp: int,
                    head_parallel_size: int | None, placement: str | None, layout: str, inner_ring_size: int | None,
-                   owner: str, seq_len: int | None = None) -> AttentionPlan | None:
+                   owner: str, seq_len: int | None = None, cudnn_exact: bool = False) -> AttentionPlan | None:
     """The cost model's plan for attention heads ``shape`` = (H_q, H_kv, D) over ``sp`` ranks, for ``expected_seq_len``
     or else ``seq_len`` (the length memory="auto" planned for: the two plans read one length, Note [Choosing attention
-    automatically]); None when not asked for or unknown."""
+    automatically]), with the rates of the local kernel that will run (``cudnn_exact``: the model's, from
+    :func:`cudnn_attention_exact`); None when not asked for or unknown."""
     length = config.expected_seq_len if config.expected_seq_len is not None else seq_len
     if config.attention != "auto" or length is None or shape is None or sp == 1:
         return None
     h_q, h_kv, head_dim = shape
-    # the local kernel the attention will run (the cost model's rates differ per kernel)
-    kernels = [b for d in (site.compute_dtype, torch.bfloat16) for b in available_backends(site.device, d, head_dim)]
-    kernel = config.attention_backend if config.attention_backend != "auto" else (kernels[0] if kernels else "flash")
+    # the local kernel the attention will run, as attention_backend="auto" resolves it (the cost model's rates differ per
+    # kernel: Note [Choosing attention automatically])
+    kernel = config.attention_backend if config.attention_backend != "auto" else resolve_backend(
+        "auto", site.device, site.compute_dtype, head_dim, cudnn_exact=cudnn_exact, seq_len=length // sp)
     device_name = torch.cuda.get_device_name(site.device) if site.device.type == "cuda" else ""
     profile = DeviceProfile.for_device(device_name, backend=kernel, gpus_per_node=max(1, site.gpus_per_node))
     try:
@@ -175,7 +186,8 @@ def plan_mesh_sizes(module: nn.Module | None, *, config: StrategyConfig, site: R
         if not (linear or world_size % sp or (fixed_hp is not None and sp % fixed_hp)):  # type: ignore[operator]
             plan = plan_attention(model_attention_shape(module), config=config, site=site, sp=sp,
                                   head_parallel_size=fixed_hp, placement=None if placement == "auto" else placement,  # type: ignore[arg-type]
-                                  layout=layout, inner_ring_size=inner_ring_size, owner=owner)
+                                  layout=layout, inner_ring_size=inner_ring_size, owner=owner,
+                                  cudnn_exact=cudnn_attention_exact(module))
         if plan is not None and memory is not None:
             try:
                 plan = plan_attention_and_memory(plan, memory[0], layers=memory[1])[0]
@@ -250,7 +262,7 @@ def resolve_auto_attention(roots: Sequence[nn.Module], *, config: StrategyConfig
     if not all(uses_linear_attention(root) for root in roots):
         plan = plan_attention(_first_shape(roots), config=config, site=site, sp=dims.sp, head_parallel_size=dims.hp,
                               placement=dims.placement, layout=layout, inner_ring_size=inner_ring_size, owner=owner,
-                              seq_len=seq_len)
+                              seq_len=seq_len, cudnn_exact=cudnn_attention_exact(roots[0]))
         if plan is None:
             return None
         if planned is not None:
@@ -558,7 +570,8 @@ def _plan_options(module: nn.Module | None, *, config: StrategyConfig, length: P
     shape = model_shape_of(module, owner=owner)
     plan = plan_attention((shape.num_heads, shape.num_kv_heads, shape.head_dim), config=config, site=site, sp=dims.sp,
                           head_parallel_size=dims.hp, placement=dims.placement, layout=config.layout,
-                          inner_ring_size=config.inner_ring_size, owner=owner, seq_len=length.seq_len)
+                          inner_ring_size=config.inner_ring_size, owner=owner, seq_len=length.seq_len,
+                          cudnn_exact=cudnn_attention_exact(module))
     if plan is None:
         return plan_for(config.initial_attention, dims.hp)
     return plan_attention_and_memory(plan, lambda candidate: plan_for(candidate.algorithm, dims.hp), layers=shape.num_layers)[1]
