@@ -70,6 +70,16 @@ def _system_cell(r: dict) -> str:
     return _system(r) + (f", {variant(r)}" if r["system"] in PEERS else "")
 
 
+def _where_system_cell(r: dict) -> str:
+    """The system, and for ours the local kernel and the attention it ran ("set" where a run's --option chose it), so
+    that rows of ours in one group tell apart."""
+    settings = r.get("settings") or {}
+    if r["system"] != "seqpar" or not settings.get("kernel"):
+        return _system_cell(r)
+    chosen = any(str(f).startswith("attention=") for f in r.get("flags") or [])
+    return f"{_system(r)} ({settings['kernel']}, {settings.get('attention')}{' set' if chosen else ''})"
+
+
 def memory_cell(r: dict) -> str:
     """The memory column: the probe's reserved peak, or an older record's own measure, labelled as such."""
     if r.get("peak_reserved_gb") is not None:
@@ -169,14 +179,14 @@ def where_table(rows: list[dict]) -> list[str]:
     key = lambda r: (r["model"], r["seq"], r["gpus"], r["gpu"])  # noqa: E731
     for k in sorted({key(r) for r in have}):
         newest = max((r["group"] for r in have if key(r) == k), key=group_order)
-        for r in sorted((r for r in have if key(r) == k and r["group"] == newest), key=lambda r: (r["system"] != "seqpar", _system_cell(r))):
+        for r in sorted((r for r in have if key(r) == k and r["group"] == newest), key=lambda r: (r["system"] != "seqpar", _where_system_cell(r))):
             w = r["kernels"]["where"]
             bound = bound_tokens_per_s(SHAPES[r["model"]], r["seq"], r["gpu"], r.get("documents") or 1)
             cells = [f"{w['step_s']:.2f}" if w.get("step_s") else "-"]
             cells += [f"{w['parts_s'].get(p, 0.0):.2f}" for p in WHERE_PARTS]
             cells += [f"{w['comm_s']['kernels']:.2f}", f"{w['comm_s']['waited_on_comm']:.2f}", f"{w['idle_s']['host']:.2f}",
                       f"{r['seq'] / (r['gpus'] * bound):.2f}" if bound else "-"]
-            out.append(f"| {r['model']} | {_k(r['seq'])} | {r['gpus']} x {r['gpu']} | {r['group']} | {_system_cell(r)} | "
+            out.append(f"| {r['model']} | {_k(r['seq'])} | {r['gpus']} x {r['gpu']} | {r['group']} | {_where_system_cell(r)} | "
                        + " | ".join(cells) + f" | {r['commit']} |")
     return out
 
