@@ -829,27 +829,31 @@ def test_attention_and_memory_are_chosen_together_where_memory_binds():
 
 
 def test_the_joint_choice_scores_recomputation_and_skips_what_does_not_fit():
-    """Each candidate scores L x its attention time x (1 + 1/3.5 where its plan recomputes attention); a later one must
-    be more than 1% faster; candidates whose memory does not fit are skipped; none fitting raises the first's refusal."""
+    """Each candidate scores L x its attention time x (1 + 1/3.5 where its plan recomputes attention) + its offloaded
+    model states over OFFLOADED_STATES_RATE; within 1% of the fastest the least attention memory wins; candidates whose
+    memory does not fit are skipped; none fitting raises the first's refusal."""
     from lightning_seqpar.attention.cost import AttentionPlan, Candidate
-    from lightning_seqpar.planner.memory import MemoryPlanError, plan_attention_and_memory
+    from lightning_seqpar.planner.memory import OFFLOADED_STATES_RATE, MemoryPlanError, plan_attention_and_memory
 
-    def candidate(algorithm, t):
+    def candidate(algorithm, t, memory=0.0):
         return Candidate(algorithm=algorithm, hp=4 if algorithm == "ulysses" else 1, cp=1 if algorithm == "ulysses" else 4,
                          inner_ring_size=None, est_time_s=t, compute_s=t, communication_s=0.0, elementwise_s=0.0,
-                         peak_memory_bytes=0.0)
+                         peak_memory_bytes=memory)
 
     plan = AttentionPlan(algorithm="ulysses", hp=4, cp=1, inner_ring_size=None, est_time_s=1.0,
                          candidates=(candidate("ulysses", 1.0), candidate("ring", 1.2), candidate("allgather", 1.25)))
     base = plan_memory(model_shape=QWEN3_8B, seq_len=4096, device_memory=150e9, sp=4)
     selective, full = (replace(base, options=replace(base.options, activation_checkpointing=m)) for m in ("selective++", "full"))
+    # 8.5 GB of offloaded states: 1 s a step
+    offloaded = replace(selective, options=replace(selective.options, offload_params=True),
+                        estimate=replace(selective.estimate, host_states=OFFLOADED_STATES_RATE))
 
     def run(modes):
         def plan_for(c):
             mode = modes[c.algorithm]
             if mode is None:
                 raise MemoryPlanError(f"{c.algorithm} does not fit", best=base.estimate, longest_seq_len=0)
-            return selective if mode == "selective++" else full
+            return {"selective++": selective, "full": full, "offload_params": offloaded}[mode]
         joint, memory = plan_attention_and_memory(plan, plan_for, layers=2)
         return joint.algorithm, memory.attention
 
@@ -860,10 +864,18 @@ def test_the_joint_choice_scores_recomputation_and_skips_what_does_not_fit():
     assert run({"ulysses": None, "ring": "full", "allgather": "selective++"}) == ("allgather", "allgather")
     with pytest.raises(MemoryPlanError, match="ulysses does not fit"):
         run({"ulysses": None, "ring": None, "allgather": None})
-    # within the 1% tie tolerance the earlier candidate stays
+    # offloaded model states add their time (2 x H200, Llama-3-8B at 128K: Ulysses with offloaded parameters 28.5 s a
+    # step, the ring without 20.9 s): 2 x 1.0 + 1 s loses to the ring's 2.4 s, wins over the ring recomputing (3.09 s)
+    assert run({"ulysses": "offload_params", "ring": "selective++", "allgather": "selective++"}) == ("ring", "ring")
+    assert run({"ulysses": "offload_params", "ring": "full", "allgather": None}) == ("ulysses", "ulysses")
+    assert run({"ulysses": "offload_params", "ring": None, "allgather": None}) == ("ulysses", "ulysses")
+    # within the 1% tie tolerance of the fastest the least attention memory wins (the cost model's own rule)
     tied = replace(plan, candidates=(candidate("ulysses", 1.0), candidate("ring", 1.0 * (1 + 1 / 3.5) / 1.005)))
     joint, _ = plan_attention_and_memory(tied, lambda c: full if c.algorithm == "ulysses" else selective, layers=2)
-    assert joint.algorithm == "ulysses"
+    assert joint.algorithm == "ring"  # within 1%, equal memory: the faster
+    tied = replace(plan, candidates=(candidate("allgather", 1.0, memory=2.0), candidate("ring", 1.005, memory=1.0),
+                                     candidate("ulysses", 1.02, memory=0.5)))
+    assert plan_attention_and_memory(tied, lambda c: selective, layers=2)[0].algorithm == "ring"
 
 
 def test_seqpar_plan_chooses_and_times_attention_with_its_memory():
@@ -946,6 +958,17 @@ def test_the_attention_plan_models_the_kernel_auto_runs(monkeypatch):
     assert ring.est_time_s > 1.5 * ulysses.est_time_s  # flash-attention-2's rates: the kernel the run would take
     # a fixed kernel is planned as given
     assert planning.plan_attention((32, 8, 128), **{**kw, "config": replace(config, attention_backend="cudnn")}).algorithm == "ulysses"
+    # with the memory (Note [Attention and memory chosen together]): on 4 GPUs Ulysses keeps Selective Checkpoint++ with
+    # 8 blocks uncheckpointed (the run measured at 3,166); on 2 GPUs Ulysses fits only with the parameters offloaded
+    # (measured 28.5 s a step) and the ring without (20.9 s): the ring
+    monkeypatch.setattr(planning, "host_memory_bytes", lambda: 256 * 2**30)
+    memory = dict(length=planning.PlannedLength(131072, "seq_len"), device_memory=150.10988032e9, owner="t")
+    four = planning.plan_memory_options(llama, config=replace(config, memory="auto", expected_seq_len=None), site=site,
+                                        dims=dims, **memory)
+    assert four.attention == "ulysses" and four.options.uncheckpointed_blocks == 8 and not four.options.offload_params
+    two = planning.plan_memory_options(llama, config=StrategyConfig(sequence_parallel_size=2, memory="auto"),
+                                       site=replace(site, gpus_per_node=2), dims=ParallelDims(cp=2, world_size=2), **memory)
+    assert two.attention == "ring" and not two.options.offload_params and two.options.activation_checkpointing == "selective++"
 
 
 def test_head_parallel_size_auto_chooses_the_mesh_with_its_memory(monkeypatch):

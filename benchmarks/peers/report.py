@@ -111,6 +111,7 @@ def _settings(r: dict) -> str:
     plan = s.get("memory_plan") or ""
     chosen = next((m for m in ("selective++", "full") if f"activation_checkpointing='{m}'" in plan.split("estimate=")[0]), None)
     chosen = (chosen + ", offloaded checkpoints") if chosen and "offload_checkpoints=True" in plan.split("estimate=")[0] else chosen
+    chosen = (chosen + ", offloaded parameters") if chosen and "offload_params=True" in plan.split("estimate=")[0] else chosen
     by_hand = [f"{k}={s[k]}" for k in ("attention", "uncheckpointed_blocks", "compile") if k in s and k != "attention"]
     set_attention = any("attention" in c for c in r.get("changes", []))
     parts = [f"attention {s['attention']}" + (" (set)" if set_attention else " (auto)")] if s.get("attention") else []

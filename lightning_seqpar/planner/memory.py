@@ -177,17 +177,25 @@ step) and the ring fits with Selective Checkpoint++ and offloaded block inputs (
 (the attention suite, 32/8 heads, 4 x H200, FA4) the ring is 3.6% slower than Ulysses at 512K and 1.6% at 1M,
 where recomputation costs 28.6%. So under attention="auto", :func:`plan_attention_and_memory` plans the memory of
 every candidate of the cost model that the mesh allows and scores each L x its attention time x (1 + 1/3.5 where
-its plan recomputes attention); the fastest wins (a later candidate must be more than 1% faster, the cost
-model's tie tolerance), and setup resolves "auto" to the candidate the memory was planned for
+its plan recomputes attention); the fastest wins (of those within 1%, the cost model's tie tolerance, the one
+with the least attention memory), and setup resolves "auto" to the candidate the memory was planned for
 (``MemoryPlan.attention``). The mesh comes first: with head_parallel_size="auto" (or placement="auto")
 and a length known before the process group exists (``expected_seq_len``, a datamodule's ``seq_len``), its hp and
 placement are chosen the same way over every candidate (``planning.plan_parallel_dims``; Llama-70B shape at 4M on
 64 GPUs: the cost model's 2D 8 x 8 must recompute attention, ~2,950 s per step planned, a ring over all 64 fits
 without, ~2,350 s: the mesh becomes hp = 1); then the memory plan weighs the candidates of that mesh. ``seqpar
-plan`` makes the same choice. The other options' costs are not weighed: offloaded checkpoints overlap the
-forward, head chunks cost the cost model nothing, MLP tiles and offloaded parameters cost the same for every
-candidate that needs them, and uncheckpointed blocks save a few percent at the lengths where memory binds. At
-128K nothing changes (every candidate keeps Selective Checkpoint++; Ulysses runs); from ~512K the ring runs
+plan`` makes the same choice. Of the other options only offloaded parameters are weighed: the score adds their
+model states' bytes over :data:`OFFLOADED_STATES_RATE` (8.5 GB/s). Measured why (2 x H200, cuDNN, Llama-3-8B at
+128K, 2026-11-28, a55f0e4): on attention time alone Ulysses won, whose memory fits only with the parameters
+offloaded (64 GB pinned, 28.5 s per step after the first), where the ring fits with Selective Checkpoint++ alone
+(20.9 s): the PCIe copies and the optimizer step on the CPU cost 7.5 s of that step, more than recomputing
+attention would. (At 1M on 16 GPUs, Llama-70B shape, 70 GB of states per rank cost ~8 s of a ~630 s step, less
+than recomputing attention: there the ring with offloaded parameters stays.) Offloaded checkpoints overlap the
+forward (6% of a Qwen3-8B step at 64K on 2 x H200), head chunks cost the cost model nothing, MLP tiles cost the
+same for every candidate that needs them, and
+uncheckpointed blocks save a few percent at the lengths where memory binds (4 x H200 at 128K: Ulysses with 8 blocks
+uncheckpointed ran 3,166 tokens/s/GPU, the ring with 11 3,123). At
+128K on 4 GPUs every candidate keeps Selective Checkpoint++ and Ulysses runs; from ~512K the ring runs
 with its memory options instead of Ulysses with recomputation (estimate at 640K: 187 s of attention instead of
 238 s). Measured side by side (4 x H200, cuDNN, the Qwen3-8B shape at 128K, the same 12 blocks uncheckpointed):
 the ring with Selective Checkpoint++ 12.71 s per step, Ulysses recomputing attention in 24 blocks 14.40 s; the
@@ -207,6 +215,7 @@ from lightning_seqpar.planner.model_shape import TransformerShape
 __all__ = [
     "LADDER",
     "OVERHEAD_BYTES",
+    "OFFLOADED_STATES_RATE",
     "RECOMPUTED_ATTENTION",
     "MemoryEstimate",
     "MemoryOptions",
@@ -316,6 +325,9 @@ class MemoryEstimate:
     """Pinned host bytes of this rank: the offloaded block inputs (``offload_checkpoints``) and the model states
     (``offload_params``); not in :attr:`total`."""
     overhead: float = OVERHEAD_BYTES
+    host_states: float = 0.0
+    """The model states' share of :attr:`host` (``offload_params``: parameters, gradients and optimizer states of
+    this rank), which every step moves over PCIe and steps on the CPU (:data:`OFFLOADED_STATES_RATE`)."""
 
     @property
     def activations_peak(self) -> float:
@@ -405,7 +417,7 @@ def estimate_memory(
         parameters = m.params * p_bytes + trainable_params * 4
         gradients, optimizer = trainable_params * 4, trainable_params * 8
     on_host = options.offload_params
-    host = (parameters + gradients + optimizer) / shards if on_host else 0.0
+    host = states_on_host = (parameters + gradients + optimizer) / shards if on_host else 0.0
     parameters, gradients, optimizer = (0.0, 0.0, 0.0) if on_host else (parameters / shards, gradients / shards, optimizer / shards)
     # FSDP2 gathers into its own buffers (on one rank too): the root module's, kept through the step, and two blocks';
     # with gather_whole_model every parameter, kept through the step, and all gradients reduced at once at its end
@@ -523,7 +535,7 @@ def estimate_memory(
         seq_len=seq_len, tokens=n, options=options, parameters=float(parameters), gradients=float(gradients),
         optimizer_states=float(optimizer), fsdp_buffers=float(fsdp_buffers), saved_per_layer=float(n * saved_token),
         saved_activations=float((L - u) * n * saved_token + u * n * bare_token), block_recompute=float(block), attention_working=float(attention_phase),
-        loss_working=float(loss), gradient_reduction=float(reduction), host=float(host),
+        loss_working=float(loss), gradient_reduction=float(reduction), host=float(host), host_states=float(states_on_host),
     )
 
 
@@ -592,6 +604,13 @@ def ladder(*, fixed: Mapping[str, Any], num_kv_heads: int, head_chunks_allowed: 
     return steps
 
 
+OFFLOADED_STATES_RATE = 8.5e9
+"""Bytes of offloaded model states (:attr:`MemoryEstimate.host_states`) a step gets through per second: the PCIe
+copies of the parameters and gradients and the optimizer step on the CPU. Measured: 2 x H200 (32 CPU cores),
+Llama-3-8B at 128K, 64.2 GB of states per rank cost 7.5 s a step (28.5 s against 20.9 without; 2026-11-28, a55f0e4;
+Note [Attention and memory chosen together]). One machine's figure: the host's cores and PCIe set it."""
+
+
 RECOMPUTED_ATTENTION = 1 / 3.5
 """What recomputing attention's forward (activation_checkpointing="full") adds to a layer's attention time: the
 forward's share of the causal FLOPs, 1 of 3.5 parts (Note [Attention and memory chosen together])."""
@@ -600,29 +619,32 @@ forward's share of the causal FLOPs, 1 of 3.5 parts (Note [Attention and memory 
 def plan_attention_and_memory(plan: AttentionPlan, plan_for: Callable[[Candidate], MemoryPlan], *, layers: int,
                               tie_tolerance: float = 0.01) -> tuple[AttentionPlan, MemoryPlan]:
     """attention="auto" and memory="auto" as one decision (Note [Attention and memory chosen together]): ``plan_for``
-    (a :func:`plan_memory` for one candidate's algorithm) for every candidate of ``plan``, the fastest by
-    ``layers`` x its attention time x (1 + :data:`RECOMPUTED_ATTENTION` where its memory plan recomputes attention);
-    a candidate must beat the one before it by more than ``tie_tolerance``. Returns the plan with that candidate
+    (a :func:`plan_memory` for one candidate's algorithm) for every candidate of ``plan``; the fastest by ``layers`` x its
+    attention time x (1 +
+    :data:`RECOMPUTED_ATTENTION` where its memory plan recomputes attention) + its offloaded model states over
+    :data:`OFFLOADED_STATES_RATE`, and among those within ``tie_tolerance`` of the fastest the one with the least
+    attention memory (the cost model's own rule). Returns the plan with that candidate
     picked and its memory plan (``MemoryPlan.attention`` names it). Raises the first candidate's ``MemoryPlanError``
     when no candidate's memory fits."""
-    best: tuple[float, Candidate, MemoryPlan] | None = None
+    scored: list[tuple[float, Candidate, MemoryPlan]] = []
     refusal: MemoryPlanError | None = None
     for candidate in plan.candidates:
-        if best is not None and layers * candidate.est_time_s >= best[0] / (1 + tie_tolerance):
-            continue  # slower than the best even without recomputing anything
         try:
             memory = plan_for(candidate)
         except MemoryPlanError as error:
             refusal = refusal or error
             continue
         recompute = RECOMPUTED_ATTENTION if memory.options.activation_checkpointing == "full" else 0.0
-        time = layers * candidate.est_time_s * (1 + recompute)
-        if best is None or time < best[0] / (1 + tie_tolerance):
-            best = (time, candidate, memory)
-    if best is None:
+        # offloaded model states cost their copies and the CPU's optimizer step (Note [Attention and memory chosen together])
+        offload = memory.estimate.host_states / OFFLOADED_STATES_RATE
+        scored.append((layers * candidate.est_time_s * (1 + recompute) + offload, candidate, memory))
+    if not scored:
         assert refusal is not None
         raise refusal
-    _, candidate, memory = best
+    fastest = min(s[0] for s in scored)
+    # within the tie tolerance of the fastest, the least attention memory: the cost model's own rule (choose_attention)
+    near = [s for s in scored if s[0] <= fastest * (1 + tie_tolerance)]
+    _, candidate, memory = min(near, key=lambda s: (s[1].peak_memory_bytes, s[0]))
     return plan.picking(candidate.label), replace(memory, attention=candidate.label)
 
 
