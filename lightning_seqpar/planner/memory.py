@@ -192,9 +192,8 @@ offloaded (64 GB pinned, 28.5 s per step after the first), where the ring fits w
 attention would. (At 1M on 16 GPUs, Llama-70B shape, 70 GB of states per rank cost ~8 s of a ~630 s step, less
 than recomputing attention: there the ring with offloaded parameters stays.) Offloaded checkpoints overlap the
 forward (6% of a Qwen3-8B step at 64K on 2 x H200), head chunks cost the cost model nothing, MLP tiles cost the
-same for every candidate that needs them, and
-uncheckpointed blocks save a few percent at the lengths where memory binds (4 x H200 at 128K: Ulysses with 8 blocks
-uncheckpointed ran 3,166 tokens/s/GPU, the ring with 11 3,123). At
+same for every candidate that needs them, and uncheckpointed blocks save a few percent at the lengths where memory
+binds (4 x H200 at 128K: Ulysses with 8 blocks uncheckpointed ran 3,166 tokens/s/GPU, the ring with 11 3,123). At
 128K on 4 GPUs every candidate keeps Selective Checkpoint++ and Ulysses runs; from ~512K the ring runs
 with its memory options instead of Ulysses with recomputation (estimate at 640K: 187 s of attention instead of
 238 s). Measured side by side (4 x H200, cuDNN, the Qwen3-8B shape at 128K, the same 12 blocks uncheckpointed):
@@ -214,8 +213,8 @@ from lightning_seqpar.planner.model_shape import TransformerShape
 
 __all__ = [
     "LADDER",
-    "OVERHEAD_BYTES",
     "OFFLOADED_STATES_RATE",
+    "OVERHEAD_BYTES",
     "RECOMPUTED_ATTENTION",
     "MemoryEstimate",
     "MemoryOptions",
@@ -619,12 +618,11 @@ forward's share of the causal FLOPs, 1 of 3.5 parts (Note [Attention and memory 
 def plan_attention_and_memory(plan: AttentionPlan, plan_for: Callable[[Candidate], MemoryPlan], *, layers: int,
                               tie_tolerance: float = 0.01) -> tuple[AttentionPlan, MemoryPlan]:
     """attention="auto" and memory="auto" as one decision (Note [Attention and memory chosen together]): ``plan_for``
-    (a :func:`plan_memory` for one candidate's algorithm) for every candidate of ``plan``; the fastest by ``layers`` x its
-    attention time x (1 +
-    :data:`RECOMPUTED_ATTENTION` where its memory plan recomputes attention) + its offloaded model states over
-    :data:`OFFLOADED_STATES_RATE`, and among those within ``tie_tolerance`` of the fastest the one with the least
-    attention memory (the cost model's own rule). Returns the plan with that candidate
-    picked and its memory plan (``MemoryPlan.attention`` names it). Raises the first candidate's ``MemoryPlanError``
+    (a :func:`plan_memory` for one candidate's algorithm) for every candidate of ``plan``, scored ``layers`` x its
+    attention time x (1 + :data:`RECOMPUTED_ATTENTION` where its memory plan recomputes attention) + its offloaded
+    model states over :data:`OFFLOADED_STATES_RATE`; of those within ``tie_tolerance`` of the best score, the one with
+    the least attention memory (the cost model's own rule). Returns the plan with that candidate picked and its memory
+    plan (``MemoryPlan.attention`` names it). Raises the first candidate's ``MemoryPlanError``
     when no candidate's memory fits."""
     scored: list[tuple[float, Candidate, MemoryPlan]] = []
     refusal: MemoryPlanError | None = None
