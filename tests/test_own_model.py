@@ -370,3 +370,17 @@ def test_sdpa_outside_the_package_attention_is_refused_under_the_split():
     assert two[0][0] == "error" and "F.scaled_dot_product_attention was called outside the package's attention modules " \
         "(Attention)" in two[0][1] and "over 2 ranks" in two[0][1], two[0]
     assert run_distributed(_train_mixed, 1, timeout=TIMEOUT)[0] == ("trained", 2)
+
+
+def test_litgpt_module_says_before_it_is_built_whether_cudnn_is_exact():
+    """The planner reads ``cudnn_attention_exact`` before configure_model (Note [Choosing attention automatically]): the
+    LitGPTModule's answer from its config is the one its built GPT carries (full rotary: cuDNN; partial: not)."""
+    pytest.importorskip("litgpt")
+    from lightning_seqpar.models.registry import cudnn_attention_exact
+    from lightning_seqpar.training.litgpt import LitGPTModule
+
+    for overrides, exact in ((LITGPT_OVERRIDES, True), ({**LITGPT_OVERRIDES, "rotary_percentage": 0.5}, False)):
+        module = LitGPTModule("Llama-3.2-1B", config_overrides=overrides)
+        assert cudnn_attention_exact(module) is exact and module.gpt is None
+        module.configure_model()
+        assert module.gpt.cudnn_attention_exact is exact and cudnn_attention_exact(module) is exact

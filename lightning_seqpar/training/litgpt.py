@@ -109,9 +109,15 @@ class LitGPTModule(L.LightningModule):
                 raise ValueError(f"LitGPTModule: {self.source} has model_config.yaml but no lit_model.pth")
             state = torch.load(weights, map_location="cpu", weights_only=True)
             gpt.load_state_dict(state.get("model", state), strict=True)
-        # Note [Choosing the local kernel]: cuDNN's backward is exact for a rotary embedding over the whole head
-        gpt.cudnn_attention_exact = self.litgpt_config.rotary_percentage == 1.0 and self.litgpt_config.n_expert == 0
+        gpt.cudnn_attention_exact = self.cudnn_attention_exact
         self.gpt = gpt
+
+    @property
+    def cudnn_attention_exact(self) -> bool:
+        """Whether ``attention_backend="auto"`` may run cuDNN for this GPT (Note [Choosing the local kernel]: its backward is
+        exact for a rotary embedding over the whole head), read from the config, so that the planner knows before the
+        model is built (``registry.cudnn_attention_exact``)."""
+        return self.litgpt_config.rotary_percentage == 1.0 and getattr(self.litgpt_config, "n_expert", 0) == 0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.gpt is not None
