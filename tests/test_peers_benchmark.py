@@ -426,3 +426,25 @@ def test_the_where_table_sets_each_systems_profiled_step_side_by_side():
     backward, gemm = WHERE_PARTS.index("attention backward"), WHERE_PARTS.index("gemm")
     assert cells[0][6 + backward] == "5.50" and cells[0][6 + gemm] == "2.30" and cells[1][6 + backward] == "5.40"
     assert cells[0][-4:-1] == ["0.10", "0.05", "8.61"]  # waited on comm, host idle, the bound's seconds (32K tokens at 3,808/s)
+
+
+def test_a_peer_whose_modules_are_missing_is_refused_before_its_launch(tmp_path, monkeypatch):
+    """A run whose runner could not import what it needs (2026-11-28: torchtitan without ``datasets``, a minute of
+    device time to learn it) leaves an error record naming the modules, without launching torchrun."""
+    import importlib.util
+
+    from benchmarks.peers import __main__ as peers
+
+    monkeypatch.setitem(peers.NEEDS, "fake", ("json", "no_such_module_of_seqpar"))
+    assert peers.missing_modules("fake", [], dict(os.environ)) == ["no_such_module_of_seqpar"]
+    assert peers.missing_modules("seqpar", [], dict(os.environ)) == []
+    if importlib.util.find_spec("torchtitan") is not None:
+        pytest.skip("torchtitan is installed here: the end-to-end refusal needs it missing")
+    out = tmp_path / "peers.json"
+    env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "benchmarks.peers", "--gpus", "1", "--seq", "64", "--out", str(out), "--runs",
+                    "torchtitan+--compile"], cwd=ROOT, env=env, check=True, timeout=120)
+    (row,) = json.loads(out.read_text())
+    assert row["system"] == "torchtitan" and row["status"].startswith("error: not launched: ModuleNotFoundError")
+    assert "torchtitan" in row["status"] and row["run_s"] < 60 and row["flags"] == ["--compile"]
+    assert "not launched" in (tmp_path / "torchtitan-compile-64.log").read_text()

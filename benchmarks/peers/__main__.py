@@ -250,6 +250,26 @@ def merge_measures(row: dict, probed: dict, polled: dict, flags: list[str]) -> d
     return row
 
 
+NEEDS: dict[str, tuple[str, ...]] = {
+    "torchtitan": ("torchtitan", "torchdata", "tyro", "datasets"),
+    "trl_cp": ("trl", "accelerate", "datasets"),
+    "deepspeed_alst": ("trl", "accelerate", "datasets", "deepspeed"),
+}
+"""The modules each peer's runner imports beyond the GPU image's (a run's ``--liger`` adds ``liger_kernel``)."""
+
+
+def missing_modules(system: str, flags: list[str], env: dict) -> list[str]:
+    """The modules ``system`` (with ``flags``) needs that the runner's environment ``env`` cannot import, asked of a
+    Python started with it (the carried wheels live on its PYTHONPATH): a run that would fail at its first import is
+    refused before its launch, not after a minute of device time (2026-11-28: torchtitan without ``datasets``)."""
+    needed = [*NEEDS.get(system, ()), *(("liger_kernel",) if "--liger" in flags else ())]
+    if not needed:
+        return []
+    code = "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
+    found = subprocess.run([sys.executable, "-c", code, *needed], env=env, capture_output=True, text=True, timeout=120)
+    return found.stdout.split()
+
+
 def launch_env(system: str, environ) -> dict[str, str]:
     """What the peer's own launch adds to the environment (``LAUNCH_ENV``), unless the caller set an allocator
     configuration (theirs wins); ours sets its allocator in the strategy (Note [Expandable segments by default])."""
@@ -333,18 +353,25 @@ def _run_one(name: str, flags: list[str], seq: int, *, args, gpus: int, env: dic
     kernel_step = (warmup if warmup >= 2 else 0) if args.kernel_step == "auto" else int(args.kernel_step)
     probe_dir = tempfile.mkdtemp(prefix="peers-probe-")  # not under $OUT: a few files come back from there
     probe_env = dict(PEERS_PROBE_DIR=probe_dir, PEERS_KERNEL_STEP=str(kernel_step))
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **launch, **probe_env},
-                                start_new_session=True)
-        poller = MemoryPoller(proc.pid, log, warmup)
-        poller.start()
-        try:
-            rc = proc.wait(timeout=args.time_limit)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-            _kill_tree(proc.pid)  # the launcher and every rank it started (torchrun puts ranks in their own sessions)
-            proc.wait()
-        polled = poller.stop()
+    missing = missing_modules(system, flags, env)
+    if missing:  # refused before the launch: what the environment lacks
+        with open(log, "w") as f:
+            f.write(f"not launched: ModuleNotFoundError: {', '.join(missing)} cannot be imported with PYTHONPATH="
+                    f"{env.get('PYTHONPATH', '')}; carry their wheels into --site\n")
+        rc, polled = 1, {}
+    else:
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **launch, **probe_env},
+                                    start_new_session=True)
+            poller = MemoryPoller(proc.pid, log, warmup)
+            poller.start()
+            try:
+                rc = proc.wait(timeout=args.time_limit)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+                _kill_tree(proc.pid)  # the launcher and every rank it started (torchrun puts ranks in their own sessions)
+                proc.wait()
+            polled = poller.stop()
     run_s = round(time.monotonic() - start, 1)  # the whole run: launch, load, every step, exit (the 10-minute budget)
     text = open(log, errors="replace").read()
     probed = probe_results(probe_dir)
