@@ -130,14 +130,20 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _hf_fields(config: Any) -> Any:
+    """A transformers ``PretrainedConfig``, or a dict of its fields as attributes (a config's ``to_dict()``,
+    LitGPTModule's planner fields); None for anything else."""
+    if isinstance(config, Mapping):
+        return SimpleNamespace(**{k: v for k, v in config.items() if isinstance(k, str)})
+    transformers = sys.modules.get("transformers")  # a PretrainedConfig exists only once transformers is imported
+    return config if transformers is not None and isinstance(config, transformers.PretrainedConfig) else None
+
+
 def _hf_heads(config: Any) -> AttentionHeads | None:
     """Heads of a transformers ``PretrainedConfig`` or a dict of its fields (transformers' standard attribute names)."""
-    if isinstance(config, Mapping):  # a dict of those fields (a config's ``to_dict()``, LitGPTModule's planner fields)
-        config = SimpleNamespace(**{k: v for k, v in config.items() if isinstance(k, str)})
-    else:
-        transformers = sys.modules.get("transformers")  # a PretrainedConfig exists only once transformers is imported
-        if transformers is None or not isinstance(config, transformers.PretrainedConfig):
-            return None
+    config = _hf_fields(config)
+    if config is None:
+        return None
     h_q = getattr(config, "num_attention_heads", None)
     if not _positive(h_q):
         return None
@@ -215,9 +221,9 @@ def cudnn_attention_exact(model: Any) -> bool:
         return getattr(family.model_class, "cudnn_attention_exact", False) is True
     if _hf_heads(config) is None:
         return False
-    text = getattr(config, "text_config", None) or config
-    if isinstance(text, Mapping):
-        text = SimpleNamespace(**{k: v for k, v in text.items() if isinstance(k, str)})
+    fields = _hf_fields(config)
+    text = getattr(fields, "text_config", None) or fields
+    text = _hf_fields(text) if isinstance(text, Mapping) else text  # a dict's own text_config dict
     rotary = getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None)
     layers = getattr(text, "layer_types", None) or ()
     return bool(rotary) and rotates_whole_head(text) and all(t in _ATTENTION_LAYERS for t in layers)
