@@ -170,3 +170,49 @@ def test_meshes_are_built_without_nccl_split_and_the_binding_is_restored(monkeyp
     with pytest.raises(RuntimeError, match="boom"):
         mesh_module._init_mesh("cuda", (0,), ("sp",), None)
     assert seen == [None, None] and default.bound_device_id == torch.device("cuda", 3)
+
+
+def test_the_sequence_parallel_groups_get_high_priority_nccl_streams(monkeypatch):
+    """Note [High-priority streams for the sequence-parallel groups]: on NCCL the groups of the "hp" and "cp" axes are
+    built with ``is_high_priority_stream=True``, every other axis (FSDP's mesh included) with the normal priority and
+    every one with the timeout; SEQPAR_SP_HIGH_PRIORITY=0 turns it off and another value is refused by name."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_seqpar.parallel import mesh as mesh_module
+
+    class Options:  # ProcessGroupNCCL.Options, which a CPU build of torch lacks
+        is_high_priority_stream = None
+        _timeout = None
+
+    class FakeNCCL:
+        pass
+
+    FakeNCCL.Options = Options
+    class Default:
+        bound_device_id = None
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: Default())
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "nccl")
+    seen = {}
+
+    def fake_init(device_type, shape, mesh_dim_names=None, backend_override=None):
+        seen.update({name: (backend, opts.is_high_priority_stream, opts._timeout) for name, (backend, opts) in backend_override.items()})
+        return mesh_dim_names
+
+    monkeypatch.setattr(mesh_module, "init_device_mesh", fake_init)
+    timeout = timedelta(seconds=77)
+    monkeypatch.delenv("SEQPAR_SP_HIGH_PRIORITY", raising=False)
+    mesh_module._init_mesh("cuda", (1, 1, 2, 2), MESH_AXES, timeout)
+    mesh_module._init_mesh("cuda", (1, 4), ("dp_replicate", mesh_module.FSDP_SHARD_AXIS), timeout)
+    assert seen == {"dp_replicate": ("nccl", False, timeout), "dp_shard": ("nccl", False, timeout), "hp": ("nccl", True, timeout),
+                    "cp": ("nccl", True, timeout), mesh_module.FSDP_SHARD_AXIS: ("nccl", False, timeout)}
+    monkeypatch.setenv("SEQPAR_SP_HIGH_PRIORITY", "0")
+    mesh_module._init_mesh("cuda", (1, 1, 2, 2), MESH_AXES, timeout)
+    assert {name: high for name, (_, high, _) in seen.items()} == dict.fromkeys(seen, False)
+    monkeypatch.setenv("SEQPAR_SP_HIGH_PRIORITY", "yes")
+    with pytest.raises(ValueError, match="SEQPAR_SP_HIGH_PRIORITY='yes': expected 0 or 1"):
+        mesh_module._init_mesh("cuda", (1, 1, 2, 2), MESH_AXES, timeout)
