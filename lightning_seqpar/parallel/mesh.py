@@ -302,48 +302,19 @@ class ParallelDims:
 # one. We give every axis options with the strategy's timeout, so that a rank that stalls inside
 # an attention ring, an FSDP2 all-gather or the loss all-reduce makes the others fail after that
 # timeout, not after torch's default. The options are built as torch builds its own defaults:
-# ``ProcessGroupNCCL.Options`` on NCCL, the generic ``Backend.Options`` on gloo (gloo takes only
-# the timeout from them). Other backends (e.g. the composite "cpu:gloo,cuda:nccl") keep torch's
-# defaults.
-#
-# Note [High-priority streams for the sequence-parallel groups]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The attention's collectives (the Ulysses all-to-alls, the ring's P2P rounds) are meant to run
-# while the attention kernel of the neighbouring stage or step runs (Note [Overlapped Ulysses]).
-# An NCCL kernel needs SMs, and the attention kernels that become ready at the same moment (the
-# next stage's, queued on the compute stream) take every SM first: flash-attention's kernels are
-# persistent, one CTA per SM. Profiled on 4 x H200 (Llama-3-8B at 128K, Ulysses, 2026-11-28),
-# the compute stream waited 0.29-0.34 s of a 9.6-10.6 s step on those all-to-alls, five times
-# what their bytes take over NVLink. So the groups of the sequence-parallel axes ("hp", "cp")
-# get NCCL's high-priority streams (``ProcessGroupNCCL.Options.is_high_priority_stream``, as
-# Megatron-LM's ``high_priority_stream_groups`` does for its overlapped groups): when both are
-# ready, the block scheduler gives the SMs to the collective's CTAs first, and the attention's
-# persistent CTAs take the rest. FSDP's groups (their own mesh) keep the normal priority. It
-# changes which kernel starts first, never what any kernel computes. SEQPAR_SP_HIGH_PRIORITY=0
-# turns it off (for comparisons on one machine).
-
-#: The mesh axes whose NCCL groups get high-priority streams (Note [High-priority streams for the sequence-parallel groups]).
-HIGH_PRIORITY_AXES: tuple[str, ...] = ("hp", "cp")
+# ``ProcessGroupNCCL.Options`` (``is_high_priority_stream=False``) on NCCL, the generic
+# ``Backend.Options`` on gloo (gloo takes only the timeout from them). Other backends (e.g. the
+# composite "cpu:gloo,cuda:nccl") keep torch's defaults.
 
 
-def _high_priority(axis: str) -> bool:
-    """Whether the groups of mesh axis ``axis`` get NCCL's high-priority streams (Note [High-priority streams for the
-    sequence-parallel groups]); SEQPAR_SP_HIGH_PRIORITY=0 (or 1) overrides."""
-    value = os.environ.get("SEQPAR_SP_HIGH_PRIORITY")
-    if value is not None and value not in ("0", "1"):
-        raise ValueError(f"SEQPAR_SP_HIGH_PRIORITY={value!r}: expected 0 or 1")
-    return axis in HIGH_PRIORITY_AXES and value != "0"
-
-
-def _group_options(timeout: timedelta, axis: str = "") -> tuple[str, object]:
-    """``(backend, options)`` for ``init_device_mesh(backend_override=...)``: this timeout, and on NCCL the stream
-    priority of mesh axis ``axis`` (Note [High-priority streams for the sequence-parallel groups])."""
+def _group_options(timeout: timedelta) -> tuple[str, object]:
+    """``(backend, options)`` for ``init_device_mesh(backend_override=...)`` with this timeout."""
     backend = dist.get_backend()
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
 
         options = ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = _high_priority(axis)
+        options.is_high_priority_stream = False
         options._timeout = timeout  # the attribute DeviceMesh reads the timeout from
         return backend, options
     from torch._C._distributed_c10d import Backend  # the Options type backend_override takes (DeviceMesh imports it so)
@@ -390,7 +361,7 @@ def _init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
     with _groups_without_split():
         if timeout is None or not dist.is_initialized() or dist.get_backend() not in ("gloo", "nccl"):
             return init_device_mesh(device_type, shape, mesh_dim_names=names)
-        override = {name: _group_options(timeout, name) for name in names}
+        override = {name: _group_options(timeout) for name in names}
         return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 
@@ -399,7 +370,7 @@ def _init_mesh_from_ranks(device_type: str, ranks: torch.Tensor, names: tuple[st
     with _groups_without_split():
         if timeout is None or not dist.is_initialized() or dist.get_backend() not in ("gloo", "nccl"):
             return DeviceMesh(device_type, ranks, mesh_dim_names=names)
-        override = tuple(_group_options(timeout, name) for name in names)
+        override = tuple(_group_options(timeout) for _ in names)
         return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=override)
 
 
