@@ -113,3 +113,29 @@ def test_models_say_whether_cudnn_is_exact_for_them():
     hf = HFCausalLM(hf_support.build_tiny_model("qwen3_next"))
     apply_attention(hf, None, attention="ring")
     assert not any(m.cudnn_exact for m in hf.modules() if hasattr(m, "cudnn_exact"))
+
+
+def test_flash_attention_4_without_its_cuda_13_libraries_is_named_under_a_cuda_13_torch(monkeypatch):
+    """flash-attention 4's docs install ``flash-attn-4[cu13]`` on CUDA 13 "for best performance" and the benchmarks ran
+    those libraries: under a CUDA 13 build of torch without them the log says so and names the ``gpu-cu13`` extra;
+    with them, under CUDA 12, or for another kernel, it does not."""
+    msg = lambda **kw: local.auto_backend_message("fa4", cudnn_exact=True, fa4_installed=True, seq_len=32768, **kw)  # noqa: E731
+    assert "lightning-seqpar[gpu-cu13]" in msg(torch_cuda="13.0", fa4_cu13=False) and "CUDA 13" in msg(torch_cuda="13.0", fa4_cu13=False)
+    for kw in (dict(torch_cuda="13.0", fa4_cu13=True), dict(torch_cuda="12.8", fa4_cu13=False), dict(torch_cuda=None, fa4_cu13=False)):
+        assert msg(**kw) == "attention_backend='auto' runs flash-attention 4, the fastest exact kernel here.", kw
+    assert "gpu-cu13" not in local.auto_backend_message("cudnn", cudnn_exact=True, fa4_installed=True, seq_len=4096,
+                                                        torch_cuda="13.0", fa4_cu13=False)
+    from importlib import metadata
+
+    asked = []
+
+    def distribution(name):
+        asked.append(name)
+        if installed:
+            return object()
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", distribution)
+    for installed in (True, False):
+        assert local.fa4_cuda13_libraries() is installed
+    assert asked == ["nvidia-cutlass-dsl-libs-cu13"] * 2

@@ -169,11 +169,32 @@ def auto_backends_run() -> list[str]:
     return sorted({kernel for kernel, _ in _LOGGED})
 
 
-def auto_backend_message(backend: str, *, cudnn_exact: bool, fa4_installed: bool, seq_len: int | None = None) -> str:
+def fa4_cuda13_libraries() -> bool:
+    """Whether flash-attention 4's CUDA 13 libraries are installed (``nvidia-cutlass-dsl-libs-cu13``, what
+    ``flash-attn-4[cu13]`` and the ``gpu-cu13`` extra add)."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("nvidia-cutlass-dsl-libs-cu13")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def auto_backend_message(backend: str, *, cudnn_exact: bool, fa4_installed: bool, seq_len: int | None = None,
+                         torch_cuda: str | None = None, fa4_cu13: bool = True) -> str:
     """What ``backend="auto"`` runs and why (Note [Choosing the local kernel]); the install hint of the ``gpu`` extra
-    only where flash-attention 4 does not load. ``seq_len``: the call's local query tokens, None if unknown."""
+    only where flash-attention 4 does not load. ``seq_len``: the call's local query tokens, None if unknown;
+    ``torch_cuda``: ``torch.version.cuda``; ``fa4_cu13``: :func:`fa4_cuda13_libraries`. Under a CUDA 13 build of
+    torch, flash-attention 4 without its CUDA 13 libraries is named: its docs install ``flash-attn-4[cu13]`` there "for
+    best performance", and the package's GPU figures (docs/benchmarks.md) ran those libraries."""
     if backend == "fa4":
-        return "attention_backend='auto' runs flash-attention 4, the fastest exact kernel here."
+        hint = ""
+        if (torch_cuda or "").split(".")[0] == "13" and not fa4_cu13:
+            hint = (" torch here is built for CUDA 13 and flash-attention 4's CUDA 13 libraries are not installed: "
+                    "pip install 'lightning-seqpar[gpu-cu13]' (flash-attn-4[cu13], as its docs advise on CUDA 13; "
+                    "the benchmarks ran them).")
+        return "attention_backend='auto' runs flash-attention 4, the fastest exact kernel here." + hint
     if backend == "cudnn":
         what = "cuDNN (this model's rotary embedding is full, so its gradients are exact)"
     elif backend == "flash":
@@ -206,7 +227,8 @@ def log_auto_backend(backend: str, *, cudnn_exact: bool, seq_len: int | None = N
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    message = auto_backend_message(backend, cudnn_exact=cudnn_exact, fa4_installed=fa4_interface() is not None, seq_len=seq_len)
+    message = auto_backend_message(backend, cudnn_exact=cudnn_exact, fa4_installed=fa4_interface() is not None, seq_len=seq_len,
+                                   torch_cuda=torch.version.cuda, fa4_cu13=backend != "fa4" or fa4_cuda13_libraries())
     logging.getLogger("lightning.pytorch.seqpar").info(message)
 
 
