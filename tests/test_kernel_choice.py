@@ -138,4 +138,6 @@ def test_flash_attention_4_without_its_cuda_13_libraries_is_named_under_a_cuda_1
     monkeypatch.setattr(metadata, "distribution", distribution)
     for installed in (True, False):
         assert local.fa4_cuda13_libraries() is installed
+    missing = local.auto_backend_message("cudnn", cudnn_exact=True, fa4_installed=False, seq_len=32768, torch_cuda="13.0")
+    assert "lightning-seqpar[gpu-cu13]" in missing  # not installed at all: the extra for this torch's CUDA
     assert asked == ["nvidia-cutlass-dsl-libs-cu13"] * 2

@@ -184,7 +184,7 @@ def fa4_cuda13_libraries() -> bool:
 def auto_backend_message(backend: str, *, cudnn_exact: bool, fa4_installed: bool, seq_len: int | None = None,
                          torch_cuda: str | None = None, fa4_cu13: bool = True) -> str:
     """What ``backend="auto"`` runs and why (Note [Choosing the local kernel]); the install hint of the ``gpu`` extra
-    only where flash-attention 4 does not load. ``seq_len``: the call's local query tokens, None if unknown;
+    (``gpu-cu13`` under a CUDA 13 torch) only where flash-attention 4 does not load. ``seq_len``: the call's local query tokens, None if unknown;
     ``torch_cuda``: ``torch.version.cuda``; ``fa4_cu13``: :func:`fa4_cuda13_libraries`. Under a CUDA 13 build of
     torch, flash-attention 4 without its CUDA 13 libraries is named: its docs install ``flash-attn-4[cu13]`` there "for
     best performance", and the package's GPU figures (docs/benchmarks.md) ran those libraries."""
@@ -203,7 +203,8 @@ def auto_backend_message(backend: str, *, cudnn_exact: bool, fa4_installed: bool
     else:
         what = backend
     if not fa4_installed:
-        why = (" Install flash-attention 4, the fastest exact kernel (pip install 'lightning-seqpar[gpu]'; measured 1.18x "
+        extra = "gpu-cu13" if (torch_cuda or "").split(".")[0] == "13" else "gpu"
+        why = (f" Install flash-attention 4, the fastest exact kernel (pip install 'lightning-seqpar[{extra}]'; measured 1.18x "
                "plain transformers at 32K on one H100, Llama-3.2-1B shape).")
     elif backend == "cudnn" and seq_len is not None and seq_len < FA4_MIN_TOKENS:
         why = (f" flash-attention 4 is installed: a call of fewer than {FA4_MIN_TOKENS:,} query tokens "
