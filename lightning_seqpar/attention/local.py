@@ -184,13 +184,14 @@ def fa4_cuda13_libraries() -> bool:
 def auto_backend_message(backend: str, *, cudnn_exact: bool, fa4_installed: bool, seq_len: int | None = None,
                          torch_cuda: str | None = None, fa4_cu13: bool = True) -> str:
     """What ``backend="auto"`` runs and why (Note [Choosing the local kernel]); the install hint of the ``gpu`` extra
-    (``gpu-cu13`` under a CUDA 13 torch) only where flash-attention 4 does not load. ``seq_len``: the call's local query tokens, None if unknown;
-    ``torch_cuda``: ``torch.version.cuda``; ``fa4_cu13``: :func:`fa4_cuda13_libraries`. Under a CUDA 13 build of
+    (``gpu-cu13`` under a CUDA 13 torch) only where flash-attention 4 does not load. ``seq_len``: the call's local
+    query tokens, None if unknown; ``torch_cuda``: ``torch.version.cuda``; ``fa4_cu13``: :func:`fa4_cuda13_libraries`. Under a CUDA 13 build of
     torch, flash-attention 4 without its CUDA 13 libraries is named: its docs install ``flash-attn-4[cu13]`` there "for
     best performance", and the package's GPU figures (docs/benchmarks.md) ran those libraries."""
+    cuda13 = (torch_cuda or "").split(".")[0] == "13"
     if backend == "fa4":
         hint = ""
-        if (torch_cuda or "").split(".")[0] == "13" and not fa4_cu13:
+        if cuda13 and not fa4_cu13:
             hint = (" torch here is built for CUDA 13 and flash-attention 4's CUDA 13 libraries are not installed: "
                     "pip install 'lightning-seqpar[gpu-cu13]' (flash-attn-4[cu13], as its docs advise on CUDA 13; "
                     "the benchmarks ran them).")
@@ -203,7 +204,7 @@ def auto_backend_message(backend: str, *, cudnn_exact: bool, fa4_installed: bool
     else:
         what = backend
     if not fa4_installed:
-        extra = "gpu-cu13" if (torch_cuda or "").split(".")[0] == "13" else "gpu"
+        extra = "gpu-cu13" if cuda13 else "gpu"
         why = (f" Install flash-attention 4, the fastest exact kernel (pip install 'lightning-seqpar[{extra}]'; measured 1.18x "
                "plain transformers at 32K on one H100, Llama-3.2-1B shape).")
     elif backend == "cudnn" and seq_len is not None and seq_len < FA4_MIN_TOKENS:
