@@ -23,7 +23,11 @@ algorithm]). window: "window_time" against full causal attention (issue #21's go
 share). lasp: "lasp_op", LASP's p2p and all-gather exchanges and "local" at TNL-1B's heads. scan: "delta_rule" (Qwen3-Next's
 gated DeltaNet layer), "ssd_scan" (Mamba2, Bamba-9B's shape) or "selective_scan" (Mamba1) against transformers' torch
 path (and fla-core); under torchrun ours is sequence parallel (SEQPAR_STATE_CHAIN=1: the states down the chain);
-peak_mem_gb in GiB. matmul: "matmul", torch.mm of n x n bf16, 2 n^3 / time at the best n.
+peak_mem_gb in GiB. matmul: "matmul", torch.mm of n x n bf16, 2 n^3 / time at the best n. a2a (torchrun): "a2a", one
+all_to_all_single of --mbs MB per rank alone, the --load alone (bf16 matmuls of --gemm-n, or the local attention kernel
+on --load-seq tokens), and the two at once (the all-to-all posted first, as Ulysses posts a stage's all-to-all before the
+attention it overlaps): GB/s leaving each GPU, and the share of the all-to-all the load hid; the NCCL_* environment of
+the run is recorded (docs/benchmarks.md: the all-to-all kernels at 128K moved ~62 GB/s each way).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ OPTIONS: dict[str, dict] = {  # each mode's options and defaults (a list: repeat
     "scan": dict(iters=3, warmup=1, rule="delta", seqs="16384,131072", systems="seqpar,transformers,fla", kernel="torch", heads=32, dim=128,
                  channels=1536, state=16, chunks="8,16,32", docs=0, check=False),
     "matmul": dict(iters=50, warmup=10, sizes="4096,8192,16384"),
+    "a2a": dict(iters=10, warmup=3, mbs="32,168", load="gemm", gemm_n=8192, gemm_reps=8, load_seq=131072, load_heads="4/1"),
 }
 
 
@@ -610,6 +615,58 @@ def run_scan(args) -> None:
         dist.destroy_process_group()
 
 
+# ---- a2a: the all-to-all alone and beside a load ------------------------------------------------------------------
+
+def run_a2a(args) -> None:
+    """Note [Overlapped Ulysses] hides a stage's all-to-all behind the attention of the stage before; this measures how
+    fast the all-to-all moves its bytes alone and how much of it a load on the compute stream hides."""
+    device, _, rank, W = setup(args.device, group=True)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.load == "gemm":
+        a = torch.randn(args.gemm_n, args.gemm_n, device=device, dtype=dtype)
+
+        def load():
+            for _ in range(args.gemm_reps):
+                torch.mm(a, a)
+    elif args.load == "attention":
+        hq, hk = (int(h) for h in args.load_heads.split("/"))
+        q = torch.randn(1, args.load_seq, hq, 128, device=device, dtype=dtype)
+        k, v = (torch.randn(1, args.load_seq, hk, 128, device=device, dtype=dtype) for _ in range(2))
+        backend = local.resolve_backend("auto", device, dtype, 128, cudnn_exact=True, seq_len=args.load_seq)
+
+        def load():
+            local.block_forward(q, k, v, causal=True, scale=128 ** -0.5, backend=backend)
+    else:
+        raise SystemExit(f"--load {args.load!r}: expected gemm or attention")
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+    rows = []
+    for mb in (float(m) for m in args.mbs.split(",")):
+        n = max(W, int(mb * 1e6) // dtype.itemsize // W * W)
+        send, recv = torch.randn(n, device=device, dtype=dtype), torch.empty(n, device=device, dtype=dtype)
+
+        def both():
+            work = dist.all_to_all_single(recv, send, async_op=True)
+            load()
+            work.wait()
+
+        t_a2a = timed(lambda: dist.all_to_all_single(recv, send), args.iters, args.warmup, device)[0]
+        t_load = timed(load, args.iters, args.warmup, device)[0]
+        t_both = timed(both, args.iters, args.warmup, device)[0]
+        leaving = n * dtype.itemsize * (W - 1) / W
+        row = dict(bench="a2a", device=device_name(device), gpus=W, mb_per_rank=round(n * dtype.itemsize / 1e6, 1), load=args.load,
+                   a2a_ms=round(t_a2a * 1e3, 3), gb_per_s_out=round(leaving / t_a2a / 1e9, 1), load_ms=round(t_load * 1e3, 3),
+                   both_ms=round(t_both * 1e3, 3), hidden=round((t_load + t_a2a - t_both) / t_a2a, 3), nccl_env=env, commit=args.commit)
+        rows.append(row)
+        if rank == 0:
+            print(f"[attention] {row}", flush=True)
+        del send, recv
+        _free(device)
+    if rank == 0 and args.out:
+        append_records(args.out, rows)
+    dist.destroy_process_group()
+
+
 # ---- main -----------------------------------------------------------------------------------------------------
 
 def parser(mode: str) -> argparse.ArgumentParser:
@@ -629,8 +686,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser(mode).parse_args(argv)
     if mode == "scan" and args.rule != "delta":
         args.systems = args.systems.replace(",fla", "")
-    if mode in ("grid", "lasp", "scan"):
-        return {"grid": run_grid, "lasp": run_lasp, "scan": run_scan}[mode](args)
+    if mode in ("grid", "lasp", "scan", "a2a"):
+        return {"grid": run_grid, "lasp": run_lasp, "scan": run_scan, "a2a": run_a2a}[mode](args)
     device, *_ = setup(args.device)
     rows = {"local": run_local, "rates": run_rates, "window": run_window, "matmul": run_matmul}[mode](args, device)
     if args.out:

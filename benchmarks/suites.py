@@ -14,7 +14,7 @@ from typing import Literal
 Kind = Literal["train", "longest", "attention", "hf", "pytest"]
 KINDS: tuple[str, ...] = Kind.__args__  # type: ignore[attr-defined]
 MODES: dict[str, tuple[str | None, ...]] = {"train": (None, "host-adamw"), "longest": (None,), "pytest": (None,),
-                                            "attention": ("grid", "local", "rates", "window", "lasp", "scan", "matmul"),
+                                            "attention": ("grid", "local", "rates", "window", "lasp", "scan", "matmul", "a2a"),
                                             "hf": ("families", "finetune", "memory")}  # a runner's first argument
 SYSTEMS = ("seqpar", "torch_cp", "tp_sp", "single")
 
@@ -118,6 +118,15 @@ def _grid(name: str, gpus: int, limit_s: int, *grids: str, fa4: bool = False) ->
     return Run(name=name, kind="attention", mode="grid", gpus=gpus, limit_s=limit_s, grids=grids, fa4=fa4)
 
 
+def _a2a(gpus: int) -> tuple[Run, ...]:
+    """The Ulysses all-to-all's bytes alone and beside a load (docs/benchmarks.md: ~62 GB/s each way at 128K on 4 x H200):
+    the sizes of a stage's all-to-alls at 128K (the outputs' 134 MB and q, k, v's 201 MB per rank on 4 GPUs), beside
+    bf16 matmuls, then beside flash-attention 4 on a stage's heads (a persistent kernel)."""
+    sizes = "--mbs 32,134,201"
+    return (Run(name="a2a", kind="attention", mode="a2a", gpus=gpus, limit_s=120, args=_a(f"{sizes} --load gemm")),
+            Run(name="a2a-fa4", kind="attention", mode="a2a", gpus=gpus, limit_s=180, args=_a(f"{sizes} --load attention"), fa4=True))
+
+
 ATTENTION = Suite(
     name="attention",
     question="Distributed attention alone (forward + backward): TFLOP/s per GPU and peak memory, every algorithm "
@@ -135,6 +144,7 @@ ATTENTION = Suite(
                   f"seqs={M};heads=32/32;systems=seqpar:ring:chunks4,seqpar:allgather:chunks4,seqpar:ulysses,seqpar:2d:2x2,{_CP};iters=1",
                   f"seqs={M};heads=33/33;systems=seqpar:ring:chunks3,seqpar:allgather:chunks3,seqpar:ring:inner2,{_CP};iters=1"),
             _grid("fa4", 4, 300, _W4_FA4, f"seqs={M};heads=32/8;systems=seqpar:ring:fa4:chunks4,seqpar:ulysses:fa4;iters=1", fa4=True),
+            *_a2a(4),
         ),
         2: (
             _grid("128k", 2, 150, _W4_128K),

@@ -480,3 +480,25 @@ def test_memory_layers_records_the_full_depth_estimate(tmp_path, monkeypatch):
     ran = {**dataclasses.asdict(MemoryOptions()), **row["full_depth_options"]}  # the N-layer run's options, in full
     assert {k: ran[k] for k in row["plan"]} == row["plan"]
     assert row["kept_bytes_per_token_per_layer"] is not None and row["full_depth_estimate_host_gb"] == 0.0
+
+
+def test_the_all_to_all_benchmark_measures_alone_and_beside_a_load(tmp_path):
+    """``benchmarks/attention.py a2a`` on two gloo ranks: one record per size with the all-to-all's time and GB/s leaving
+    each rank, the load's time alone, both at once, the share hidden, and the NCCL_* environment it ran under."""
+    import subprocess
+
+    out = tmp_path / "a2a.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", os.path.join(BENCHMARKS, "attention.py"),
+           "a2a", "--device", "cpu", "--mbs", "0.5,1", "--load", "attention", "--load-seq", "64", "--load-heads", "2/1",
+           "--iters", "2", "--warmup", "1", "--out", str(out)]
+    env = dict(os.environ, NCCL_DEBUG="WARN", OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["mb_per_rank"] for r in rows] == [0.5, 1.0]
+    for r in rows:
+        assert r["bench"] == "a2a" and r["gpus"] == 2 and r["load"] == "attention" and r["nccl_env"] == {"NCCL_DEBUG": "WARN"}
+        assert r["a2a_ms"] > 0 and r["load_ms"] > 0 and r["both_ms"] > 0
+        # from the rounded fields: the same figures up to their rounding
+        assert r["gb_per_s_out"] == pytest.approx(r["mb_per_rank"] * 1e6 / 2 / (r["a2a_ms"] / 1e3) / 1e9, rel=0.01, abs=0.1)
+        assert r["hidden"] == pytest.approx((r["load_ms"] + r["a2a_ms"] - r["both_ms"]) / r["a2a_ms"], abs=0.01)
