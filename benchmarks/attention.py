@@ -38,6 +38,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch._dynamo.config as dynamo
@@ -76,7 +77,7 @@ OPTIONS: dict[str, dict] = {  # each mode's options and defaults (a list: repeat
     "scan": dict(iters=3, warmup=1, rule="delta", seqs="16384,131072", systems="seqpar,transformers,fla", kernel="torch", heads=32, dim=128,
                  channels=1536, state=16, chunks="8,16,32", docs=0, check=False),
     "matmul": dict(iters=50, warmup=10, sizes="4096,8192,16384"),
-    "a2a": dict(iters=10, warmup=3, mbs="32,168", load="gemm", gemm_n=8192, gemm_reps=8, load_seq=131072, load_heads="4/1"),
+    "a2a": dict(iters=10, warmup=3, mbs="32,168", load="gemm", gemm_n=8192, gemm_reps=8, load_seq=131072, load_heads="4/1", path="kernel"),
 }
 
 
@@ -617,6 +618,33 @@ def run_scan(args) -> None:
 
 # ---- a2a: the all-to-all alone and beside a load ------------------------------------------------------------------
 
+def _a2a_path(path: str, device: Any) -> tuple[Any, Callable]:
+    """(process group, allocator of the send and receive buffers) of an all-to-all path. "kernel": the default group and
+    plain tensors (NCCL's send / receive kernels on the SMs). "ce": NCCL's copy-engine all-to-all (NCCL >= 2.28: a
+    communicator with the zero-CTA policy and both buffers in symmetric windows, torch's NCCL symmetric memory), which
+    takes no SM from the compute it overlaps."""
+    if path == "kernel":
+        return None, lambda n, dtype, group: (torch.empty(n, device=device, dtype=dtype), torch.empty(n, device=device, dtype=dtype))
+    if path != "ce":
+        raise SystemExit(f"--path {path!r}: expected kernel or ce")
+    import torch.distributed._symmetric_memory as symm_mem
+
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.cta_policy = dist.ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO
+    group = dist.new_group(backend="nccl", pg_options=options)
+    symm_mem.set_backend("NCCL")
+    pool = symm_mem.get_mem_pool(device)
+
+    def alloc(n, dtype, group):
+        with torch.cuda.use_mem_pool(pool):
+            send, recv = torch.empty(n, device=device, dtype=dtype), torch.empty(n, device=device, dtype=dtype)
+        for t in (send, recv):
+            symm_mem.rendezvous(t, group.group_name)
+        return send, recv
+
+    return group, alloc
+
+
 def run_a2a(args) -> None:
     """Note [Overlapped Ulysses] hides a stage's all-to-all behind the attention of the stage before; this measures how
     fast the all-to-all moves its bytes alone and how much of it a load on the compute stream hides."""
@@ -640,23 +668,29 @@ def run_a2a(args) -> None:
     else:
         raise SystemExit(f"--load {args.load!r}: expected gemm or attention")
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+    group, alloc = _a2a_path(args.path, device)
     rows = []
     for mb in (float(m) for m in args.mbs.split(",")):
         n = max(W, int(mb * 1e6) // dtype.itemsize // W * W)
-        send, recv = torch.randn(n, device=device, dtype=dtype), torch.empty(n, device=device, dtype=dtype)
+        send, recv = alloc(n, dtype, group)
+        send.copy_(torch.arange(W, device=device, dtype=dtype).repeat_interleave(n // W) + 16 * rank)  # chunk j: j + 16 rank
 
         def both():
-            work = dist.all_to_all_single(recv, send, async_op=True)
+            work = dist.all_to_all_single(recv, send, group=group, async_op=True)
             load()
             work.wait()
 
-        t_a2a = timed(lambda: dist.all_to_all_single(recv, send), args.iters, args.warmup, device)[0]
+        t_a2a = timed(lambda: dist.all_to_all_single(recv, send, group=group), args.iters, args.warmup, device)[0]
+        # chunk i of what this rank received came from rank i: rank + 16 i, every element
+        want = (rank + 16 * torch.arange(W, device=device, dtype=dtype)).repeat_interleave(n // W)
+        exact = bool(torch.equal(recv, want))
         t_load = timed(load, args.iters, args.warmup, device)[0]
         t_both = timed(both, args.iters, args.warmup, device)[0]
         leaving = n * dtype.itemsize * (W - 1) / W
         row = dict(bench="a2a", device=device_name(device), gpus=W, mb_per_rank=round(n * dtype.itemsize / 1e6, 1), load=args.load,
-                   a2a_ms=round(t_a2a * 1e3, 3), gb_per_s_out=round(leaving / t_a2a / 1e9, 1), load_ms=round(t_load * 1e3, 3),
-                   both_ms=round(t_both * 1e3, 3), hidden=round((t_load + t_a2a - t_both) / t_a2a, 3), nccl_env=env, commit=args.commit)
+                   path=args.path, a2a_ms=round(t_a2a * 1e3, 3), gb_per_s_out=round(leaving / t_a2a / 1e9, 1), load_ms=round(t_load * 1e3, 3),
+                   both_ms=round(t_both * 1e3, 3), hidden=round((t_load + t_a2a - t_both) / t_a2a, 3), exact=exact, nccl_env=env,
+                   nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None, commit=args.commit)
         rows.append(row)
         if rank == 0:
             print(f"[attention] {row}", flush=True)

@@ -499,6 +499,7 @@ def test_the_all_to_all_benchmark_measures_alone_and_beside_a_load(tmp_path):
     for r in rows:
         assert r["bench"] == "a2a" and r["gpus"] == 2 and r["load"] == "attention" and r["nccl_env"] == {"NCCL_DEBUG": "WARN"}
         assert r["a2a_ms"] > 0 and r["load_ms"] > 0 and r["both_ms"] > 0
+        assert r["path"] == "kernel" and r["exact"] is True  # each rank's chunks arrived from the rank they name
         # from the rounded fields: the same figures up to their rounding
         assert r["gb_per_s_out"] == pytest.approx(r["mb_per_rank"] * 1e6 / 2 / (r["a2a_ms"] / 1e3) / 1e9, rel=0.01, abs=0.1)
         assert r["hidden"] == pytest.approx((r["load_ms"] + r["a2a_ms"] - r["both_ms"]) / r["a2a_ms"], abs=0.01)
