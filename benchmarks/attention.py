@@ -669,6 +669,8 @@ def run_a2a(args) -> None:
         raise SystemExit(f"--load {args.load!r}: expected gemm or attention")
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
     group, alloc = _a2a_path(args.path, device)
+    if cuda:  # a stream of its own, as training runs: NCCL 2.28's copy-engine batch refuses the legacy default stream
+        torch.cuda.set_stream(torch.cuda.Stream())
     rows = []
     for mb in (float(m) for m in args.mbs.split(",")):
         n = max(W, int(mb * 1e6) // dtype.itemsize // W * W)
