@@ -119,12 +119,14 @@ def _grid(name: str, gpus: int, limit_s: int, *grids: str, fa4: bool = False) ->
 
 
 def _a2a(gpus: int) -> tuple[Run, ...]:
-    """The Ulysses all-to-all's bytes alone and beside a load (docs/benchmarks.md: ~62 GB/s each way at 128K on 4 x H200):
-    the sizes of a stage's all-to-alls at 128K (the outputs' 134 MB and q, k, v's 201 MB per rank on 4 GPUs), beside
-    bf16 matmuls, then beside flash-attention 4 on a stage's heads (a persistent kernel)."""
-    sizes = "--mbs 32,134,201"
+    """The Ulysses all-to-all's bytes alone and beside a load (docs/benchmarks.md): the sizes of a stage's all-to-alls at
+    128K (the outputs' 134 MB and q, k, v's 201 MB per rank on 4 GPUs), beside bf16 matmuls, then beside flash-attention
+    4 on a stage's heads (a persistent kernel); NCCL's SM kernels and its copy-engine path (``--path ce``)."""
+    sizes, fa4 = "--mbs 32,134,201", "--load attention --load-heads 8/2"
     return (Run(name="a2a", kind="attention", mode="a2a", gpus=gpus, limit_s=120, args=_a(f"{sizes} --load gemm")),
-            Run(name="a2a-fa4", kind="attention", mode="a2a", gpus=gpus, limit_s=180, args=_a(f"{sizes} --load attention"), fa4=True))
+            Run(name="a2a-ce", kind="attention", mode="a2a", gpus=gpus, limit_s=120, args=_a(f"{sizes} --load gemm --path ce")),
+            Run(name="a2a-fa4", kind="attention", mode="a2a", gpus=gpus, limit_s=180, args=_a(f"{sizes} {fa4}"), fa4=True),
+            Run(name="a2a-fa4-ce", kind="attention", mode="a2a", gpus=gpus, limit_s=180, args=_a(f"{sizes} {fa4} --path ce"), fa4=True))
 
 
 ATTENTION = Suite(

@@ -40,6 +40,10 @@ as Note [Head chunks]); one all-to-all per stage carries the stage's q, k and v 
 so stage i's attention runs while stage i+1's inputs and stage i-1's outputs travel; only the
 first stage's inputs and the last stage's outputs are exposed (1/n of the traffic each way). One
 stage runs ahead, so the buffers of at most two stages are alive at a time.
+Measured since (2026-11-28, 4 x H200, 128K, one machine; docs/benchmarks.md): with and without the overlap
+(SEQPAR_ULYSSES_STAGES=1) the step is the same within 0.3% (Llama-3-8B 3,130 / 3,137 tokens/s/GPU, Qwen3-8B 3,151 /
+3,158): an all-to-all of a stage's size takes 0.4-0.6 ms alone, NCCL's kernels get little of it done beside the
+attention kernel, and the waits the profile shows are for the slowest GPU. The stages stay: they cost nothing.
 Results are bitwise those of one stage: the same kernels on the same heads. The op returns,
 beside the output, the head-layout q, k, v, out and lse of every stage, which its backward reads
 (autograd saves them as the functional version saves the all-to-alls' outputs; Selective
