@@ -503,3 +503,32 @@ def test_the_all_to_all_benchmark_measures_alone_and_beside_a_load(tmp_path):
         # from the rounded fields: the same figures up to their rounding
         assert r["gb_per_s_out"] == pytest.approx(r["mb_per_rank"] * 1e6 / 2 / (r["a2a_ms"] / 1e3) / 1e9, rel=0.01, abs=0.1)
         assert r["hidden"] == pytest.approx((r["load_ms"] + r["a2a_ms"] - r["both_ms"]) / r["a2a_ms"], abs=0.01)
+
+
+def test_the_peaks_allocations_are_summed_by_where_they_were_made():
+    """benchmarks/memory_peak.py replays one step's allocator events: the live set at the highest sum (bytes from
+    before the recording counted, and taken off when the step frees them), by the innermost package frame and by op."""
+    from benchmarks.memory_peak import peak_allocations
+
+    def frames(op, place):
+        return [{"filename": "/x/torch/functional.py", "line": 1, "name": op},
+                {"filename": f"/y/lightning_seqpar/{place}", "line": 7, "name": "forward"}]
+
+    G = 10**7  # sizes in hundredths of a GB: the summary rounds to MB
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100 * G, "frames": frames("mm", "models/llama.py")},
+        {"action": "alloc", "addr": 2, "size": 50 * G, "frames": frames("empty", "attention/ulysses.py")},
+        {"action": "segment_alloc", "addr": 0, "size": 4096},  # not an allocation the counters see
+        {"action": "free_requested", "addr": 9, "size": 30 * G},  # allocated before the step
+        {"action": "alloc", "addr": 3, "size": 70 * G, "frames": frames("mm", "models/llama.py")},  # the peak: 1000+100+50-30+70
+        {"action": "free_requested", "addr": 1, "size": 100 * G},
+        {"action": "free_completed", "addr": 1, "size": 100 * G},
+        {"action": "alloc", "addr": 4, "size": 60 * G, "frames": [{"filename": "/x/torch/nn.py", "line": 2, "name": "gelu"}]},
+    ]
+    s = peak_allocations(trace, before=1000 * G)
+    assert s["peak_bytes"] == 1190 * G and s["peak_gb"] == 11.9 and s["peak_event"] == 4 and s["events"] == len(trace)
+    assert s["before_freed_gb"] == 0.3 and s["in_step_gb"] == 2.2 and s["before_gb"] == 10.0
+    assert [(r["where"], r["blocks"]) for r in s["by_place"]] == [("models/llama.py:7 forward", 2), ("attention/ulysses.py:7 forward", 1)]
+    assert s["by_place"][0]["gb"] == 1.7
+    assert {r["where"] for r in s["by_op"]} == {"torch/functional.py:1 mm", "torch/functional.py:1 empty"}
+    assert peak_allocations([{"action": "free_requested", "addr": 5, "size": 10}], before=10)["peak_bytes"] == 10

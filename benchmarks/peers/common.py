@@ -137,6 +137,10 @@ class StepClock:
         # $OUT/profile-<system>.txt (PEERS_PROFILE_NAME names the file)
         self._profile_step = int(os.environ.get("PEERS_PROFILE_STEP", "0"))
         self._prof = None
+        # PEERS_MEMORY_STEP=k: rank 0 records the allocator's history in step k and writes what was alive at the step's
+        # allocation peak, by place, to $OUT/memory-peak-<PEERS_PROFILE_NAME>.json (Note [The peak's allocations])
+        self._memory_step = int(os.environ.get("PEERS_MEMORY_STEP", "0"))
+        self._memory_before = None
 
     def begin(self) -> None:
         if torch.cuda.is_available():
@@ -147,12 +151,17 @@ class StepClock:
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
                                                 record_shapes=True)  # the copies by shape: which layer makes them
             self._prof.__enter__()
+        if len(self.times) + 1 == self._memory_step and int(os.environ.get("RANK", "0")) == 0 and torch.cuda.is_available():
+            self._memory_before = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         self._t0 = time.perf_counter()
 
     def end(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t0)
+        if self._memory_before is not None:
+            self._write_memory_peak()
         if self._prof is not None:
             self._prof.__exit__(None, None, None)
             name = os.environ.get("PEERS_PROFILE_NAME", "run")
@@ -179,6 +188,19 @@ class StepClock:
                               f"{h.get('allocated_bytes.peak', 0) / 1e9:.1f}, pinning {h.get('host_alloc_time.total', 0) / 1e6:.1f} s")
                 extra += ")"
             print(f"[peers] step {len(self.times)}: {self.times[-1]:.3f} s{extra}", flush=True)
+
+    def _write_memory_peak(self) -> None:
+        from benchmarks.memory_peak import peak_allocations
+
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        summary = peak_allocations(trace, self._memory_before)
+        summary.update(step=len(self.times), max_memory_allocated_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3))
+        name = os.environ.get("PEERS_PROFILE_NAME", "run")
+        with open(os.path.join(os.environ.get("OUT", "."), f"memory-peak-{name}.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        self._memory_before = None
 
     def _idle_gaps(self, step_s: float) -> str:
         """The profiled step's idle gaps on the compute stream by cause (host / wait / edge), or why not."""
