@@ -71,10 +71,17 @@ recompute state per layer.
 A transformers model's decoder layers compiled (``compile=True``; ``TransformerShape.compiled_transformers_layers``)
 keep one more hidden state, d e, per token in every Selective Checkpoint++ layer: Qwen3-8B at 64K on 2 x H200 under
 Ulysses allocated 137.7 GB compiled against 128.0 eager (estimate 130.2): 9.7 GB = 36 layers x 32,768 tokens x
-8,220 B, d e = 8,192. The package's own Llama compiled stays near its estimate at 64K on 2 x H200 (134.5 GB
-allocated against 132.2), not at 128K there under the ring with one block uncheckpointed (141.1 against 128.7,
-2026-11-28, a55f0e4: inside the 10% margin, with 5 allocator retries; at 4 GPUs the same plan is high, 115.5
-against 129.8): a gap not yet explained (a memory snapshot of that step is the next measurement).
+8,220 B, d e = 8,192. The package's own blocks compiled (``TransformerShape.compiled_package_layers``) do the same
+under the ring and all-gather: Llama-3-8B at 128K on 2 x H200, ring, one block uncheckpointed, allocated 141.1 GB
+against 128.7 planned; what was alive at that step's peak (the loss; ``PEERS_MEMORY_STEP``, Note [The peak's
+allocations] in benchmarks/memory_peak.py, 2026-11-28) was 64.3 GB of model states, 15.3 GB of loss (as planned)
+and 61.5 GB of saved activations against 46.2 planned: every checkpointed layer kept its attention output, its
+block input and one RMSNorm output, 3 d e per token where the eager count is 2 (31 layers x 65,536 tokens x 8,192
+B = 16.6 GB), and the uncheckpointed block 10.2 GB against 12.6 (compiled, no fp32 norm copies: left as an upper
+bound). Counted, that plan is estimated at 145.3 GB, and the planner picks another. Under Ulysses the records do
+not show it (at 128K on 4 GPUs compiled plans measure from 12 GB under their estimates to 1.6 over, at 64K on 2
+GPUs 4-6 GB over: 134.5 / 137.3 against 130.7 / 131.4, inside the margin): not counted there until a snapshot says
+which term differs.
 
 Only dense decoders are modelled: a config with experts (``num_local_experts`` and the like) or with
 recurrent / convolution layers (``layer_types`` other than attention, Mamba / LRU / conv fields) is
@@ -501,7 +508,9 @@ def estimate_memory(
     head_out = Hq * D * e if algorithm in ("ulysses", "2d") else 0  # unchecked: the attention's output in both layouts
     if mode == "selective++":
         saved_token = kept_on_device + attn_out + head_all_to_alls
-        saved_token += x if m.compiled_transformers_layers else 0  # Note [Memory per token]: measured, compiled
+        # Note [Memory per token]: compiled layers keep one more hidden state (measured: transformers layers; the
+        # package's own under the ring / all-gather)
+        saved_token += x if m.compiled_transformers_layers or m.compiled_package_layers and algorithm in ("ring", "allgather") else 0
         recompute_extra = 0
     elif mode == "full":
         saved_token = kept_on_device

@@ -42,6 +42,9 @@ class TransformerShape:
     compiled_transformers_layers: bool = False
     """A transformers model's decoder layers run compiled (``compile=True``): a Selective Checkpoint++ layer then keeps
     one more hidden state per token (Note [Memory per token])."""
+    compiled_package_layers: bool = False
+    """The package's own blocks run compiled (``compile=True``, or "auto" on a GPU): under the ring and all-gather a
+    Selective Checkpoint++ layer then keeps one more hidden state per token too (Note [Memory per token])."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

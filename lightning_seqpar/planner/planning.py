@@ -587,6 +587,8 @@ def _memory_planner(module: nn.Module | None, *, config: StrategyConfig, length:
     shape = model_shape_of(module, owner=owner)
     if compiles_transformers_layers(module, config=config, site=site):
         shape = replace(shape, compiled_transformers_layers=True)  # Note [Memory per token]: compiled layers keep more
+    elif compiles_package_layers(module, config=config, site=site):
+        shape = replace(shape, compiled_package_layers=True)
     defaults = StrategyConfig()
     fixed: dict[str, Any] = {name: getattr(config, name) for name in MEMORY_OPTIONS if getattr(config, name) != getattr(defaults, name)}
     if config.activation_checkpointing is None:  # offload needs checkpointed blocks
@@ -731,6 +733,15 @@ def compiles_transformers_layers(module: nn.Module | None, *, config: StrategyCo
         return True
     return (site.device.type == "cuda" and getattr(hf, "model_type", None) in COMPILED_TRANSFORMERS
             and getattr(module, "_lora_config", None) is None)
+
+
+def compiles_package_layers(module: nn.Module | None, *, config: StrategyConfig, site: RunSite) -> bool:
+    """Whether the strategy compiles the blocks of this LightningModule's model when it is one of the package's own
+    (its ``config`` a package config): ``compile`` True or a dict, or "auto" on a CUDA device (Note [Compile by
+    default]); read before the model is built (Note [Memory per token])."""
+    if config.compile is False or family_of(getattr(module, "config", None)) is None:
+        return False
+    return config.compile != "auto" or site.device.type == "cuda"
 
 
 def resolve_compile(roots: Sequence[nn.Module], *, config: StrategyConfig, site: RunSite) -> StrategyConfig:
