@@ -1016,7 +1016,7 @@ def test_compiled_transformers_layers_keep_one_more_hidden_state(monkeypatch):
     Selective Checkpoint++ layer (Qwen3-8B at 64K on 2 x H200: 137.7 GB allocated compiled, 128.0 eager, 130.2 planned).
     The strategy's planner counts it for a transformers model compiled: compile=True, or "auto" on a CUDA device for a
     family it compiles (Note [Compile by default]), not with LoRA there nor under compile=False, and not for the
-    package's own models (measured no larger compiled)."""
+    package's own models under Ulysses (the next test: under the ring they count it too)."""
     import lightning_seqpar.attention.local as local
     import lightning_seqpar.planner.planning as planning
     from lightning_seqpar import CausalLMModule
@@ -1066,3 +1066,48 @@ def test_compiled_transformers_layers_keep_one_more_hidden_state(monkeypatch):
     assert plan(lora, "auto").estimate.total == plan(lora, False).estimate.total < plan(lora, True).estimate.total  # eager
     llama = CausalLMModule(model="llama3-8b", loss_chunk_size=8192)
     assert plan(llama, True).estimate.total == plan(llama, "auto").estimate.total
+    assert plan(llama, True).attention.startswith("ulysses") and plan(llama, True).estimate.total == plan(llama, False).estimate.total
+
+
+def test_the_package_models_compiled_blocks_keep_one_more_hidden_state_under_the_ring(monkeypatch):
+    """Note [Memory per token]: Llama-3-8B at 128K on 2 x H200, ring, Selective Checkpoint++ with one block
+    uncheckpointed, compiled (compile="auto" on a GPU) allocated 141.1 GB against 128.7 planned; its step's peak
+    (benchmarks/memory_peak.py) had 3 hidden states per checkpointed layer where 2 were counted. Counted now: those
+    options come to 145.3 GB, over the 135.1 GB budget, and the planner offloads the block inputs instead (measured
+    2026-11-28: 99.2 GB allocated against 117.1 planned, the same step time). Eager, and on the CPU, nothing changes."""
+    import lightning_seqpar.attention.local as local
+    import lightning_seqpar.planner.planning as planning
+    from lightning_seqpar import CausalLMModule
+    from lightning_seqpar.parallel.config import StrategyConfig
+    from lightning_seqpar.parallel.mesh import ParallelDims
+
+    monkeypatch.setattr(local, "available_backends", lambda device, dtype, head_dim: ["cudnn"])
+    monkeypatch.setattr(planning, "available_backends", local.available_backends)
+    monkeypatch.setattr(planning.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(planning, "host_memory_bytes", lambda: 256 * 2**30)
+    gpu = planning.RunSite(device=torch.device("cuda", 0), precision="bf16-mixed", gpus_per_node=2)
+    llama = CausalLMModule(model="llama3-8b", loss_chunk_size="auto")
+
+    def plan(compile, site=gpu, **fixed):
+        config = StrategyConfig(sequence_parallel_size=2, memory="auto", expected_seq_len=128 * K, compile=compile, **fixed)
+        return planning.plan_memory_options(llama, config=config, length=planning.PlannedLength(128 * K, "expected_seq_len"),
+                                            site=site, dims=ParallelDims(cp=2, world_size=2), device_memory=150.10988032e9, owner="t")
+
+    eager, auto = plan(False), plan("auto")
+    assert eager.attention == auto.attention == "ring"
+    assert (eager.options.uncheckpointed_blocks, eager.options.offload_checkpoints) == (1, False)  # the run that measured 141.1
+    assert eager.estimate.allocated == pytest.approx(128.7e9, rel=1e-3)
+    assert (auto.options.uncheckpointed_blocks, auto.options.offload_checkpoints) == (0, True)
+    assert auto.estimate.allocated == pytest.approx(117.1e9, rel=1e-3) and auto.estimate.allocated >= 99.19e9  # measured
+    assert auto.estimate.total <= 0.9 * 150.10988032e9
+    # the options that ran, counted compiled: 31 checkpointed layers x 65,536 tokens x d e more, above what was measured
+    shape = planning.model_shape_of(llama, owner="t")
+    ran = [estimate_memory(model_shape=replace(shape, compiled_package_layers=c), seq_len=128 * K, sp=2, attention=a,
+                           precision="bf16-mixed", options=eager.options, loss_chunk_size=8192)  # "auto": 8192 here
+           for c, a in ((False, "ring"), (True, "ring"), (True, "ulysses"))]
+    assert ran[0].allocated == eager.estimate.allocated
+    assert ran[1].allocated - ran[0].allocated == 31 * 64 * K * 4096 * 2 and ran[1].allocated >= 141.06e9
+    assert ran[2].allocated == estimate_memory(model_shape=shape, seq_len=128 * K, sp=2, attention="ulysses", precision="bf16-mixed",
+                                               options=eager.options, loss_chunk_size=8192).allocated  # Ulysses: not counted
+    cpu = planning.RunSite(device=torch.device("cpu"), precision="bf16-mixed", gpus_per_node=2)
+    assert plan("auto", site=cpu).estimate.allocated == plan(False, site=cpu).estimate.allocated  # "auto" compiles on GPUs only

@@ -269,6 +269,7 @@ def write_record(out: str, *, system: str, model: str, seq: int, clock: StepCloc
                losses=losses or [],
                settings=settings, changes=changes, torch=torch.__version__, alloc_conf=alloc_conf(),
                profiled_step=int(os.environ.get("PEERS_PROFILE_STEP", "0")) or None,
+               memory_step=int(os.environ.get("PEERS_MEMORY_STEP", "0")) or None,  # a step slowed by the allocator's history
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), shape=asdict(SHAPES[model]))
     if int(os.environ.get("RANK", "0")) == 0:
         rows = json.load(open(out)) if os.path.exists(out) else []

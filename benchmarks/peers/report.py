@@ -5,7 +5,8 @@ torchtitan, trl_cp, deepspeed_alst) of the same model, length, GPU kind and coun
 results file per group: one machine, its runs one after the other; a ratio never mixes machines). A group is named
 by its file: ``20261127-9`` is ``benchmarks/results/20261127-nvidia-h200-x4-peers-9.json`` (date, then the
 group's number that day); the rows carry the GPU kind and the commit. Profiled steps are left out (the profiler slows the step it
-records: ``profiled_step``, or the probe's ``kernels.step`` past the warm-up), and so are A/B runs of ours with options forced against the defaults (``ab`` in the record: docs/benchmarks.md
+records: ``profiled_step``, or the probe's ``kernels.step`` past the warm-up; ``memory_step``, the allocator's history
+recorded), and so are A/B runs of ours with options forced against the defaults (``ab`` in the record: docs/benchmarks.md
 cites them in its text); failed runs stay in, with their status.
 
 The memory column is one measure for every row (Note [One measurement for every peer]): ``peak_reserved_gb``, the
@@ -38,7 +39,7 @@ def records(paths: list[str] | None = None) -> list[dict]:
         group = os.path.basename(path).split("-nvidia")[0] + ("" if path.endswith("-peers.json") else
                                                                "-" + path.rsplit("-", 1)[-1].removesuffix(".json"))
         rows += [dict(r, group=group) for r in json.load(open(path))
-                 if r.get("bench") == "peers" and not r.get("profiled_step") and not r.get("ab") and not kernels_in_timed_steps(r)]
+                 if r.get("bench") == "peers" and not r.get("profiled_step") and not r.get("memory_step") and not r.get("ab") and not kernels_in_timed_steps(r)]
     return rows
 
 

@@ -74,11 +74,13 @@ Ulysses allocated 137.7 GB compiled against 128.0 eager (estimate 130.2): 9.7 GB
 8,220 B, d e = 8,192. The package's own blocks compiled (``TransformerShape.compiled_package_layers``) do the same
 under the ring and all-gather: Llama-3-8B at 128K on 2 x H200, ring, one block uncheckpointed, allocated 141.1 GB
 against 128.7 planned; what was alive at that step's peak (the loss; ``PEERS_MEMORY_STEP``, Note [The peak's
-allocations] in benchmarks/memory_peak.py, 2026-11-28) was 64.3 GB of model states, 15.3 GB of loss (as planned)
-and 61.5 GB of saved activations against 46.2 planned: every checkpointed layer kept its attention output, its
-block input and one RMSNorm output, 3 d e per token where the eager count is 2 (31 layers x 65,536 tokens x 8,192
-B = 16.6 GB), and the uncheckpointed block 10.2 GB against 12.6 (compiled, no fp32 norm copies: left as an upper
-bound). Counted, that plan is estimated at 145.3 GB, and the planner picks another. Under Ulysses the records do
+allocations] in benchmarks/memory_peak.py, 2026-11-28) was 64.3 GB of model states, 15.3 GB of loss and FSDP
+buffers (18.3 planned) and 61.5 GB of saved activations against 46.2 planned: every checkpointed layer kept three
+tensors of d e per token (the attention's output, an RMSNorm's output, one made on the MLP's line) where the eager
+count is 2 d e (31 layers x 65,536 tokens x 8,192 B = 16.6 GB), and the uncheckpointed block 10.2 GB against 12.6
+(compiled, no fp32 norm copies: left as an upper bound). Counted, that plan is estimated at 145.3 GB, and the
+planner offloads the block inputs instead (measured: 99.2 GB against 117.1 planned, the same step time). Under
+Ulysses the records do
 not show it (at 128K on 4 GPUs compiled plans measure from 12 GB under their estimates to 1.6 over, at 64K on 2
 GPUs 4-6 GB over: 134.5 / 137.3 against 130.7 / 131.4, inside the margin): not counted there until a snapshot says
 which term differs.
