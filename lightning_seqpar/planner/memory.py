@@ -79,8 +79,9 @@ buffers (18.3 planned) and 61.5 GB of saved activations against 46.2 planned: ev
 tensors of d e per token (the attention's output, an RMSNorm's output, one made on the MLP's line) where the eager
 count is 2 d e (31 layers x 65,536 tokens x 8,192 B = 16.6 GB), and the uncheckpointed block 10.2 GB against 12.6
 (compiled, no fp32 norm copies: left as an upper bound). Counted, that plan is estimated at 145.3 GB, and the
-planner offloads the block inputs instead (measured: 99.2 GB against 117.1 planned, the same step time). Under
-Ulysses the records do
+planner offloads the block inputs instead: measured 99.2 GB against 100.0 planned without the extra state, so it is
+counted only for the layers whose checkpoints stay on the GPU (the 1M recipe's plan, every checkpoint offloaded,
+is unchanged), the same step time. Under Ulysses the records do
 not show it (at 128K on 4 GPUs compiled plans measure from 12 GB under their estimates to 1.6 over, at 64K on 2
 GPUs 4-6 GB over: 134.5 / 137.3 against 130.7 / 131.4, inside the margin): not counted there until a snapshot says
 which term differs.
@@ -511,8 +512,9 @@ def estimate_memory(
     if mode == "selective++":
         saved_token = kept_on_device + attn_out + head_all_to_alls
         # Note [Memory per token]: compiled layers keep one more hidden state (measured: transformers layers; the
-        # package's own under the ring / all-gather)
-        saved_token += x if m.compiled_transformers_layers or m.compiled_package_layers and algorithm in ("ring", "allgather") else 0
+        # package's own under the ring / all-gather, where their checkpoints stay on the GPU)
+        saved_token += x if m.compiled_transformers_layers else 0
+        saved_token += kept_on_device if m.compiled_package_layers and algorithm in ("ring", "allgather") else 0
         recompute_extra = 0
     elif mode == "full":
         saved_token = kept_on_device

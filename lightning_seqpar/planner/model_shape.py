@@ -44,7 +44,8 @@ class TransformerShape:
     one more hidden state per token (Note [Memory per token])."""
     compiled_package_layers: bool = False
     """The package's own blocks run compiled (``compile=True``, or "auto" on a GPU): under the ring and all-gather a
-    Selective Checkpoint++ layer then keeps one more hidden state per token too (Note [Memory per token])."""
+    Selective Checkpoint++ layer whose checkpoint stays on the GPU then keeps one more hidden state per token too
+    (Note [Memory per token])."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
