@@ -50,9 +50,7 @@ def peak_allocations(trace: list[dict[str, Any]], before: int, *, top: int = 25,
             continue
         if total > peak:
             peak, at = total, (i, dict(live), gone_before)
-    if at is None:
-        return {"peak_bytes": before, "before_bytes": before, "events": len(trace), "by_place": [], "by_op": []}
-    index, blocks, gone = at
+    index, blocks, gone = at if at is not None else (None, {}, 0)  # never above what was there before the step
     by_place: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_op: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, frames in blocks.values():

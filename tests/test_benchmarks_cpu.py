@@ -531,4 +531,5 @@ def test_the_peaks_allocations_are_summed_by_where_they_were_made():
     assert [(r["where"], r["blocks"]) for r in s["by_place"]] == [("models/llama.py:7 forward", 2), ("attention/ulysses.py:7 forward", 1)]
     assert s["by_place"][0]["gb"] == 1.7
     assert {r["where"] for r in s["by_op"]} == {"torch/functional.py:1 mm", "torch/functional.py:1 empty"}
-    assert peak_allocations([{"action": "free_requested", "addr": 5, "size": 10}], before=10)["peak_bytes"] == 10
+    alone = peak_allocations([{"action": "free_requested", "addr": 5, "size": G}], before=10 * G)
+    assert alone["peak_bytes"] == 10 * G and alone["peak_event"] is None and alone["by_place"] == [] and alone["in_step_gb"] == 0
