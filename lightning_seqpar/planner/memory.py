@@ -79,12 +79,12 @@ buffers (18.3 planned) and 61.5 GB of saved activations against 46.2 planned: ev
 tensors of d e per token (the attention's output, an RMSNorm's output, one made on the MLP's line) where the eager
 count is 2 d e (31 layers x 65,536 tokens x 8,192 B = 16.6 GB), and the uncheckpointed block 10.2 GB against 12.6
 (compiled, no fp32 norm copies: left as an upper bound). Counted, that plan is estimated at 145.3 GB, and the
-planner offloads the block inputs instead: measured 99.2 GB against 100.0 planned without the extra state, so it is
-counted only for the layers whose checkpoints stay on the GPU (the 1M recipe's plan, every checkpoint offloaded,
-is unchanged), the same step time. Under Ulysses the records do
-not show it (at 128K on 4 GPUs compiled plans measure from 12 GB under their estimates to 1.6 over, at 64K on 2
-GPUs 4-6 GB over: 134.5 / 137.3 against 130.7 / 131.4, inside the margin): not counted there until a snapshot says
-which term differs.
+planner offloads the block inputs instead, at the same step time: 99.2 GB allocated against 100.0 planned without
+the extra state, so offloaded checkpoints keep none and it is counted only for the layers whose checkpoints stay on
+the GPU (the 1M recipe's plan, every checkpoint offloaded, is unchanged). Under Ulysses the records do not show it
+(at 128K on 4 GPUs compiled plans measure from 12 GB under their estimates to 1.6 over, at 64K on 2 GPUs 4-6 GB
+over: 134.5 / 137.3 against 130.7 / 131.4, inside the margin): not counted there until a snapshot says which term
+differs.
 
 Only dense decoders are modelled: a config with experts (``num_local_experts`` and the like) or with
 recurrent / convolution layers (``layer_types`` other than attention, Mamba / LRU / conv fields) is
